@@ -1,0 +1,312 @@
+"""BatchedSequenceCache: BatchControl over a column store.
+
+Host planning (between forwards, never inside a captured region):
+    seq_new, seq_clone, seq_rm, rewind, pos, can_admit, declare_step, prepare_step, commit_step.
+Device work (per layer, inside the forward, capturable):
+    update_and_attend(layer, q, k, v) -- write the step's K/V at its slots, then sdpa_varlen.
+
+A refused call raises a `BatchKVError` subclass and changes nothing: lengths, histories, the
+standing declaration and the staged buffers stay as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from batchkv import ops
+from batchkv.cache.config import CacheConfig
+from batchkv.cache.step import StepBuffers, StepPlan
+from batchkv.cache.store import Allocator, ColumnStore
+from batchkv.errors import (
+    CapacityError,
+    ContractError,
+    NoFreeColumnError,
+    PositionError,
+    RingFloorError,
+    StepError,
+    UnknownSequenceError,
+)
+
+
+class BatchedSequenceCache:
+    """KV cache of up to `max_seqs` sequences in one column store, one column per sequence.
+
+    Sequence ids are column indexes: `seq_new` hands out the lowest free one, and ids recycle.
+
+    Example:
+        cache = BatchedSequenceCache(CacheConfig(num_layers=2, kv_heads=2, head_dim=16,
+                                                 max_seqs=4, capacity=256, max_write=8), "cpu")
+        a = cache.seq_new()
+        cache.declare_step([a, a, a]); cache.prepare_step(width=4)
+        out = cache.update_and_attend(0, q, k, v)   # q [4, Hq, 16], k/v [4, 2, 16]
+        ...                                          # every layer
+        cache.commit_step()                          # cache.pos(a) == 3
+
+    `attention` picks the kernels: "auto" (Triton on CUDA when available, else the torch
+    reference), "triton" or "reference".
+    """
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        device: torch.device | str = "cpu",
+        *,
+        attention: str = "auto",
+        alloc: Allocator = torch.empty,
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.attention = ops.resolve_backend(attention, self.device)
+        self._write, self._attend = ops.backend_functions(self.attention)
+        self._store = ColumnStore(config, self.device, alloc)
+        group_keys = sorted({config.ring_rows(layer) for layer in range(config.num_layers)})
+        self._group_of = [group_keys.index(config.ring_rows(layer)) for layer in range(config.num_layers)]
+        self._group_layer = [self._group_of.index(g) for g in range(len(group_keys))]  # a layer per group
+        self._buffers = StepBuffers(config.max_width, len(group_keys), config.max_segments, self.device)
+        self._lengths: dict[int, int] = {}  # id -> positions held
+        self._high_water: dict[int, int] = {}  # id -> most positions ever written (ring floor)
+        self._plan: StepPlan | None = None
+        self._width: int | None = None  # set by prepare_step, cleared by commit/invalidation
+
+    # ---- properties ---------------------------------------------------------------------------
+    @property
+    def max_seqs(self) -> int:
+        return self.config.max_seqs
+
+    @property
+    def capacity(self) -> int:
+        return self.config.capacity
+
+    @property
+    def generation(self) -> int:
+        """Moves whenever storage is reallocated; a graph captured before is stale."""
+        return self._store.generation
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V storage currently allocated."""
+        return self._store.nbytes
+
+    @property
+    def rows(self) -> int:
+        """Rows the flat layers hold now (a sequence may reach this length without growth)."""
+        return self._store.flat_rows
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Device int64 [W]: KV position of each packed token of the prepared step (padding -> 0)."""
+        return self._buffers.positions[: self._width or 0]
+
+    @property
+    def seq_info(self) -> torch.Tensor:
+        """Device int32 [max_segments, 4]: the staged (q_start, q_len, col, kv_end) table."""
+        return self._buffers.seq_info
+
+    @property
+    def sequences(self) -> list[int]:
+        """Ids currently held, ascending."""
+        return sorted(self._lengths)
+
+    def k_store(self, layer: int) -> torch.Tensor:
+        """Layer's K storage [rows, max_seqs + 1, Hkv, D]. Its address changes when `generation` does."""
+        return self._store.k[layer]
+
+    def v_store(self, layer: int) -> torch.Tensor:
+        """Layer's V storage [rows, max_seqs + 1, Hkv, D]. Its address changes when `generation` does."""
+        return self._store.v[layer]
+
+    # ---- sequence verbs (host) ----------------------------------------------------------------
+    def _known(self, seq: int) -> int:
+        if seq not in self._lengths:
+            held = self.sequences
+            raise UnknownSequenceError(f"sequence {seq} is not held (held: {held}); create it with seq_new()")
+        return self._lengths[seq]
+
+    def pos(self, seq: int) -> int:
+        """One past the newest position of `seq` (its length)."""
+        return self._known(seq)
+
+    def can_admit(self, seq: int, n: int = 1) -> bool:
+        """Whether `seq` may still grow by `n` positions (reach, not room). False for unknown ids."""
+        return seq in self._lengths and self._lengths[seq] + n <= self.capacity
+
+    def _free_column(self) -> int:
+        for col in range(self.max_seqs):
+            if col not in self._lengths:
+                return col
+        raise NoFreeColumnError(f"all {self.max_seqs} columns are held; seq_rm() a finished sequence or raise max_seqs")
+
+    def seq_new(self) -> int:
+        """A new empty sequence; returns the lowest free id."""
+        seq = self._free_column()
+        self._lengths[seq] = 0
+        self._high_water[seq] = 0
+        return seq
+
+    def ring_floor(self, seq: int) -> int:
+        """Shortest length `seq` may be rewound or cloned to: past it a ring has lost the window."""
+        self._known(seq)
+        written = self._high_water[seq]
+        cfg = self.config
+        wrapped = any(written > cfg.ring_rows(layer) for layer in range(cfg.num_layers) if cfg.ring_rows(layer))
+        return max(0, written - cfg.max_write) if wrapped else 0
+
+    def seq_clone(self, src: int, upto: int | None = None) -> int:
+        """A new sequence holding a device copy of `src`'s first `upto` positions (default all)."""
+        length = self._known(src)
+        upto = length if upto is None else upto
+        if not 0 <= upto <= length:
+            raise PositionError(f"seq_clone: upto={upto} is outside [0, {length}] for sequence {src}")
+        floor = self.ring_floor(src)
+        if upto < floor:
+            raise RingFloorError(
+                f"seq_clone: sequence {src} has written {self._high_water[src]} positions, so its ring "
+                f"layers keep only enough for a prefix of {floor} or more; upto={upto} is below that"
+            )
+        dst = self._free_column()
+        self._store.copy_column(src, dst, upto, self._high_water[src])
+        self._lengths[dst] = upto
+        self._high_water[dst] = self._high_water[src]  # its ring rows hold what the donor wrote
+        return dst
+
+    def seq_rm(self, seq: int) -> None:
+        """Free `seq`'s column. A declared (or prepared) step that names it is dropped."""
+        self._known(seq)
+        del self._lengths[seq]
+        del self._high_water[seq]
+        if self._plan is not None and seq in self._plan.counts:
+            self._plan, self._width = None, None
+
+    def rewind(self, seq: int, new_len: int) -> None:
+        """Move `seq`'s length back to `new_len` (speculative rejection, retries)."""
+        length = self._known(seq)
+        if not 0 <= new_len <= length:
+            raise PositionError(
+                f"rewind: sequence {seq} holds {length} positions; new_len={new_len} is outside [0, {length}]"
+            )
+        floor = self.ring_floor(seq)
+        if new_len < floor:
+            raise RingFloorError(
+                f"rewind: sequence {seq} has written {self._high_water[seq]} positions; its ring layers "
+                f"(max_write {self.config.max_write}) can resume no earlier than {floor}, not {new_len}"
+            )
+        self._lengths[seq] = new_len
+        if self._plan is not None and seq in self._plan.counts:
+            self._width = None  # staged positions are stale; prepare_step again
+
+    def reserve(self, length: int) -> bool:
+        """Grow storage now so sequences can reach `length` positions without growing mid-run."""
+        if not 0 < length <= self.capacity:
+            raise CapacityError(f"reserve: length {length} is outside [1, capacity={self.capacity}]")
+        return self._grow(self.config.rows_for(length))
+
+    def _grow(self, rows: int) -> bool:
+        try:
+            return self._store.grow_to(rows)
+        except torch.OutOfMemoryError as exc:
+            need = rows * self.config.bytes_per_row() / 2**30
+            raise CapacityError(
+                f"growing the store to {rows} rows ({need:.2f} GiB) failed: {exc}; the cache is unchanged. "
+                "Lower capacity or max_seqs, or free device memory"
+            ) from exc
+
+    # ---- step protocol (host) -----------------------------------------------------------------
+    def declare_step(self, seq_ids: Sequence[int]) -> None:
+        """Declare the next forward: one sequence id per packed token, in packed order.
+
+        Runs of equal ids become segments; a sequence may appear in several runs. A refusal leaves
+        the previous declaration standing.
+        """
+        plan = StepPlan.from_ids(seq_ids)
+        cfg = self.config
+        if plan.num_tokens == 0:
+            raise StepError("declare_step needs at least one token id")
+        if plan.num_tokens > cfg.max_width:
+            raise CapacityError(f"declare_step: {plan.num_tokens} tokens exceed max_width={cfg.max_width}")
+        for seq in plan.counts:
+            self._known(seq)
+        if len(plan.segments) > cfg.max_segments:
+            raise CapacityError(
+                f"declare_step: {len(plan.segments)} runs exceed max_segments={cfg.max_segments}; "
+                "pack each sequence's tokens together"
+            )
+        for seq, n in plan.counts.items():
+            if n > cfg.max_write:
+                raise CapacityError(
+                    f"declare_step: sequence {seq} writes {n} tokens; max_write is {cfg.max_write} "
+                    "(split its prefill into smaller chunks)"
+                )
+            if self._lengths[seq] + n > cfg.capacity:
+                raise CapacityError(
+                    f"sequence {seq} needs {self._lengths[seq] + n} positions; capacity is {cfg.capacity} "
+                    "(raise capacity or finish the sequence)"
+                )
+        self._plan, self._width = plan, None
+
+    def prepare_step(self, width: int) -> None:
+        """Grow storage if the declared step needs it, then stage its device buffers.
+
+        `width` >= declared tokens is the forward's packed width; rows past the declared tokens are
+        padding (they write to the scratch column and come out of attention as zeros).
+        """
+        plan = self._plan
+        if plan is None:
+            raise StepError("prepare_step: no step is declared; call declare_step(seq_ids) first")
+        if not plan.num_tokens <= width <= self.config.max_width:
+            raise StepError(
+                f"prepare_step: width {width} must cover the {plan.num_tokens} declared tokens "
+                f"and be at most max_width={self.config.max_width}"
+            )
+        layout = plan.layout(self._lengths)
+        # Grow before staging, so a failed allocation leaves the cache as it was.
+        self._grow(self.config.rows_for(max(kv_end for *_, kv_end in layout)))
+        group_rows = [self._store.rows(layer) for layer in self._group_layer]
+        self._buffers.fill(layout, group_rows, self.config.columns, self.config.scratch)
+        for _, _, seq, kv_end in layout:
+            # Written on the device from now on, whether or not the step commits.
+            self._high_water[seq] = max(self._high_water[seq], kv_end)
+        self._width = width
+
+    def commit_step(self) -> None:
+        """Advance every declared sequence by its tokens in the step; clears the declaration."""
+        if self._plan is None or self._width is None:
+            raise StepError("commit_step: no prepared step; declare_step and prepare_step come first")
+        for seq, n in self._plan.counts.items():
+            self._lengths[seq] += n
+        self._plan, self._width = None, None
+
+    # ---- device work (capturable) -------------------------------------------------------------
+    def update_and_attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float | None = None,
+        causal: bool = True,
+    ) -> torch.Tensor:
+        """Write this step's K/V for `layer`, then attend over each sequence's history.
+
+        q: [W, Hq, D]; k, v: [W, Hkv, D] with W the prepared width. Returns [W, Hq, D] in q's
+        dtype; padding rows are exact zeros. Capturable: reads only device buffers staged by
+        `prepare_step`, whose addresses are fixed for a given `generation`.
+        """
+        if self._width is None:
+            raise StepError("update_and_attend: no prepared step; call declare_step and prepare_step first")
+        if not 0 <= layer < self.config.num_layers:
+            raise ContractError(f"layer {layer} is outside [0, {self.config.num_layers})")
+        width, cfg = self._width, self.config
+        if q.shape[0] != width or k.shape != v.shape or k.shape != (width, cfg.kv_heads, cfg.head_dim):
+            raise ContractError(
+                f"update_and_attend: expected q [{width}, Hq, {cfg.head_dim}] and k, v "
+                f"[{width}, {cfg.kv_heads}, {cfg.head_dim}]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            )
+        if not causal and self._plan is not None and self._plan.split:
+            raise StepError("a non-causal step needs each sequence's tokens in one run (a draft block is one segment)")
+        k_flat, v_flat = self._store.flat_views(layer)
+        self._write(k_flat, v_flat, k, v, self._buffers.slots[self._group_of[layer], :width])
+        window = cfg.layers[layer].window
+        store_k, store_v = self._store.k[layer], self._store.v[layer]
+        return self._attend(q, store_k, store_v, self._buffers.seq_info, scale=scale, causal=causal, window=window)

@@ -1,0 +1,147 @@
+"""Cache geometry: `LayerSpec` per layer and `CacheConfig` for the whole store.
+
+Both are frozen and validated on construction, so a cache is never built from a geometry that
+breaks a rule. Row counts follow from the config alone (see `CacheConfig.rows_for`), which keeps
+growth predictable: the same config always grows through the same row counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from batchkv.errors import ConfigError
+
+POLICIES = ("flat", "ring")
+FIRST_ROWS = 256  # first flat allocation when no bucket schedule is given; doubles from here
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """How one layer stores and attends.
+
+    policy="flat": every position is kept; `window > 0` still limits attention to the last
+    `window` positions (a sliding window over flat storage).
+    policy="ring": a sliding window of `window` positions over a ring of
+    `min(capacity, window + max_write - 1)` rows; older positions are overwritten.
+    """
+
+    policy: str = "flat"
+    window: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"LayerSpec.policy is {self.policy!r}; use one of {POLICIES}")
+        if self.window < 0:
+            raise ConfigError(f"LayerSpec.window is {self.window}; use 0 (no window) or a positive size")
+        if self.policy == "ring" and self.window == 0:
+            raise ConfigError("LayerSpec(policy='ring') needs window > 0 (the ring holds a window)")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Geometry of a batched-sequence column store.
+
+    num_layers, kv_heads, head_dim: the KV geometry of the model.
+    max_seqs: resident sequences (columns); one more column is scratch for padding.
+    capacity: most positions one sequence may hold.
+    max_write: most tokens one sequence writes in one step (sizes ring layers).
+    layers: one `LayerSpec` per layer; default all flat, no window.
+    dtype: storage dtype (K/V are cast to it on write).
+    max_segments: most runs in one step; default `2 * max_seqs`.
+    max_width: most packed tokens in one step (static buffer size); default `max_seqs * max_write`.
+    buckets, tail_step: flat row schedule. Empty `buckets` doubles from 256; otherwise the first
+        bucket that fits, then steps of `tail_step` past the last (0: the last bucket is final).
+        Rows never exceed `capacity`.
+    """
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    max_seqs: int
+    capacity: int
+    max_write: int = 1
+    layers: tuple[LayerSpec, ...] = ()
+    dtype: torch.dtype = torch.bfloat16
+    max_segments: int = 0
+    max_width: int = 0
+    buckets: tuple[int, ...] = ()
+    tail_step: int = 0
+    _ring_rows: tuple[int, ...] = field(init=False, repr=False, compare=False, default=())
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "kv_heads", "head_dim", "max_seqs", "capacity", "max_write"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"CacheConfig.{name} is {value!r}; it must be a positive integer")
+        if self.max_write > self.capacity:
+            raise ConfigError(
+                f"CacheConfig.max_write is {self.max_write} but capacity is {self.capacity}; "
+                "one step cannot write more positions than a sequence holds"
+            )
+        layers = tuple(self.layers) or tuple(LayerSpec() for _ in range(self.num_layers))
+        if len(layers) != self.num_layers:
+            raise ConfigError(f"CacheConfig.layers has {len(layers)} entries for num_layers={self.num_layers}")
+        if not all(isinstance(spec, LayerSpec) for spec in layers):
+            raise ConfigError("CacheConfig.layers must hold LayerSpec entries")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ConfigError(f"CacheConfig.dtype is {self.dtype!r}; use a floating torch dtype")
+        max_segments = self.max_segments or 2 * self.max_seqs
+        if max_segments < self.max_seqs:
+            raise ConfigError(f"CacheConfig.max_segments is {max_segments}; it must be >= max_seqs ({self.max_seqs})")
+        max_width = self.max_width or self.max_seqs * self.max_write
+        if max_width < 1:
+            raise ConfigError(f"CacheConfig.max_width is {max_width}; it must be positive")
+        if any(b < 1 for b in self.buckets) or list(self.buckets) != sorted(set(self.buckets)):
+            raise ConfigError(f"CacheConfig.buckets {self.buckets} must be positive and strictly increasing")
+        if self.tail_step < 0:
+            raise ConfigError(f"CacheConfig.tail_step is {self.tail_step}; use 0 or a positive step")
+        ring_rows = tuple(
+            min(self.capacity, spec.window + self.max_write - 1) if spec.policy == "ring" else 0 for spec in layers
+        )
+        object.__setattr__(self, "layers", layers)
+        object.__setattr__(self, "max_segments", max_segments)
+        object.__setattr__(self, "max_width", max_width)
+        object.__setattr__(self, "_ring_rows", ring_rows)
+
+    @property
+    def columns(self) -> int:
+        """Columns per layer: `max_seqs` leased ones plus the scratch column."""
+        return self.max_seqs + 1
+
+    @property
+    def scratch(self) -> int:
+        """Index of the scratch column: padded tokens write there, no segment reads it."""
+        return self.max_seqs
+
+    def ring_rows(self, layer: int) -> int:
+        """Full row count of a ring layer (0 for a flat layer)."""
+        return self._ring_rows[layer]
+
+    def rows_for(self, needed: int) -> int:
+        """Flat rows allocated to hold `needed` positions per sequence (never past capacity)."""
+        needed = max(1, needed)
+        if not self.buckets:
+            rows = min(FIRST_ROWS, self.capacity)
+            while rows < needed:
+                rows *= 2
+            return min(rows, self.capacity)
+        for bucket in self.buckets:
+            if needed <= bucket:
+                return min(bucket, self.capacity)
+        last = self.buckets[-1]
+        if self.tail_step == 0:
+            return min(max(last, needed), self.capacity)
+        steps = -(-(needed - last) // self.tail_step)
+        return min(last + steps * self.tail_step, self.capacity)
+
+    def layer_rows(self, layer: int, flat_rows: int) -> int:
+        """Rows of `layer` while the flat layers hold `flat_rows`: a ring grows with them until full."""
+        ring = self._ring_rows[layer]
+        return min(ring, flat_rows) if ring else flat_rows
+
+    def bytes_per_row(self) -> int:
+        """Bytes one row of every layer's K and V takes, across all columns."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.columns * self.kv_heads * self.head_dim * elem

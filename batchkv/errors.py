@@ -1,0 +1,48 @@
+"""Typed refusals. Every error batchkv raises on purpose is a `BatchKVError`.
+
+A refused call changes nothing: positions, histories and the standing declaration stay as they
+were, so a caller can catch the error, fix the request and retry. Messages carry the numbers and
+what to do about them.
+"""
+
+from __future__ import annotations
+
+
+class BatchKVError(Exception):
+    """Base of every refusal batchkv raises."""
+
+
+class ConfigError(BatchKVError, ValueError):
+    """A cache, model or executor configuration breaks a rule (the message names it)."""
+
+
+class UnknownSequenceError(BatchKVError, LookupError):
+    """A sequence id that `seq_new`/`seq_clone` did not hand out, or that was removed."""
+
+
+class NoFreeColumnError(BatchKVError):
+    """Every column is held; remove a sequence (`seq_rm`) or raise `max_seqs`."""
+
+
+class CapacityError(BatchKVError):
+    """A sequence would pass its per-sequence capacity, or a step its width/segment limits."""
+
+
+class StepError(BatchKVError):
+    """The step protocol was broken: declare -> prepare -> forward -> commit, in that order."""
+
+
+class PositionError(BatchKVError, ValueError):
+    """A length argument (rewind target, clone prefix) lies outside what the sequence holds."""
+
+
+class RingFloorError(PositionError):
+    """A rewind or clone would need positions a ring layer no longer holds."""
+
+
+class ContractError(BatchKVError, ValueError):
+    """Tensors handed to a kernel or the cache break the documented contract."""
+
+
+class UnsupportedLayout(BatchKVError):
+    """A manifest asks for a cache layout this runtime does not build."""
