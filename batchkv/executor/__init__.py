@@ -1,0 +1,1 @@
+"""Continuous batching over BatchedSequenceCache: scheduler, sampling, graph runner, engine."""

@@ -1,0 +1,100 @@
+"""CUDA graphs keyed by what they bind: (width bucket, storage generation, module fingerprint).
+
+One `GraphSet` holds every graph of one runner in a single shared memory pool. A graph is captured
+after a warm-up on a side stream (cuBLAS workspaces and lazy allocations happen outside the
+capture), and replayed after the caller has copied the step's inputs into the static buffers the
+captured function reads. Nothing here reads lengths: a new mix of sequence lengths replays the same
+graph, because the cache keeps them in device tensors.
+
+A graph records the module tree and the branches that ran during capture. `module_fingerprint`
+changes when a submodule is added, removed or replaced anywhere under a model (an adapter wrapper
+bound or unbound), so a graph never outlives the tree it was captured with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import torch
+from torch import nn
+
+_registrations = 0  # bumped on every submodule registration anywhere; cheap "maybe changed" flag
+
+
+def _count_registration(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    global _registrations
+    _registrations += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
+
+
+class ModuleFingerprint:
+    """A cheap, exact fingerprint of a module tree: names, types and identities of submodules.
+
+    The full walk runs only after some module registration happened since the last call, so the
+    per-step cost is one integer comparison.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._seen = -1
+        self._value: int = 0
+
+    def __call__(self) -> int:
+        if self._seen != _registrations:
+            self._seen = _registrations
+            tree = tuple((name, type(m).__qualname__, id(m)) for name, m in self.module.named_modules())
+            self._value = hash(tree)
+        return self._value
+
+
+class GraphSet:
+    """Captured graphs of one step function, one per key, all in one memory pool.
+
+    `run(key, fn)` captures `fn` the first time a key is seen and replays it afterwards; `fn` must
+    read its inputs from static tensors and return static outputs (the tensors replay writes).
+    Keys whose storage generation has passed can be dropped with `retain(predicate)`.
+    """
+
+    def __init__(self, device: torch.device, warmup: int = 2) -> None:
+        self.device = device
+        self.warmup = warmup
+        self.pool = torch.cuda.graph_pool_handle()
+        self.captures = 0
+        self.replays = 0
+        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._graphs
+
+    def run(self, key: Hashable, fn: Callable[[], object]) -> object:
+        """Replay the graph for `key` (capturing it first if needed); returns its static outputs."""
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(fn)
+            self._graphs[key] = entry
+        entry[0].replay()
+        self.replays += 1
+        return entry[1]
+
+    def _capture(self, fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = fn()
+        self.captures += 1
+        return graph, outputs
+
+    def retain(self, keep: Callable[[Hashable], bool]) -> None:
+        """Drop every graph whose key fails `keep` (e.g. an older storage generation)."""
+        for key in [k for k in self._graphs if not keep(k)]:
+            del self._graphs[key]
