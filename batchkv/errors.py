@@ -46,3 +46,12 @@ class ContractError(BatchKVError, ValueError):
 
 class UnsupportedLayout(BatchKVError):
     """A manifest asks for a cache layout this runtime does not build."""
+
+
+class RequestError(BatchKVError, ValueError):
+    """A request the engine can never serve (empty prompt, no room under capacity, bad sampling
+    parameters); it is refused at submit and the engine is unchanged."""
+
+
+class WorkloadError(BatchKVError, ValueError):
+    """A workload file breaks its schema (the message names the line, the field and the rule)."""

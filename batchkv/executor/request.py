@@ -1,0 +1,131 @@
+"""What goes into the engine (`Request`, `SamplingParams`) and what comes out (`Event`).
+
+Both input types are frozen and validated on construction, so a request that breaks a rule never
+reaches the engine. Rules that depend on the engine (capacity, max_seqs, vocabulary) are checked by
+`Engine.submit`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from batchkv.errors import RequestError
+
+FINISH_REASONS = ("stop", "length", "capacity", "cancelled")
+MAX_SAMPLE_ROWS = 64  # most rows one step sends through the LM head
+
+
+def _int_tuple(values: Iterable[int], what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in values)
+    except (TypeError, ValueError) as exc:
+        raise RequestError(f"{what} must be a sequence of integer token ids ({exc})") from exc
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request decodes.
+
+    max_new_tokens: most tokens generated per sample (>= 1).
+    temperature: 0 is greedy (argmax); > 0 samples from softmax(logits / temperature).
+    top_k: keep the k most likely tokens (0: all). top_p: keep the smallest set of most likely
+        tokens whose probability reaches top_p (1.0: all). Applied in that order, as transformers does.
+    seed: makes sampling reproducible: the same request with the same seed gives the same tokens
+        whatever else is batched with it. None: the engine draws one from its own seed.
+    stop_token_ids: generating one of these ends the sample (the stop token is emitted).
+    n: parallel samples; each forks from the prompt with `seq_clone` and decodes on its own stream.
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", _int_tuple(self.stop_token_ids, "stop_token_ids"))
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens is {self.max_new_tokens!r}; it must be an integer >= 1")
+        if not self.temperature >= 0.0:
+            raise RequestError(f"temperature is {self.temperature!r}; use 0 (greedy) or a positive value")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise RequestError(f"top_k is {self.top_k!r}; use 0 (off) or a positive integer")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p is {self.top_p!r}; it must lie in (0, 1] (1.0 turns it off)")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise RequestError(f"seed is {self.seed!r}; use None or a non-negative integer")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_SAMPLE_ROWS:
+            raise RequestError(f"n is {self.n!r}; use 1..{MAX_SAMPLE_ROWS} parallel samples")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """A prompt of token ids and how to continue it.
+
+    rope_offset: RoPE index t of the first prompt token; prompt token i takes (t0 + i, 0, 0) and
+    each generated token the next t. The KV position always starts at 0: the two are tracked apart.
+
+    Example:
+        Request([151644, 872, 198], SamplingParams(max_new_tokens=32, temperature=0.7, seed=1))
+    """
+
+    prompt_ids: Sequence[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    rope_offset: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", _int_tuple(self.prompt_ids, "prompt_ids"))
+        if not isinstance(self.params, SamplingParams):
+            raise RequestError(f"params is a {type(self.params).__name__}; pass a SamplingParams")
+        if not isinstance(self.rope_offset, int) or self.rope_offset < 0:
+            raise RequestError(f"rope_offset is {self.rope_offset!r}; use a non-negative integer")
+
+
+@dataclass(frozen=True)
+class Event:
+    """One streamed token of one sample of a request.
+
+    token is None only for a cancellation (finish_reason "cancelled"). finish_reason is None until
+    the sample's last event, then one of stop | length | capacity | cancelled. sample is the index
+    of the parallel sample (0 when n == 1).
+    """
+
+    request_id: int
+    token: int | None
+    finish_reason: str | None = None
+    sample: int = 0
+
+
+@dataclass
+class Output:
+    """Every token and the finish reason of each sample of one request, gathered from events."""
+
+    tokens: list[list[int]]
+    finish_reasons: list[str | None]
+
+    @property
+    def finished(self) -> bool:
+        return all(reason is not None for reason in self.finish_reasons)
+
+
+def gather(events: Iterable[Event], n: dict[int, int] | None = None) -> dict[int, Output]:
+    """Group events by request: `{request_id: Output}`. `n` gives samples per request (default: seen)."""
+    out: dict[int, Output] = {}
+    for ev in events:
+        size = max((n or {}).get(ev.request_id, 1), ev.sample + 1)
+        entry = out.setdefault(ev.request_id, Output([], []))
+        while len(entry.tokens) < size:
+            entry.tokens.append([])
+            entry.finish_reasons.append(None)
+        if ev.token is not None:
+            entry.tokens[ev.sample].append(ev.token)
+        if ev.finish_reason is not None:
+            entry.finish_reasons[ev.sample] = ev.finish_reason
+    return out

@@ -1,0 +1,73 @@
+"""Token sampling on the device, reproducible per request.
+
+Randomness is counter-based: the uniform number that picks token `i` of sample `s` of a request
+seeded `seed` is a hash of `(seed, s, i)` (splitmix64, computed on the host while planning the
+step and uploaded with the step's other inputs). A token therefore never depends on which other
+requests share the step, how many rows the step samples, or how many steps ran before.
+
+The device side is inverse-CDF sampling over the filtered distribution: sort the row's logits
+(stable, so ties break by token id), mask past top-k and top-p, and take the first token whose
+cumulative probability reaches `u * total`. Greedy rows (temperature 0) take the argmax. No host
+reads and no data-dependent shapes, so it could run inside a captured graph; it does not need to.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _splitmix64(x: int) -> int:
+    z = (x + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def uniform(seed: int, sample: int, index: int) -> float:
+    """The uniform draw in [0, 1) for token `index` of parallel sample `sample` of a request.
+
+    24 bits, so the value is exact in float32 and strictly below 1.
+    """
+    h = _splitmix64(_splitmix64(_splitmix64(seed) ^ sample) ^ index)
+    return (h >> 40) / float(1 << 24)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    draws: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row.
+
+    logits: float32 [R, V]; temperature, top_p, draws: float32 [R]; top_k: int64 [R]
+    (0: no top-k). Rows with temperature 0 take the argmax (first index on ties). Returns int64 [R]
+    on the logits' device. Graph-safe (static shapes, no host reads).
+
+    >>> sample_tokens(logits, torch.tensor([0.7]), torch.tensor([50]), torch.tensor([0.9]), torch.tensor([0.3]))
+    """
+    vocab = logits.shape[-1]
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
+    keep = rank < k[:, None]  # [R, V], a prefix of the sorted order
+    probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
+    keep &= (before < top_p[:, None]) | (top_p >= 1.0)[:, None]  # still a prefix; rank 0 always kept
+    probs = probs.masked_fill(~keep, 0.0)
+    cum = probs.cumsum(-1)
+    choice = (cum < draws[:, None] * cum[:, -1:]).sum(-1)
+    choice = torch.minimum(choice, keep.sum(-1) - 1)  # rounding can never land past the kept prefix
+    sampled = order.gather(1, choice[:, None]).squeeze(1)
+    return torch.where(greedy, logits.argmax(-1), sampled)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax per row of float32 [R, V] -> int64 [R]; the fast path when no row samples."""
+    return logits.argmax(-1)
