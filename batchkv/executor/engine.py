@@ -1,0 +1,242 @@
+"""The engine: requests in, tokens streamed out, many sequences decoding together.
+
+One `step()` is: admit waiting requests while columns are free, pack a step (decode tokens first,
+then prompt chunks), declare and prepare it on the cache, run the forward and sample (eager, or a
+replayed CUDA graph), commit, then record tokens, fork n > 1 requests after their prompt, and free
+the columns of finished samples. Everything but the forward and sampling is host bookkeeping.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from batchkv.cache import BatchedSequenceCache, CacheConfig
+from batchkv.errors import ConfigError, RequestError, StepError
+from batchkv.executor.graphs import GraphSet
+from batchkv.executor.metrics import Metrics
+from batchkv.executor.request import Event, Request
+from batchkv.executor.runner import ModelRunner
+from batchkv.executor.scheduler import RequestState, Scheduler
+
+
+def default_buckets(max_step_tokens: int) -> tuple[int, ...]:
+    """Powers of two below `max_step_tokens`, then `max_step_tokens` itself: (1, 2, 4, ..., T)."""
+    buckets, width = [], 1
+    while width < max_step_tokens:
+        buckets.append(width)
+        width *= 2
+    return (*buckets, max_step_tokens)
+
+
+class Engine:
+    """Continuous batching of `Request`s over one `BatchedSequenceCache`.
+
+    model: callable as model(input_ids [W] int64, indexes [3, W] int64, cache, logits_rows [R]
+        int64) -> float32 [R, vocab]; exposes cache_spec() -> dict(num_layers, kv_heads, head_dim,
+        layers, dtype), vocab_size and device.
+    max_seqs: resident sequences (columns); a request with n samples holds n of them.
+    capacity: most positions (prompt + generated) one sequence may hold.
+    max_step_tokens: token budget of one step (decode tokens + prompt chunks).
+    prefill_chunk: most prompt tokens one sequence writes in one step (the cache's max_write).
+    width_buckets: packed widths a step is padded up to (default powers of two up to the budget).
+    use_graphs: "auto" (CUDA graphs when on CUDA with capturable attention), True or False.
+    row_buckets, row_step: the cache's row growth schedule (see CacheConfig.buckets/tail_step).
+    seed: draws the sampling seed of requests that do not set one.
+
+    Example:
+        engine = Engine(model, max_seqs=8, capacity=512)
+        rid = engine.submit(Request(prompt, SamplingParams(max_new_tokens=32)))
+        for event in engine.stream():
+            print(event.request_id, event.token, event.finish_reason)
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_seqs: int = 8,
+        capacity: int = 1024,
+        max_step_tokens: int = 128,
+        prefill_chunk: int = 64,
+        width_buckets: Sequence[int] | None = None,
+        device: torch.device | str | None = None,
+        use_graphs: bool | str = "auto",
+        attention: str = "auto",
+        row_buckets: tuple[int, ...] = (),
+        row_step: int = 0,
+        seed: int = 0,
+    ) -> None:
+        for name, value in (("max_seqs", max_seqs), ("max_step_tokens", max_step_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"Engine {name} is {value!r}; it must be a positive integer")
+        if not isinstance(capacity, int) or capacity < 2:
+            raise ConfigError(f"Engine capacity is {capacity!r}; it must hold a prompt and a generated token (>= 2)")
+        if not isinstance(prefill_chunk, int) or not 1 <= prefill_chunk <= min(capacity, max_step_tokens):
+            raise ConfigError(
+                f"Engine prefill_chunk is {prefill_chunk!r}; use 1..min(capacity={capacity}, "
+                f"max_step_tokens={max_step_tokens})"
+            )
+        buckets = tuple(width_buckets) if width_buckets else default_buckets(max_step_tokens)
+        if list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] < max_step_tokens:
+            raise ConfigError(
+                f"width_buckets {buckets} must be positive, strictly increasing and reach "
+                f"max_step_tokens={max_step_tokens} (add {max_step_tokens})"
+            )
+        if use_graphs not in ("auto", True, False):
+            raise ConfigError(f"use_graphs is {use_graphs!r}; use 'auto', True or False")
+        spec = model.cache_spec()
+        config = CacheConfig(
+            num_layers=spec["num_layers"],
+            kv_heads=spec["kv_heads"],
+            head_dim=spec["head_dim"],
+            max_seqs=max_seqs,
+            capacity=capacity,
+            max_write=prefill_chunk,
+            layers=tuple(spec.get("layers") or ()),
+            dtype=spec.get("dtype", torch.bfloat16),
+            max_width=buckets[-1],
+            buckets=tuple(row_buckets),
+            tail_step=row_step,
+        )
+        self.device = torch.device(device if device is not None else model.device)
+        self.cache = BatchedSequenceCache(config, self.device, attention=attention)
+        capturable = self.device.type == "cuda" and self.cache.attention != "reference"
+        if use_graphs is True and not capturable:
+            raise ConfigError(
+                f"use_graphs=True needs CUDA and capturable attention; device is {self.device}, "
+                f"attention is {self.cache.attention!r} (use use_graphs='auto' or False)"
+            )
+        graphs = GraphSet(self.device) if use_graphs is not False and capturable else None
+        self.buckets = buckets
+        self.vocab_size = int(model.vocab_size)
+        self.runner = ModelRunner(model, self.cache, buckets[-1], graphs=graphs, pad_rows=self.device.type == "cuda")
+        self.scheduler = Scheduler(self.cache, max_step_tokens, prefill_chunk)
+        self.metrics = Metrics(max_seqs)
+        self._seeds = random.Random(seed)
+        self._next_id = 0
+        self._generation = self.cache.generation
+        self._idle = False
+
+    @property
+    def uses_graphs(self) -> bool:
+        return self.runner.graphs is not None
+
+    @property
+    def has_work(self) -> bool:
+        """True while a request is waiting, prefilling or decoding, or events are pending."""
+        return self.scheduler.has_work
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.live) - len(self.scheduler.waiting)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def submit(self, request: Request) -> int:
+        """Queue a request; returns its id. Refuses (RequestError, engine unchanged) one that can never fit."""
+        if not isinstance(request, Request):
+            raise RequestError(f"submit takes a Request, not a {type(request).__name__}")
+        prompt, params = request.prompt_ids, request.params
+        cache = self.cache
+        problem = None
+        if not prompt:
+            problem = "the prompt is empty; give at least one token id"
+        elif len(prompt) + 1 > cache.capacity:
+            problem = (
+                f"the prompt has {len(prompt)} tokens and capacity is {cache.capacity}, leaving no position "
+                f"for a generated token (shorten the prompt to {cache.capacity - 1} or raise capacity)"
+            )
+        elif params.n > cache.max_seqs:
+            problem = f"n={params.n} samples need {params.n} columns; max_seqs is {cache.max_seqs} (lower n)"
+        elif min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
+            problem = f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+        if problem is not None:
+            self.metrics.refused += 1
+            raise RequestError(f"request refused: {problem}")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        request_id = self._next_id
+        self._next_id += 1
+        self.scheduler.add(RequestState(request_id, request, seed, time.perf_counter()))
+        self.metrics.submitted += 1
+        return request_id
+
+    def cancel(self, request_id: int) -> bool:
+        """Stop a request now and free its columns; False when it is not live (finished or unknown).
+
+        Its samples' "cancelled" events come out of the next `step()`.
+        """
+        return self.scheduler.cancel(request_id)
+
+    # ---- stepping ------------------------------------------------------------------------------
+    def _bucket(self, tokens: int) -> int:
+        return next(b for b in self.buckets if b >= tokens)
+
+    def _note_growth(self) -> None:
+        if self.cache.generation != self._generation:
+            self.metrics.growths += self.cache.generation - self._generation
+            self._generation = self.cache.generation
+
+    def step(self) -> list[Event]:
+        """Run one step; returns its events (tokens, finishes, cancellations), possibly none."""
+        start = time.perf_counter()
+        events = self.scheduler.take_cancelled()
+        self.metrics.finished["cancelled"] += len(events)
+        self.scheduler.admit()
+        batch = self.scheduler.plan()
+        self._note_growth()
+        self._idle = batch is None
+        if batch is None:
+            return events
+        width = self._bucket(len(batch.seq_ids))
+        self.cache.declare_step(batch.seq_ids)
+        self.cache.prepare_step(width)
+        self._note_growth()
+        held = len(self.cache.sequences)
+        tokens = self.runner.run(batch, width)  # the step's one host synchronisation
+        self.cache.commit_step()
+        now = time.perf_counter()
+        previous = [s.last_emit if s.tokens else None for s in batch.samples]
+        new = self.scheduler.complete(batch, tokens, now)
+        for sample, before in zip(batch.samples, previous, strict=True):
+            self.metrics.record_token(now, before, sample.owner.submitted)
+        for event in new:
+            if event.finish_reason is not None:
+                self.metrics.finished[event.finish_reason] += 1
+        m = self.metrics
+        m.captures, m.replays = self.runner.captures, self.runner.replays
+        m.record_step(
+            start,
+            time.perf_counter(),
+            width=width,
+            prefill=batch.prefill_tokens,
+            decode=batch.decode_tokens,
+            held_columns=held,
+        )
+        return events + new
+
+    def stream(self) -> Iterator[Event]:
+        """Step until every submitted request has finished, yielding events as they come."""
+        while self.has_work:
+            events = self.step()
+            if self._idle and not events and self.has_work:
+                raise StepError(f"no step could be planned with requests {sorted(self.scheduler.live)} live")
+            yield from events
+
+    def run_until_done(self) -> list[Event]:
+        """Drain `stream()`; returns every event in order."""
+        return list(self.stream())
+
+    def assert_idle(self) -> None:
+        """Raise StepError unless no request is live and every column is free (a leak check)."""
+        if self.scheduler.live or self.cache.sequences:
+            raise StepError(
+                f"engine not idle: live requests {sorted(self.scheduler.live)}, held columns {self.cache.sequences}"
+            )

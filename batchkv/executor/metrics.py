@@ -1,0 +1,101 @@
+"""Engine counters and latencies: what `batchkv run` prints and `--json` writes.
+
+Times are host wall-clock seconds taken after each step's one synchronisation, so a step's time
+covers planning, the forward, sampling and bookkeeping. Inter-token latency is the gap between two
+consecutive tokens of one sample; time to first token runs from submit to the first token.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else 0.0
+
+
+@dataclass
+class Metrics:
+    """Running totals of one engine. `summary()` gives the derived numbers as a flat dict."""
+
+    max_seqs: int
+    steps: int = 0
+    prefill_tokens: int = 0  # prompt tokens written
+    decode_tokens: int = 0  # generated tokens fed back
+    padded_tokens: int = 0  # width - real tokens, summed over steps
+    generated_tokens: int = 0  # tokens sampled (events with a token)
+    submitted: int = 0
+    refused: int = 0
+    finished: Counter = field(default_factory=Counter)  # finish reason -> samples
+    captures: int = 0
+    replays: int = 0
+    growths: int = 0  # storage reallocations (cache.generation moves) since the engine started
+    widths: Counter = field(default_factory=Counter)  # width bucket -> steps
+    step_times: list[float] = field(default_factory=list)
+    inter_token: list[float] = field(default_factory=list)
+    first_token: list[float] = field(default_factory=list)
+    occupancy_sum: float = 0.0  # sum over steps of held columns / max_seqs
+    first_start: float | None = None
+    last_end: float = 0.0
+
+    def record_step(
+        self, start: float, end: float, *, width: int, prefill: int, decode: int, held_columns: int
+    ) -> None:
+        """One forward of `width` packed rows of which `prefill + decode` were real tokens."""
+        if self.first_start is None:
+            self.first_start = start
+        self.last_end = end
+        self.steps += 1
+        self.step_times.append(end - start)
+        self.prefill_tokens += prefill
+        self.decode_tokens += decode
+        self.padded_tokens += width - prefill - decode
+        self.widths[width] += 1
+        self.occupancy_sum += held_columns / self.max_seqs
+
+    def record_token(self, now: float, previous: float | None, submitted: float) -> None:
+        """A sampled token; `previous` is the sample's last token time (None for its first)."""
+        self.generated_tokens += 1
+        if previous is None:
+            self.first_token.append(now - submitted)
+        else:
+            self.inter_token.append(now - previous)
+
+    @property
+    def elapsed(self) -> float:
+        return 0.0 if self.first_start is None else self.last_end - self.first_start
+
+    def summary(self) -> dict[str, float | int | dict[str, int]]:
+        """Derived metrics: throughput, latency percentiles (ms), occupancy, graph counters."""
+        elapsed = self.elapsed
+        steps = max(self.steps, 1)
+        real = self.prefill_tokens + self.decode_tokens
+        return {
+            "steps": self.steps,
+            "elapsed_s": elapsed,
+            "requests_submitted": self.submitted,
+            "requests_refused": self.refused,
+            "generated_tokens": self.generated_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_tokens": self.decode_tokens,
+            "padded_tokens": self.padded_tokens,
+            "prefill_fraction": self.prefill_tokens / real if real else 0.0,
+            "tokens_per_s": self.generated_tokens / elapsed if elapsed else 0.0,
+            "processed_tokens_per_s": real / elapsed if elapsed else 0.0,
+            "step_ms_mean": 1e3 * sum(self.step_times) / steps,
+            "step_ms_p50": 1e3 * _percentile(self.step_times, 50),
+            "step_ms_p99": 1e3 * _percentile(self.step_times, 99),
+            "itl_ms_p50": 1e3 * _percentile(self.inter_token, 50),
+            "itl_ms_p99": 1e3 * _percentile(self.inter_token, 99),
+            "ttft_ms_p50": 1e3 * _percentile(self.first_token, 50),
+            "ttft_ms_p99": 1e3 * _percentile(self.first_token, 99),
+            "occupancy": self.occupancy_sum / steps,
+            "captures": self.captures,
+            "replays": self.replays,
+            "growths": self.growths,
+            "width_buckets_used": len(self.widths),
+            "finished": dict(self.finished),
+        }

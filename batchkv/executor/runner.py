@@ -1,0 +1,138 @@
+"""The model runner: static step inputs on the device, one forward (eager or a replayed CUDA graph),
+and sampling.
+
+Every per-step input lives in fixed-address device tensors sized at the largest width bucket:
+token ids int64 [W], RoPE indexes int64 [3, W] (contiguous per width), the logits selector int64
+[64], the logits out float32 [64, vocab], and the sampling parameters [64]. The host writes one
+pinned staging buffer per dtype and copies it over asynchronously; nothing else crosses. With a
+`GraphSet` the forward is captured once per (width bucket, cache generation, module fingerprint)
+and replayed afterwards; a new mix of lengths only changes the contents of the cache's buffers.
+
+Host synchronisations per step: one, `tolist()` on the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchkv.cache import BatchedSequenceCache
+from batchkv.executor.graphs import GraphSet, ModuleFingerprint
+from batchkv.executor.request import MAX_SAMPLE_ROWS
+from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform
+from batchkv.executor.scheduler import Batch
+
+R = MAX_SAMPLE_ROWS
+
+
+class ModelRunner:
+    """Runs planned steps of `model` over `cache`.
+
+    model(input_ids [W], indexes [3, W], cache, logits_rows [rows]) -> float32 [rows, vocab].
+    pad_rows: always send all 64 selector rows (padding reads row 0), so the LM head has one shape
+    per width; needed for graphs, and used by eager CUDA runs too so both give identical numbers.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: BatchedSequenceCache,
+        max_width: int,
+        *,
+        graphs: GraphSet | None = None,
+        pad_rows: bool = False,
+    ) -> None:
+        self.model, self.cache, self.max_width = model, cache, max_width
+        self.graphs, self.pad_rows = graphs, pad_rows or graphs is not None
+        self.fingerprint = ModuleFingerprint(model)
+        device = cache.device
+        pin = device.type == "cuda"
+        w = max_width
+        # int64: [input_ids w | indexes 3w | logits_rows R | top_k R]; float32: [temperature | top_p | draws]
+        self._host_i64 = torch.zeros(4 * w + 2 * R, dtype=torch.int64, pin_memory=pin)
+        self._host_f32 = torch.zeros(3 * R, dtype=torch.float32, pin_memory=pin)
+        self._dev_i64 = torch.zeros_like(self._host_i64, device=device)
+        self._dev_f32 = torch.zeros_like(self._host_f32, device=device)
+        self.logits_rows = self._dev_i64[4 * w : 4 * w + R]
+        self.top_k = self._dev_i64[4 * w + R :]
+        self.temperature, self.top_p, self.draws = self._dev_f32.view(3, R).unbind(0)
+        self.logits = torch.zeros(R, model.vocab_size, dtype=torch.float32, device=device)
+        self._copied = torch.cuda.Event() if pin else None  # staging is reused only after its copy ran
+        self._generation = cache.generation
+
+    def input_ids(self, width: int) -> torch.Tensor:
+        return self._dev_i64[:width]
+
+    def indexes(self, width: int) -> torch.Tensor:
+        return self._dev_i64[self.max_width : self.max_width + 3 * width].view(3, width)
+
+    @property
+    def captures(self) -> int:
+        return self.graphs.captures if self.graphs is not None else 0
+
+    @property
+    def replays(self) -> int:
+        return self.graphs.replays if self.graphs is not None else 0
+
+    def _stage(self, batch: Batch, width: int) -> bool:
+        """Write the step's inputs to the device buffers; True when some row samples (not greedy)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        w, n, rows = self.max_width, len(batch.input_ids), len(batch.rows)
+        host = self._host_i64.numpy()
+        host[:width] = 0  # padding feeds token 0; its K/V go to the scratch column
+        host[:n] = batch.input_ids
+        index = host[w : w + 3 * width].reshape(3, width)
+        index[:] = 0  # text tokens: (t, 0, 0)
+        index[0, :n] = batch.t_index
+        selector, top_k = host[4 * w : 4 * w + R], host[4 * w + R :]
+        selector[:] = 0
+        selector[:rows] = batch.rows
+        params = self._host_f32.numpy().reshape(3, R)
+        params[:] = 0.0
+        top_k[:] = 0
+        sampling = False
+        for i, sample in enumerate(batch.samples):
+            p = sample.owner.request.params
+            if p.greedy:
+                continue
+            sampling = True
+            params[:, i] = (p.temperature, p.top_p, uniform(sample.owner.seed, sample.index, len(sample.tokens)))
+            top_k[i] = p.top_k
+        non_blocking = self._copied is not None
+        self._dev_i64.copy_(self._host_i64, non_blocking=non_blocking)
+        self._dev_f32.copy_(self._host_f32, non_blocking=non_blocking)
+        if self._copied is not None:
+            self._copied.record()
+        return sampling
+
+    def _forward(self, width: int, rows: int) -> torch.Tensor:
+        """The captured region: model forward over the static buffers, logits into `self.logits`."""
+        out = self.model(self.input_ids(width), self.indexes(width), self.cache, self.logits_rows[:rows])
+        self.logits[:rows].copy_(out)
+        return self.logits
+
+    def run(self, batch: Batch, width: int) -> list[int]:
+        """Forward the declared-and-prepared step at `width`, sample, and return one token per row.
+
+        The cache must have been given `declare_step(batch.seq_ids)` and `prepare_step(width)`.
+        """
+        sampling = self._stage(batch, width)
+        rows = R if self.pad_rows else len(batch.rows)
+        if self.graphs is None:
+            logits = self._forward(width, rows)
+        else:
+            generation = self.cache.generation
+            if generation != self._generation:  # storage moved: graphs of older generations are dead
+                self.graphs.retain(lambda key: key[1] == generation)
+                self._generation = generation
+            key = (width, generation, self.fingerprint())
+            logits = self.graphs.run(key, lambda: self._forward(width, rows))  # type: ignore[assignment]
+        real = len(batch.rows)
+        logits = logits[:real]
+        if sampling:
+            tokens = sample_tokens(
+                logits, self.temperature[:real], self.top_k[:real], self.top_p[:real], self.draws[:real]
+            )
+        else:
+            tokens = greedy_tokens(logits)
+        return tokens.tolist()
