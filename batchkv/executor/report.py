@@ -1,0 +1,72 @@
+"""What `batchkv run` shows: a progress bar while it runs and a summary table at the end."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+
+class ProgressBar:
+    """One line on `stream` (stderr by default), redrawn in place at most 10 times a second.
+
+    >>> bar = ProgressBar(total=24); bar.update(done=3, tokens=120); bar.close()
+    """
+
+    def __init__(self, total: int, stream: TextIO | None = None, *, enabled: bool = True, width: int = 28) -> None:
+        self.total, self.stream, self.enabled, self.width = total, stream or sys.stderr, enabled, width
+        self.start = time.perf_counter()
+        self._last_draw = 0.0
+        self._line = ""
+
+    def update(self, done: int, tokens: int, *, force: bool = False) -> None:
+        """Redraw with `done` of `total` finished and `tokens` generated so far."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if not force and now - self._last_draw < 0.1:
+            return
+        self._last_draw = now
+        elapsed = max(now - self.start, 1e-9)
+        filled = int(self.width * done / self.total) if self.total else self.width
+        bar = "#" * filled + "." * (self.width - filled)
+        line = f"[{bar}] {done}/{self.total} done  {tokens} tokens  {tokens / elapsed:.1f} tok/s  {elapsed:.1f} s"
+        self.stream.write("\r" + line.ljust(len(self._line)))
+        self.stream.flush()
+        self._line = line
+
+    def close(self) -> None:
+        """End the bar's line (the last drawn state stays visible)."""
+        if self.enabled and self._line:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def summary_table(summary: dict, title: str, *, graphs: bool) -> str:
+    """A two-column table of the headline numbers of `Metrics.summary()`."""
+    finished = summary.get("finished", {})
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(finished.items()) if v)
+    rows = [
+        ("requests", f"{summary['requests_submitted']} served, {summary['requests_refused']} refused ({reasons})"),
+        (
+            "tokens",
+            f"{summary['generated_tokens']} generated, {summary['prefill_tokens']} prompt, "
+            f"{summary['padded_tokens']} padding",
+        ),
+        ("time", f"{summary['elapsed_s']:.2f} s over {summary['steps']} steps ({summary['step_ms_mean']:.2f} ms/step)"),
+        ("tokens/s", f"{summary['tokens_per_s']:.1f} generated ({summary['processed_tokens_per_s']:.1f} processed)"),
+        ("inter-token p50", f"{summary['itl_ms_p50']:.2f} ms"),
+        ("inter-token p99", f"{summary['itl_ms_p99']:.2f} ms"),
+        ("first token p50", f"{summary['ttft_ms_p50']:.1f} ms"),
+        ("occupancy", f"{100 * summary['occupancy']:.1f}% of columns held"),
+        ("width buckets", f"{summary['width_buckets_used']} used"),
+    ]
+    if graphs:
+        rows.append(
+            ("graphs", f"{summary['captures']} captures, {summary['replays']} replays, {summary['growths']} growths")
+        )
+    else:
+        rows.append(("graphs", f"off (eager); {summary['growths']} growths"))
+    label = max(len(name) for name, _ in rows)
+    lines = [title, "-" * len(title)] + [f"{name.ljust(label)}  {value}" for name, value in rows]
+    return "\n".join(lines)

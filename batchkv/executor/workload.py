@@ -1,0 +1,152 @@
+"""Workloads for the engine: a seeded synthetic generator, a JSONL reader, and the replay loop.
+
+A workload is a list of `WorkItem(arrival_step, request)`: the request is submitted before the
+engine's step number `arrival_step` (steps the engine actually ran; an idle engine jumps to the next
+arrival instead of spinning).
+
+JSONL: one object per line,
+    {"prompt_ids": [1, 2, 3], "max_new_tokens": 32, "temperature": 0.7, "top_k": 50, "top_p": 0.9,
+     "seed": 1, "stop_token_ids": [2], "n": 1, "rope_offset": 0, "arrival_step": 0}
+where only "prompt_ids" is required; the others default to `SamplingParams`' defaults
+(max_new_tokens 16, greedy) and arrival step 0. Unknown fields are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from batchkv.errors import BatchKVError, WorkloadError
+from batchkv.executor.engine import Engine
+from batchkv.executor.request import Event, Request, SamplingParams
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """A request and the engine step before which it arrives."""
+
+    arrival_step: int
+    request: Request
+
+
+def synthetic(
+    num_requests: int,
+    *,
+    vocab_size: int,
+    prompt_len: tuple[int, int] = (16, 96),
+    output_len: tuple[int, int] = (16, 64),
+    arrival_gap: float = 1.0,
+    seed: int = 0,
+    sampling: SamplingParams | None = None,
+) -> list[WorkItem]:
+    """`num_requests` requests with prompt and output lengths uniform in the given inclusive ranges,
+    prompt tokens uniform over the vocabulary, and arrivals spaced by geometric gaps with mean
+    `arrival_gap` steps (0: all at step 0). `sampling` gives every other parameter; each request
+    gets seed `seed + i` when `sampling.seed` is None, so the run is reproducible.
+    """
+    for name, (lo, hi) in (("prompt_len", prompt_len), ("output_len", output_len)):
+        if not 1 <= lo <= hi:
+            raise WorkloadError(f"{name} range {lo}:{hi} must satisfy 1 <= min <= max")
+    if num_requests < 0 or arrival_gap < 0:
+        raise WorkloadError(f"num_requests ({num_requests}) and arrival_gap ({arrival_gap}) must be >= 0")
+    base = sampling or SamplingParams()
+    rng = np.random.default_rng(seed)
+    items, step = [], 0
+    for i in range(num_requests):
+        prompt = rng.integers(0, vocab_size, size=int(rng.integers(prompt_len[0], prompt_len[1] + 1))).tolist()
+        params = dataclasses.replace(
+            base,
+            max_new_tokens=int(rng.integers(output_len[0], output_len[1] + 1)),
+            seed=base.seed if base.seed is not None else seed + i,
+        )
+        if i and arrival_gap > 0:
+            step += int(rng.geometric(1.0 / (1.0 + arrival_gap))) - 1
+        items.append(WorkItem(step, Request(prompt, params)))
+    return items
+
+
+class _Line(msgspec.Struct, forbid_unknown_fields=True):
+    prompt_ids: list[int]
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    n: int = 1
+    rope_offset: int = 0
+    arrival_step: int = 0
+
+
+def load_jsonl(path: str | Path) -> list[WorkItem]:
+    """Read a JSONL workload; a bad line raises WorkloadError naming the line, field and rule."""
+    decoder = msgspec.json.Decoder(_Line)
+    items = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                line = decoder.decode(raw)
+                params = SamplingParams(
+                    max_new_tokens=line.max_new_tokens,
+                    temperature=line.temperature,
+                    top_k=line.top_k,
+                    top_p=line.top_p,
+                    seed=line.seed,
+                    stop_token_ids=tuple(line.stop_token_ids),
+                    n=line.n,
+                )
+                request = Request(line.prompt_ids, params, rope_offset=line.rope_offset)
+            except (msgspec.ValidationError, msgspec.DecodeError, BatchKVError) as exc:
+                raise WorkloadError(f"{path}:{number}: {exc}") from exc
+            if line.arrival_step < 0:
+                raise WorkloadError(f"{path}:{number}: arrival_step is {line.arrival_step}; it must be >= 0")
+            items.append(WorkItem(line.arrival_step, request))
+    return items
+
+
+@dataclass
+class ReplayResult:
+    """What a replay produced: every event, the id of each submitted item, and the refusals."""
+
+    events: list[Event]
+    request_ids: list[int | None]  # per work item; None when refused
+    refusals: list[tuple[int, str]]  # (item index, message)
+
+
+def replay(
+    engine: Engine,
+    items: Iterable[WorkItem],
+    on_step: Callable[[list[Event]], None] | None = None,
+) -> ReplayResult:
+    """Submit each item at its arrival step and step the engine until everything has finished.
+
+    A request the engine refuses is recorded and skipped; the others keep running.
+    """
+    order = sorted(enumerate(items), key=lambda pair: pair[1].arrival_step)
+    result = ReplayResult([], [None] * len(order), [])
+    step, cursor = 0, 0
+    while cursor < len(order) or engine.has_work:
+        while cursor < len(order) and order[cursor][1].arrival_step <= step:
+            index, item = order[cursor]
+            cursor += 1
+            try:
+                result.request_ids[index] = engine.submit(item.request)
+            except BatchKVError as exc:
+                result.refusals.append((index, str(exc)))
+        if not engine.has_work:
+            if cursor < len(order):
+                step = order[cursor][1].arrival_step  # idle: jump to the next arrival
+            continue
+        events = engine.step()
+        step += 1
+        result.events += events
+        if on_step is not None:
+            on_step(events)
+    return result
