@@ -2,7 +2,8 @@
 
 `ToyModel` follows the executor's model interface: forward(input_ids [W], indexes [3, W], cache,
 logits_rows [R]) -> float32 [R, vocab], `cache_spec()`, `vocab_size`, `device`. Two layers (one
-flat, one sliding-window ring), GQA, RoPE on the t index, a SwiGLU MLP and an untied LM head.
+flat, one sliding-window ring), GQA, RoPE on the t index plus an absolute sin(t) signal (so a
+wrong t shows even when it is off by a constant), a SwiGLU MLP and an untied LM head.
 
 `reference_generate` is the oracle: it decodes one sequence alone and recomputes the whole prefix
 each token with torch SDPA and an explicit causal/window mask, with no cache at all.
@@ -55,6 +56,8 @@ class ToyModel(nn.Module):
 
         self.embed = nn.Embedding(vocab, hidden)
         self.embed.weight.data = torch.randn(vocab, hidden, generator=gen)
+        # An absolute signal of t (RoPE alone is blind to a constant shift of t): sin(t * freq).
+        self.t_freq = nn.Parameter(torch.rand(hidden, generator=gen), requires_grad=False)
         self.blocks = nn.ModuleList()
         for _ in range(2):
             block = nn.ModuleDict(
@@ -83,7 +86,7 @@ class ToyModel(nn.Module):
 
     def _layers(self, input_ids: torch.Tensor, t: torch.Tensor, attend) -> torch.Tensor:
         """The network around attention; attend(layer, q, k, v) -> [W, Hq, D]."""
-        x = self.embed(input_ids)
+        x = self.embed(input_ids) + torch.sin(t.to(self.t_freq.dtype)[:, None] * self.t_freq)
         w = input_ids.shape[0]
         for i, block in enumerate(self.blocks):
             h = F.rms_norm(x, (x.shape[-1],), eps=1e-6)

@@ -1,0 +1,57 @@
+"""Shared drivers for the executor tests: replay a schedule with arrivals and cancellations, and
+compute what each request must produce by decoding it alone with the toy model's eager oracle."""
+
+from __future__ import annotations
+
+import random
+from functools import cache
+
+from toy_model import ToyModel, reference_generate
+
+from batchkv.executor import Engine, Output, Request, SamplingParams, gather
+
+
+def drive(
+    engine: Engine,
+    schedule: list[tuple[int, Request]],
+    cancels: dict[int, list[int]] | None = None,
+    on_step=None,
+) -> tuple[dict[int, Output], list[int]]:
+    """Submit schedule[i] = (arrival step, request) at its step; cancel cancels[step] (schedule
+    indexes) before that step; step until done. Returns outputs by request id and the ids."""
+    cancels = cancels or {}
+    order = sorted(range(len(schedule)), key=lambda i: schedule[i][0])
+    ids: list[int] = [-1] * len(schedule)
+    events, step, cursor = [], 0, 0
+    while cursor < len(order) or engine.has_work or any(s >= step for s in cancels):
+        while cursor < len(order) and schedule[order[cursor]][0] <= step:
+            ids[order[cursor]] = engine.submit(schedule[order[cursor]][1])
+            cursor += 1
+        for index in cancels.get(step, []):
+            engine.cancel(ids[index])
+            if on_step is not None:
+                on_step("cancel", ids[index])
+        events += engine.step()
+        if on_step is not None:
+            on_step("step", step)
+        step += 1
+    return gather(events, {ids[i]: schedule[i][1].params.n for i in range(len(schedule)) if ids[i] >= 0}), ids
+
+
+def oracle(model: ToyModel, request: Request, capacity: int) -> tuple[list[int], str]:
+    """Greedy tokens and finish reason of `request` decoded alone, recomputing the whole prefix."""
+    return _oracle(model, request.prompt_ids, request.params.max_new_tokens, request.params.stop_token_ids,
+                   capacity, request.rope_offset)  # fmt: skip
+
+
+@cache
+def _oracle(model, prompt, max_new, stops, capacity, offset):
+    return reference_generate(model, list(prompt), max_new, stop_token_ids=stops, capacity=capacity, rope_offset=offset)
+
+
+def random_prompt(rng: random.Random, lo: int, hi: int, vocab: int = 97) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(rng.randint(lo, hi))]
+
+
+def greedy(max_new_tokens: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_new_tokens, **kwargs)
