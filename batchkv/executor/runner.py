@@ -88,7 +88,7 @@ class ModelRunner:
         selector[:] = 0
         selector[:rows] = batch.rows
         params = self._host_f32.numpy().reshape(3, R)
-        params[:] = 0.0
+        params[:] = ((0.0,), (1.0,), (0.0,))  # greedy rows: temperature 0, top_p 1, draw 0
         top_k[:] = 0
         sampling = False
         for i, sample in enumerate(batch.samples):

@@ -63,7 +63,9 @@ def sample_tokens(
     probs = probs.masked_fill(~keep, 0.0)
     cum = probs.cumsum(-1)
     choice = (cum < draws[:, None] * cum[:, -1:]).sum(-1)
-    choice = torch.minimum(choice, keep.sum(-1) - 1)  # rounding can never land past the kept prefix
+    # Rounding can never land past the kept prefix; a row that keeps nothing (top_p <= 0, which
+    # SamplingParams refuses; greedy padding rows) reads index 0 instead of out of bounds.
+    choice = torch.minimum(choice, (keep.sum(-1) - 1).clamp(min=0))
     sampled = order.gather(1, choice[:, None]).squeeze(1)
     return torch.where(greedy, logits.argmax(-1), sampled)
 
