@@ -1,0 +1,89 @@
+"""`batchkv run` end to end on a tiny workload, and the workload generator and reader behind it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+
+import pytest
+import torch
+from toy_model import ToyModel
+
+from batchkv import cli
+from batchkv.errors import WorkloadError
+from batchkv.executor.workload import load_jsonl, synthetic
+
+
+@pytest.fixture(autouse=True)
+def tiny_model(monkeypatch):
+    """The SenseNova tiny preset when the models package is present, else the toy model."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    if importlib.util.find_spec("batchkv.models.sensenova") is None:
+        monkeypatch.setattr(cli, "_build_model", lambda preset, device, seed: ToyModel(seed=seed, device=device))
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_run_replays_a_synthetic_workload_and_prints_a_summary(tmp_path, capsys):
+    out = tmp_path / "metrics.json"
+    argv = ["run", "--device", "cpu", "--requests", "6", "--prompt-len", "4:20", "--output-len", "2:8"]
+    assert cli.main([*argv, "--arrival-gap", "2", "--json", str(out), "--progress", "on"]) == 0
+    captured = capsys.readouterr()
+    for label in ("requests", "tokens/s", "inter-token p50", "inter-token p99", "graphs"):
+        assert label in captured.out
+    assert "6/6 done" in captured.err  # the progress bar's last state
+    metrics = json.loads(out.read_text())
+    assert metrics["requests_submitted"] == 6 and metrics["requests_refused"] == 0
+    assert 6 * 2 <= metrics["generated_tokens"] <= 6 * 8
+    assert metrics["device"] == "cpu" and metrics["graphs"] is False and metrics["tokens_per_s"] > 0
+
+
+def test_run_replays_a_jsonl_workload_and_reports_refusals(tmp_path, capsys):
+    path, out = tmp_path / "work.jsonl", tmp_path / "m.json"
+    lines = [
+        {"prompt_ids": [1, 2, 3], "max_new_tokens": 4},
+        {"prompt_ids": list(range(40)), "max_new_tokens": 4},  # too long for --capacity 32
+        {"prompt_ids": [5, 6], "max_new_tokens": 3, "temperature": 0.8, "seed": 1, "n": 2, "arrival_step": 2},
+    ]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    assert cli.main(["run", "--device", "cpu", "--workload", str(path), "--capacity", "32", "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "request 1 refused" in captured.err and "capacity is 32" in captured.err
+    metrics = json.loads(out.read_text())
+    assert metrics["requests_submitted"] == 2 and metrics["requests_refused"] == 1
+    assert metrics["generated_tokens"] == 4 + 2 * 3
+
+
+def test_a_bad_workload_line_names_the_line_and_the_field(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1], "max_new_token": 3}\n')
+    assert cli.main(["run", "--device", "cpu", "--workload", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "WorkloadError" in err and "bad.jsonl:2" in err and "max_new_token" in err
+    path.write_text('{"prompt_ids": [1, 2], "top_p": 0}\n')
+    with pytest.raises(WorkloadError, match="top_p"):
+        load_jsonl(path)
+
+
+def test_run_help_documents_every_option():
+    parser = argparse.ArgumentParser()
+    cli._add_run(parser.add_subparsers())
+    run = parser._subparsers._group_actions[0].choices["run"]
+    options = [a for a in run._actions if a.option_strings and a.dest != "help"]
+    assert len(options) >= 15
+    assert all(a.help and len(a.help) > 5 for a in options), [a.dest for a in options if not a.help]
+
+
+def test_synthetic_workloads_are_seeded_and_stay_in_their_ranges():
+    items = synthetic(50, vocab_size=97, prompt_len=(3, 9), output_len=(2, 5), arrival_gap=1.5, seed=4)
+    again = synthetic(50, vocab_size=97, prompt_len=(3, 9), output_len=(2, 5), arrival_gap=1.5, seed=4)
+    assert items == again and items != synthetic(50, vocab_size=97, seed=5)
+    assert all(3 <= len(i.request.prompt_ids) <= 9 and 2 <= i.request.params.max_new_tokens <= 5 for i in items)
+    assert all(0 <= t < 97 for i in items for t in i.request.prompt_ids)
+    steps = [i.arrival_step for i in items]
+    assert steps == sorted(steps) and 0 < steps[-1] < 50 * 5  # staggered, mean gap 1.5
+    assert len({i.request.params.seed for i in items}) == 50
+    with pytest.raises(WorkloadError, match="prompt_len"):
+        synthetic(3, vocab_size=97, prompt_len=(5, 2))
