@@ -86,7 +86,7 @@ class ToyModel(nn.Module):
 
     def _layers(self, input_ids: torch.Tensor, t: torch.Tensor, attend) -> torch.Tensor:
         """The network around attention; attend(layer, q, k, v) -> [W, Hq, D]."""
-        x = self.embed(input_ids) + torch.sin(t.to(self.t_freq.dtype)[:, None] * self.t_freq)
+        x = self.embed(input_ids) + torch.sin(t.float()[:, None] * self.t_freq.float()).to(self.dtype)
         w = input_ids.shape[0]
         for i, block in enumerate(self.blocks):
             h = F.rms_norm(x, (x.shape[-1],), eps=1e-6)

@@ -1,0 +1,85 @@
+"""Graph keys on the CPU: which (width bucket, generation, fingerprint) a step would replay.
+
+A recording stand-in for `GraphSet` runs the step function eagerly and records each key, so the
+keying, the padded logits selector and the retirement of stale generations are checked without a
+GPU. The real captures are covered by tests/test_engine_gpu.py.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from executor_helpers import drive, greedy, oracle, random_prompt
+from toy_model import ToyModel
+
+from batchkv.executor import Engine, Request
+
+
+class RecordingGraphs:
+    """GraphSet's interface; 'captures' a key the first time it is seen and re-runs fn on replay."""
+
+    def __init__(self) -> None:
+        self.keys: dict = {}
+        self.captures = self.replays = 0
+        self.retired: list = []
+
+    def run(self, key, fn):
+        if key not in self.keys:
+            self.keys[key] = fn
+            self.captures += 1
+        self.replays += 1
+        return fn()
+
+    def retain(self, keep) -> None:
+        for key in [k for k in self.keys if not keep(k)]:
+            self.retired.append(key)
+            del self.keys[key]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def graph_engine(model, **kwargs) -> tuple[Engine, RecordingGraphs]:
+    engine = Engine(model, max_seqs=4, capacity=96, max_step_tokens=16, prefill_chunk=8, **kwargs)
+    graphs = RecordingGraphs()
+    engine.runner.graphs, engine.runner.pad_rows = graphs, True
+    return engine, graphs
+
+
+def test_one_key_per_width_bucket_and_generation_whatever_the_length_mix():
+    model = ToyModel(seed=1)
+    engine, graphs = graph_engine(model, row_buckets=(16, 32), row_step=32)
+    rng = random.Random(11)
+    schedule = [(rng.randint(0, 25), Request(random_prompt(rng, 1, 30), greedy(rng.randint(1, 20)))) for _ in range(10)]
+    schedule.append((12, Request(random_prompt(rng, 40, 40), greedy(30))))  # grows the store mid-run
+    outputs, ids = drive(engine, schedule)
+    for index, (_, request) in enumerate(schedule):  # padded selector rows change nothing
+        assert (outputs[ids[index]].tokens[0], outputs[ids[index]].finish_reasons[0]) == oracle(model, request, 96)
+    fingerprint = engine.runner.fingerprint()
+    all_keys = set(graphs.keys) | set(graphs.retired)
+    assert all(width in engine.buckets and fp == fingerprint for width, _, fp in all_keys)
+    assert graphs.captures == len(all_keys)  # each key captured once, however many length mixes replayed it
+    assert graphs.replays == engine.metrics.steps > graphs.captures
+    assert graphs.retired and engine.metrics.growths >= 1  # graphs of the old storage were dropped
+    assert {gen for _, gen, _ in graphs.keys} == {engine.cache.generation}
+    assert engine.metrics.captures == graphs.captures and engine.metrics.replays == graphs.replays
+
+
+def test_a_changed_module_tree_gets_a_new_graph():
+    model = ToyModel(seed=2)
+    engine, graphs = graph_engine(model)
+    engine.submit(Request([1, 2, 3], greedy(3)))
+    engine.run_until_done()
+    before = set(graphs.keys)
+    model.blocks[0]["o"] = torch.nn.Linear(32, 32, bias=False)  # an adapter bound in place of a layer
+    engine.submit(Request([1, 2, 3], greedy(3)))
+    engine.run_until_done()
+    new = set(graphs.keys) - before
+    assert new and all(key[2] != next(iter(before))[2] for key in new)
