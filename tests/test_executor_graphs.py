@@ -18,7 +18,9 @@ from batchkv.executor import Engine, Request
 
 
 class RecordingGraphs:
-    """GraphSet's interface; 'captures' a key the first time it is seen and re-runs fn on replay."""
+    """GraphSet's interface. Like a CUDA graph, a replay re-runs the function *captured* for the
+    key (not the one passed this time), so a step that reads anything but the static buffers, or
+    whose key misses something the function depends on, decodes wrong tokens here."""
 
     def __init__(self) -> None:
         self.keys: dict = {}
@@ -30,7 +32,7 @@ class RecordingGraphs:
             self.keys[key] = fn
             self.captures += 1
         self.replays += 1
-        return fn()
+        return self.keys[key]()
 
     def retain(self, keep) -> None:
         for key in [k for k in self.keys if not keep(k)]:
