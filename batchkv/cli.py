@@ -87,7 +87,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 def _build_model(preset: str, device: str, seed: int):
     """The SenseNova-U1 language model with random weights (imported lazily: heavy, and optional)."""
     try:
-        from batchkv.models.sensenova import build_model
+        from batchkv.models import build_model
     except ImportError as exc:
         raise ConfigError(
             f"model {preset!r} is unavailable: batchkv.models.sensenova cannot be imported ({exc})"
