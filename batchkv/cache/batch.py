@@ -166,7 +166,7 @@ class BatchedSequenceCache:
                 f"layers keep only enough for a prefix of {floor} or more; upto={upto} is below that"
             )
         dst = self._free_column()
-        self._store.copy_column(src, dst, upto, self._high_water[src])
+        self._store.copy_column(src, dst, upto)
         self._lengths[dst] = upto
         self._high_water[dst] = self._high_water[src]  # its ring rows hold what the donor wrote
         return dst
