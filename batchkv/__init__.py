@@ -6,6 +6,7 @@ from batchkv.errors import (
     CapacityError,
     ConfigError,
     ContractError,
+    ManifestError,
     NoFreeColumnError,
     PositionError,
     RingFloorError,
@@ -13,6 +14,7 @@ from batchkv.errors import (
     UnknownSequenceError,
     UnsupportedLayout,
 )
+from batchkv.manifest import Manifest, from_manifest, load_manifest
 
 __version__ = "0.1.0"
 
@@ -24,10 +26,14 @@ __all__ = [
     "ConfigError",
     "ContractError",
     "LayerSpec",
+    "Manifest",
+    "ManifestError",
     "NoFreeColumnError",
     "PositionError",
     "RingFloorError",
     "StepError",
     "UnknownSequenceError",
     "UnsupportedLayout",
+    "from_manifest",
+    "load_manifest",
 ]
