@@ -300,7 +300,9 @@ def test_random_objects_with_manifest_keys_give_a_manifest_or_a_manifest_error(d
 def test_mutations_of_a_valid_manifest_give_a_manifest_or_a_manifest_error(layout, edits):
     doc = copy.deepcopy(valid_doc(layout))
     for layer, key, delete, value in edits:
-        target = doc if layer < 0 else doc["layers"][layer]
+        layers = doc.get("layers")
+        nested = isinstance(layers, list) and 0 <= layer < len(layers) and isinstance(layers[layer], dict)
+        target = layers[layer] if nested else doc  # an earlier edit may have replaced the layers
         if delete:
             target.pop(key, None)
         else:
