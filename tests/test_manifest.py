@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import batchkv
+from batchkv.cache import LayerSpec
 from batchkv.errors import ConfigError, ManifestError, UnsupportedLayout
 from batchkv.manifest import (
     Layer,
@@ -68,11 +69,12 @@ def sample_manifests() -> list[Manifest]:
         decode_doc({k: v for k, v in valid_doc().items() if k not in ("model", "max_segments", "causal")}),
         make_manifest(layout="batched-sequence", num_layers=6, kv_heads=8, head_dim=128, dtype="bfloat16",
                       capacity=4096, max_seqs=3, window_every=3, window=1000, causal=False, model="módel ✓"),
+        decode_doc({**valid_doc(), "layers": valid_doc()["layers"][::-1]}),  # listed in any order
     ]  # fmt: skip
 
 
 # ---- round trips --------------------------------------------------------------------------------
-@pytest.mark.parametrize("m", sample_manifests(), ids=lambda m: m.layout)
+@pytest.mark.parametrize("m", sample_manifests(), ids=lambda m: f"{m.layout}-{m.num_layers}")
 def test_json_and_msgpack_round_trip_exactly(m):
     as_json, as_msgpack = encode_json(m), encode_msgpack(m)
     assert decode_manifest(as_json) == m
@@ -330,6 +332,8 @@ def assert_geometry(cache, m: Manifest) -> None:
     seqs = m.max_seqs if m.layout == "batched-sequence" else 1
     assert (cache.max_seqs, cache.capacity, cache.config.max_write) == (seqs, m.maximum_capacity, m.max_write)
     assert cache.config.max_segments == (m.max_segments if isinstance(m.max_segments, int) else 2 * seqs)
+    by_id = {e.layer_id: e for e in m.layers}
+    assert cache.config.layers == tuple(LayerSpec(by_id[i].policy, by_id[i].window) for i in range(m.num_layers))
     cache.reserve(m.maximum_capacity)
     for layer_id in range(m.num_layers):
         shape = (_expected_rows(m, layer_id), seqs + 1, m.kv_heads, m.head_dim)

@@ -12,7 +12,7 @@ import pytest
 
 from batchkv.cli import main
 from batchkv.manifest import Manifest, from_manifest, load_manifest
-from batchkv.manifest.report import human_bytes
+from batchkv.manifest.report import describe_ids, human_bytes
 from batchkv.presets import KV_PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,6 +212,14 @@ def test_each_shipped_manifest_is_what_its_documented_command_writes(tmp_path, c
 
 def test_every_shipped_manifest_has_a_documented_command():
     assert sorted(Path(argv[-1]).name for argv in readme_commands()) == sorted(p.name for p in SHIPPED)
+
+
+def test_layer_ids_print_as_ranges_parities_steps_or_runs():
+    assert describe_ids(list(range(42))) == "0-41"
+    assert describe_ids(list(range(1, 32, 2))) == "1-31 (odd)"
+    assert describe_ids(list(range(5, 42, 6))) == "5-41 (step 6)"
+    assert describe_ids([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    assert describe_ids([9]) == "9"
 
 
 def test_human_bytes_uses_binary_units():
