@@ -111,7 +111,11 @@ def _cmd_export(args: argparse.Namespace) -> int:
         flag = f" ({_EXPORT_FLAGS[field]})" if field in _EXPORT_FLAGS else ""
         print(f"batchkv export: {exc.path}{flag}: {_one_line(exc.rule)}", file=sys.stderr)
         return 2
-    dump_manifest(manifest, args.output)
+    try:
+        dump_manifest(manifest, args.output)
+    except OSError as exc:
+        print(_one_line(f"batchkv export: cannot write {args.output}: {exc.strerror or exc}"), file=sys.stderr)
+        return 2
     print(f"wrote {args.output}: {manifest.layout}, {human_bytes(manifest.kv_bytes)} of K/V at full capacity")
     return 0
 

@@ -101,6 +101,13 @@ def test_export_refuses_bad_options_with_one_line_and_writes_nothing(tmp_path, c
     assert not out_path.exists()
 
 
+def test_export_into_a_missing_folder_exits_2_with_one_line(tmp_path, capsys):
+    path = tmp_path / "no" / "m.json"
+    code, _, err = run(capsys, "export", "--preset", "sensenova-u1-tiny", "--kv-layout", "sequence",
+                       "--capacity", "8", "-o", str(path))  # fmt: skip
+    assert code == 2 and err == f"batchkv export: cannot write {path}: No such file or directory\n"
+
+
 def test_export_needs_a_preset_or_the_whole_geometry(tmp_path, capsys):
     code, _, err = run(capsys, "export", "--num-layers", "4", "--kv-layout", "sequence", "--capacity", "8",
                        "-o", str(tmp_path / "m.json"))  # fmt: skip

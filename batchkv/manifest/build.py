@@ -79,7 +79,7 @@ def from_manifest(
 
     Example:
         cache = from_manifest("manifests/sensenova-u1-8b-batched-16.json", "cuda")
-        cache.max_seqs, cache.capacity          # (16, 16384)
+        cache.max_seqs, cache.capacity          # (16, 32768)
         tiny = from_manifest("manifests/sensenova-u1-8b-batched-16.json", max_seqs=2, capacity=64)
 
     Raises `ManifestError` for an invalid file, `UnsupportedLayout` for `cell`, `ConfigError` for

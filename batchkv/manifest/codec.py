@@ -71,7 +71,7 @@ def load_manifest(source: str | os.PathLike[str] | bytes | bytearray | memoryvie
 
     Example:
         m = load_manifest("manifests/sensenova-u1-8b-batched-16.json")
-        m.layout, m.max_seqs, m.maximum_capacity   # ("batched-sequence", 16, 16384)
+        m.layout, m.max_seqs, m.maximum_capacity   # ("batched-sequence", 16, 32768)
     """
     if isinstance(source, (bytes, bytearray, memoryview)):
         return decode_manifest(bytes(source))
