@@ -6,6 +6,7 @@ from batchkv.errors import (
     CapacityError,
     ConfigError,
     ContractError,
+    ManifestError,
     NoFreeColumnError,
     PositionError,
     RingFloorError,
@@ -16,6 +17,18 @@ from batchkv.errors import (
 
 __version__ = "0.1.0"
 
+_MANIFEST_NAMES = ("Manifest", "from_manifest", "load_manifest")
+
+
+def __getattr__(name: str) -> object:
+    # Manifests need msgspec; importing them on first use keeps `import batchkv` working without it.
+    if name in _MANIFEST_NAMES:
+        import batchkv.manifest
+
+        return getattr(batchkv.manifest, name)
+    raise AttributeError(f"module 'batchkv' has no attribute {name!r}")
+
+
 __all__ = [
     "BatchKVError",
     "BatchedSequenceCache",
@@ -24,10 +37,14 @@ __all__ = [
     "ConfigError",
     "ContractError",
     "LayerSpec",
+    "Manifest",
+    "ManifestError",
     "NoFreeColumnError",
     "PositionError",
     "RingFloorError",
     "StepError",
     "UnknownSequenceError",
     "UnsupportedLayout",
+    "from_manifest",
+    "load_manifest",
 ]

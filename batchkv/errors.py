@@ -46,3 +46,16 @@ class ContractError(BatchKVError, ValueError):
 
 class UnsupportedLayout(BatchKVError):
     """A manifest asks for a cache layout this runtime does not build."""
+
+
+class ManifestError(BatchKVError, ValueError):
+    """A manifest breaks the schema. `path` is the JSON path of the field (`$.layers[3].window`),
+    `rule` what it must be; the message is `"<path>: <rule>"`."""
+
+    def __init__(self, path: str, rule: str) -> None:
+        super().__init__(f"{path}: {rule}")
+        self.path = path
+        self.rule = rule
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return type(self), (self.path, self.rule)
