@@ -14,20 +14,9 @@ from batchkv.errors import (
     UnknownSequenceError,
     UnsupportedLayout,
 )
+from batchkv.manifest import Manifest, from_manifest, load_manifest
 
 __version__ = "0.1.0"
-
-_MANIFEST_NAMES = ("Manifest", "from_manifest", "load_manifest")
-
-
-def __getattr__(name: str) -> object:
-    # Manifests need msgspec; importing them on first use keeps `import batchkv` working without it.
-    if name in _MANIFEST_NAMES:
-        import batchkv.manifest
-
-        return getattr(batchkv.manifest, name)
-    raise AttributeError(f"module 'batchkv' has no attribute {name!r}")
-
 
 __all__ = [
     "BatchKVError",

@@ -256,8 +256,30 @@ def test_an_allocation_that_fails_part_way_through_growth_leaves_the_cache_as_it
     assert pair.cache.generation == generation and pair.cache.nbytes == nbytes and pair.cache.pos(a) == 6
     for i, (k, v) in enumerate(before):
         assert pair.cache.k_store(i) is k and pair.cache.v_store(i) is v
-        assert torch.equal(k, snapshot[i][0]) and torch.equal(v, snapshot[i][1])
+        torch.testing.assert_close(k, snapshot[i][0], rtol=0, atol=0, equal_nan=True)  # storage is never
+        torch.testing.assert_close(v, snapshot[i][1], rtol=0, atol=0, equal_nan=True)  # zero-filled
     calls["fail_at"] = None
     pair.naive.rewind(a, 6)
     pair.step([a] * 4)  # the declaration still stands; a retry grows and succeeds
     assert pair.cache.rows == 64 and pair.cache.generation == generation + 1
+
+
+def test_a_one_token_wide_store_has_no_scratch_column_and_still_decodes():
+    pair = make_pair(max_seqs=2, max_write=1, max_width=1)
+    assert pair.cache.config.columns == 2 and pair.cache.k_store(0).shape[1] == 2
+    a, b = pair.new(), pair.new()
+    for _ in range(9):  # wraps the ring (4 rows)
+        pair.step([a])
+        pair.step([b])
+    with pytest.raises(StepError):
+        pair.cache.declare_step([a])
+        pair.cache.prepare_step(2)
+
+
+def test_a_first_allocation_that_fails_is_a_capacity_error():
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("injected")
+
+    cfg = CacheConfig(num_layers=1, kv_heads=1, head_dim=8, max_seqs=1, capacity=8, dtype=torch.float32)
+    with pytest.raises(CapacityError, match="first 8 rows"):
+        BatchedSequenceCache(cfg, "cpu", alloc=no_memory)

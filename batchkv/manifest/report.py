@@ -52,11 +52,11 @@ def describe(m: Manifest) -> str:
     per_layer_row = m.bytes_per_row // m.num_layers
     if m.layout == "cell":
         seqs = f"shared pool of {m.max_cells} cells (one position of any sequence each)"
-    elif m.layout == "sequence":
-        seqs = "1 (+1 scratch column)"
     else:
+        scratch = " (+1 scratch column)" if m.columns > m.sequences else " (no padding, no scratch column)"
         causal = "causal" if m.is_causal else "non-causal"
-        seqs = f"{m.sequences} (+1 scratch column); max_segments {m.segments}; {causal}"
+        extra = "" if m.layout == "sequence" else f"; max_segments {m.segments}; {causal}"
+        seqs = f"{m.sequences}{scratch}{extra}"
     widths = " ".join(map(str, m.step_widths)) or "(none: the executor picks)"
     rows = [
         ("model", m.model if isinstance(m.model, str) else "(not named)"),

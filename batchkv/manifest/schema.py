@@ -109,8 +109,13 @@ class Manifest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def columns(self) -> int:
-        """Columns per layer: the sequences plus one scratch column (1 for a cell pool)."""
-        return 1 if self.layout == "cell" else self.sequences + 1
+        """Columns per layer: the sequences plus one scratch column (1 for a cell pool).
+
+        A store whose steps are one token wide can never pad, so it has no scratch column.
+        """
+        if self.layout == "cell":
+            return 1
+        return self.sequences + (1 if self.step_tokens > 1 else 0)
 
     @property
     def step_tokens(self) -> int:
