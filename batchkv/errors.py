@@ -46,3 +46,7 @@ class ContractError(BatchKVError, ValueError):
 
 class UnsupportedLayout(BatchKVError):
     """A manifest asks for a cache layout this runtime does not build."""
+
+
+class CheckpointError(BatchKVError, ValueError):
+    """A checkpoint's tensors do not match the model: missing, unexpected or misshapen names."""
