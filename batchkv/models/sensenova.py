@@ -10,7 +10,7 @@ facts"), not a port of its code. Per packed token row (W rows, hidden size H):
         q[..., :D/2] = RMSNorm(q[..., :D/2]) * q_norm                  # t half
         q[..., D/2:] = RMSNorm(q[..., D/2:]) * q_norm_hw               # h|w half; same for k with k_norm*
         q, k     = rope3d(q, indexes), rope3d(k, indexes)
-        a        = cache.update_and_attend(l, q, k, v, scale=1/sqrt(D))   # causal, GQA
+        a        = cache.update_and_attend(l, q, k, v, scale=D**-0.5)   # causal, GQA
         h        = h + a.reshape(W, Hq*D) @ Wo.T
         x        = RMSNorm(h) * post_attention_layernorm
         h        = h + (silu(x @ Wgate.T) * (x @ Wup.T)) @ Wdown.T
@@ -39,8 +39,6 @@ text (causal) only.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -142,7 +140,7 @@ class SenseNovaLM(nn.Module):
         self.norm = _param(h, device=device, dtype=dtype)
         self.lm_head = _param(config.vocab, h, device=device, dtype=dtype)
         self.rope = Rope3D(config.head_dim, config.theta_t, config.theta_hw).to(device)
-        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self.scale = config.head_dim**-0.5  # as the published code writes it
 
     @property
     def vocab_size(self) -> int:
