@@ -9,6 +9,7 @@ from model_loop import greedy_through_cache, make_cache, run_step, text_idx
 from batchkv.errors import ConfigError
 from batchkv.models import MODEL_PRESETS, SenseNovaLM, build_model
 from batchkv.models.reference import reference_generate, reference_logits
+from batchkv.models.sensenova import rms_norm
 
 TOL = {"atol": 2e-4, "rtol": 1e-4}
 
@@ -126,3 +127,24 @@ def test_a_cpu_drawn_init_is_identical_on_the_gpu():
     gpu = build_model("sensenova-u1-tiny", "cuda", seed=5, init_on="cpu")
     for pc, pg in zip(cpu.parameters(), gpu.parameters(), strict=True):
         assert torch.equal(pc, pg.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rounds_exactly_like_transformers_qwen3_rmsnorm(dtype):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    norm = Qwen3RMSNorm(64, eps=1e-6).to(dtype).requires_grad_(False)
+    norm.weight.copy_(torch.randn(64, generator=gen))
+    x = (3 * torch.randn(5, 7, 64, generator=gen)).to(dtype)
+    assert torch.equal(rms_norm(x, norm.weight, 1e-6), norm(x))
+
+
+def test_a_bfloat16_model_through_the_cache_stays_close_to_its_reference():
+    model = build_model("sensenova-u1-tiny", dtype=torch.bfloat16, seed=0)
+    cache = make_cache(model, max_seqs=2)
+    a, b = cache.seq_new(), cache.seq_new()
+    ids_a, ids_b = [4, 8, 15, 16, 23, 42], [7, 7, 7]
+    logits = run_step(model, cache, [(a, ids_a, text_idx(0, 6)), (b, ids_b, text_idx(0, 3))], 12)
+    expected, _ = reference_logits(model, torch.tensor(ids_a), text_idx(0, 6))
+    torch.testing.assert_close(logits[:6], expected, atol=0.3, rtol=0.05)

@@ -30,9 +30,12 @@ Angles are computed in float32 from the step's `indexes`, then cos/sin are cast 
 dtype. Text tokens use index (t, 0, 0), which makes the h and w sections the identity. The RoPE
 index t is not the KV position: a whole image takes one t step, so callers track it separately.
 
-Speed: q/k/v are one fused matmul and gate/up another (fused when weights are loaded; the
-checkpoint keeps the separate names), RoPE tables are computed once per step for all layers, and
-only the `logits_rows` rows reach the final norm and LM head.
+Speed (decode is weight-read bound, so the step is 4 matmuls a layer plus as few small kernels
+as plain torch allows): q/k/v are one fused matmul and gate/up another (fused when weights are
+loaded; the checkpoint keeps the separate names); the split QK-norm and RoPE run over the q and
+k heads together (6 kernels); RoPE tables are computed once per step for all layers; only the
+`logits_rows` rows reach the final norm and LM head. About 20 kernels a layer besides attention;
+the next step is fused Triton kernels for add+RMSNorm, QK-norm+RoPE and SiLU*mul.
 
 Image tokens in the published model attend bidirectionally within one t index; this module serves
 text (causal) only.
@@ -49,10 +52,10 @@ from batchkv.models.config import SenseNovaConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`weight * (x / sqrt(mean(x^2, -1) + eps))`, normalised in float32 and cast back to x's dtype."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """`weight * (x / sqrt(mean(x^2, -1) + eps))`: normalised in float32, rounded to x's dtype, then
+    scaled (Qwen3RMSNorm's rounding). Two kernels on CUDA (torch's fused rms_norm, then the scale).
+    """
+    return F.rms_norm(x, (x.shape[-1],), eps=eps) * weight
 
 
 class Rope3D(nn.Module):
@@ -87,8 +90,8 @@ class Rope3D(nn.Module):
         return angle.cos().to(dtype), (angle.sin() * self.sign).to(dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [W, H, D] with tables from `tables` ([W, D]). Capturable."""
-        return x * cos[:, None] + x.index_select(-1, self.partner) * sin[:, None]
+        """Rotate x [W, H, D] with tables from `tables` ([W, D]). Three kernels; capturable."""
+        return torch.addcmul(x * cos[:, None], x.index_select(-1, self.partner), sin[:, None])
 
     def forward(self, x: torch.Tensor, indexes: torch.Tensor) -> torch.Tensor:
         """Rotate x [W, H, D] at indexes int64 [3, W]."""
@@ -168,12 +171,15 @@ class SenseNovaLM(nn.Module):
     def _attention(self, layer: int, p: DecoderLayer, x: torch.Tensor, cos, sin, cache) -> torch.Tensor:
         cfg, w = self.config, x.shape[0]
         d, hq, hkv = cfg.head_dim, cfg.q_heads, cfg.kv_heads
-        q, k, v = F.linear(x, p.qkv).split([hq * d, hkv * d, hkv * d], dim=-1)
-        # Split QK-norm: view [W, H, 2, D/2] so row 0 of the [2, D/2] weight scales the t half.
-        q = rms_norm(q.view(w, hq, 2, d // 2), p.q_norm, cfg.rms_eps).view(w, hq, d)
-        k = rms_norm(k.view(w, hkv, 2, d // 2), p.k_norm, cfg.rms_eps).view(w, hkv, d)
-        q, k = self.rope.apply(q, cos, sin), self.rope.apply(k, cos, sin)
-        v = v.reshape(w, hkv, d).contiguous()  # a small copy: the fused split leaves v strided
+        qkv = F.linear(x, p.qkv)  # [W, (Hq + 2 Hkv) D]
+        # Split QK-norm over q and k heads at once: view [W, Hq + Hkv, 2, D/2] so that row 0 of
+        # each [2, D/2] weight scales the t half and row 1 the h|w half.
+        qk = F.rms_norm(qkv[:, : (hq + hkv) * d].view(w, hq + hkv, 2, d // 2), (d // 2,), eps=cfg.rms_eps)
+        qk[:, :hq].mul_(p.q_norm)
+        qk[:, hq:].mul_(p.k_norm)
+        qk = self.rope.apply(qk.view(w, hq + hkv, d), cos, sin)  # [W, Hq + Hkv, D]
+        q, k = qk[:, :hq], qk[:, hq:]  # strided views, last dim contiguous
+        v = qkv[:, (hq + hkv) * d :].view(w, hkv, d)
         out = cache.update_and_attend(layer, q, k, v, scale=self.scale)  # [W, Hq, D]
         return F.linear(out.reshape(w, hq * d), p.o_proj)
 
