@@ -45,7 +45,7 @@ def _qwen3(**extra):
 
 
 def _llama():
-    cfg = transformers.LlamaConfig(**GEOMETRY, attn_implementation="eager", rope_theta=10000.0)
+    cfg = transformers.LlamaConfig(**GEOMETRY, attn_implementation="eager")
     return _peaky(transformers.LlamaForCausalLM(cfg), seed=1)
 
 

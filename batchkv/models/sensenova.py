@@ -19,7 +19,7 @@ facts"), not a port of its code. Per packed token row (W rows, hidden size H):
 RMSNorm(x) = x / sqrt(mean(x^2) + eps), computed in float32 and cast back before the weight.
 
 rope3d rotates three sections of head_dim independently, each with the rotate-half convention
-inside its section (dim j pairs with dim j + n/2 of an n-dim section):
+inside its section (dim j pairs with dim j + n/2 of an n-dim section; both turn by angle_j):
 
     section t: dims [0, D/2),      angle_j = indexes[0] * 5e6 ** (-2j / (D/2)),  j < D/4
     section h: dims [D/2, 3D/4),   angle_j = indexes[1] * 1e4 ** (-2j / (D/4)),  j < D/8
