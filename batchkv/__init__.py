@@ -4,6 +4,7 @@ from batchkv.cache import BatchedSequenceCache, CacheConfig, LayerSpec
 from batchkv.errors import (
     BatchKVError,
     CapacityError,
+    CheckpointError,
     ConfigError,
     ContractError,
     ManifestError,
@@ -23,6 +24,7 @@ __all__ = [
     "BatchedSequenceCache",
     "CacheConfig",
     "CapacityError",
+    "CheckpointError",
     "ConfigError",
     "ContractError",
     "LayerSpec",

@@ -59,3 +59,7 @@ class ManifestError(BatchKVError, ValueError):
 
     def __reduce__(self) -> tuple[type, tuple[str, str]]:
         return type(self), (self.path, self.rule)
+
+
+class CheckpointError(BatchKVError, ValueError):
+    """A checkpoint's tensors do not match the model: missing, unexpected or misshapen names."""
