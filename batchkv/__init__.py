@@ -4,8 +4,10 @@ from batchkv.cache import BatchedSequenceCache, CacheConfig, LayerSpec
 from batchkv.errors import (
     BatchKVError,
     CapacityError,
+    CheckpointError,
     ConfigError,
     ContractError,
+    ManifestError,
     NoFreeColumnError,
     PositionError,
     RingFloorError,
@@ -13,6 +15,7 @@ from batchkv.errors import (
     UnknownSequenceError,
     UnsupportedLayout,
 )
+from batchkv.manifest import Manifest, from_manifest, load_manifest
 
 __version__ = "0.1.0"
 
@@ -21,13 +24,18 @@ __all__ = [
     "BatchedSequenceCache",
     "CacheConfig",
     "CapacityError",
+    "CheckpointError",
     "ConfigError",
     "ContractError",
     "LayerSpec",
+    "Manifest",
+    "ManifestError",
     "NoFreeColumnError",
     "PositionError",
     "RingFloorError",
     "StepError",
     "UnknownSequenceError",
     "UnsupportedLayout",
+    "from_manifest",
+    "load_manifest",
 ]

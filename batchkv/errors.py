@@ -48,6 +48,23 @@ class UnsupportedLayout(BatchKVError):
     """A manifest asks for a cache layout this runtime does not build."""
 
 
+class ManifestError(BatchKVError, ValueError):
+    """A manifest breaks the schema. `path` is the JSON path of the field (`$.layers[3].window`),
+    `rule` what it must be; the message is `"<path>: <rule>"`."""
+
+    def __init__(self, path: str, rule: str) -> None:
+        super().__init__(f"{path}: {rule}")
+        self.path = path
+        self.rule = rule
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return type(self), (self.path, self.rule)
+
+
+class CheckpointError(BatchKVError, ValueError):
+    """A checkpoint's tensors do not match the model: missing, unexpected or misshapen names."""
+
+
 class RequestError(BatchKVError, ValueError):
     """A request the engine can never serve (empty prompt, no room under capacity, bad sampling
     parameters); it is refused at submit and the engine is unchanged."""

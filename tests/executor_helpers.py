@@ -6,9 +6,8 @@ from __future__ import annotations
 import random
 from functools import cache
 
-from toy_model import ToyModel, reference_generate
-
 from batchkv.executor import Engine, Output, Request, SamplingParams, gather
+from tests.toy_model import ToyModel, reference_generate
 
 
 def drive(

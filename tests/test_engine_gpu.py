@@ -7,11 +7,11 @@ import random
 
 import pytest
 import torch
-from executor_helpers import drive, random_prompt
-from toy_model import ToyModel
 
 from batchkv.executor import Engine, Request, SamplingParams
 from batchkv.executor.workload import replay, synthetic
+from tests.executor_helpers import drive, random_prompt
+from tests.toy_model import ToyModel
 
 pytestmark = pytest.mark.gpu
 

@@ -7,11 +7,11 @@ import random
 
 import pytest
 import torch
-from executor_helpers import drive, greedy, oracle, random_prompt
-from toy_model import ToyModel
 
 from batchkv.errors import ConfigError, RequestError
 from batchkv.executor import MAX_SAMPLE_ROWS, Engine, Request, SamplingParams, gather
+from tests.executor_helpers import drive, greedy, oracle, random_prompt
+from tests.toy_model import ToyModel
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -8,11 +8,11 @@ import json
 
 import pytest
 import torch
-from toy_model import ToyModel
 
 from batchkv import cli
 from batchkv.errors import WorkloadError
 from batchkv.executor.workload import load_jsonl, synthetic
+from tests.toy_model import ToyModel
 
 
 @pytest.fixture(autouse=True)

@@ -11,10 +11,10 @@ import random
 
 import pytest
 import torch
-from executor_helpers import drive, greedy, oracle, random_prompt
-from toy_model import ToyModel
 
 from batchkv.executor import Engine, Request
+from tests.executor_helpers import drive, greedy, oracle, random_prompt
+from tests.toy_model import ToyModel
 
 
 class RecordingGraphs:

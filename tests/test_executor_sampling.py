@@ -7,13 +7,13 @@ import random
 
 import pytest
 import torch
-from executor_helpers import drive, greedy, oracle, random_prompt
-from toy_model import ToyModel
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from batchkv.errors import RequestError
 from batchkv.executor import Engine, Request, SamplingParams
 from batchkv.executor.sampling import sample_tokens, uniform
+from tests.executor_helpers import drive, greedy, oracle, random_prompt
+from tests.toy_model import ToyModel
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -60,7 +60,13 @@ class BatchedSequenceCache:
         self.device = torch.device(device)
         self.attention = ops.resolve_backend(attention, self.device)
         self._write, self._attend = ops.backend_functions(self.attention)
-        self._store = ColumnStore(config, self.device, alloc)
+        try:
+            self._store = ColumnStore(config, self.device, alloc)
+        except torch.OutOfMemoryError as exc:
+            raise CapacityError(
+                f"allocating the first {config.rows_for(1)} rows ({self._gib(config.rows_for(1)):.2f} GiB) "
+                f"failed: {exc}. Lower max_seqs or capacity, or free device memory"
+            ) from exc
         group_keys = sorted({config.ring_rows(layer) for layer in range(config.num_layers)})
         self._group_of = [group_keys.index(config.ring_rows(layer)) for layer in range(config.num_layers)]
         self._group_layer = [self._group_of.index(g) for g in range(len(group_keys))]  # a layer per group
@@ -166,7 +172,7 @@ class BatchedSequenceCache:
                 f"layers keep only enough for a prefix of {floor} or more; upto={upto} is below that"
             )
         dst = self._free_column()
-        self._store.copy_column(src, dst, upto, self._high_water[src])
+        self._store.copy_column(src, dst, upto)
         self._lengths[dst] = upto
         self._high_water[dst] = self._high_water[src]  # its ring rows hold what the donor wrote
         return dst
@@ -202,13 +208,15 @@ class BatchedSequenceCache:
             raise CapacityError(f"reserve: length {length} is outside [1, capacity={self.capacity}]")
         return self._grow(self.config.rows_for(length))
 
+    def _gib(self, rows: int) -> float:
+        return rows * self.config.bytes_per_row() / 2**30
+
     def _grow(self, rows: int) -> bool:
         try:
             return self._store.grow_to(rows)
         except torch.OutOfMemoryError as exc:
-            need = rows * self.config.bytes_per_row() / 2**30
             raise CapacityError(
-                f"growing the store to {rows} rows ({need:.2f} GiB) failed: {exc}; the cache is unchanged. "
+                f"growing the store to {rows} rows ({self._gib(rows):.2f} GiB) failed: {exc}; the cache is unchanged. "
                 "Lower capacity or max_seqs, or free device memory"
             ) from exc
 

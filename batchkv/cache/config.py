@@ -44,7 +44,8 @@ class CacheConfig:
     """Geometry of a batched-sequence column store.
 
     num_layers, kv_heads, head_dim: the KV geometry of the model.
-    max_seqs: resident sequences (columns); one more column is scratch for padding.
+    max_seqs: resident sequences (columns); one more column is scratch for padding, unless
+        `max_width` is 1 (a one-token step never pads, so a decode-only store has no scratch).
     capacity: most positions one sequence may hold.
     max_write: most tokens one sequence writes in one step (sizes ring layers).
     layers: one `LayerSpec` per layer; default all flat, no window.
@@ -107,12 +108,15 @@ class CacheConfig:
 
     @property
     def columns(self) -> int:
-        """Columns per layer: `max_seqs` leased ones plus the scratch column."""
-        return self.max_seqs + 1
+        """Columns per layer: `max_seqs` leased ones plus the scratch column (none when max_width is 1)."""
+        return self.max_seqs + (1 if self.max_width > 1 else 0)
 
     @property
     def scratch(self) -> int:
-        """Index of the scratch column: padded tokens write there, no segment reads it."""
+        """Index of the scratch column: padded tokens write there, no segment reads it.
+
+        Equal to `columns` (no such column) when max_width is 1: then no token is ever padding.
+        """
         return self.max_seqs
 
     def ring_rows(self, layer: int) -> int:

@@ -73,15 +73,14 @@ class ColumnStore:
         self.generation += 1
         return True
 
-    def copy_column(self, src: int, dst: int, upto: int, written: int) -> None:
+    def copy_column(self, src: int, dst: int, upto: int) -> None:
         """Copy positions [0, upto) of column `src` into column `dst`, every layer, on the device.
 
-        `written` is the source's high-water mark: a ring layer that has wrapped is copied whole
-        (its rows hold the newest `rows` positions), otherwise only the rows in use.
+        Rows [0, min(upto, rows)) suffice for a ring too: the caller refuses an `upto` below the
+        ring floor, so every position the clone still reads sits in those rows.
         """
         for layer in range(self.config.num_layers):
-            rows = self.rows(layer)
-            n = rows if written > rows else min(upto, rows)
+            n = min(upto, self.rows(layer))
             if n:
                 self.k[layer][:n, dst].copy_(self.k[layer][:n, src])
                 self.v[layer][:n, dst].copy_(self.v[layer][:n, src])

@@ -1,0 +1,168 @@
+"""Serve a transformers causal LM (Qwen3, Llama, ...) through a batchkv cache.
+
+`HFModel(hf_model)` has the batchkv model interface (see `batchkv.models`). It runs the model's
+own forward over the packed step as one batch row `[1, W]` with `position_ids = indexes[0]`,
+`use_cache=False` (no transformers cache is built) and `logits_to_keep = logits_rows`, while the
+config's attention implementation is switched to "batchkv" for the duration of the call:
+
+- "batchkv" is registered in transformers' `AttentionInterface`. The attention modules hand it
+  query/key/value `[1, H, W, D]` after RoPE (and after QK-norm where the model has one); it calls
+  `cache.update_and_attend(module.layer_idx, q [W, Hq, D], k, v, scale=module scaling)` with the
+  cache passed down through the forward's kwargs, and returns `([1, W, Hq, D], None)`.
+- "batchkv" is deliberately *not* registered as a mask function: transformers' mask builders
+  return None for attention implementations without one, so no `[W, W]` mask is ever made.
+
+Sliding-window layers (`config.layer_types == "sliding_attention"`, or `sliding_window` on a model
+without layer types) become `LayerSpec("flat", window=sliding_window)` in `cache_spec()`; the
+cache applies the window, with the same meaning as transformers' (the last `window` positions,
+the query's own included).
+
+Graph safety: with the mask skipped and position ids given, the Qwen3/Llama forwards do no host
+reads, so the call is capturable when the cache's attention is. Models with attention logit
+soft-capping, attention sinks or non-causal layers are refused (the cache does not do them).
+Uses only APIs present in transformers 5.17 through 5.24.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from transformers import AttentionInterface
+
+from batchkv.cache.config import LayerSpec
+from batchkv.errors import ConfigError, ContractError
+
+ATTN_NAME = "batchkv"
+CACHE_KWARG = "batchkv_cache"
+
+
+def batchkv_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query [1, Hq, W, D], key/value [1, Hkv, W, D] after RoPE.
+
+    Writes K/V and attends through the batchkv cache found in `kwargs["batchkv_cache"]`; the mask
+    is ignored (the cache knows each token's sequence and position). Returns ([1, W, Hq, D], None).
+    Capturable when the cache is.
+    """
+    cache = kwargs.get(CACHE_KWARG)
+    if cache is None:
+        raise ContractError(
+            f"the '{ATTN_NAME}' attention needs the cache in the forward kwargs ({CACHE_KWARG}=...); "
+            "call the model through batchkv.models.hf.HFModel"
+        )
+    if query.shape[0] != 1:
+        raise ContractError(f"'{ATTN_NAME}' attention packs a step into one batch row; got batch {query.shape[0]}")
+    q = query[0].transpose(0, 1).contiguous()  # [W, Hq, D]
+    k = key[0].transpose(0, 1).contiguous()  # [W, Hkv, D]
+    v = value[0].transpose(0, 1).contiguous()
+    out = cache.update_and_attend(module.layer_idx, q, k, v, scale=scaling)
+    return out[None], None
+
+
+AttentionInterface.register(ATTN_NAME, batchkv_attention)
+
+
+@contextlib.contextmanager
+def _attention_implementation(config, name: str) -> Iterator[None]:
+    """Switch `config._attn_implementation` for one call and put it back afterwards."""
+    previous = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+def _refuse_unsupported(config) -> None:
+    for attr in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, attr, None):
+            raise ConfigError(f"{config.model_type}: {attr}={getattr(config, attr)} is not supported by the cache")
+    if getattr(config, "is_causal", True) is False:
+        raise ConfigError(f"{config.model_type}: a non-causal config (is_causal=False) cannot be served")
+
+
+class HFModel:
+    """A transformers causal LM behind the batchkv model interface (see `batchkv.models`).
+
+    The wrapped model stays usable on its own: the attention implementation is switched only
+    inside `__call__`. Parameters are not copied.
+
+    >>> hf = Qwen3ForCausalLM(Qwen3Config(...)); model = HFModel(hf)
+    >>> cache = BatchedSequenceCache(CacheConfig(**model.cache_spec(), max_seqs=4, capacity=512))
+    >>> logits = model(input_ids, indexes, cache, logits_rows)   # float32 [R, vocab]
+    """
+
+    def __init__(self, hf_model: torch.nn.Module) -> None:
+        self.hf = hf_model.eval()
+        self.config = hf_model.config
+        _refuse_unsupported(self.config)
+        self._head = hf_model.get_output_embeddings()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._head.weight.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self._head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._head.weight.dtype
+
+    def _layer_specs(self) -> tuple[LayerSpec, ...]:
+        cfg = self.config
+        n, window = cfg.num_hidden_layers, getattr(cfg, "sliding_window", None) or 0
+        types = getattr(cfg, "layer_types", None)
+        if types is None:  # older configs: one window for every layer, when switched on
+            types = [
+                "sliding_attention" if window and getattr(cfg, "use_sliding_window", True) else "full_attention"
+            ] * n
+        specs = []
+        for i, kind in enumerate(types[:n]):
+            if kind == "full_attention":
+                specs.append(LayerSpec())
+            elif kind == "sliding_attention" and window:
+                specs.append(LayerSpec("flat", window=window))
+            else:
+                raise ConfigError(f"{cfg.model_type} layer {i} is {kind!r}; batchkv serves full and sliding attention")
+        return tuple(specs)
+
+    def cache_spec(self) -> dict:
+        """KV geometry from the config: `CacheConfig(**model.cache_spec(), max_seqs=..., capacity=...)`."""
+        cfg = self.config
+        heads = cfg.num_attention_heads
+        return {
+            "num_layers": cfg.num_hidden_layers,
+            "kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            "layers": self._layer_specs(),
+            "dtype": self.dtype,
+        }
+
+    @torch.no_grad()
+    def __call__(
+        self, input_ids: torch.Tensor, indexes: torch.Tensor, cache, logits_rows: torch.Tensor
+    ) -> torch.Tensor:
+        """One packed step: input_ids int64 [W], indexes int64 [3, W] (row 0 = position ids),
+        logits_rows int64 [R]. Returns float32 [R, vocab]. Capturable when the cache is.
+        """
+        with _attention_implementation(self.config, ATTN_NAME):
+            out = self.hf(
+                input_ids=input_ids[None],
+                position_ids=indexes[0][None],
+                use_cache=False,
+                logits_to_keep=logits_rows,
+                **{CACHE_KWARG: cache},
+            )
+        return out.logits[0].float()

@@ -1,0 +1,199 @@
+"""SenseNova-U1 language model, understanding path, attending through a batchkv cache.
+
+This is our implementation of the published description of the model (see DESIGN.md, "SenseNova
+facts"), not a port of its code. Per packed token row (W rows, hidden size H):
+
+    h      = embed[input_ids]                                          # [W, H]
+    for each layer l:
+        x        = RMSNorm(h) * input_layernorm                        # eps 1e-6
+        q, k, v  = x @ Wq.T, x @ Wk.T, x @ Wv.T                        # [W, Hq, D], [W, Hkv, D] x2, no bias
+        q[..., :D/2] = RMSNorm(q[..., :D/2]) * q_norm                  # t half
+        q[..., D/2:] = RMSNorm(q[..., D/2:]) * q_norm_hw               # h|w half; same for k with k_norm*
+        q, k     = rope3d(q, indexes), rope3d(k, indexes)
+        a        = cache.update_and_attend(l, q, k, v, scale=D**-0.5)   # causal, GQA
+        h        = h + a.reshape(W, Hq*D) @ Wo.T
+        x        = RMSNorm(h) * post_attention_layernorm
+        h        = h + (silu(x @ Wgate.T) * (x @ Wup.T)) @ Wdown.T
+    logits = (RMSNorm(h[logits_rows]) * norm) @ lm_head.T              # untied head, float32 out
+
+RMSNorm(x) = x / sqrt(mean(x^2) + eps), computed in float32 and cast back before the weight.
+
+rope3d rotates three sections of head_dim independently, each with the rotate-half convention
+inside its section (dim j pairs with dim j + n/2 of an n-dim section; both turn by angle_j):
+
+    section t: dims [0, D/2),      angle_j = indexes[0] * 5e6 ** (-2j / (D/2)),  j < D/4
+    section h: dims [D/2, 3D/4),   angle_j = indexes[1] * 1e4 ** (-2j / (D/4)),  j < D/8
+    section w: dims [3D/4, D),     angle_j = indexes[2] * 1e4 ** (-2j / (D/4)),  j < D/8
+    out = x * cos(angle) + rotate_half_within_section(x) * sin(angle)
+
+Angles are computed in float32 from the step's `indexes`, then cos/sin are cast to the model
+dtype. Text tokens use index (t, 0, 0), which makes the h and w sections the identity. The RoPE
+index t is not the KV position: a whole image takes one t step, so callers track it separately.
+
+Speed (decode is weight-read bound, so the step is 4 matmuls a layer plus as few small kernels
+as plain torch allows): q/k/v are one fused matmul and gate/up another (fused when weights are
+loaded; the checkpoint keeps the separate names); the split QK-norm and RoPE run over the q and
+k heads together (6 kernels); RoPE tables are computed once per step for all layers; only the
+`logits_rows` rows reach the final norm and LM head. About 20 kernels a layer besides attention;
+the next step is fused Triton kernels for add+RMSNorm, QK-norm+RoPE and SiLU*mul.
+
+Image tokens in the published model attend bidirectionally within one t index; this module serves
+text (causal) only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchkv.cache.config import LayerSpec
+from batchkv.models.config import SenseNovaConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * (x / sqrt(mean(x^2, -1) + eps))`: normalised in float32, rounded to x's dtype, then
+    scaled (Qwen3RMSNorm's rounding). Two kernels on CUDA (torch's fused rms_norm, then the scale).
+    """
+    return F.rms_norm(x, (x.shape[-1],), eps=eps) * weight
+
+
+class Rope3D(nn.Module):
+    """3-D rotary embedding: t on the first D/2 dims, h and w on D/4 each (see the module docstring).
+
+    Buffers (all [D]): `inv_freq` (float32, the frequency of each dim's pair), `axis` (which index
+    row drives the dim: 0 t, 1 h, 2 w), `partner` (the dim it pairs with under rotate-half) and
+    `sign` (-1 for the first half of a section, +1 for the second).
+    """
+
+    def __init__(self, head_dim: int, theta_t: float, theta_hw: float) -> None:
+        super().__init__()
+        inv_freq, axis, partner, sign = [], [], [], []
+        start = 0
+        sections = ((head_dim // 2, theta_t), (head_dim // 4, theta_hw), (head_dim // 4, theta_hw))  # t, h, w
+        for ax, (size, theta) in enumerate(sections):
+            half = size // 2
+            freq = 1.0 / (theta ** (torch.arange(0, size, 2, dtype=torch.float32) / size))  # [size/2]
+            inv_freq.append(torch.cat([freq, freq]))
+            axis += [ax] * size
+            partner += [start + half + j for j in range(half)] + [start + j for j in range(half)]
+            sign += [-1.0] * half + [1.0] * half
+            start += size
+        self.inv_freq = nn.Buffer(torch.cat(inv_freq), persistent=False)
+        self.axis = nn.Buffer(torch.tensor(axis, dtype=torch.int64), persistent=False)
+        self.partner = nn.Buffer(torch.tensor(partner, dtype=torch.int64), persistent=False)
+        self.sign = nn.Buffer(torch.tensor(sign, dtype=torch.float32), persistent=False)
+
+    def tables(self, indexes: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin: [W, D] in `dtype`, from indexes int64 [3, W]. Capturable."""
+        angle = indexes.index_select(0, self.axis).T.float() * self.inv_freq  # [W, D] float32
+        return angle.cos().to(dtype), (angle.sin() * self.sign).to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [W, H, D] with tables from `tables` ([W, D]). Three kernels; capturable."""
+        return torch.addcmul(x * cos[:, None], x.index_select(-1, self.partner), sin[:, None])
+
+    def forward(self, x: torch.Tensor, indexes: torch.Tensor) -> torch.Tensor:
+        """Rotate x [W, H, D] at indexes int64 [3, W]."""
+        cos, sin = self.tables(indexes, x.dtype)
+        return self.apply(x, cos, sin)
+
+
+def _param(*shape: int, device: torch.device, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer's fused weights (see `batchkv.models.weights` for the checkpoint names).
+
+    qkv: [(Hq + 2 Hkv) D, H] = cat(q_proj, k_proj, v_proj); gate_up: [2 I, H] = cat(gate, up);
+    q_norm, k_norm: [2, D/2] = stack(t-half weight, hw-half weight).
+    """
+
+    def __init__(self, cfg: SenseNovaConfig, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, d, i = cfg.hidden, cfg.head_dim, cfg.intermediate
+        kw = {"device": device, "dtype": dtype}
+        self.input_layernorm = _param(h, **kw)
+        self.qkv = _param((cfg.q_heads + 2 * cfg.kv_heads) * d, h, **kw)
+        self.q_norm = _param(2, d // 2, **kw)
+        self.k_norm = _param(2, d // 2, **kw)
+        self.o_proj = _param(h, cfg.q_heads * d, **kw)
+        self.post_attention_layernorm = _param(h, **kw)
+        self.gate_up = _param(2 * i, h, **kw)
+        self.down = _param(h, i, **kw)
+
+
+class SenseNovaLM(nn.Module):
+    """The SenseNova-U1 language model, driven one packed step at a time through a batchkv cache.
+
+    Parameters start uninitialised; `batchkv.models.build_model` fills them from a seed or a
+    checkpoint. Call: `logits = model(input_ids, indexes, cache, logits_rows)` (see
+    `batchkv.models` for the contract). The forward is CUDA-graph capturable: no host reads, no
+    data-dependent shapes; everything is static given W and R.
+    """
+
+    def __init__(self, config: SenseNovaConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None):
+        super().__init__()
+        self.config = config
+        device, dtype = torch.device(device), dtype or config.dtype
+        h = config.hidden
+        self.embed_tokens = _param(config.vocab, h, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, device, dtype) for _ in range(config.num_layers))
+        self.norm = _param(h, device=device, dtype=dtype)
+        self.lm_head = _param(config.vocab, h, device=device, dtype=dtype)
+        self.rope = Rope3D(config.head_dim, config.theta_t, config.theta_hw).to(device)
+        self.scale = config.head_dim**-0.5  # as the published code writes it
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.dtype
+
+    def cache_spec(self) -> dict:
+        """KV geometry for `CacheConfig(**model.cache_spec(), max_seqs=..., capacity=..., ...)`."""
+        cfg = self.config
+        return {
+            "num_layers": cfg.num_layers,
+            "kv_heads": cfg.kv_heads,
+            "head_dim": cfg.head_dim,
+            "layers": tuple(LayerSpec() for _ in range(cfg.num_layers)),
+            "dtype": self.dtype,
+        }
+
+    def _attention(self, layer: int, p: DecoderLayer, x: torch.Tensor, cos, sin, cache) -> torch.Tensor:
+        cfg, w = self.config, x.shape[0]
+        d, hq, hkv = cfg.head_dim, cfg.q_heads, cfg.kv_heads
+        qkv = F.linear(x, p.qkv)  # [W, (Hq + 2 Hkv) D]
+        # Split QK-norm over q and k heads at once: view [W, Hq + Hkv, 2, D/2] so that row 0 of
+        # each [2, D/2] weight scales the t half and row 1 the h|w half.
+        qk = F.rms_norm(qkv[:, : (hq + hkv) * d].view(w, hq + hkv, 2, d // 2), (d // 2,), eps=cfg.rms_eps)
+        qk[:, :hq].mul_(p.q_norm)
+        qk[:, hq:].mul_(p.k_norm)
+        qk = self.rope.apply(qk.view(w, hq + hkv, d), cos, sin)  # [W, Hq + Hkv, D]
+        q, k = qk[:, :hq], qk[:, hq:]  # strided views, last dim contiguous
+        v = qkv[:, (hq + hkv) * d :].view(w, hkv, d)
+        out = cache.update_and_attend(layer, q, k, v, scale=self.scale)  # [W, Hq, D]
+        return F.linear(out.reshape(w, hq * d), p.o_proj)
+
+    def forward(self, input_ids: torch.Tensor, indexes: torch.Tensor, cache, logits_rows: torch.Tensor) -> torch.Tensor:
+        """One packed step. input_ids int64 [W], indexes int64 [3, W], logits_rows int64 [R].
+
+        Returns float32 [R, vocab]. `cache` must be declared and prepared for width W.
+        """
+        eps = self.config.rms_eps
+        h = F.embedding(input_ids, self.embed_tokens)  # [W, H]
+        cos, sin = self.rope.tables(indexes, h.dtype)  # [W, D] each, shared by every layer
+        for layer, p in enumerate(self.layers):
+            h = h + self._attention(layer, p, rms_norm(h, p.input_layernorm, eps), cos, sin, cache)
+            gate, up = F.linear(rms_norm(h, p.post_attention_layernorm, eps), p.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, p.down)
+        h = rms_norm(h.index_select(0, logits_rows), self.norm, eps)  # [R, H]
+        return F.linear(h, self.lm_head).float()

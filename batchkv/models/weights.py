@@ -1,0 +1,229 @@
+"""SenseNova-U1 weights: checkpoint names, seeded random init, safetensors load and save.
+
+Checkpoint key names mirror the usual HF/Qwen naming, with the split QK-norm of the published
+model (`q_norm` scales the t half of head_dim, `q_norm_hw` the h|w half):
+
+    model.embed_tokens.weight                         [vocab, H]
+    model.layers.{i}.input_layernorm.weight           [H]
+    model.layers.{i}.self_attn.q_proj.weight          [Hq * D, H]
+    model.layers.{i}.self_attn.k_proj.weight          [Hkv * D, H]
+    model.layers.{i}.self_attn.v_proj.weight          [Hkv * D, H]
+    model.layers.{i}.self_attn.q_norm.weight          [D / 2]
+    model.layers.{i}.self_attn.q_norm_hw.weight       [D / 2]
+    model.layers.{i}.self_attn.k_norm.weight          [D / 2]
+    model.layers.{i}.self_attn.k_norm_hw.weight       [D / 2]
+    model.layers.{i}.self_attn.o_proj.weight          [H, Hq * D]
+    model.layers.{i}.post_attention_layernorm.weight  [H]
+    model.layers.{i}.mlp.gate_proj.weight             [I, H]
+    model.layers.{i}.mlp.up_proj.weight               [I, H]
+    model.layers.{i}.mlp.down_proj.weight             [H, I]
+    model.norm.weight                                 [H]
+    lm_head.weight                                    [vocab, H]
+
+On load, q/k/v and gate/up are concatenated into the model's fused matrices (and the two norm
+halves stacked); `save_checkpoint` splits them back. A checkpoint that nests these names (the
+published one keeps the language model under a prefix and also holds generation-branch
+`*_mot_gen` tensors) loads with `prefix=` and `skip=`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from batchkv.errors import CheckpointError, ConfigError
+from batchkv.models.config import SenseNovaConfig, preset_config
+from batchkv.models.sensenova import SenseNovaLM
+
+# Fused parameter of a layer -> the checkpoint names it is made of, in order.
+_LAYER_PARTS = (
+    ("input_layernorm", ("input_layernorm.weight",)),
+    ("qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+    ("q_norm", ("self_attn.q_norm.weight", "self_attn.q_norm_hw.weight")),
+    ("k_norm", ("self_attn.k_norm.weight", "self_attn.k_norm_hw.weight")),
+    ("o_proj", ("self_attn.o_proj.weight",)),
+    ("post_attention_layernorm", ("post_attention_layernorm.weight",)),
+    ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    ("down", ("mlp.down_proj.weight",)),
+)
+AUTO_CPU_INIT_LIMIT = 2**30  # params; larger models draw their random init on the target device
+
+
+def checkpoint_shapes(cfg: SenseNovaConfig) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint name of a model with this config, and its shape."""
+    h, d, i, v = cfg.hidden, cfg.head_dim, cfg.intermediate, cfg.vocab
+    per_layer = {
+        "input_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (cfg.q_heads * d, h),
+        "self_attn.k_proj.weight": (cfg.kv_heads * d, h),
+        "self_attn.v_proj.weight": (cfg.kv_heads * d, h),
+        "self_attn.q_norm.weight": (d // 2,),
+        "self_attn.q_norm_hw.weight": (d // 2,),
+        "self_attn.k_norm.weight": (d // 2,),
+        "self_attn.k_norm_hw.weight": (d // 2,),
+        "self_attn.o_proj.weight": (h, cfg.q_heads * d),
+        "post_attention_layernorm.weight": (h,),
+        "mlp.gate_proj.weight": (i, h),
+        "mlp.up_proj.weight": (i, h),
+        "mlp.down_proj.weight": (h, i),
+    }
+    shapes = {"model.embed_tokens.weight": (v, h)}
+    for layer in range(cfg.num_layers):
+        shapes.update({f"model.layers.{layer}.{name}": shape for name, shape in per_layer.items()})
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def named_weights(model: SenseNovaLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, view into the fused model parameter that holds it), in checkpoint order.
+
+    The views share storage with the model: no copy, same device and dtype.
+    """
+    shapes = checkpoint_shapes(model.config)
+    yield "model.embed_tokens.weight", model.embed_tokens.data
+    for layer, p in enumerate(model.layers):
+        for attr, names in _LAYER_PARTS:
+            flat, offset = getattr(p, attr).data.view(-1), 0
+            for name in names:
+                full = f"model.layers.{layer}.{name}"
+                n = math.prod(shapes[full])
+                yield full, flat[offset : offset + n].view(shapes[full])
+                offset += n
+    yield "model.norm.weight", model.norm.data
+    yield "lm_head.weight", model.lm_head.data
+
+
+def _init_std(cfg: SenseNovaConfig, name: str, shape: tuple[int, ...]) -> float:
+    if name == "model.embed_tokens.weight":
+        return 1.0
+    if name == "lm_head.weight":
+        return cfg.lm_head_gain / math.sqrt(shape[1])
+    return cfg.init_gain / math.sqrt(shape[1])
+
+
+@torch.no_grad()
+def random_init(model: SenseNovaLM, seed: int = 0, on: str = "auto") -> None:
+    """Fill every parameter from `seed`. Each checkpoint tensor has its own generator seeded by
+    (seed, name), so the draw does not depend on order or fusion.
+
+    on="cpu": draw on the CPU, then move: identical on every device. on="device": draw on the
+    model's device (fast for 8B; reproducible per device kind only). "auto": CPU up to
+    AUTO_CPU_INIT_LIMIT parameters, else the device. Norm weights are 1 + norm_jitter * N(0, 1);
+    projections N(0, gain^2 / fan_in); the embedding N(0, 1).
+    """
+    cfg = model.config
+    if on == "auto":
+        on = "cpu" if cfg.num_params <= AUTO_CPU_INIT_LIMIT else "device"
+    if on not in ("cpu", "device"):
+        raise ConfigError(f"random_init(on={on!r}); use 'auto', 'cpu' or 'device'")
+    gen_device = torch.device("cpu") if on == "cpu" else model.device
+    for name, target in named_weights(model):
+        gen = torch.Generator(device=gen_device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**62)
+        draw = torch.randn(target.shape, generator=gen, device=gen_device, dtype=torch.float32)
+        if target.dim() == 1:  # a norm weight
+            draw = 1.0 + cfg.norm_jitter * draw
+        else:
+            draw *= _init_std(cfg, name, tuple(target.shape))
+        target.copy_(draw)
+
+
+def _checkpoint_files(path: str | os.PathLike) -> list[Path]:
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise CheckpointError(f"no safetensors checkpoint at {path} (give a .safetensors file or a folder of them)")
+    return files
+
+
+def _listing(title: str, items: Sequence[str], limit: int = 8) -> str:
+    more = f" ... and {len(items) - limit} more" if len(items) > limit else ""
+    return f"{title} ({len(items)}): {', '.join(items[:limit])}{more}"
+
+
+@torch.no_grad()
+def load_checkpoint(model: SenseNovaLM, path: str | os.PathLike, *, prefix: str = "", skip: Sequence[str] = ()) -> None:
+    """Load a safetensors checkpoint (a file, or a folder of shards) into `model`, fusing as it goes.
+
+    Names are those listed in the module docstring, each preceded by `prefix`. Tensors whose name
+    does not start with `prefix`, or contains any substring in `skip`, are ignored. Every name and
+    shape is checked before any tensor is read: a missing, unexpected or misshapen tensor raises
+    CheckpointError listing them, and the model is left unchanged. Tensors are cast to the
+    model's dtype.
+    """
+    from safetensors import safe_open
+
+    expected = checkpoint_shapes(model.config)
+    with contextlib.ExitStack() as stack:
+        where: dict[str, object] = {}
+        found: dict[str, tuple[int, ...]] = {}
+        for file in _checkpoint_files(path):
+            handle = stack.enter_context(safe_open(str(file), framework="pt", device=str(model.device)))
+            for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+                if not key.startswith(prefix) or any(s in key for s in skip):
+                    continue
+                name = key[len(prefix) :]
+                where[name] = handle
+                found[name] = tuple(handle.get_slice(key).get_shape())
+        missing = [n for n in expected if n not in found]
+        unexpected = sorted(n for n in found if n not in expected)
+        misshapen = [f"{n} {found[n]} != {expected[n]}" for n in expected if n in found and found[n] != expected[n]]
+        if missing or unexpected or misshapen:
+            problems = [
+                _listing(title, items)
+                for title, items in (("missing", missing), ("unexpected", unexpected), ("misshapen", misshapen))
+                if items
+            ]
+            raise CheckpointError(
+                f"checkpoint {path} does not match the model (prefix={prefix!r}): "
+                + "; ".join(problems)
+                + ". Check the preset, the prefix and skip= for tensors of other model parts"
+            )
+        for name, target in named_weights(model):
+            target.copy_(where[name].get_tensor(prefix + name))
+
+
+def checkpoint_tensors(model: SenseNovaLM) -> dict[str, torch.Tensor]:
+    """The model's weights under their checkpoint names, as independent CPU tensors."""
+    return {name: view.detach().to("cpu", copy=True).contiguous() for name, view in named_weights(model)}
+
+
+def save_checkpoint(model: SenseNovaLM, path: str | os.PathLike) -> None:
+    """Write `model`'s weights to one safetensors file under the checkpoint names (q/k/v and gate/up split)."""
+    from safetensors.torch import save_file
+
+    save_file(checkpoint_tensors(model), str(path), metadata={"format": "pt", "model": "sensenova-u1"})
+
+
+def build_model(
+    preset: str | SenseNovaConfig,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+    checkpoint: str | os.PathLike | None = None,
+    *,
+    init_on: str = "auto",
+    prefix: str = "",
+    skip: Sequence[str] = (),
+) -> SenseNovaLM:
+    """A SenseNova-U1 language model from a preset name (see MODEL_PRESETS) or a config.
+
+    Weights come from `checkpoint` (see `load_checkpoint`; `prefix`/`skip` pass through) or, when
+    it is None, from a random init seeded by `seed` (see `random_init`; `init_on`). `dtype`
+    defaults to the preset's.
+
+    >>> model = build_model("sensenova-u1-tiny", "cpu", seed=0)
+    """
+    cfg = preset_config(preset) if isinstance(preset, str) else preset
+    model = SenseNovaLM(cfg, device, dtype)
+    if checkpoint is None:
+        random_init(model, seed, on=init_on)
+    else:
+        load_checkpoint(model, checkpoint, prefix=prefix, skip=skip)
+    return model.eval()

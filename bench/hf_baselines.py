@@ -1,0 +1,111 @@
+"""transformers baselines for bench/decode.py: a Qwen3ForCausalLM of the SenseNova-U1-8B shape.
+
+Timed the way a user would run them: eager forward with `DynamicCache`, `StaticCache` with the
+forward compiled in "reduce-overhead" mode (CUDA graphs inside torch.compile), and `generate` over
+left-padded batches. Works with transformers 5.17 (`past_key_values=`) and newer (`cache=`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import torch
+
+
+def qwen3_like(device: torch.device, dtype: torch.dtype = torch.bfloat16, layers: int = 42, seed: int = 0):
+    """A randomly initialised Qwen3ForCausalLM with SenseNova-U1-8B's language-model shape."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        max_position_embeddings=32768,
+        attention_bias=False,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(dtype)
+    return model.eval()
+
+
+def _cache_kwarg(model) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+
+
+@torch.inference_mode()
+def decode_ms_per_token(model, prompt_len: int, new_tokens: int, static_compile: bool = False) -> float:
+    """Greedy decode of one sequence after a prompt; milliseconds per generated token (decode only).
+
+    static_compile: a `StaticCache` and `torch.compile(mode="reduce-overhead", fullgraph=True)` on the
+    forward, warmed up over a full run first so compilation and graph recording are not timed.
+    """
+    from transformers import DynamicCache, StaticCache
+
+    device = next(model.parameters()).device
+    name = _cache_kwarg(model)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=gen).to(device)
+    static = StaticCache(config=model.config, max_cache_len=prompt_len + new_tokens + 8) if static_compile else None
+    forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) if static_compile else model.forward
+
+    def run() -> float:
+        if static is not None:
+            static.reset()
+        cache = static if static is not None else DynamicCache()
+        pos = torch.arange(prompt_len, device=device)
+        out = model(input_ids=ids, position_ids=pos[None], cache_position=pos, use_cache=True, **{name: cache})
+        token = out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for step in range(new_tokens):
+            p = torch.full((1,), prompt_len + step, device=device)
+            out = forward(input_ids=token, position_ids=p[None], cache_position=p, use_cache=True, **{name: cache})
+            token = out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3 / new_tokens
+
+    run()  # warm-up: cuBLAS handles, and for the compiled path compilation and graph recording
+    return run()
+
+
+@torch.inference_mode()
+def generate_padded(model, prompts: list[list[int]], outputs: list[int], batch: int = 64) -> dict:
+    """transformers `generate` (greedy, eager) over left-padded batches; useful output tokens per second.
+
+    Each batch generates to its longest requested output; a request's useful tokens are its own.
+    """
+    device = next(model.parameters()).device
+    useful, elapsed = 0, 0.0
+    for start in range(0, len(prompts), batch):
+        chunk, wants = prompts[start : start + batch], outputs[start : start + batch]
+        width = max(map(len, chunk))
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for i, p in enumerate(chunk):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=max(wants),
+            min_new_tokens=max(wants),
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+        torch.cuda.synchronize()
+        elapsed += time.perf_counter() - t0
+        useful += sum(wants)
+    return {"tokens_per_s": useful / elapsed, "requests": len(prompts), "seconds": elapsed}
