@@ -41,7 +41,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--seed", type=int, default=0, help="seed of the weights, the workload and the sampling")
     w = p.add_argument_group("workload")
     w.add_argument("--workload", metavar="PATH", help="JSONL file, one request per line (replaces the synthetic one)")
-    w.add_argument("--requests", type=int, default=24, help="synthetic: number of requests")
+    w.add_argument("--requests", type=int, default=32, help="synthetic: number of requests")
     w.add_argument(
         "--prompt-len",
         type=_length_range,
@@ -73,7 +73,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--max-step-tokens", type=int, default=64, help="token budget of one step")
     e.add_argument("--prefill-chunk", type=int, default=32, help="most prompt tokens per sequence per step")
     e.add_argument("--graphs", choices=("auto", "on", "off"), default="auto", help="CUDA graphs (auto: on CUDA)")
-    e.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    e.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads for torch; the tiny model's small ops run fastest on one (0: torch's default)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write the metrics as JSON here")
     o.add_argument(
