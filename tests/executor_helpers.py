@@ -27,6 +27,7 @@ def drive(
             ids[order[cursor]] = engine.submit(schedule[order[cursor]][1])
             cursor += 1
         for index in cancels.get(step, []):
+            assert ids[index] >= 0, f"cancel of request {index} at step {step}, before it arrives"
             engine.cancel(ids[index])
             if on_step is not None:
                 on_step("cancel", ids[index])

@@ -40,7 +40,8 @@ def mixed_schedule(seed: int) -> tuple[list[tuple[int, Request]], dict[int, list
             n=rng.choice([1, 1, 1, 2, 3]),
             stop_token_ids=(rng.randrange(512),),
         )
-        schedule.append((rng.randint(0, 40), Request(random_prompt(rng, 1, 100, vocab=512), params)))
+        arrival = rng.randint(0, 8) if i in (1, 5, 9) else rng.randint(0, 40)  # arrive before their cancels
+        schedule.append((arrival, Request(random_prompt(rng, 1, 100, vocab=512), params)))
     # Arrives after graphs exist and crosses the 64- and 128-row boundaries: storage grows mid-run.
     schedule.append((30, Request(random_prompt(rng, 150, 150, vocab=512), SamplingParams(max_new_tokens=100))))
     cancels = {12: [1, 5], 25: [9]}

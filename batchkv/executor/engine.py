@@ -19,7 +19,7 @@ from batchkv.errors import ConfigError, RequestError, StepError
 from batchkv.executor.graphs import GraphSet
 from batchkv.executor.metrics import Metrics
 from batchkv.executor.request import Event, Request
-from batchkv.executor.runner import ModelRunner
+from batchkv.executor.runner import ModelRunner, StepModel
 from batchkv.executor.scheduler import RequestState, Scheduler
 
 
@@ -56,7 +56,7 @@ class Engine:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: StepModel,
         *,
         max_seqs: int = 8,
         capacity: int = 1024,

@@ -13,7 +13,10 @@ Host synchronisations per step: one, `tolist()` on the sampled tokens.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+from torch import nn
 
 from batchkv.cache import BatchedSequenceCache
 from batchkv.executor.graphs import GraphSet, ModuleFingerprint
@@ -22,6 +25,43 @@ from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform
 from batchkv.executor.scheduler import Batch
 
 R = MAX_SAMPLE_ROWS
+
+
+class StepModel(Protocol):
+    """What the engine drives (see `batchkv.models`): a forward over one packed step and the
+    geometry its cache needs. An `nn.Module` or a wrapper holding modules (e.g. `HFModel`)."""
+
+    vocab_size: int
+    device: torch.device
+
+    def cache_spec(self) -> dict: ...
+
+    def __call__(
+        self, input_ids: torch.Tensor, indexes: torch.Tensor, cache: BatchedSequenceCache, logits_rows: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class ModelFingerprint:
+    """`ModuleFingerprint` of the model's module tree; for a wrapper that is not itself a module,
+    of every module among its attributes (so rebinding `HFModel.hf` also changes it)."""
+
+    def __init__(self, model: StepModel) -> None:
+        self.model = model
+        self._prints: dict[int, ModuleFingerprint] = {}
+
+    def __call__(self) -> int:
+        model = self.model
+        if isinstance(model, nn.Module):
+            modules = [("", model)]
+        else:
+            modules = [(name, m) for name, m in vars(model).items() if isinstance(m, nn.Module)]
+        parts = []
+        for name, module in modules:
+            print_ = self._prints.get(id(module))
+            if print_ is None or print_.module is not module:
+                print_ = self._prints[id(module)] = ModuleFingerprint(module)
+            parts.append((name, id(module), print_()))
+        return hash(tuple(parts))
 
 
 class ModelRunner:
@@ -34,7 +74,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: StepModel,
         cache: BatchedSequenceCache,
         max_width: int,
         *,
@@ -43,7 +83,7 @@ class ModelRunner:
     ) -> None:
         self.model, self.cache, self.max_width = model, cache, max_width
         self.graphs, self.pad_rows = graphs, pad_rows or graphs is not None
-        self.fingerprint = ModuleFingerprint(model)
+        self.fingerprint = ModelFingerprint(model)
         device = cache.device
         pin = device.type == "cuda"
         w = max_width
