@@ -61,6 +61,9 @@ class GraphSet:
         self.device = device
         self.warmup = warmup
         self.pool = torch.cuda.graph_pool_handle()
+        # One warm-up stream for every capture: cuBLAS keeps a workspace per (handle, stream), so a
+        # fresh stream per capture would leave one more workspace allocated after each.
+        self._side = torch.cuda.Stream(device)
         self.captures = 0
         self.replays = 0
         self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}
@@ -82,7 +85,7 @@ class GraphSet:
         return entry[1]
 
     def _capture(self, fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
-        side = torch.cuda.Stream(self.device)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(self.warmup):
