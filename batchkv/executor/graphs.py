@@ -61,8 +61,9 @@ class GraphSet:
         self.device = device
         self.warmup = warmup
         self.pool = torch.cuda.graph_pool_handle()
-        # One warm-up stream for every capture: cuBLAS keeps a workspace per (handle, stream), so a
-        # fresh stream per capture would leave one more workspace allocated after each.
+        # One stream warms up and captures every graph: cuBLAS keeps a workspace per (handle,
+        # stream), so the warm-up creates the one the capture uses (none is allocated while
+        # capturing), and no capture leaves a new workspace behind.
         self._side = torch.cuda.Stream(device)
         self.captures = 0
         self.replays = 0
@@ -92,7 +93,7 @@ class GraphSet:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=side):
             outputs = fn()
         self.captures += 1
         return graph, outputs
