@@ -8,7 +8,8 @@ with `seq_clone` into n sequences that decode independently.
 
 Columns: admission takes one column per request and holds back n - 1 more for its forks, so a
 fork can never find the store full. Storage is reserved at admission for the request's longest
-possible history (prompt + max_new_tokens), so growth happens between requests' lifetimes.
+possible history (prompt + max_new_tokens - 1), so growth happens when a request arrives, not in
+the middle of its decode.
 """
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ class Scheduler:
             params = state.request.params
             seq = self.cache.seq_new()
             try:
-                self.cache.reserve(min(self.cache.capacity, len(state.prompt) + params.max_new_tokens))
+                # The last generated token is never written: the longest history is one shorter.
+                self.cache.reserve(min(self.cache.capacity, len(state.prompt) + params.max_new_tokens - 1))
             except BaseException:
                 self.cache.seq_rm(seq)
                 raise
