@@ -10,10 +10,12 @@ from batchkv.errors import (
     ManifestError,
     NoFreeColumnError,
     PositionError,
+    RequestError,
     RingFloorError,
     StepError,
     UnknownSequenceError,
     UnsupportedLayout,
+    WorkloadError,
 )
 from batchkv.manifest import Manifest, from_manifest, load_manifest
 
@@ -32,10 +34,12 @@ __all__ = [
     "ManifestError",
     "NoFreeColumnError",
     "PositionError",
+    "RequestError",
     "RingFloorError",
     "StepError",
     "UnknownSequenceError",
     "UnsupportedLayout",
+    "WorkloadError",
     "from_manifest",
     "load_manifest",
 ]
