@@ -103,6 +103,8 @@ class Engine:
             tail_step=row_step,
         )
         self.device = torch.device(device if device is not None else model.device)
+        if torch.device(model.device).type != self.device.type:
+            raise ConfigError(f"the model is on {model.device} but the engine's device is {self.device}; move one")
         self.cache = BatchedSequenceCache(config, self.device, attention=attention)
         capturable = self.device.type == "cuda" and self.cache.attention != "reference"
         if use_graphs is True and not capturable:
