@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from batchkv.executor import Engine, Request, SamplingParams
-from batchkv.executor.workload import replay, synthetic
+from batchkv.executor.workload import WorkItem, replay, synthetic
 from tests.executor_helpers import drive, random_prompt
 from tests.toy_model import ToyModel
 
@@ -69,7 +69,7 @@ def test_200_requests_capture_per_bucket_and_growth_and_hold_memory_flat(model):
     served = engine(model, True, max_seqs=16, capacity=512)
     items = synthetic(200, vocab_size=512, prompt_len=(1, 200), output_len=(1, 100), arrival_gap=0.5, seed=3)
     longest = Request(random_prompt(random.Random(3), 300, 300, vocab=512), SamplingParams(max_new_tokens=200))
-    items[0] = type(items[0])(0, longest)  # the longest history arrives first: storage grows once, up front
+    items[0] = WorkItem(0, longest)  # the longest history arrives first: storage grows once, up front
     replay(served, items[:20])
     torch.cuda.synchronize()
     after_20 = torch.cuda.memory_allocated()
