@@ -149,3 +149,55 @@ def paged_loop(lm, prompt, tokens, context=None, dtype=torch.float32, graphs=Non
         out.append(runner.step(token, n + i)[0, -1].clone())
     paged.to_dynamic_cache(dyn)
     return out, dyn, (paged, runner)
+
+
+class SenseNovaPipelineAdapter(nn.Module):
+    """batchkv's SenseNova-U1 model behind the pipeline's call signature (paged decode path only).
+
+    The model attends through `cache.update_and_attend`, which `PagedDecodeCache` forwards to its
+    `max_seqs = 1` store, so it runs on the facade unchanged. Returns `.logits` [1, 1, vocab].
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        cfg = model.config
+        self.num_layers, self.kv_heads, self.head_dim = cfg.num_layers, cfg.kv_heads, cfg.head_dim
+        self.register_buffer("rows", torch.zeros(1, dtype=torch.int64, device=model.device), persistent=False)
+
+    def forward(self, input_ids, indexes, past_key_values=None, use_cache=False, paged_cache=None):
+        if paged_cache is None:
+            raise ValueError("this adapter serves the paged decode path only")
+        logits = self.model(input_ids.reshape(1), indexes, paged_cache, self.rows)  # [1, vocab]
+        return SimpleNamespace(logits=logits.view(1, 1, -1))
+
+
+def sensenova_runs(model: nn.Module, prompt: torch.Tensor, tokens: list[int], **options):
+    """The model's eager reference (SDPA over K/V grown by cat) and the pipeline loop on the facade.
+
+    Returns ((reference logits per step, reference K/V per layer), (paged logits, DynamicCache
+    written back), runner).
+    """
+    from batchkv.models.reference import reference_logits
+
+    device, n = prompt.device, len(prompt)
+    _, past = reference_logits(model, prompt, text_indexes(0, n, device))
+    dyn = DynamicCache()
+    for layer, (k, v) in enumerate(past):
+        dyn.update(k[None], v[None], layer)  # [Hkv, T, D] -> [1, Hkv, T, D]
+    want = []
+    for i, token in enumerate(tokens):
+        ids = torch.tensor([token], device=device)
+        logits, past = reference_logits(model, ids, text_indexes(n + i, 1, device), past)
+        want.append(logits[-1])
+    lm = SenseNovaPipelineAdapter(model)
+    paged = PagedDecodeCache.from_dynamic_cache(dyn, lm.num_layers, device, model.dtype, **options)
+    runner = DecodeGraphRunner(lm, paged, device)
+    got = []
+    for i, token in enumerate(tokens):
+        if paged.length + 1 > paged.bucket:
+            paged.grow(paged.length + 1)
+        paged.set_length(paged.length + 1)
+        got.append(runner.step(token, n + i)[0, -1].clone())
+    paged.to_dynamic_cache(dyn)
+    return (want, past), (got, dyn), runner

@@ -278,3 +278,19 @@ def test_paged_decode_is_supported_for_power_of_two_head_dims_from_16_to_256(mon
 
     monkeypatch.setattr(compat.ops, "backend_functions", not_built)
     assert not compat.paged_decode_supported("cuda", 128)  # no Triton kernel built: not supported
+
+
+def test_batchkv_sensenova_runs_on_the_facade_through_the_pipeline_signature():
+    pytest.importorskip("batchkv.models.sensenova", reason="batchkv.models.sensenova is not in this tree")
+    from batchkv.models import build_model
+    from tests.pipeline_lm import sensenova_runs
+
+    model = build_model("sensenova-u1-tiny", "cpu", seed=0)
+    prompt, tokens = request(4, 6, 7, vocab=model.config.vocab)
+    (want, past), (got, dyn), runner = sensenova_runs(model, prompt, tokens, buckets=(8,), tail_step=4)
+    assert runner.eager_steps == 7 and dyn.get_seq_length() == 13
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-4)
+    for (k, v), layer in zip(past, dyn.layers, strict=True):
+        torch.testing.assert_close(layer.keys, k[None], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(layer.values, v[None], atol=1e-4, rtol=1e-4)
