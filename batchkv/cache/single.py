@@ -14,8 +14,9 @@ one-token step, so `attend` writes slot n - 1 and reads [0, n) from the staged d
 exactly as the original wrote at `length - 1` and attended `seqused` positions.
 
 Costs against the original: storage is `[rows, 2, Hkv, D]` per layer (the store's scratch column
-is allocated though a one-token step never pads into it), twice the original's bytes; and a step
-is a declare/prepare on the host (about the cost of the original's two `fill_`s).
+is allocated though a one-token step never pads into it), twice the original's bytes; and
+`set_length` is a declare/prepare on the host (~20 us of Python and one small host-to-device
+copy) where the original launched two `fill_`s.
 
 When to delete this: once the pipeline drives its decode through a scheduler-visible runner, or
 serves more than one sequence per forward, use `BatchedSequenceCache` and the executor directly.
@@ -41,6 +42,12 @@ BUCKETS = (512, 1024, 2048, 4096, 8192)
 TAIL_STEP = 2048
 # No capacity of its own: the schedule governs. kv_end lives in int32 seq_info.
 _UNBOUNDED = 2**31 - 1
+
+
+def bucket_for(length: int, buckets: tuple[int, ...] = BUCKETS, tail_step: int = TAIL_STEP) -> int:
+    """Rows a schedule allocates to hold `length` positions (the original's `_bucket_for`)."""
+    config = CacheConfig(1, 1, 1, max_seqs=1, capacity=_UNBOUNDED, buckets=tuple(buckets), tail_step=tail_step)
+    return config.rows_for(length)
 
 
 def _prefix(cache: Any) -> torch.Tensor | None:
