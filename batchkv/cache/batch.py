@@ -220,6 +220,53 @@ class BatchedSequenceCache:
                 "Lower capacity or max_seqs, or free device memory"
             ) from exc
 
+    # ---- package-internal hooks of the single-sequence facade (batchkv.cache.single) ----------
+    def _set_length(self, seq: int, new_len: int) -> None:
+        """Move `seq`'s length to `new_len`, back (as `rewind`, same refusals) or forward.
+
+        Forward asserts that positions [pos, new_len) already hold K/V the caller wrote (the facade
+        re-stages a one-token step whose K/V an earlier attend wrote); nothing is copied. Refused
+        past the allocated rows (grow with `reserve` first). A declared step naming `seq` must be
+        prepared again. Host side; package-internal: everything else uses the public verbs.
+        """
+        length = self._known(seq)
+        if new_len <= length:
+            self.rewind(seq, new_len)
+            return
+        if new_len > self.rows:
+            raise CapacityError(
+                f"_set_length: sequence {seq} cannot reach {new_len} positions in {self.rows} rows; reserve() first"
+            )
+        self._lengths[seq] = new_len
+        self._high_water[seq] = max(self._high_water[seq], new_len)
+        if self._plan is not None and seq in self._plan.counts:
+            self._width = None  # staged positions are stale; prepare_step again
+
+    def _load_prefix(self, seq: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """Replace `seq`'s history with external K/V: one [n, Hkv, D] tensor per layer for each.
+
+        Grows storage first and checks every tensor before copying, so a refusal changes nothing.
+        The length becomes n. Host side; package-internal (the facade's `load_prefix`).
+        """
+        self._known(seq)
+        cfg = self.config
+        n = keys[0].shape[0] if len(keys) else 0
+        want = (n, cfg.kv_heads, cfg.head_dim)
+        if len(keys) != cfg.num_layers or len(values) != cfg.num_layers:
+            raise ContractError(f"_load_prefix: got {len(keys)}/{len(values)} layers of K/V for {cfg.num_layers}")
+        bad = [tuple(t.shape) for t in (*keys, *values) if tuple(t.shape) != want]
+        if bad:
+            raise ContractError(f"_load_prefix: every K/V must be {list(want)} (n, Hkv, D); got {bad[0]}")
+        if not 0 < n <= cfg.capacity:
+            raise CapacityError(f"_load_prefix: {n} positions is outside [1, capacity={cfg.capacity}]")
+        self._grow(cfg.rows_for(n))
+        for layer in range(cfg.num_layers):
+            self._store.write_column(seq, layer, keys[layer], values[layer])
+        self._lengths[seq] = n
+        self._high_water[seq] = n  # every resident row now holds the new history
+        if self._plan is not None and seq in self._plan.counts:
+            self._width = None
+
     # ---- step protocol (host) -----------------------------------------------------------------
     def declare_step(self, seq_ids: Sequence[int]) -> None:
         """Declare the next forward: one sequence id per packed token, in packed order.

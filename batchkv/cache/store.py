@@ -89,3 +89,19 @@ class ColumnStore:
         """[rows * C, Hkv, D] views of one layer's K and V, indexed by write slot."""
         k, v = self.k[layer], self.v[layer]
         return k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+
+    def write_column(self, col: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write positions [0, n) of column `col` in `layer` from k, v [n, Hkv, D], on the device.
+
+        Position p goes to row `p % rows`, so a ring keeps only the newest `rows` of them. K/V are
+        cast to the store dtype and moved to its device on the copy.
+        """
+        rows, n = self.rows(layer), k.shape[0]
+        lo = max(0, n - rows)
+        if lo == 0:
+            self.k[layer][:n, col].copy_(k)
+            self.v[layer][:n, col].copy_(v)
+            return
+        at = torch.arange(lo, n, device=self.device) % rows
+        self.k[layer][:, col].index_copy_(0, at, k[lo:].to(self.device, self.config.dtype))
+        self.v[layer][:, col].index_copy_(0, at, v[lo:].to(self.device, self.config.dtype))
