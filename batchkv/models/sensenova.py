@@ -31,11 +31,12 @@ dtype. Text tokens use index (t, 0, 0), which makes the h and w sections the ide
 index t is not the KV position: a whole image takes one t step, so callers track it separately.
 
 Speed (decode is weight-read bound, so the step is 4 matmuls a layer plus as few small kernels
-as plain torch allows): q/k/v are one fused matmul and gate/up another (fused when weights are
-loaded; the checkpoint keeps the separate names); the split QK-norm and RoPE run over the q and
-k heads together (6 kernels); RoPE tables are computed once per step for all layers; only the
-`logits_rows` rows reach the final norm and LM head. About 20 kernels a layer besides attention;
-the next step is fused Triton kernels for add+RMSNorm, QK-norm+RoPE and SiLU*mul.
+as possible): q/k/v are one fused matmul and gate/up another (fused when weights are loaded; the
+checkpoint keeps the separate names); on CUDA each residual add runs fused with the RMSNorm after
+it, the split QK-norm and RoPE of all q and k heads are one kernel, and SiLU*mul another
+(`batchkv.models.fused`); RoPE tables are computed once per step for all layers; only the
+`logits_rows` rows reach the final norm and LM head. A layer is 4 matmuls, 4 small kernels, the
+K/V write and attention.
 
 Image tokens in the published model attend bidirectionally within one t index; this module serves
 text (causal) only.
@@ -49,6 +50,7 @@ from torch import nn
 
 from batchkv.cache.config import LayerSpec
 from batchkv.models.config import SenseNovaConfig
+from batchkv.models.fused import add_rms_norm, qk_norm_rope, silu_mul
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -172,13 +174,8 @@ class SenseNovaLM(nn.Module):
         cfg, w = self.config, x.shape[0]
         d, hq, hkv = cfg.head_dim, cfg.q_heads, cfg.kv_heads
         qkv = F.linear(x, p.qkv)  # [W, (Hq + 2 Hkv) D]
-        # Split QK-norm over q and k heads at once: view [W, Hq + Hkv, 2, D/2] so that row 0 of
-        # each [2, D/2] weight scales the t half and row 1 the h|w half.
-        qk = F.rms_norm(qkv[:, : (hq + hkv) * d].view(w, hq + hkv, 2, d // 2), (d // 2,), eps=cfg.rms_eps)
-        qk[:, :hq].mul_(p.q_norm)
-        qk[:, hq:].mul_(p.k_norm)
-        qk = self.rope.apply(qk.view(w, hq + hkv, d), cos, sin)  # [W, Hq + Hkv, D]
-        q, k = qk[:, :hq], qk[:, hq:]  # strided views, last dim contiguous
+        # Split QK-norm then RoPE over the q and k heads: one fused kernel on CUDA.
+        q, k = qk_norm_rope(qkv, p.q_norm, p.k_norm, cos, sin, self.rope.partner, hq, hkv, cfg.rms_eps)
         v = qkv[:, (hq + hkv) * d :].view(w, hkv, d)
         out = cache.update_and_attend(layer, q, k, v, scale=self.scale)  # [W, Hq, D]
         return F.linear(out.reshape(w, hq * d), p.o_proj)
@@ -191,9 +188,15 @@ class SenseNovaLM(nn.Module):
         eps = self.config.rms_eps
         h = F.embedding(input_ids, self.embed_tokens)  # [W, H]
         cos, sin = self.rope.tables(indexes, h.dtype)  # [W, D] each, shared by every layer
-        for layer, p in enumerate(self.layers):
-            h = h + self._attention(layer, p, rms_norm(h, p.input_layernorm, eps), cos, sin, cache)
-            gate, up = F.linear(rms_norm(h, p.post_attention_layernorm, eps), p.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, p.down)
+        layers = self.layers
+        x = rms_norm(h, layers[0].input_layernorm, eps)
+        for layer, p in enumerate(layers):
+            # Each residual add is fused with the norm that follows it: one kernel on CUDA.
+            h, x = add_rms_norm(h, self._attention(layer, p, x, cos, sin, cache), p.post_attention_layernorm, eps)
+            mlp = F.linear(silu_mul(F.linear(x, p.gate_up)), p.down)
+            if layer + 1 < len(layers):
+                h, x = add_rms_norm(h, mlp, layers[layer + 1].input_layernorm, eps)
+            else:
+                h = h + mlp
         h = rms_norm(h.index_select(0, logits_rows), self.norm, eps)  # [R, H]
         return F.linear(h, self.lm_head).float()

@@ -1,0 +1,176 @@
+"""Fused elementwise kernels of a decoder layer, so a decode step is the matmuls plus a few launches.
+
+Decode is weight-read bound, and at one to 64 rows every extra launch between the matmuls costs a
+few microseconds even inside a CUDA graph; a 42-layer step would spend milliseconds in them. Three
+Triton kernels cover everything between the matmuls (attention aside):
+
+- `add_rms_norm(h, delta, weight, eps) -> (h + delta, RMSNorm(h + delta) * weight)`  [W, H]
+- `qk_norm_rope(qkv, q_norm, k_norm, cos, sin, q_heads, kv_heads) -> (q, k)`: the split QK-norm
+  (one RMSNorm over each half of head_dim, its own [2, D/2] weight for q and for k) and the
+  rotate-half RoPE with per-dim tables, for all q and k heads of a row in one program.
+- `silu_mul(gate_up) -> silu(gate) * up` for gate_up = [gate | up], [W, 2I] -> [W, I].
+
+Each has a torch implementation with the same rounding (normalise in float32, round to the input
+dtype, then scale by the weight), used on CPU and as the test oracle; the Triton one runs on CUDA
+(and under TRITON_INTERPRET=1 in tests). All are capturable: fixed grids, no host reads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a Linux dependency
+    triton = None
+
+
+def _use_triton(x: torch.Tensor, force: bool | None) -> bool:
+    return (x.is_cuda if force is None else force) and triton is not None
+
+
+# ---- torch versions (CPU path and oracle) ------------------------------------------------------
+def add_rms_norm_torch(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    h = h + delta
+    return h, F.rms_norm(h, (h.shape[-1],), eps=eps) * weight
+
+
+def qk_norm_rope_torch(qkv, q_norm, k_norm, cos, sin, partner, q_heads: int, kv_heads: int, eps: float):
+    w, d = qkv.shape[0], q_norm.shape[-1] * 2
+    qk = F.rms_norm(qkv[:, : (q_heads + kv_heads) * d].view(w, q_heads + kv_heads, 2, d // 2), (d // 2,), eps=eps)
+    qk = torch.cat([qk[:, :q_heads] * q_norm, qk[:, q_heads:] * k_norm], dim=1).view(w, q_heads + kv_heads, d)
+    qk = torch.addcmul(qk * cos[:, None], qk.index_select(-1, partner), sin[:, None])
+    return qk[:, :q_heads], qk[:, q_heads:]
+
+
+def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, h_out, x_out, n, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n
+        h = tl.load(h_ptr + row * n + cols, mask=mask, other=0.0)
+        h = (h.to(tl.float32) + tl.load(d_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
+        tl.store(h_out + row * n + cols, h, mask=mask)
+        hf = h.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / n + eps)
+        normed = (hf * rstd).to(h.dtype)
+        weight = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        tl.store(x_out + row * n + cols, (normed.to(tl.float32) * weight.to(tl.float32)).to(h.dtype), mask=mask)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(
+        qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_out, k_out, row_stride, eps,
+        Q_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (row, head): x [D] -> split RMSNorm -> RoPE (rotate half within sections).
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        half: tl.constexpr = D // 2
+        offs = tl.arange(0, D)
+        base = qkv_ptr + row * row_stride + head * D
+        x = tl.load(base + offs).to(tl.float32)  # [D]
+        is_hi = offs >= half
+        sq = x * x
+        ms_lo = tl.sum(tl.where(is_hi, 0.0, sq), axis=0) / half
+        ms_hi = tl.sum(tl.where(is_hi, sq, 0.0), axis=0) / half
+        rstd = tl.where(is_hi, 1.0 / tl.sqrt(ms_hi + eps), 1.0 / tl.sqrt(ms_lo + eps))
+        # Sections t [0, D/2), h [D/2, 3D/4), w [3D/4, D): dim j of a section of size n pairs with
+        # j + n/2 in the first half of the section and j - n/2 in the second (sign folded into sin).
+        quarter: tl.constexpr = D // 4
+        size = tl.where(offs < half, half, quarter)
+        start = tl.where(offs < half, 0, tl.where(offs < half + quarter, half, half + quarter))
+        partner = tl.where(offs - start < size // 2, offs + size // 2, offs - size // 2)
+        x_partner = tl.load(base + partner).to(tl.float32)  # same half, so the same rstd
+        if head < Q_HEADS:
+            w = tl.load(qn_ptr + offs).to(tl.float32)
+            w_partner = tl.load(qn_ptr + partner).to(tl.float32)
+        else:
+            w = tl.load(kn_ptr + offs).to(tl.float32)
+            w_partner = tl.load(kn_ptr + partner).to(tl.float32)
+        dtype = q_out.dtype.element_ty
+        y = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+        y_partner = ((x_partner * rstd).to(dtype).to(tl.float32) * w_partner).to(dtype).to(tl.float32)
+        cos = tl.load(cos_ptr + row * D + offs).to(tl.float32)
+        sin = tl.load(sin_ptr + row * D + offs).to(tl.float32)
+        # torch rounds x*cos and the fused addcmul once each; match that order.
+        out = ((y * cos).to(dtype).to(tl.float32) + y_partner * sin).to(dtype)
+        if head < Q_HEADS:
+            tl.store(q_out + (row * Q_HEADS + head) * D + offs, out)
+        else:
+            tl.store(k_out + (row * (HEADS - Q_HEADS) + head - Q_HEADS) * D + offs, out)
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n
+        gate = tl.load(gu_ptr + row * 2 * n + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gu_ptr + row * 2 * n + n + cols, mask=mask, other=0.0).to(tl.float32)
+        out = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32) * up
+        tl.store(out_ptr + row * n + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- dispatch ---------------------------------------------------------------------------------
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *, triton_kernel: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, RMSNorm(h + delta) * weight) for contiguous [W, H] h and delta. One launch on CUDA."""
+    if not _use_triton(h, triton_kernel):
+        return add_rms_norm_torch(h, delta, weight, eps)
+    w, n = h.shape
+    h_out, x_out = torch.empty_like(h), torch.empty_like(h)
+    _add_rms_norm_kernel[(w,)](
+        h, delta.contiguous(), weight, h_out, x_out, n, eps, BLOCK=triton.next_power_of_2(n), num_warps=8
+    )
+    return h_out, x_out
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor,
+    k_norm: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    partner: torch.Tensor,
+    q_heads: int,
+    kv_heads: int,
+    eps: float,
+    *,
+    triton_kernel: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split QK-norm then RoPE for the q and k heads of qkv [W, (Hq + 2 Hkv) D].
+
+    q_norm, k_norm: [2, D/2] (t-half weight, hw-half weight); cos, sin: [W, D] (sin signed for
+    rotate-half); partner: int64 [D], each dim's rotate-half partner (torch path only; the kernel
+    derives it). Returns q [W, Hq, D] and k [W, Hkv, D]. One launch on CUDA.
+    """
+    if not _use_triton(qkv, triton_kernel):
+        return qk_norm_rope_torch(qkv, q_norm, k_norm, cos, sin, partner, q_heads, kv_heads, eps)
+    w, d = qkv.shape[0], q_norm.shape[-1] * 2
+    q = torch.empty(w, q_heads, d, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(w, kv_heads, d, dtype=qkv.dtype, device=qkv.device)
+    _qk_norm_rope_kernel[(w, q_heads + kv_heads)](
+        qkv, q_norm, k_norm, cos.contiguous(), sin.contiguous(), q, k, qkv.stride(0), eps,
+        Q_HEADS=q_heads, HEADS=q_heads + kv_heads, D=d, num_warps=1,
+    )  # fmt: skip
+    return q, k
+
+
+def silu_mul(gate_up: torch.Tensor, *, triton_kernel: bool | None = None) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] of shape [W, 2I]; returns [W, I]. One launch on CUDA."""
+    if not _use_triton(gate_up, triton_kernel):
+        return silu_mul_torch(gate_up)
+    w, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(w, n, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(w, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, num_warps=4)
+    return out
