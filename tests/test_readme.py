@@ -1,0 +1,25 @@
+"""The README's Python examples run as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_the_readme_has_python_examples():
+    assert len(BLOCKS) >= 2
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_a_readme_example_runs(index, capsys):
+    exec(compile(BLOCKS[index], f"README.md[python {index}]", "exec"), {})
+
+
+def test_the_ci_runs_the_readme_test_command():
+    command = re.search(r"Install and run the tests.*?```bash\n(.*?)\n```", README.read_text(), flags=re.S).group(1)
+    assert command in (README.parent / ".ci" / "run").read_text()
