@@ -127,7 +127,9 @@ BAD = {
     "seq_info [S, 3]": lambda a: a.update(seq_info=a["seq_info"][:, :3]),
     "seq_info on another device": lambda a: a.update(seq_info=a["seq_info"].to("meta")),
     "Hq not a multiple of Hkv": lambda a: a.update(q=a["q"][:, :7]),
-    "head_dim 24": lambda a: a.update(q=a["q"][..., :24], k_store=a["k_store"][..., :24], v_store=a["v_store"][..., :24]),
+    "head_dim 24": lambda a: a.update(
+        q=a["q"][..., :24], k_store=a["k_store"][..., :24], v_store=a["v_store"][..., :24]
+    ),
     "int store": lambda a: a.update(k_store=a["k_store"].int(), v_store=a["v_store"].int()),
     "mixed store dtypes": lambda a: a.update(v_store=a["v_store"].half()),
     "strided last dim": lambda a: a.update(q=a["q"].transpose(1, 2).contiguous().transpose(1, 2)),
