@@ -90,10 +90,12 @@ def test_non_causal_draft_blocks_match_reference(window):
     check([(4, 0, 70), (16, 1, 33), (40, 2, 100), (1, 3, 9)], rows=110, causal=False, window=window, head_dim=16)
 
 
-@pytest.mark.parametrize("programs", [1, 3, 50])
-def test_any_split_program_count_gives_the_reference(programs):
-    # 1: one program walks every item; 3: pieces cross item boundaries; 50: most programs idle.
-    check([(1, 0, 70), (3, 2, 33), (1, 1, 190)], rows=200, head_dim=16, config=SdpaConfig(programs=programs))
+@pytest.mark.parametrize(("programs", "min_blocks"), [(1, 1), (3, 1), (50, 1), (7, 3), (70, 1)])
+def test_any_split_program_count_gives_the_reference(programs, min_blocks):
+    # 1: one program walks every item; 3: pieces cross item boundaries; 50: most programs idle;
+    # min_blocks 3: fewer programs share the work; 70: the merge reads its pieces in two chunks.
+    config = SdpaConfig(programs=programs, min_blocks=min_blocks, block_n=16)
+    check([(1, 0, 70), (3, 2, 33), (1, 1, 1190)], rows=1200, head_dim=16, kv_heads=1, config=config)
 
 
 def test_head_dim_64_and_a_long_key_tile_match_reference():

@@ -45,7 +45,8 @@ class SdpaConfig:
 
     block_n: keys per split tile; block_m: (query, head) rows per split tile (>= 16);
     q_short: segments with q_len <= q_short take the split path; programs: split programs per KV
-    head (P); occupancy: split programs per SM that P aims at; *_long: the prefill kernel.
+    head (P); occupancy: split programs per SM that P aims at; min_blocks: fewest key blocks a split
+    program takes (fewer programs share a short total); *_long: the prefill kernel.
     """
 
     block_n: int = 0
@@ -59,7 +60,8 @@ class SdpaConfig:
     block_m_long: int = 64
     num_warps_long: int = 4
     num_stages_long: int = 2
-    merge_warps: int = 0
+    min_blocks: int = 1
+    merge_warps: int = 4
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -193,8 +195,8 @@ def sdpa_varlen(
     o_part = torch.empty(slots * num_kv_heads * block_m * head_dim, dtype=torch.float32, device=q.device)
     split_kernel[(num_kv_heads, cfg.programs)](
         q, k_store, v_store, seq_info, o_part, lse_part, *args, cfg.programs, slots, *strides,
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, DOT_PREC=dot_prec, **common,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, MIN_BLOCKS=cfg.min_blocks, DOT_PREC=dot_prec,
+        **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_tokens > cfg.q_short:  # else no segment can be long: skip the launch
         block_q_long = max(1, cfg.block_m_long // group)
@@ -205,10 +207,9 @@ def sdpa_varlen(
             BLOCK_N=cfg.block_n_long, DOT_PREC=dot_prec, **common,
             num_warps=cfg.num_warps_long, num_stages=cfg.num_stages_long,
         )  # fmt: skip
-    g_pow2 = triton.next_power_of_2(group)
-    merge_kernel[(num_tokens, num_kv_heads)](
+    merge_kernel[(num_tokens, num_q_heads)](
         out, o_part, lse_part, seq_info, num_segments, rows, window, cfg.programs, slots,
-        out.stride(0), out.stride(1), G_POW2=g_pow2, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n,
-        **common, num_warps=cfg.merge_warps or (2 if g_pow2 * head_dim <= 1024 else 4),
+        out.stride(0), out.stride(1), BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, **common,
+        MIN_BLOCKS=cfg.min_blocks, CHUNK=min(64, triton.next_power_of_2(cfg.programs)), num_warps=cfg.merge_warps,
     )  # fmt: skip
     return out

@@ -5,17 +5,18 @@ Three kernels, every grid sized from static extents only:
 1. `split_kernel`, grid (Hkv, P): split-K (flash-decoding) for *short* segments, 0 < q_len <=
    Q_SHORT. A short segment is cut into query blocks of BLOCK_Q queries (a tile holds BLOCK_Q * G
    (query, group head) rows, padded to BLOCK_M >= 16 for tl.dot); each query block is an *item*
-   whose work is the segment's key range [lo, kv_end) in BLOCK_N-key blocks. All items end to end
-   form one axis of W key blocks and program p takes blocks [p*W//P, (p+1)*W//P) (stream-K): every
-   program gets the same work, within one block, whatever the mix of lengths, and P programs fill
-   the GPU in one wave. A program's range may cross item boundaries; each (program, item) piece
-   writes its normalised output and log2-sum-exp in fp32 to partial slot `p + item` (unique: both
-   grow along the axis). Programs without blocks exit after reading the table.
+   whose work is the segment's key range [first key, kv_end) in BLOCK_N-key blocks. All items end
+   to end form one axis of W key blocks, and program p < P_eff = clamp(W // MIN_BLOCKS, 1, P) takes
+   blocks [p*W//P_eff, (p+1)*W//P_eff) (stream-K): every program gets the same work, within one
+   block, whatever the mix of lengths, and the persistent grid fills the GPU in one wave. A
+   program's range may cross item boundaries; each (program, item) piece writes its normalised
+   output and log2-sum-exp in fp32 to partial slot `p + item` (unique: both grow along the axis).
+   Programs without blocks exit after reading the table.
 2. `long_kernel`, grid (query blocks bound, Hkv): one program per BLOCK_Q queries of a *long*
    segment (q_len > Q_SHORT), over its whole key range, written straight to `out`.
-3. `merge_kernel`, grid (T, Hkv): finds a row's segment by scanning the table, writes zeros for
-   uncovered rows, merges the partials of short rows (recomputing the same plan) and leaves long
-   rows alone.
+3. `merge_kernel`, grid (T, Hq): finds a row's segment by scanning the table, writes zeros for
+   uncovered rows, leaves long rows alone, and for short rows merges the partials of the programs
+   that touched the row's item, CHUNK at a time in one vector load (usually a single round trip).
 
 Every program derives the plan from `seq_info` on the device (cumsums over S entries), so no
 length ever reaches the host. Names follow FlashAttention: m_i running max, l_i running sum, acc,
@@ -45,27 +46,42 @@ def _find(ends, x):
 
 
 @triton.jit
-def _segments(info, S, rows, window, CAUSAL: tl.constexpr, S_POW2: tl.constexpr):
-    """Per-segment vectors [S_POW2]: q_start, q_len, kv_end and lo, the first key any row attends."""
+def _first_key(q_len, kv_end, rows, window, CAUSAL: tl.constexpr):
+    """First key any query of a segment attends (vectors or scalars alike)."""
+    lo = tl.maximum(kv_end - rows, 0)  # oldest resident key
+    if CAUSAL:
+        return tl.where(window > 0, tl.maximum(lo, kv_end - q_len - window + 1), lo)  # first query's window
+    return tl.where(window > 0, tl.maximum(lo, kv_end - window), lo)
+
+
+@triton.jit
+def _segments(info, S, S_POW2: tl.constexpr):
+    """Table columns as [S_POW2] vectors: q_start, q_len, kv_end (zeros past S)."""
     idx = tl.arange(0, S_POW2)
     ok = idx < S
     q_start = tl.load(info + idx * 4, mask=ok, other=0)
     q_len = tl.load(info + idx * 4 + 1, mask=ok, other=0)
     kv_end = tl.load(info + idx * 4 + 3, mask=ok, other=0)
-    lo = tl.maximum(kv_end - rows, 0)  # oldest resident key
-    if CAUSAL:
-        lo = tl.where(window > 0, tl.maximum(lo, kv_end - q_len - window + 1), lo)  # first query's window
-    else:
-        lo = tl.where(window > 0, tl.maximum(lo, kv_end - window), lo)
-    return idx, q_start, q_len, kv_end, lo
+    return idx, q_start, q_len, kv_end
 
 
 @triton.jit
-def _short_plan(q_len, kv_end, lo, Q_SHORT: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Split-kernel items: nq query blocks per short segment, each nblk key blocks wide."""
-    nblk = (tl.maximum(kv_end - lo, 0) + BLOCK_N - 1) // BLOCK_N
+def _num_blocks(q_len, kv_end, rows, window, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key blocks of a segment's range [first key, kv_end)."""
+    lo = _first_key(q_len, kv_end, rows, window, CAUSAL)
+    return (tl.maximum(kv_end - lo, 0) + BLOCK_N - 1) // BLOCK_N
+
+
+@triton.jit
+def _short_plan(q_len, kv_end, rows, window, P, CAUSAL: tl.constexpr, Q_SHORT: tl.constexpr,
+                BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, MIN_BLOCKS: tl.constexpr):  # fmt: skip
+    """Split-kernel items (nq query blocks per short segment, each nblk key blocks wide), their
+    inclusive cumsums, the axis length W and the programs that share it, P_eff <= P."""
+    nblk = _num_blocks(q_len, kv_end, rows, window, CAUSAL, BLOCK_N)
     nq = tl.where((q_len > 0) & (q_len <= Q_SHORT) & (nblk > 0), (q_len + BLOCK_Q - 1) // BLOCK_Q, 0)
-    return nblk, nq, tl.cumsum(nq, 0), tl.cumsum(nq * nblk, 0)  # inclusive: items, key blocks
+    W = tl.sum(nq * nblk, 0).to(tl.int64)
+    P_eff = tl.maximum(tl.minimum(W // MIN_BLOCKS, P), 1)  # each program gets >= MIN_BLOCKS blocks
+    return nblk, nq, tl.cumsum(nq, 0), tl.cumsum(nq * nblk, 0), W, P_eff
 
 
 @triton.jit
@@ -143,16 +159,17 @@ def split_kernel(q, k_store, v_store, info, o_part, lse_part, S, T, rows, window
                  stride_qt, stride_qh, stride_r, stride_c, stride_h,
                  CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, Q_SHORT: tl.constexpr, S_POW2: tl.constexpr,
-                 DOT_PREC: tl.constexpr):  # fmt: skip
+                 MIN_BLOCKS: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
     h = tl.program_id(0)
     p = tl.program_id(1)
     num_kv_heads = tl.num_programs(0)
-    idx, q_start_v, q_len_v, kv_end_v, lo_v = _segments(info, S, rows, window, CAUSAL, S_POW2)
-    nblk, nq, item_end, w_end = _short_plan(q_len_v, kv_end_v, lo_v, Q_SHORT, BLOCK_Q, BLOCK_N)
-    W = tl.sum(nq * nblk, 0).to(tl.int64)
-    b0 = (p * W) // P  # this program's key blocks [b0, b1) of the work axis
-    b1 = ((p + 1) * W) // P
-    if b0 >= b1:
+    idx, _starts, q_len_v, kv_end_v = _segments(info, S, S_POW2)
+    nblk, nq, item_end, w_end, W, P_eff = _short_plan(
+        q_len_v, kv_end_v, rows, window, P, CAUSAL, Q_SHORT, BLOCK_Q, BLOCK_N, MIN_BLOCKS
+    )
+    b0 = (p * W) // P_eff  # this program's key blocks [b0, b1) of the work axis
+    b1 = ((p + 1) * W) // P_eff
+    if (p >= P_eff) | (b0 >= b1):
         return
     r = tl.arange(0, BLOCK_M)
     d = tl.arange(0, HEAD_DIM)
@@ -160,29 +177,30 @@ def split_kernel(q, k_store, v_store, info, o_part, lse_part, S, T, rows, window
     last = _item_at(b1 - 1, idx, nblk, nq, item_end, w_end)
     for it in range(first, last + 1):
         s = _find(item_end, it)
-        qb = it - _pick(item_end - nq, idx, s)
-        nb = _pick(nblk, idx, s)
+        q_start = tl.load(info + s * 4)
+        q_len = tl.load(info + s * 4 + 1)
+        col = tl.load(info + s * 4 + 2).to(tl.int64)
+        kv_end = tl.load(info + s * 4 + 3)
+        qb = it - _pick(item_end - nq, idx, s)  # query block of the segment
+        nb = _num_blocks(q_len, kv_end, rows, window, CAUSAL, BLOCK_N)
         off = _pick(w_end - nq * nblk, idx, s) + qb * nb  # the item's first block on the axis
-        q_len = _pick(q_len_v, idx, s)
-        kv_end = _pick(kv_end_v, idx, s)
-        lo = _pick(lo_v, idx, s)
+        lo = _first_key(q_len, kv_end, rows, window, CAUSAL)
         k0 = lo + (tl.maximum(off, b0) - off).to(tl.int32) * BLOCK_N
         k1 = tl.minimum(kv_end, lo + (tl.minimum(off + nb, b1) - off).to(tl.int32) * BLOCK_N)
-        q_start = _pick(q_start_v, idx, s)
-        q_tile, row_ok, _, pos = _query_tile(
+        q_tile, row_ok, _rows, pos = _query_tile(
             q, q_start, q_len, kv_end, qb, h, T, stride_qt, stride_qh, GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM
         )
         row_lo, row_hi = _row_bounds(pos, row_ok, kv_end, rows, window, CAUSAL)
-        base = tl.load(info + s * 4 + 2).to(tl.int64) * stride_c + h * stride_h  # (column, KV head)
+        base = col * stride_c + h * stride_h  # (column, KV head)
         acc, m_i, l_i = _attend(
             q_tile.to(k_store.dtype.element_ty), k_store + base, v_store + base, stride_r, rows, k0, k1,
             row_lo, row_hi, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC,
         )  # fmt: skip
         o, lse = _normalise(acc, m_i, l_i)
         row = ((p + it).to(tl.int64) * num_kv_heads + h) * BLOCK_M + r  # partial slot p + item
-        fits = (p + it + 0 * r) < SLOTS  # always, unless the table overlaps itself
-        tl.store(lse_part + row, lse, mask=fits)
-        tl.store(o_part + row[:, None] * HEAD_DIM + d[None, :], o, mask=fits[:, None])
+        keep = row_ok & ((p + it + 0 * r) < SLOTS)  # slots always fit, unless the table overlaps itself
+        tl.store(lse_part + row, lse, mask=keep)
+        tl.store(o_part + row[:, None] * HEAD_DIM + d[None, :], o, mask=keep[:, None])
 
 
 @triton.jit
@@ -193,22 +211,24 @@ def long_kernel(q, k_store, v_store, info, out, S, T, rows, window, qk_scale,
                 DOT_PREC: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    idx, q_start_v, q_len_v, kv_end_v, _ = _segments(info, S, rows, window, CAUSAL, S_POW2)
+    idx, _starts, q_len_v, _ends = _segments(info, S, S_POW2)
     nlb = tl.where(q_len_v > Q_SHORT, (q_len_v + BLOCK_Q - 1) // BLOCK_Q, 0)  # query blocks of long segments
     ends = tl.cumsum(nlb, 0)
     if pid >= tl.sum(nlb, 0):
         return
     s = _find(ends, pid)
     qb = pid - _pick(ends - nlb, idx, s)
-    q_len = _pick(q_len_v, idx, s)
-    kv_end = _pick(kv_end_v, idx, s)
+    q_start = tl.load(info + s * 4)
+    q_len = tl.load(info + s * 4 + 1)
+    col = tl.load(info + s * 4 + 2).to(tl.int64)
+    kv_end = tl.load(info + s * 4 + 3)
     q_tile, row_ok, token, pos = _query_tile(
-        q, _pick(q_start_v, idx, s), q_len, kv_end, qb, h, T, stride_qt, stride_qh, GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM
+        q, q_start, q_len, kv_end, qb, h, T, stride_qt, stride_qh, GROUP, BLOCK_Q, BLOCK_M, HEAD_DIM
     )
     row_lo, row_hi = _row_bounds(pos, row_ok, kv_end, rows, window, CAUSAL)
     k0 = tl.min(tl.where(row_ok, row_lo, kv_end), 0).to(tl.int32)
     k1 = tl.max(tl.where(row_ok, row_hi, 0), 0).to(tl.int32)
-    base = tl.load(info + s * 4 + 2).to(tl.int64) * stride_c + h * stride_h
+    base = col * stride_c + h * stride_h
     acc, m_i, l_i = _attend(
         q_tile.to(k_store.dtype.element_ty), k_store + base, v_store + base, stride_r, rows, k0, k1, row_lo, row_hi,
         qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, DOT_PREC,
@@ -222,46 +242,49 @@ def long_kernel(q, k_store, v_store, info, out, S, T, rows, window, qk_scale,
 
 @triton.jit
 def merge_kernel(out, o_part, lse_part, info, S, rows, window, P, SLOTS, stride_ot, stride_oh,
-                 CAUSAL: tl.constexpr, GROUP: tl.constexpr, G_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, Q_SHORT: tl.constexpr,
-                 S_POW2: tl.constexpr):  # fmt: skip
+                 CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, Q_SHORT: tl.constexpr, S_POW2: tl.constexpr,
+                 MIN_BLOCKS: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
     t = tl.program_id(0)
-    h = tl.program_id(1)
-    num_kv_heads = tl.num_programs(1)
-    idx, q_start_v, q_len_v, kv_end_v, lo_v = _segments(info, S, rows, window, CAUSAL, S_POW2)
+    head = tl.program_id(1)  # query head
+    h = head // GROUP
+    num_kv_heads = tl.num_programs(1) // GROUP
+    idx, q_start_v, q_len_v, kv_end_v = _segments(info, S, S_POW2)
     covered = (q_start_v <= t) & (t < q_start_v + q_len_v) & (idx < S)
     s = tl.sum(tl.where(covered, idx, 0), 0)
     is_covered = tl.sum(covered.to(tl.int32), 0) > 0
     if is_covered & (_pick(q_len_v, idx, s) > Q_SHORT):
         return  # a long segment's row: long_kernel wrote it
-    nblk, nq, item_end, w_end = _short_plan(q_len_v, kv_end_v, lo_v, Q_SHORT, BLOCK_Q, BLOCK_N)
-    W = tl.maximum(tl.sum(nq * nblk, 0), 1).to(tl.int64)
-    g = tl.arange(0, G_POW2)
+    nblk, nq, item_end, w_end, W, P_eff = _short_plan(
+        q_len_v, kv_end_v, rows, window, P, CAUSAL, Q_SHORT, BLOCK_Q, BLOCK_N, MIN_BLOCKS
+    )
+    W = tl.maximum(W, 1)
     d = tl.arange(0, HEAD_DIM)
-    g_ok = g < GROUP
-    m_i = tl.full([G_POW2], NEG_INF, tl.float32)
-    l_i = tl.zeros([G_POW2], tl.float32)
-    acc = tl.zeros([G_POW2, HEAD_DIM], tl.float32)
+    j = tl.arange(0, CHUNK)
+    m_i = tl.max(tl.full([CHUNK], NEG_INF, tl.float32), 0)
+    l_i = tl.sum(tl.zeros([CHUNK], tl.float32), 0)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
     if is_covered & (_pick(nq, idx, s) > 0):
         i = t - _pick(q_start_v, idx, s)  # query index in the segment
         qb = i // BLOCK_Q
         it = _pick(item_end - nq, idx, s) + qb
         nb = _pick(nblk, idx, s)
         off = (_pick(w_end - nq * nblk, idx, s) + qb * nb).to(tl.int64)  # item's blocks: [off, off + nb)
-        tile_row = (i - qb * BLOCK_Q) * GROUP + g
-        for p in range(((off + 1) * P - 1) // W, ((off + nb) * P - 1) // W + 1):  # programs touching the item
-            blocks = ((p + 1) * W) // P - (p * W) // P  # 0: program p had no work and wrote nothing
-            live = g_ok & (blocks + 0 * g > 0) & (p + it + 0 * g < SLOTS)
+        tile_row = (i - qb * BLOCK_Q) * GROUP + head % GROUP
+        p_last = ((off + nb) * P_eff - 1) // W
+        for p0 in range(((off + 1) * P_eff - 1) // W, p_last + 1, CHUNK):  # programs touching the item
+            p = p0 + j
+            blocks = ((p + 1) * W) // P_eff - (p * W) // P_eff  # 0: program p had no work, wrote nothing
+            live = (p <= p_last) & (blocks > 0) & (p + it < SLOTS)
             row = ((p + it) * num_kv_heads + h) * BLOCK_M + tile_row
             lse = tl.load(lse_part + row, mask=live, other=NEG_INF)
             o = tl.load(o_part + row[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0)
-            m_new = tl.maximum(m_i, lse)
+            m_new = tl.maximum(m_i, tl.max(lse, 0))
             m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
             w = tl.exp2(lse - m_safe)
-            l_i = l_i * alpha + w
-            acc = acc * alpha[:, None] + w[:, None] * o
+            l_i = l_i * alpha + tl.sum(w, 0)
+            acc = acc * alpha + tl.sum(w[:, None] * o, 0)
             m_i = m_new
-    o, _ = _normalise(acc, m_i, l_i)
-    ptrs = out + t.to(tl.int64) * stride_ot + (h * GROUP + g)[:, None] * stride_oh + d[None, :]
-    tl.store(ptrs, o.to(out.dtype.element_ty), mask=g_ok[:, None])
+    o = tl.where(l_i > 0, acc / tl.where(l_i > 0, l_i, 1.0), 0.0)
+    tl.store(out + t.to(tl.int64) * stride_ot + head * stride_oh + d, o.to(out.dtype.element_ty))
