@@ -82,7 +82,8 @@ class Case:
         self.rot = min(64, max(1, math.ceil(4 * l2_bytes / self.bytes)))
         est_us = self.bytes / 3e6 + 5
         self.calls = max(self.rot, min(64, math.ceil(200 / est_us)))
-        self.cols = [torch.randperm(64, generator=gen)[:batch].tolist() for _ in range(self.rot)]
+        perm = torch.randperm(64, generator=gen).tolist()  # rotation j takes the next `batch` columns
+        self.cols = [[perm[(j * batch + b) % 64] for b in range(batch)] for j in range(self.rot)]
         self.tables = [self._table(cols) for cols in self.cols]
         self.q = torch.randn(batch * q_len, HQ, D, generator=gen).to(DEV, DTYPE)
 

@@ -12,7 +12,7 @@ How (device code and its algorithm in `sdpa_varlen_kernels.py`):
   segments' key blocks, so one wave serves any length mix (one sequence of 1024 keys or 64 of up
   to 8192) without a host decision; fp32 partials are merged with their log-sum-exp;
 - long segments (prefill chunks) get one program per query block, with no split;
-- a merge kernel over (T, Hkv) combines partials and writes exact zeros for uncovered rows.
+- a merge kernel over (T, Hq) combines partials and writes exact zeros for uncovered rows.
 One KV head's whole query group shares a program, so K/V are read once per group; the (query,
 group head) pairs are flattened into the tile's M rows, padded to 16 for tl.dot.
 
@@ -26,6 +26,7 @@ first-call benchmarking does not mix with graph capture); `bench/kernels.py --sw
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -76,12 +77,13 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
+@functools.lru_cache(maxsize=256)
 def resolve_config(
     config: SdpaConfig | None, head_dim: int, dtype: torch.dtype, num_kv_heads: int, device: torch.device
 ) -> SdpaConfig:
     """`config` with every 0 field chosen from shapes alone (host-only, no device reads)."""
     cfg = config or SdpaConfig()
-    esize = torch.empty((), dtype=dtype).element_size()
+    esize = dtype.itemsize
     stage_keys = 32768 // (2 * head_dim * esize)  # keys whose K+V fill 32 KiB
     block_n = cfg.block_n or max(16, min(128, 1 << (stage_keys.bit_length() - 1)))
     block_n_long = cfg.block_n_long or (32 if head_dim * esize > 256 else 64)
