@@ -57,7 +57,7 @@ def test_decode_matches_reference_for_each_gqa_ratio(group):
 
 @pytest.mark.parametrize("q_len", [3, 16])
 def test_verify_blocks_match_reference(q_len):
-    check([(q_len, 2, q_len + 5), (q_len, 0, 95)], rows=100)
+    check([(q_len, 2, q_len + 5), (q_len, 0, 95)], rows=100, kv_heads=1)
 
 
 def test_prefill_chunks_take_the_long_path_and_match_reference():
@@ -72,7 +72,7 @@ def test_mixed_table_of_decode_verify_and_prefill_matches_reference():
 
 @pytest.mark.parametrize("window", [1, 7, 64])
 def test_sliding_window_matches_reference(window):
-    check([(1, 0, 150), (3, 1, 49), (40, 2, 90)], rows=160, window=window, head_dim=16)
+    check([(1, 0, 150), (3, 1, 49), (40, 2, 90)], rows=160, window=window, head_dim=16, kv_heads=1)
 
 
 def test_wrapped_ring_matches_reference():
@@ -87,7 +87,8 @@ def test_ring_smaller_than_the_step_gives_zeros_for_rows_without_keys():
 
 @pytest.mark.parametrize("window", [0, 6])
 def test_non_causal_draft_blocks_match_reference(window):
-    check([(4, 0, 70), (16, 1, 33), (40, 2, 100), (1, 3, 9)], rows=110, causal=False, window=window, head_dim=16)
+    segments = [(4, 0, 70), (16, 1, 33), (40, 2, 100), (1, 3, 9)]
+    check(segments, rows=110, causal=False, window=window, head_dim=16, kv_heads=1)
 
 
 @pytest.mark.parametrize(("programs", "min_blocks"), [(1, 1), (3, 1), (50, 1), (7, 3), (70, 1)])
