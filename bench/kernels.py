@@ -68,6 +68,8 @@ SWEEP = [  # SdpaConfig overrides; the first is the default heuristic
     {"block_m": 32},
     {"num_stages": 1},
     {"occupancy": 2, "block_n": 32, "num_warps": 2},
+    {"min_blocks": 2},
+    {"min_blocks": 4, "occupancy": 4},
 ]
 
 
