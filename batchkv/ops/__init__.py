@@ -2,6 +2,8 @@
 
 - `sdpa_varlen_reference(q, k_store, v_store, seq_info, *, scale, causal, window)`: the oracle.
 - `kv_write_reference(k_flat, v_flat, k, v, slots)`: the step's K/V write.
+- `sdpa_varlen`, `kv_write`: the Triton kernels of the same contracts (imported lazily, so CPU-only
+  use works without Triton; on CPU they run under `TRITON_INTERPRET=1`).
 
 `resolve_backend` / `backend_functions` pick the pair a cache uses.
 """
@@ -42,14 +44,34 @@ def backend_functions(name: str) -> tuple[Callable[..., None], Callable[..., tor
     """(kv_write, sdpa_varlen) for a resolved backend name."""
     if name == "reference":
         return kv_write_reference, sdpa_varlen_reference
-    raise ConfigError(f"attention backend {name!r} is not built yet; use 'reference'")
+    if name == "triton":
+        from batchkv.ops.kv_write import kv_write
+        from batchkv.ops.sdpa_varlen import sdpa_varlen
+
+        return kv_write, sdpa_varlen
+    raise ConfigError(f"attention backend {name!r} is unknown; use one of {BACKENDS[1:]}")
+
+
+def __getattr__(name: str) -> object:
+    """Lazy `sdpa_varlen` / `kv_write` (importing Triton only when they are asked for)."""
+    if name == "sdpa_varlen":
+        from batchkv.ops.sdpa_varlen import sdpa_varlen
+
+        return sdpa_varlen
+    if name == "kv_write":
+        from batchkv.ops.kv_write import kv_write
+
+        return kv_write
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "BACKENDS",
     "backend_functions",
+    "kv_write",
     "kv_write_reference",
     "resolve_backend",
+    "sdpa_varlen",
     "sdpa_varlen_reference",
     "triton_available",
 ]

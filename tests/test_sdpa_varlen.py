@@ -1,0 +1,151 @@
+"""sdpa_varlen (Triton) against the torch reference, on awkward sizes, under the interpreter on CPU.
+
+Every store starts as NaN; only the positions a segment may read are filled, so a kernel that
+touches a slot past a kv_end, the scratch column or an unused column turns its output into NaN.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchkv.errors import ContractError
+from batchkv.ops import sdpa_varlen_reference
+from batchkv.ops.sdpa_varlen import SdpaConfig, sdpa_varlen
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_case(segments, *, rows, columns=6, kv_heads=2, group=4, head_dim=32, pad=2, dtype=torch.float32, seed=0):
+    """q [T, Hq, D] and NaN-poisoned stores [rows, columns, Hkv, D] for (q_len, col, kv_end) segments.
+
+    Segments are packed in order (zero-length ones included); `pad` uncovered rows follow.
+    Returns q, k_store, v_store, seq_info (int32 [S, 4]).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    table, q_start = [], 0
+    for q_len, col, kv_end in segments:
+        table.append((q_start, q_len, col, kv_end))
+        q_start += q_len
+    q = torch.randn(q_start + pad, kv_heads * group, head_dim, generator=gen)
+    k = torch.full((rows, columns, kv_heads, head_dim), float("nan"))
+    v = torch.full_like(k, float("nan"))
+    for col in {c for _, c, _ in segments}:
+        end = max(e for _, c, e in segments if c == col)
+        for t in range(max(0, end - rows), end):  # the resident history of this column
+            k[t % rows, col] = torch.randn(kv_heads, head_dim, generator=gen)
+            v[t % rows, col] = torch.randn(kv_heads, head_dim, generator=gen)
+    info = torch.tensor(table, dtype=torch.int32).reshape(-1, 4)
+    return (x.to(DEVICE, dtype) for x in (q, k, v)), info.to(DEVICE)
+
+
+def check(segments, *, causal=True, window=0, config=None, atol=2e-5, **case):
+    (q, k, v), info = make_case(segments, **case)
+    out = sdpa_varlen(q, k, v, info, causal=causal, window=window, config=config)
+    ref = sdpa_varlen_reference(q, k, v, info, causal=causal, window=window)
+    covered = sum(q_len for q_len, _, _ in segments)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out[:covered], ref[:covered], atol=atol, rtol=1e-4)
+    assert torch.equal(out[covered:], torch.zeros_like(out[covered:]))  # padding rows: exact zeros
+    return out, ref
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_matches_reference_for_each_gqa_ratio(group):
+    check([(1, 0, 1), (1, 3, 17), (1, 1, 130), (1, 4, 257)], rows=260, group=group, kv_heads=8 // group)
+
+
+@pytest.mark.parametrize("q_len", [3, 16])
+def test_verify_blocks_match_reference(q_len):
+    check([(q_len, 2, q_len + 5), (q_len, 0, 95)], rows=100, kv_heads=1)
+
+
+def test_prefill_chunks_take_the_long_path_and_match_reference():
+    check([(40, 1, 40), (40, 0, 113)], rows=120, head_dim=16, config=SdpaConfig(block_m_long=32))
+
+
+def test_mixed_table_of_decode_verify_and_prefill_matches_reference():
+    # Sequence 0 appears twice (two runs), as a split declaration packs it.
+    segments = [(1, 3, 200), (4, 0, 63), (0, 4, 0), (40, 1, 77), (2, 0, 65), (1, 2, 1)]
+    check(segments, rows=210, group=3, kv_heads=2, head_dim=16)
+
+
+@pytest.mark.parametrize("window", [1, 7, 64])
+def test_sliding_window_matches_reference(window):
+    check([(1, 0, 150), (3, 1, 49), (40, 2, 90)], rows=160, window=window, head_dim=16, kv_heads=1)
+
+
+def test_wrapped_ring_matches_reference():
+    # rows = window + max_write - 1 with window 20, max_write 5: kv_end far past rows wraps the ring.
+    check([(1, 0, 301), (5, 1, 57), (3, 2, 24)], rows=24, window=20, head_dim=16)
+
+
+def test_ring_smaller_than_the_step_gives_zeros_for_rows_without_keys():
+    out, _ = check([(40, 0, 90), (1, 1, 30)], rows=16, head_dim=16)
+    assert torch.equal(out[:24], torch.zeros_like(out[:24]))  # positions 50..73 have no resident key
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_non_causal_draft_blocks_match_reference(window):
+    segments = [(4, 0, 70), (16, 1, 33), (40, 2, 100), (1, 3, 9)]
+    check(segments, rows=110, causal=False, window=window, head_dim=16, kv_heads=1)
+
+
+@pytest.mark.parametrize(("programs", "min_blocks"), [(1, 1), (3, 1), (50, 1), (7, 3), (70, 1)])
+def test_any_split_program_count_gives_the_reference(programs, min_blocks):
+    # 1: one program walks every item; 3: pieces cross item boundaries; 50: most programs idle;
+    # min_blocks 3: fewer programs share the work; 70: the merge reads its pieces in two chunks.
+    config = SdpaConfig(programs=programs, min_blocks=min_blocks, block_n=16)
+    check([(1, 0, 70), (3, 2, 33), (1, 1, 1190)], rows=1200, head_dim=16, kv_heads=1, config=config)
+
+
+def test_head_dim_64_and_a_long_key_tile_match_reference():
+    check([(1, 0, 129), (5, 1, 300)], rows=300, head_dim=64, group=2, config=SdpaConfig(block_n=128))
+
+
+def test_fp16_storage_matches_reference_within_half_precision():
+    check([(1, 0, 80), (3, 1, 21)], rows=90, dtype=torch.float16, atol=2e-3)
+
+
+def test_empty_table_rows_and_uncovered_rows_come_out_as_exact_zeros():
+    (q, k, v), info = make_case([(0, 0, 0), (1, 1, 5), (0, 2, 9)], rows=16, pad=5)
+    out = torch.full_like(q, float("nan"))
+    assert sdpa_varlen(q, k, v, info, out=out) is out
+    torch.testing.assert_close(out[:1], sdpa_varlen_reference(q, k, v, info)[:1])
+    assert torch.equal(out[1:], torch.zeros_like(out[1:]))
+
+
+def test_an_all_empty_table_zeroes_every_row():
+    (q, k, v), info = make_case([(0, 0, 0), (0, 1, 0)], rows=16, pad=3)
+    assert torch.equal(sdpa_varlen(q, k, v, info), torch.zeros_like(q))
+
+
+def _inputs():
+    (q, k, v), info = make_case([(1, 0, 4)], rows=8, pad=0)
+    return dict(q=q, k_store=k, v_store=v, seq_info=info)
+
+
+BAD = {
+    "seq_info int64": lambda a: a.update(seq_info=a["seq_info"].long()),
+    "seq_info [S, 3]": lambda a: a.update(seq_info=a["seq_info"][:, :3]),
+    "seq_info on another device": lambda a: a.update(seq_info=a["seq_info"].to("meta")),
+    "Hq not a multiple of Hkv": lambda a: a.update(q=a["q"][:, :7]),
+    "head_dim 24": lambda a: a.update(
+        q=a["q"][..., :24], k_store=a["k_store"][..., :24], v_store=a["v_store"][..., :24]
+    ),
+    "int store": lambda a: a.update(k_store=a["k_store"].int(), v_store=a["v_store"].int()),
+    "mixed store dtypes": lambda a: a.update(v_store=a["v_store"].half()),
+    "strided last dim": lambda a: a.update(q=a["q"].transpose(1, 2).contiguous().transpose(1, 2)),
+    "store shapes differ": lambda a: a.update(v_store=a["v_store"][:4]),
+    "out of the wrong shape": lambda a: a.update(out=torch.empty_like(a["q"][:, :4])),
+    "out of the wrong dtype": lambda a: a.update(out=torch.empty_like(a["q"], dtype=torch.float16)),
+    "negative window": lambda a: a.update(window=-1),
+}
+
+
+@pytest.mark.parametrize("breach", list(BAD))
+def test_contract_breaches_raise_contract_error(breach):
+    args = _inputs()
+    BAD[breach](args)
+    with pytest.raises(ContractError):
+        sdpa_varlen(**args)
