@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: run the named phases in order, each under its own time limit, with
+# results under $OUT. Phases: tests kernels sweep model decode compat.
+#   OUT=/tmp/out bash bench/gpu_session.sh tests kernels model decode
+# The machine has no msgspec: carry its wheel in .whl/ (bash ../shared/device/wheels.sh).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+start=$SECONDS
+phase() {  # name, limit in seconds, command...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s, at $((SECONDS - start))s)"
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 40
+  echo "== $name done: rc ${PIPESTATUS[0]} at $((SECONDS - start))s"
+}
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())'
+for p in "$@"; do
+  case $p in
+    tests) phase tests 240 python3 -m pytest -m gpu tests -q -x -p no:cacheprovider -ra ;;
+    kernels) phase kernels 300 python3 bench/kernels.py --check --out "$OUT/kernels-h200.json" --flex-budget-s 120 ;;
+    sweep) phase sweep 240 python3 bench/kernels.py --sweep --sweep-out "$OUT/kernels-sweep.json" ;;
+    model) phase model 150 python3 bench/model_step.py --preset sensenova-u1-8b --rows 1 8 32 64 --json "$OUT/model_step.json" ;;
+    decode) phase decode 420 python3 bench/decode.py --out "$OUT/decode-h200.json" ${DECODE_ARGS:-} ;;
+    compat) phase compat 150 python3 bench/compat_attention.py --out "$OUT/compat-h200.json" ;;
+    *) echo "unknown phase $p" ;;
+  esac
+done
+echo "== all done at $((SECONDS - start))s"
