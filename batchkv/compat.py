@@ -108,19 +108,6 @@ def dynamic_lora_wrappers_present(module: nn.Module) -> bool:
 
 
 # ---- decode graph runner ---------------------------------------------------------------------
-_POOLS: dict[int, Any] = {}
-
-
-def _shared_pool(device: torch.device) -> Any:
-    """One graph memory pool per GPU for every runner. The pipeline rebuilds a runner whenever the
-    cache reallocates or adapters appear; a private pool per runner grew device memory by ~40 MiB
-    a request in the original and never levelled off."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _POOLS:
-        _POOLS[index] = torch.cuda.graph_pool_handle()
-    return _POOLS[index]
-
-
 class DecodeGraphRunner:
     """One captured decode step per (bucket, generation, module tree), replayed for every token.
 
@@ -155,8 +142,10 @@ class DecodeGraphRunner:
         self._fingerprint = ModuleFingerprint(language_model)
         capturable = getattr(getattr(cache, "inner", None), "attention", "triton") != "reference"
         if graphs is None and capturable and self.device.type == "cuda" and torch.cuda.is_available():
+            # GraphSet draws on the GPU's one shared pool (`graph_pool`): the pipeline rebuilds a
+            # runner whenever the cache reallocates or adapters appear, and a private pool per
+            # runner grew device memory by ~40 MiB a request in the original.
             graphs = GraphSet(self.device, warmup=3)
-            graphs.pool = _shared_pool(self.device)
         self._graphs = graphs
         self._checked: tuple[int, int] | None = None
         self._adapters = False

@@ -49,6 +49,32 @@ class ModuleFingerprint:
         return self._value
 
 
+_POOLS: dict[int, tuple[object, torch.cuda.CUDAGraph]] = {}
+
+
+def graph_pool(device: torch.device) -> object:
+    """The one graph memory pool of a GPU, shared by every `GraphSet` on it.
+
+    A pool whose graphs have all been destroyed keeps its entry in the allocator with a use count
+    of 0, and capturing into that id again fails an internal assert; runners drop all their graphs
+    whenever storage grows. So the pool is created with a one-op keeper graph that lives as long as
+    the process and holds the pool open. One pool per GPU also keeps memory flat when runners are
+    rebuilt (a pool per runner is never given back while anything references it).
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _POOLS:
+        handle = torch.cuda.graph_pool_handle()
+        counter = torch.zeros(1, device=torch.device("cuda", index))
+        side = torch.cuda.Stream(index)
+        side.wait_stream(torch.cuda.current_stream(index))
+        keeper = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(keeper, pool=handle, stream=side):
+            counter.add_(1)
+        torch.cuda.current_stream(index).wait_stream(side)
+        _POOLS[index] = (handle, keeper)
+    return _POOLS[index][0]
+
+
 class GraphSet:
     """Captured graphs of one step function, one per key, all in one memory pool.
 
@@ -60,7 +86,7 @@ class GraphSet:
     def __init__(self, device: torch.device, warmup: int = 2) -> None:
         self.device = device
         self.warmup = warmup
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = graph_pool(device)
         # One stream warms up and captures every graph: cuBLAS keeps a workspace per (handle,
         # stream), so the warm-up creates the one the capture uses (none is allocated while
         # capturing), and no capture leaves a new workspace behind.
