@@ -38,7 +38,6 @@ HQ, HKV, D, COLUMNS, ROWS, SEGMENTS = 32, 8, 128, 65, 9216, 128
 G = HQ // HKV
 DTYPE, DEV = torch.bfloat16, "cuda"
 MIXED = (64, 8192)  # mixed cases draw lengths uniformly from this range
-COPY_BYTES = 2**30
 CASES = {  # name: (batch, q_len, lengths or None for U[64, 8192])
     "b1-l1024": (1, 1, [1024]),
     "b1-l4096": (1, 1, [4096]),
@@ -136,11 +135,22 @@ def time_calls(calls: list, replays: int = 100) -> tuple[float, str]:
         return median_us(run_all, replays) / len(calls), f"events ({type(exc).__name__})"
 
 
+COPY_VARIANTS: dict[str, float] = {}
+
+
 def copy_gbps() -> float:
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    us, _ = time_calls([lambda: dst.copy_(src)], replays=20)
-    return 2 * src.numel() / us / 1e3
+    """Device-to-device copy ceiling, bytes read + written per second / 1e9: the best of a memcpy of
+    1 and 4 GiB and an elementwise copy kernel (`mul(src, 1, out=dst)`), each a median of replays."""
+    for gib in (1, 4):
+        src = torch.empty(gib << 29, dtype=torch.bfloat16, device=DEV).normal_()
+        dst = torch.empty_like(src)
+        us, _ = time_calls([lambda src=src, dst=dst: dst.copy_(src)], replays=20)
+        COPY_VARIANTS[f"copy_{gib}gib"] = round(2 * (gib << 30) / us / 1e3, 1)
+        if gib == 4:
+            us, _ = time_calls([lambda src=src, dst=dst: torch.mul(src, 1, out=dst)], replays=20)
+            COPY_VARIANTS["elementwise_4gib"] = round(2 * (gib << 30) / us / 1e3, 1)
+        del src, dst
+    return max(COPY_VARIANTS.values())
 
 
 # ---- batchkv and its peers ----------------------------------------------------------------------
@@ -305,6 +315,7 @@ def bench(cases: dict, k, v, ceiling: float, cfg: SdpaConfig | None, path: Path,
     resolved = resolve_config(cfg, D, DTYPE, HKV, torch.device(DEV))
     report = {
         "copy_gbps": round(ceiling, 1),
+        "copy_variants_gbps": COPY_VARIANTS,
         "cases": [],
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
