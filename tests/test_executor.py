@@ -158,7 +158,8 @@ def test_rope_t_is_tracked_apart_from_the_kv_position(model):
 
 
 def test_steps_respect_the_token_budget_chunk_size_and_64_sampling_rows(model):
-    engine = Engine(model, max_seqs=72, capacity=16, max_step_tokens=128, prefill_chunk=4)
+    every_width = tuple(range(1, 129))  # no padding, so no prompt chunk is trimmed to a bucket
+    engine = Engine(model, max_seqs=72, capacity=16, max_step_tokens=128, prefill_chunk=4, width_buckets=every_width)
     rng = random.Random(6)
     schedule = [(0, Request(random_prompt(rng, 2, 6), greedy(rng.randint(2, 4)))) for _ in range(72)]
     seen = []
@@ -211,3 +212,20 @@ def test_bad_engine_configs_are_refused_with_the_rule(model):
         Engine(model, max_step_tokens=8, prefill_chunk=4, use_graphs=True, device="cpu")
     with pytest.raises(RequestError):
         SamplingParams(top_p=0.0)
+
+
+def test_prompt_chunks_are_trimmed_so_a_step_lands_on_a_width_bucket(model):
+    engine = engine_for(
+        model, capacity=64, max_step_tokens=64, prefill_chunk=64, width_buckets=(1, 2, 4, 8, 16, 32, 64)
+    )
+    assert engine.scheduler.buckets == engine.buckets
+    prompt = random_prompt(random.Random(3), 40, 40)
+    engine.submit(Request(prompt, greedy(4)))
+    engine.scheduler.admit()
+    batch = engine.scheduler.plan()
+    assert len(batch.seq_ids) == 32  # 40 would pad to 64; 32 lands on a bucket, 8 go next step
+    outputs, ids = drive(
+        engine_for(model, capacity=64, max_step_tokens=64, prefill_chunk=64, width_buckets=(1, 2, 4, 8, 16, 32, 64)),
+        [(0, Request(prompt, greedy(4)))],
+    )
+    assert_matches_oracle(model, outputs, ids, [(0, Request(prompt, greedy(4)))], capacity=64)

@@ -24,12 +24,14 @@ from batchkv.executor.scheduler import RequestState, Scheduler
 
 
 def default_buckets(max_step_tokens: int) -> tuple[int, ...]:
-    """Powers of two below `max_step_tokens`, then `max_step_tokens` itself: (1, 2, 4, ..., T)."""
-    buckets, width = [], 1
-    while width < max_step_tokens:
-        buckets.append(width)
-        width *= 2
-    return (*buckets, max_step_tokens)
+    """Step widths below `max_step_tokens`, then `max_step_tokens` itself.
+
+    Powers of two to 32 and 48, 64 for decode (one graph each; a decode step pads at most to the
+    next), then every 64 to 512 and every 128 beyond: wide steps are compute bound, so their
+    padding costs real time, and the scheduler trims prompt chunks to land on a width exactly.
+    """
+    widths = [1, 2, 4, 8, 16, 32, 48, 64, *range(128, 513, 64), *range(640, max_step_tokens, 128)]
+    return (*(w for w in widths if w < max_step_tokens), max_step_tokens)
 
 
 class Engine:
@@ -116,7 +118,7 @@ class Engine:
         self.buckets = buckets
         self.vocab_size = int(model.vocab_size)
         self.runner = ModelRunner(model, self.cache, buckets[-1], graphs=graphs, pad_rows=self.device.type == "cuda")
-        self.scheduler = Scheduler(self.cache, max_step_tokens, prefill_chunk)
+        self.scheduler = Scheduler(self.cache, max_step_tokens, prefill_chunk, buckets)
         self.metrics = Metrics(max_seqs)
         self._seeds = random.Random(seed)
         self._next_id = 0

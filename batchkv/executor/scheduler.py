@@ -86,10 +86,13 @@ class Batch:
 class Scheduler:
     """FIFO admission and step packing over one cache. Host only."""
 
-    def __init__(self, cache: BatchedSequenceCache, max_step_tokens: int, prefill_chunk: int) -> None:
+    def __init__(
+        self, cache: BatchedSequenceCache, max_step_tokens: int, prefill_chunk: int, buckets: tuple[int, ...] = ()
+    ) -> None:
         self.cache = cache
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
+        self.buckets = buckets  # step widths; prompt chunks are trimmed to land on one
         self.waiting: deque[RequestState] = deque()
         self.prefilling: list[RequestState] = []
         self.running: deque[SampleState] = deque()
@@ -146,6 +149,28 @@ class Scheduler:
             batch.samples.append(sample)
         batch.decode_tokens = take
         budget, rows = budget - take, rows - take
+        chunks = self._chunks(budget, rows)
+        # Trim the prompt chunks so the step lands on a width bucket: padding rows cost a full
+        # forward's compute, while trimmed prompt tokens simply go in the next step.
+        total = take + sum(chunk for _, chunk in chunks)
+        fit = max((b for b in self.buckets if take < b <= total), default=total)
+        if fit < total:
+            chunks = self._chunks(fit - take, rows)
+        for state, chunk in chunks:
+            n = state.request.params.n
+            start, offset = state.prefilled, state.request.rope_offset
+            tokens = list(state.prompt[start : start + chunk])
+            row = batch.add(state.samples[0].seq, tokens, list(range(offset + start, offset + start + chunk)))
+            batch.prefill.append((state, chunk))
+            if chunk == state.remaining:
+                batch.completed.append(state)
+                batch.rows += [row] * n
+                batch.samples += state.samples
+        return batch if batch.seq_ids else None
+
+    def _chunks(self, budget: int, rows: int) -> list[tuple[RequestState, int]]:
+        """Prompt chunks (FIFO) that fit `budget` tokens and `rows` sampling rows."""
+        chunks = []
         for state in self.prefilling:
             n = state.request.params.n
             chunk = min(state.remaining, self.prefill_chunk, budget)
@@ -153,17 +178,11 @@ class Scheduler:
                 chunk -= 1  # its last token must sample; leave it for a step with rows to spare
             if chunk <= 0:
                 continue
-            start, offset = state.prefilled, state.request.rope_offset
-            tokens = list(state.prompt[start : start + chunk])
-            row = batch.add(state.samples[0].seq, tokens, list(range(offset + start, offset + start + chunk)))
+            chunks.append((state, chunk))
             budget -= chunk
-            batch.prefill.append((state, chunk))
             if chunk == state.remaining:
-                batch.completed.append(state)
-                batch.rows += [row] * n
-                batch.samples += state.samples
                 rows -= n
-        return batch if batch.seq_ids else None
+        return chunks
 
     # ---- completion ----------------------------------------------------------------------------
     def complete(self, batch: Batch, tokens: list[int], now: float) -> list[Event]:
