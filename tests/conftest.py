@@ -7,6 +7,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The CPU tests run tiny tensors, where torch's threads only add synchronisation: on a shared
+# two-core machine two threads made the executor tests about 100x slower than one.
+torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -6,20 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from batchkv.errors import ConfigError, RequestError
 from batchkv.executor import MAX_SAMPLE_ROWS, Engine, Request, SamplingParams, gather
 from tests.executor_helpers import drive, greedy, oracle, random_prompt
 from tests.toy_model import ToyModel
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: two threads on a shared 2-core box cost 100x
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 
 from batchkv.executor import Engine, Request
@@ -38,14 +37,6 @@ class RecordingGraphs:
         for key in [k for k in self.keys if not keep(k)]:
             self.retired.append(key)
             del self.keys[key]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def graph_engine(model, **kwargs) -> tuple[Engine, RecordingGraphs]:

@@ -19,14 +19,6 @@ from tests.test_executor_graphs import RecordingGraphs
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def mixed_schedule(seed: int, vocab: int, count: int = 10) -> tuple[list[tuple[int, Request]], dict[int, list[int]]]:
     rng = random.Random(seed)
     schedule = []

@@ -16,14 +16,6 @@ from tests.executor_helpers import drive, greedy, oracle, random_prompt
 from tests.toy_model import ToyModel
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model():
     return ToyModel(seed=0)
