@@ -220,3 +220,12 @@ def test_prompt_chunks_are_trimmed_so_a_step_lands_on_a_width_bucket(model):
         [(0, Request(prompt, greedy(4)))],
     )
     assert_matches_oracle(model, outputs, ids, [(0, Request(prompt, greedy(4)))], capacity=64)
+
+
+def test_a_request_with_more_samples_than_a_step_can_sample_is_refused_at_submit(model):
+    engine = engine_for(model, max_seqs=8, max_step_tokens=4, prefill_chunk=4)
+    with pytest.raises(RequestError, match="max_step_tokens=4"):
+        engine.submit(Request([1, 2], greedy(4, n=5)))
+    rid = engine.submit(Request([1], greedy(3, n=4)))  # 4 rows from a 1-token prompt: a width-4 step
+    outputs = gather(engine.run_until_done())
+    assert len(outputs[rid].tokens) == 4 and all(len(t) == 3 for t in outputs[rid].tokens)

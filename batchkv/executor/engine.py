@@ -159,6 +159,11 @@ class Engine:
             )
         elif params.n > cache.max_seqs:
             problem = f"n={params.n} samples need {params.n} columns; max_seqs is {cache.max_seqs} (lower n)"
+        elif params.n > self.scheduler.max_step_tokens:
+            problem = (
+                f"n={params.n} samples sample in one step, whose budget is max_step_tokens="
+                f"{self.scheduler.max_step_tokens} (lower n or raise max_step_tokens)"
+            )
         elif min(prompt) < 0 or max(prompt) >= self.vocab_size:
             bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
             problem = f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
@@ -199,7 +204,8 @@ class Engine:
         self._idle = batch is None
         if batch is None:
             return events
-        width = self._bucket(len(batch.seq_ids))
+        # At least as wide as its sampling rows: the LM head runs on min(width, 64) rows.
+        width = self._bucket(max(len(batch.seq_ids), len(batch.rows)))
         self.cache.declare_step(batch.seq_ids)
         self.cache.prepare_step(width)
         self._note_growth()

@@ -68,8 +68,10 @@ class ModelRunner:
     """Runs planned steps of `model` over `cache`.
 
     model(input_ids [W], indexes [3, W], cache, logits_rows [rows]) -> float32 [rows, vocab].
-    pad_rows: always send all 64 selector rows (padding reads row 0), so the LM head has one shape
-    per width; needed for graphs, and used by eager CUDA runs too so both give identical numbers.
+    pad_rows: pad the selector to min(width, 64) rows (padding reads row 0), so the LM head has one
+    shape per width: needed for graphs, and used by eager CUDA runs too so both give identical
+    numbers. A one-token decode step runs the head on one row, not 64. The engine picks a width
+    of at least the step's sampling rows.
     """
 
     def __init__(
@@ -157,7 +159,7 @@ class ModelRunner:
         The cache must have been given `declare_step(batch.seq_ids)` and `prepare_step(width)`.
         """
         sampling = self._stage(batch, width)
-        rows = R if self.pad_rows else len(batch.rows)
+        rows = min(R, width) if self.pad_rows else len(batch.rows)
         if self.graphs is None:
             logits = self._forward(width, rows)
         else:

@@ -133,7 +133,8 @@ class Scheduler:
     def plan(self) -> Batch | None:
         """Pack the next step, or None when nothing is admitted."""
         batch = Batch()
-        budget, rows = self.max_step_tokens, MAX_SAMPLE_ROWS
+        # A step's sampling rows fit its width (the LM head runs on min(width, 64) rows).
+        budget, rows = self.max_step_tokens, min(MAX_SAMPLE_ROWS, self.max_step_tokens)
         decode_tokens, decode_rows = budget, rows
         if self.prefilling:  # the oldest prompt moves every step, and can sample when it is done
             head = self.prefilling[0]
