@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: run the named phases in order, each under its own time limit, with
-# results under $OUT. Phases: tests kernels sweep model decode compat.
+# results under $OUT. Phases: tests kernels sweep model decode profile compat.
 #   OUT=/tmp/out bash bench/gpu_session.sh tests kernels model decode
 # The machine has no msgspec: carry its wheel in .whl/ (bash ../shared/device/wheels.sh).
 set -uo pipefail
@@ -27,6 +27,7 @@ for p in "$@"; do
     sweep) phase sweep 220 python3 bench/kernels.py --sweep --sweep-out "$OUT/kernels-sweep.json" ;;
     model) phase model 90 python3 bench/model_step.py --preset sensenova-u1-8b --rows 1 8 32 64 --json "$OUT/model_step.json" ;;
     decode) phase decode 420 python3 bench/decode.py --out "$OUT/decode-h200.json" ${DECODE_ARGS:-} ;;
+    profile) phase profile 90 python3 bench/step_profile.py --rows 1 64 --context 640 --json "$OUT/step_profile.json" ;;
     compat) phase compat 150 python3 bench/compat_attention.py --out "$OUT/compat-h200.json" ;;
     *) echo "unknown phase $p" ;;
   esac
