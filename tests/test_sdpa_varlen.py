@@ -122,6 +122,16 @@ def test_the_last_program_merges_many_partials_in_several_rounds_and_resets_its_
     assert torch.equal(sdpa_varlen(q, k, v, info, config=config), first)  # a second call: same counters, same result
 
 
+def test_the_64_bit_work_axis_gives_the_32_bit_result(monkeypatch):
+    import batchkv.ops.sdpa_varlen as launcher
+
+    segments, config = [(1, 0, 300), (3, 1, 45), (1, 2, 7)], SdpaConfig(programs=5, block_n=16)
+    out32, _ = check(segments, rows=310, head_dim=16, kv_heads=1, config=config)
+    monkeypatch.setattr(launcher, "AXIS32_LIMIT", 0)  # every work-axis bound now counts as too large
+    out64, _ = check(segments, rows=310, head_dim=16, kv_heads=1, config=config)
+    assert torch.equal(out32, out64)
+
+
 @pytest.mark.parametrize("heads", [2, 4])
 def test_programs_serving_several_kv_heads_match_reference(heads):
     segments = [(1, 0, 129), (4, 1, 300), (1, 2, 17), (16, 3, 90), (40, 4, 60)]

@@ -46,15 +46,19 @@ from batchkv.ops.sdpa_varlen_long import long_kernel
 LOG2E = 1.4426950408889634  # 1/ln(2)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REGISTERS = 65536  # 32-bit registers per SM (every CUDA GPU since sm_50)
+AXIS32_LIMIT = 2**31  # work-axis products (blocks * programs) below this use 32-bit math in the kernel
+WIDE = 16  # steps of at least this many tokens default to 4 KV heads per program, narrower ones to 1
 
 
 @dataclass(frozen=True)
 class SdpaConfig:
     """Launch choices; a 0 field is filled by `resolve_config` from shapes and the device.
 
-    Split path: heads: KV heads per program (a power of two; several make 3-D tiles, one warp per
-    head: num_warps 0 means 4 for one head, else `heads`, since Triton 3.6 gives every warp a head
-    and replicates work when there are more warps than heads);
+    Split path: heads: KV heads per program (a power of two; 0: 1 below WIDE tokens, where fewer
+    partials per item keep latency down, else 4, for 1 KiB contiguous key rows and no cross-warp
+    reductions). Several heads make 3-D tiles with one warp per head: num_warps 0 means 4 for one
+    head, else `heads`, since Triton 3.6 puts every warp on the head axis and replicates work when
+    there are more warps than heads;
     block_n: key positions per tile (0: ~32 KiB of K+V per stage); block_m: tile rows per KV head,
     (query, group head) pairs (>= 16); q_short: segments with q_len <= q_short take this path;
     programs: programs per head group (P; 0: occupancy programs per SM over all head groups);
@@ -67,7 +71,7 @@ class SdpaConfig:
     else 32), warps, stages (0: 3, else 2).
     """
 
-    heads: int = 1
+    heads: int = 0
     block_n: int = 0
     block_m: int = 16
     q_short: int = 16
@@ -109,14 +113,15 @@ def resolve_config(
     dtype: torch.dtype,
     num_kv_heads: int,
     device: torch.device,
+    num_tokens: int = WIDE,
 ) -> SdpaConfig:
     """`config` with every 0 field chosen from shapes alone (host-only, no device reads).
 
     `heads` is reduced to a divisor of num_kv_heads (gcd), so any config fits any model."""
     cfg = config or SdpaConfig()
-    if cfg.heads < 1 or cfg.heads & (cfg.heads - 1) or cfg.q_short < 1 or cfg.min_blocks < 1:
-        raise ContractError(f"{cfg}: heads must be a power of two, q_short and min_blocks >= 1")
-    heads = math.gcd(cfg.heads, num_kv_heads)
+    if cfg.heads < 0 or cfg.heads & (cfg.heads - 1) or cfg.q_short < 1 or cfg.min_blocks < 1:
+        raise ContractError(f"{cfg}: heads must be 0 or a power of two, q_short and min_blocks >= 1")
+    heads = math.gcd(cfg.heads or (1 if num_tokens < WIDE else 4), num_kv_heads)
     num_warps = cfg.num_warps or (4 if heads == 1 else heads)
     esize = dtype.itemsize
     stage_keys = 32768 // (2 * head_dim * esize * heads)  # key positions whose K+V fill 32 KiB
@@ -253,7 +258,7 @@ def sdpa_varlen(
     if num_segments == 0:
         return out.zero_()
     group = num_q_heads // num_kv_heads
-    cfg = resolve_config(config, head_dim, k_store.dtype, num_kv_heads, q.device)
+    cfg = resolve_config(config, head_dim, k_store.dtype, num_kv_heads, q.device, num_tokens)
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
     strides = (q.stride(0), q.stride(1), *k_store.stride()[:3], out.stride(0), out.stride(1))
     common = dict(
@@ -279,12 +284,13 @@ def sdpa_varlen(
     counters = _counters(q.device, max_items * groups)
     merge_rows = min(block_m, cfg.merge_rows or triton.next_power_of_2(group))
     hg_pow2 = triton.next_power_of_2(heads * group)
+    axis_bound = max_items * -(-rows // cfg.block_n)  # most key blocks on the work axis (an item spans <= rows keys)
     split_kernel[(groups, cfg.programs)](
         q, k_store, v_store, seq_info, out, o_part, lse_part, counters, *args, cfg.programs, max_items, *strides,
         HEADS=heads, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, MIN_BLOCKS=cfg.min_blocks, LONG=long,
         SKIP_MASKS=cfg.skip_masks, MERGE_ROWS=merge_rows,
         MERGE_SLOTS=min(64, _pow2_floor(cfg.merge_tile // (heads * merge_rows * head_dim))), HG_POW2=hg_pow2,
-        ZERO_ROWS=_pow2_floor(2048 // (hg_pow2 * head_dim)), **common,
+        ZERO_ROWS=_pow2_floor(2048 // (hg_pow2 * head_dim)), AXIS64=axis_bound * slots >= AXIS32_LIMIT, **common,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device),
     )  # fmt: skip
     if long:

@@ -20,7 +20,7 @@ segment covers. Long segments (prefill) are `long_kernel`'s (`sdpa_varlen_long.p
   the item's partials, writes `out`, and stores 0 back. Counters are therefore zero after every
   launch (graph replays need no memset); the workspace must not be shared by two launches running
   at once (the launcher keeps one per device; batchkv attends on one stream).
-- Rows: program p of a head group zeroes rows t = p, p + P, ... that no segment writes (its
+- Rows: program P-1-p of a head group zeroes rows t = p, p + P, ... that no segment writes (its
   heads only), so padding rows are exact zeros without another launch.
 
 Only interior key blocks (every row of the tile attends every key) skip the mask. The plan is
@@ -179,7 +179,7 @@ def split_kernel(q, k_store, v_store, info, out, o_part, lse_part, counters, S, 
                  BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, Q_SHORT: tl.constexpr,
                  S_POW2: tl.constexpr, MIN_BLOCKS: tl.constexpr, LONG: tl.constexpr, SKIP_MASKS: tl.constexpr,
                  MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, HG_POW2: tl.constexpr,
-                 ZERO_ROWS: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+                 ZERO_ROWS: tl.constexpr, AXIS64: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
     hp = tl.program_id(0)  # head group: KV heads h0 .. h0 + HEADS - 1
     p = tl.program_id(1)
     h0 = hp * HEADS
@@ -191,13 +191,18 @@ def split_kernel(q, k_store, v_store, info, out, o_part, lse_part, counters, S, 
     w_end = packed & LOW_MASK  # inclusive cumsum of key blocks
     item_end = packed >> ITEM_SHIFT  # inclusive cumsum of items
     W = tl.max(w_end, 0)
+    if not AXIS64:  # the launcher's bound says W * P < 2^31: 32-bit divisions (64-bit ones are calls)
+        W = W.to(tl.int32)
+        w_end = w_end.to(tl.int32)
+        item_end = item_end.to(tl.int32)
     P_eff = tl.maximum(tl.minimum(W // MIN_BLOCKS, P), 1)  # each program gets >= MIN_BLOCKS blocks
 
     writes = nq > 0  # segments whose rows some program writes
     if LONG:
         writes = writes | (q_len_v > Q_SHORT)
-    _zero_uncovered(out, p, P, T, h0, q_start_v, q_len_v, writes, stride_ot, stride_oh, GROUP, HEADS, HEAD_DIM,
-                    HG_POW2, ZERO_ROWS)  # fmt: skip
+    # the last programs zero: when the work is short (P_eff < P) they are the idle ones
+    _zero_uncovered(out, P - 1 - p, P, T, h0, q_start_v, q_len_v, writes, stride_ot, stride_oh, GROUP, HEADS,
+                    HEAD_DIM, HG_POW2, ZERO_ROWS)  # fmt: skip
 
     hh = tl.arange(0, HEADS)[:, None, None]
     d = tl.arange(0, HEAD_DIM)[None, None, :]
@@ -214,7 +219,7 @@ def split_kernel(q, k_store, v_store, info, out, o_part, lse_part, counters, S, 
         col = tl.load(info + s * 4 + 2).to(tl.int64)
         kv_end = tl.load(info + s * 4 + 3)
         lo, nb = _blocks(q_len, kv_end, rows, window, CAUSAL, BLOCK_N)
-        qb = ((x - w_start) // nb).to(tl.int32)  # query block of the segment
+        qb = (x - w_start).to(tl.int32) // nb  # query block of the segment
         it = it_start + qb  # item index
         off = w_start + qb * nb  # the item's blocks: [off, off + nb)
         piece_end = tl.minimum(off + nb, b1)
