@@ -72,7 +72,7 @@ def _attend(q_tile, k_base, v_base, stride_r, stride_h, rows, k0, k1, row_lo, ro
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         AXIS: tl.constexpr = 1
     else:  # 3-D: q [H, M, D], keys [H, N, D], scores [H, M, N]
-        d = tl.arange(0, HEADS)[:, None, None].to(tl.int64) * stride_h + tl.arange(0, HEAD_DIM)[None, None, :]
+        d = tl.arange(0, HEADS)[:, None, None] * stride_h + tl.arange(0, HEAD_DIM)[None, None, :]  # < Hkv * D
         row_lo = row_lo[None, :, None]
         row_hi = row_hi[None, :, None]
         m_i = tl.full([HEADS, BLOCK_M], NEG_INF, tl.float32)
