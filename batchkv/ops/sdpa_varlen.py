@@ -54,9 +54,9 @@ WIDE = 16  # steps of at least this many tokens default to 4 KV heads per progra
 class SdpaConfig:
     """Launch choices; a 0 field is filled by `resolve_config` from shapes and the device.
 
-    Split path: heads: KV heads per program (a power of two; 0: 1 below WIDE tokens, where fewer
-    partials per item keep latency down, else 4, for 1 KiB contiguous key rows and no cross-warp
-    reductions). Several heads make 3-D tiles with one warp per head: num_warps 0 means 4 for one
+    Split path: heads: KV heads per program (a power of two; 0: 4 for fp16/bf16 steps of WIDE
+    tokens or more, for 1 KiB contiguous key rows and no cross-warp reductions, else 1, where
+    fewer partials per item keep latency down and fp32 tiles stay small). Several heads make 3-D tiles with one warp per head: num_warps 0 means 4 for one
     head, else `heads`, since Triton 3.6 puts every warp on the head axis and replicates work when
     there are more warps than heads;
     block_n: key positions per tile (0: ~32 KiB of K+V per stage); block_m: tile rows per KV head,
@@ -121,9 +121,9 @@ def resolve_config(
     cfg = config or SdpaConfig()
     if cfg.heads < 0 or cfg.heads & (cfg.heads - 1) or cfg.q_short < 1 or cfg.min_blocks < 1:
         raise ContractError(f"{cfg}: heads must be 0 or a power of two, q_short and min_blocks >= 1")
-    heads = math.gcd(cfg.heads or (1 if num_tokens < WIDE else 4), num_kv_heads)
-    num_warps = cfg.num_warps or (4 if heads == 1 else heads)
     esize = dtype.itemsize
+    heads = math.gcd(cfg.heads or (4 if num_tokens >= WIDE and esize == 2 else 1), num_kv_heads)
+    num_warps = cfg.num_warps or (4 if heads == 1 else heads)
     stage_keys = 32768 // (2 * head_dim * esize * heads)  # key positions whose K+V fill 32 KiB
     block_n = cfg.block_n or max(16, min(128, _pow2_floor(stage_keys)))
     wide_rows = head_dim * esize > 256
