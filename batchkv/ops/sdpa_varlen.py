@@ -56,9 +56,9 @@ class SdpaConfig:
 
     Split path: heads: KV heads per program (a power of two; 0: 4 for fp16/bf16 steps of WIDE
     tokens or more, for 1 KiB contiguous key rows and no cross-warp reductions, else 1, where
-    fewer partials per item keep latency down and fp32 tiles stay small). Several heads make 3-D tiles with one warp per head: num_warps 0 means 4 for one
-    head, else `heads`, since Triton 3.6 puts every warp on the head axis and replicates work when
-    there are more warps than heads;
+    fewer partials per item keep latency down and fp32 tiles stay small). Several heads make 3-D
+    tiles with one warp per head: num_warps 0 means 4 for one head, else `heads`, since Triton 3.6
+    puts every warp on the head axis and replicates work when there are more warps than heads;
     block_n: key positions per tile (0: ~32 KiB of K+V per stage); block_m: tile rows per KV head,
     (query, group head) pairs (>= 16); q_short: segments with q_len <= q_short take this path;
     programs: programs per head group (P; 0: occupancy programs per SM over all head groups);
