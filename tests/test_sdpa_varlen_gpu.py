@@ -75,21 +75,19 @@ def test_other_head_dims_and_fp16_match_reference(head_dim, dtype):
     run_case([1, 3, 1, 64], [1000, 3000, 7, 500], rows=4096, head_dim=head_dim, dtype=dtype)
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [{"heads": 1}, {"heads": 2, "occupancy": 4}, {"heads": 4}, {"heads": 8, "occupancy": 1}, {"min_blocks": 4},
-     {"occupancy": 3}, {"skip_masks": False}, {"block_m_long": 64, "num_warps_long": 4, "num_stages_long": 2}],
-)  # fmt: skip
-def test_every_swept_config_matches_reference(overrides):
+def test_every_swept_config_matches_reference():
     from batchkv.ops.sdpa_varlen import SdpaConfig
 
-    q_lens = [1, 4, 16, 1, 300, 1, 2]
-    run_case(q_lens, [9100, 4, 2000, 1, 700, 64, 5000], rows=9216, config=SdpaConfig(**overrides))
+    sweep = [{"heads": 1}, {"heads": 2, "occupancy": 4}, {"heads": 4}, {"heads": 8, "occupancy": 1},
+             {"min_blocks": 4}, {"occupancy": 3}, {"skip_masks": False},
+             {"block_m_long": 64, "num_warps_long": 4, "num_stages_long": 2}]  # fmt: skip
+    for overrides in sweep:
+        run_case([1, 4, 16, 1, 300, 1, 2], [4000, 4, 2000, 1, 700, 64, 3000], rows=4096, config=SdpaConfig(**overrides))
 
 
 def test_one_sequence_decode_merges_many_programs_and_matches_reference():
-    for length in (17, 1024, 9100):
-        run_case([1], [length], rows=9216, pad=0)
+    for length in (17, 1024, 4096):
+        run_case([1], [length], rows=4096, pad=0)
 
 
 def test_fp32_storage_matches_reference_tightly():
