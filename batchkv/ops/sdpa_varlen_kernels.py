@@ -155,7 +155,7 @@ def _merge(out, o_part, lse_part, it, p_first, p_last, h0, num_kv_heads, q_start
         l_i = tl.zeros([1, HEADS * MERGE_ROWS, 1], tl.float32)
         acc = tl.zeros([1, HEADS * MERGE_ROWS, HEAD_DIM], tl.float32)
         for c0 in range(p_first, p_last + 1, MERGE_SLOTS):
-            row = ((c0 + j + it) * num_kv_heads + h0 + hh) * BLOCK_M + r  # [MERGE_SLOTS, R, 1], slot p + it
+            row = ((c0 + j + it).to(tl.int64) * num_kv_heads + h0 + hh) * BLOCK_M + r  # [SLOTS, R, 1], slot p + it
             live = (c0 + j <= p_last) & ok
             lse = tl.load(lse_part + row, mask=live, other=NEG_INF, cache_modifier=".cg")
             o = tl.load(o_part + row * HEAD_DIM + d, mask=live, other=0.0, cache_modifier=".cg")
@@ -245,7 +245,7 @@ def split_kernel(q, k_store, v_store, info, out, o_part, lse_part, counters, S, 
         if p_first == p_last:  # the item is this program's alone
             tl.store(out_ptrs, o.to(out.dtype.element_ty), mask=row_ok[None, :, None])
         elif it < MAX_ITEMS:  # (always, unless the table overlaps itself)
-            row = ((p + it) * num_kv_heads + h0 + hh) * BLOCK_M + r3  # partial slot p + item
+            row = ((p + it).to(tl.int64) * num_kv_heads + h0 + hh) * BLOCK_M + r3  # partial slot p + item
             tl.store(lse_part + row, lse[:, :, None], mask=row_ok[None, :, None])
             tl.store(o_part + row * HEAD_DIM + d, o, mask=row_ok[None, :, None])
             tl.debug_barrier()  # every thread's partial stores precede the release below
