@@ -2,6 +2,8 @@
 
 Shapes: Hq 32, Hkv 8, D 128, bf16, a 65-column store of 9216 rows (9100 positions fit), a 128-row
 seq_info (the cache's default max_segments for 64 sequences), random distinct columns, seed 0.
+Decode cases report GB/s of the valid K/V prefixes; prefill cases (chunks after histories, all
+through the long kernel) also report TFLOP/s (4 * D * Hq per attended (query, key) pair).
 Every time is the median over >= 100 CUDA-graph replays of a graph holding K back-to-back calls,
 divided by K. Calls rotate over R copies of their data (other columns for batchkv, other gathered
 buffers for the peers) so that a case smaller than the L2 cache is still read from HBM.
@@ -12,9 +14,10 @@ group into the query axis (q [B, Hkv, G*q_len, D]), the fastest honest way to ha
 
     python3 bench/kernels.py [--check] [--sweep] [--out bench/results/kernels-h200.json]
 
---check first compares every case (and the peers) against the torch reference; --sweep times a
-grid of SdpaConfig choices on the b1 and mixed cases and writes --sweep-out instead of the full
-benchmark. Results are written after every case, so a failure midway loses nothing.
+--check first compares every case against the torch reference (a mismatch is recorded and
+printed, not fatal); --sweep times a grid of SdpaConfig choices on SWEEP_CASES and writes
+--sweep-out instead of the full benchmark. Results are written after every case and every sweep
+row, and each case and config runs under its own try, so a failure midway loses nothing.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ HQ, HKV, D, COLUMNS, ROWS, SEGMENTS = 32, 8, 128, 65, 9216, 128
 G = HQ // HKV
 DTYPE, DEV = torch.bfloat16, "cuda"
 MIXED = (64, 8192)  # mixed cases draw lengths uniformly from this range
-CASES = {  # name: (batch, q_len, lengths or None for U[64, 8192])
+CASES = {  # name: (batch, q_len, kv_end of each sequence, or None for U[64, 8192])
     "b1-l1024": (1, 1, [1024]),
     "b1-l4096": (1, 1, [4096]),
     "b1-l9100": (1, 1, [9100]),
@@ -46,29 +49,23 @@ CASES = {  # name: (batch, q_len, lengths or None for U[64, 8192])
     "b32-mixed": (32, 1, None),
     "b64-mixed": (64, 1, None),
     "b32-verify4": (32, 4, None),
+    "prefill-4x512": (4, 512, [1536] * 4),  # 512 new tokens after 1024-token histories
+    "prefill-1x2048": (1, 2048, [2048]),
 }
-SWEEP_CASES = ("b1-l1024", "b1-l9100", "b8-mixed", "b64-mixed", "b32-verify4")
-SWEEP = [  # SdpaConfig overrides; the first is the default heuristic
+SWEEP_CASES = ("b1-l1024", "b1-l9100", "b8-mixed", "b64-mixed", "b32-verify4", "prefill-4x512")
+SWEEP = [  # SdpaConfig overrides; the first is the default (heads 1 below 16 tokens, else 4)
     {},
-    {"block_n": 32},
-    {"block_n": 32, "num_stages": 4},
-    {"block_n": 128, "num_stages": 2},
-    {"num_stages": 2},
-    {"num_stages": 4},
-    {"num_warps": 8},
-    {"num_warps": 8, "block_n": 128, "num_stages": 2},
-    {"num_warps": 2},
+    {"heads": 1},  # one KV head per program at every width (the previous layout)
+    {"heads": 4},  # four at every width, b1 and b8 too
+    {"heads": 8, "occupancy": 1},  # 2 KiB key rows, 8 warps, one 160 KiB program per SM
+    {"heads": 2, "occupancy": 4},  # 2 warps per program
+    {"min_blocks": 2},  # fewer partials for short totals (b1)
     {"occupancy": 1},
-    {"occupancy": 3},
-    {"occupancy": 4},
-    {"occupancy": 8},
-    {"occupancy": 4, "block_n": 32},
-    {"occupancy": 1, "num_warps": 8, "block_n": 128},
-    {"block_m": 32},
-    {"num_stages": 1},
-    {"occupancy": 2, "block_n": 32, "num_warps": 2},
-    {"min_blocks": 2},
-    {"min_blocks": 4, "occupancy": 4},
+    {"occupancy": 3},  # registers capped at 168
+    {"num_stages": 4},
+    {"skip_masks": False},
+    {"heads": 4, "merge_tile": 16384},  # 2x the partials per merge round trip
+    {"block_m_long": 64, "num_warps_long": 4, "num_stages_long": 2},  # the previous prefill tiles
 ]
 
 
@@ -80,8 +77,11 @@ class Case:
         self.name, self.batch, self.q_len = name, batch, q_len
         self.lengths = lengths or torch.randint(MIXED[0], MIXED[1] + 1, (batch,), generator=gen).tolist()
         self.bytes = sum(self.lengths) * HKV * D * 2 * 2  # K and V of the valid prefixes
+        # causal (query, key) pairs: query i of a segment attends kv_end - q_len + i + 1 keys
+        pairs = sum(q_len * (n - q_len) + q_len * (q_len + 1) // 2 for n in self.lengths)
+        self.flops = 4 * D * HQ * pairs
         self.rot = min(64, max(1, math.ceil(4 * l2_bytes / self.bytes)))
-        est_us = self.bytes / 3e6 + 5
+        est_us = max(self.bytes / 3e6, self.flops / 3e8) + 5
         self.calls = max(self.rot, min(64, math.ceil(200 / est_us)))
         perm = torch.randperm(64, generator=gen).tolist()  # rotation j takes the next `batch` columns
         self.cols = [[perm[(j * batch + b) % 64] for b in range(batch)] for j in range(self.rot)]
@@ -187,22 +187,33 @@ def gather(k, col, length, width=None):
 
 
 def exact_loop(case: Case, k, v):
-    """SDPA per sequence over its exact prefix; returns (calls, output of rotation 0)."""
+    """SDPA per sequence over its exact prefix; returns (calls, output of rotation 0).
+
+    A chunk without history (kv_end == q_len > 1) is plain causal attention: it gets SDPA's
+    is_causal with enable_gqa (the flash path) instead of a mask."""
+    plain = case.q_len > 1 and all(n == case.q_len for n in case.lengths)
     rots = []
     for cols in case.cols:
         seqs = []
         for b, (col, n) in enumerate(zip(cols, case.lengths, strict=True)):
-            q_b = fold(case.q[b * case.q_len : (b + 1) * case.q_len])[None]
-            mask = None if case.q_len == 1 else causal_rows(case.q_len, n, n)
+            q_seq = case.q[b * case.q_len : (b + 1) * case.q_len]
+            q_b = q_seq.transpose(0, 1)[None] if plain else fold(q_seq)[None]
+            mask = None if case.q_len == 1 or plain else causal_rows(case.q_len, n, n)
             seqs.append((q_b, gather(k, col, n)[None], gather(v, col, n)[None], mask))
         rots.append(seqs)
 
     def call(j):
+        if plain:
+            return [F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=True)
+                    for q, kk, vv, _ in rots[j % case.rot]]  # fmt: skip
         return [F.scaled_dot_product_attention(q, kk, vv, attn_mask=m) for q, kk, vv, m in rots[j % case.rot]]
 
-    return [lambda j=j: call(j) for j in range(case.calls)], lambda: torch.cat(
-        [unfold(o[0], case.q_len) for o in call(0)]
-    )
+    def output():
+        if plain:
+            return torch.cat([o[0].transpose(0, 1) for o in call(0)])
+        return torch.cat([unfold(o[0], case.q_len) for o in call(0)])
+
+    return [lambda j=j: call(j) for j in range(case.calls)], output
 
 
 def padded_inputs(case: Case, k, v, multiple: int):
@@ -269,13 +280,18 @@ def reference(case: Case, k, v) -> torch.Tensor:
 
 
 def check(cases: dict, k, v, report: dict) -> None:
-    """batchkv against the reference on rotation 0 of every case (max abs error; peers: in bench)."""
+    """batchkv against the reference on rotation 0 of every case (max abs error; peers: in bench).
+
+    A mismatch or a failure is recorded and printed loudly, and the benchmark goes on."""
     for name, case in cases.items():
-        err = (batchkv_calls(case, k, v, None)[0]().float() - reference(case, k, v)).abs().max().item()
-        report[name] = err
-        print(f"check {name}: batchkv max abs error {err:.2e} vs the torch reference")
-        if not err < 3e-2:
-            raise SystemExit(f"batchkv disagrees with the reference on {name}: max error {err}")
+        try:
+            err = (batchkv_calls(case, k, v, None)[0]().float() - reference(case, k, v)).abs().max().item()
+            report[name] = err
+            verdict = "ok" if err < 3e-2 else "MISMATCH: batchkv disagrees with the reference"
+            print(f"check {name}: batchkv max abs error {err:.2e} vs the torch reference: {verdict}")
+        except Exception as exc:
+            report[name] = f"failed: {type(exc).__name__}: {exc}"[:300]
+            print(f"check {name}: FAILED {report[name]}")
 
 
 def sweep(cases: dict, k, v, ceiling: float, path: Path) -> None:
@@ -283,26 +299,27 @@ def sweep(cases: dict, k, v, ceiling: float, path: Path) -> None:
     refs = {n: reference(cases[n], k, v) for n in names}
     results = []
     for overrides in SWEEP:
-        row = {"config": overrides, "us": {}, "pct_of_copy": {}}
-        try:
-            cfg = SdpaConfig(**overrides)
-            for n in names:
-                case = cases[n]
-                calls = batchkv_calls(case, k, v, cfg)
+        row = {"config": overrides, "us": {}, "pct_of_copy": {}, "tflops": {}, "errors": {}}
+        for n in names:
+            case = cases[n]
+            try:
+                calls = batchkv_calls(case, k, v, SdpaConfig(**overrides))
                 err = (calls[0]() - refs[n]).abs().max().item()
                 if not err < 3e-2:
-                    raise RuntimeError(f"{n}: max error {err}")
+                    raise RuntimeError(f"max error {err} against the reference")
                 us, _ = time_calls(calls)
                 row["us"][n] = round(us, 2)
                 row["pct_of_copy"][n] = round(100 * case.bytes / us / 1e3 / ceiling, 1)
-        except Exception as exc:
-            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                row["tflops"][n] = round(case.flops / us / 1e6, 1)
+            except Exception as exc:
+                row["errors"][n] = f"{type(exc).__name__}: {exc}"[:300]
+                torch.cuda.synchronize()
         results.append(row)
         base = results[0]["us"]
         ratio = [base[n] / row["us"][n] for n in names if n in row["us"] and n in base]
         row["speedup_vs_default"] = round(math.prod(ratio) ** (1 / len(ratio)), 3) if ratio else None
         print(f"{json.dumps(overrides):58s} " + " ".join(f"{row['us'].get(n, float('nan')):9.2f}" for n in names)
-              + f"  x{row['speedup_vs_default']}" + (f"  {row['error']}" if "error" in row else ""))  # fmt: skip
+              + f"  x{row['speedup_vs_default']}" + (f"  {row['errors']}" if row["errors"] else ""))  # fmt: skip
         write(path, {"copy_gbps": ceiling, "cases": names, "results": results})
     ranked = sorted((r for r in results if r.get("speedup_vs_default")), key=lambda r: -r["speedup_vs_default"])
     write(path, {"copy_gbps": ceiling, "cases": names, "results": results, "best": ranked[0] if ranked else None})
@@ -333,16 +350,24 @@ def bench(cases: dict, k, v, ceiling: float, cfg: SdpaConfig | None, path: Path,
         "method": "median of 100 CUDA-graph replays / calls per graph; calls rotate over `rotations` data copies",
     }
     for name, case in cases.items():
-        us, how = time_calls(batchkv_calls(case, k, v, cfg))
-        gbps = case.bytes / us / 1e3
-        entry = {"name": name, "batchkv_us": round(us, 2), "gbps": round(gbps, 1),
-                 "pct_of_copy": round(100 * gbps / ceiling, 1), "peers": {}, "peer_timing": {},
-                 "bytes": case.bytes, "rotations": case.rot, "calls_per_graph": case.calls, "timing": how}  # fmt: skip
+        entry = {"name": name, "peers": {}, "peer_timing": {}, "bytes": case.bytes, "flops": case.flops,
+                 "rotations": case.rot, "calls_per_graph": case.calls,
+                 "config": resolve_config(cfg, D, DTYPE, HKV, torch.device(DEV), case.q.shape[0]).__dict__}  # fmt: skip
         report["cases"].append(entry)
+        try:
+            us, entry["timing"] = time_calls(batchkv_calls(case, k, v, cfg))
+            gbps = case.bytes / us / 1e3
+            entry.update(batchkv_us=round(us, 2), gbps=round(gbps, 1), pct_of_copy=round(100 * gbps / ceiling, 1),
+                         tflops=round(case.flops / us / 1e6, 1))  # fmt: skip
+        except Exception as exc:
+            entry.update(batchkv_us=None, gbps=None, pct_of_copy=None, tflops=None)
+            entry["timing"] = f"failed: {type(exc).__name__}: {exc}"[:300]
+            torch.cuda.synchronize()
         for peer in ("sdpa_exact_loop_us", "sdpa_padded_mask_us"):
             run_peer(entry, peer, case, k, v)
         write(path, report)
-        print(f"{name:12s} batchkv {us:9.2f} us {gbps:7.0f} GB/s {entry['pct_of_copy']:5.1f}% | {entry['peers']}")
+        print(f"{name:14s} batchkv {entry['batchkv_us']} us {entry['gbps']} GB/s {entry['pct_of_copy']}% "
+              f"{entry['tflops']} TFLOP/s | {entry['peers']}")  # fmt: skip
     started = time.time()
     for entry in report["cases"]:  # flex last: its compiles are the slow part
         if time.time() - started > flex_budget_s:
@@ -375,17 +400,21 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = [c["name"] for c in report["cases"]]
-    series = {"batchkv": [c["batchkv_us"] for c in report["cases"]]}
+    series = {"batchkv": [c.get("batchkv_us") or float("nan") for c in report["cases"]]}
     for peer in PEERS:
         series[peer.removesuffix("_us")] = [c["peers"].get(peer) or float("nan") for c in report["cases"]]
-    fig, ax = plt.subplots(figsize=(11, 5))
+    fig, ax = plt.subplots(figsize=(13, 5))
     width = 0.8 / len(series)
     for i, (label, values) in enumerate(series.items()):
         bars = ax.bar([x + i * width for x in range(len(names))], values, width, label=label)
         if label == "batchkv":
             for bar, case in zip(bars, report["cases"], strict=True):
-                ax.annotate(f"{case['pct_of_copy']:.0f}%", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                            ha="center", va="bottom", fontsize=8)  # fmt: skip
+                if case.get("pct_of_copy") is None:
+                    continue
+                prefill = case["name"].startswith("prefill")
+                text = f"{case['tflops']:.0f} TF/s" if prefill else f"{case['pct_of_copy']:.0f}%"
+                ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                            fontsize=8)  # fmt: skip
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names)
     ax.set_yscale("log")
     ax.set_ylabel("µs per call (graph replay; lower is better)")

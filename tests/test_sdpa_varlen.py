@@ -11,20 +11,22 @@ import torch
 
 from batchkv.errors import ContractError
 from batchkv.ops import sdpa_varlen_reference
-from batchkv.ops.sdpa_varlen import SdpaConfig, sdpa_varlen
+from batchkv.ops.sdpa_varlen import SdpaConfig, _counters, sdpa_varlen
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def make_case(segments, *, rows, columns=6, kv_heads=2, group=4, head_dim=32, pad=2, dtype=torch.float32, seed=0):
+def make_case(segments, *, rows, columns=6, kv_heads=2, group=4, head_dim=32, pad=2, gap=0, dtype=torch.float32,
+              seed=0):  # fmt: skip
     """q [T, Hq, D] and NaN-poisoned stores [rows, columns, Hkv, D] for (q_len, col, kv_end) segments.
 
-    Segments are packed in order (zero-length ones included); `pad` uncovered rows follow.
-    Returns q, k_store, v_store, seq_info (int32 [S, 4]).
+    Segments are packed in order (zero-length ones included), `gap` uncovered rows before each;
+    `pad` uncovered rows follow. Returns q, k_store, v_store, seq_info (int32 [S, 4]).
     """
     gen = torch.Generator().manual_seed(seed)
     table, q_start = [], 0
     for q_len, col, kv_end in segments:
+        q_start += gap
         table.append((q_start, q_len, col, kv_end))
         q_start += q_len
     q = torch.randn(q_start + pad, kv_heads * group, head_dim, generator=gen)
@@ -40,13 +42,18 @@ def make_case(segments, *, rows, columns=6, kv_heads=2, group=4, head_dim=32, pa
 
 
 def check(segments, *, causal=True, window=0, config=None, atol=2e-5, **case):
+    """sdpa_varlen into a NaN-filled `out` equals the reference: covered rows closely, the rest exactly
+    zero; the merge counters are all zero afterwards."""
     (q, k, v), info = make_case(segments, **case)
-    out = sdpa_varlen(q, k, v, info, causal=causal, window=window, config=config)
+    out = sdpa_varlen(q, k, v, info, causal=causal, window=window, config=config, out=torch.full_like(q, float("nan")))
     ref = sdpa_varlen_reference(q, k, v, info, causal=causal, window=window)
-    covered = sum(q_len for q_len, _, _ in segments)
+    covered = torch.zeros(q.shape[0], dtype=torch.bool)
+    for q_start, q_len, _, _ in info.tolist():
+        covered[q_start : q_start + q_len] = True
     assert not out.isnan().any()
-    torch.testing.assert_close(out[:covered], ref[:covered], atol=atol, rtol=1e-4)
-    assert torch.equal(out[covered:], torch.zeros_like(out[covered:]))  # padding rows: exact zeros
+    torch.testing.assert_close(out[covered], ref[covered], atol=atol, rtol=1e-4)
+    assert torch.equal(out[~covered], torch.zeros_like(out[~covered]))  # uncovered rows: exact zeros
+    assert not _counters(q.device, 0).any()  # every launch leaves its counters at zero
     return out, ref
 
 
@@ -91,12 +98,56 @@ def test_non_causal_draft_blocks_match_reference(window):
     check(segments, rows=110, causal=False, window=window, head_dim=16, kv_heads=1)
 
 
-@pytest.mark.parametrize(("programs", "min_blocks"), [(1, 1), (3, 1), (50, 1), (7, 3), (70, 1)])
+@pytest.mark.parametrize(("programs", "min_blocks"), [(1, 1), (3, 1), (50, 1), (7, 3)])
 def test_any_split_program_count_gives_the_reference(programs, min_blocks):
-    # 1: one program walks every item; 3: pieces cross item boundaries; 50: most programs idle;
-    # min_blocks 3: fewer programs share the work; 70: the merge reads its pieces in two chunks.
+    # 1: one program walks every item and writes each directly; 3: pieces cross item boundaries;
+    # 50: most programs idle, the long item merged from many; min_blocks 3: fewer programs share it.
     config = SdpaConfig(programs=programs, min_blocks=min_blocks, block_n=16)
     check([(1, 0, 70), (3, 2, 33), (1, 1, 1190)], rows=1200, head_dim=16, kv_heads=1, config=config)
+
+
+def test_items_a_single_program_covers_are_written_directly_and_match_the_reference():
+    # min_blocks above the total: one program per head, every item its own (no partial, no counter).
+    config = SdpaConfig(min_blocks=1000, block_n=16)
+    check([(1, 0, 70), (4, 2, 33), (1, 1, 300), (2, 3, 17)], rows=310, head_dim=16, config=config)
+
+
+def test_the_last_program_merges_many_partials_in_several_rounds_and_resets_its_counters():
+    # 70 programs share one 1190-key item; 4 partials per round trip: 18 rounds for the last one.
+    config = SdpaConfig(programs=70, block_n=16, merge_tile=4 * 4 * 16)
+    (q, k, v), info = make_case([(1, 0, 1190), (3, 1, 45)], rows=1200, head_dim=16, kv_heads=1)
+    first = sdpa_varlen(q, k, v, info, config=config)
+    assert not _counters(q.device, 0).any()
+    torch.testing.assert_close(first, sdpa_varlen_reference(q, k, v, info), atol=2e-5, rtol=1e-4)
+    assert torch.equal(sdpa_varlen(q, k, v, info, config=config), first)  # a second call: same counters, same result
+
+
+def test_the_64_bit_work_axis_gives_the_32_bit_result(monkeypatch):
+    import batchkv.ops.sdpa_varlen as launcher
+
+    segments, config = [(1, 0, 300), (3, 1, 45), (1, 2, 7)], SdpaConfig(programs=5, block_n=16)
+    out32, _ = check(segments, rows=310, head_dim=16, kv_heads=1, config=config)
+    monkeypatch.setattr(launcher, "AXIS32_LIMIT", 0)  # every work-axis bound now counts as too large
+    out64, _ = check(segments, rows=310, head_dim=16, kv_heads=1, config=config)
+    assert torch.equal(out32, out64)
+
+
+@pytest.mark.parametrize("heads", [2, 4])
+def test_programs_serving_several_kv_heads_match_reference(heads):
+    segments = [(1, 0, 129), (4, 1, 300), (1, 2, 17), (16, 3, 90), (40, 4, 60)]
+    check(segments, rows=300, kv_heads=4, group=2, head_dim=16, config=SdpaConfig(heads=heads, block_n=16))
+
+
+def test_rows_between_and_after_segments_are_zeroed_by_the_split_programs():
+    # Uncovered rows before every segment and 40 after: several zeroing rounds per program.
+    check([(1, 0, 50), (3, 1, 20), (40, 2, 90), (1, 3, 5)], rows=100, gap=3, pad=40, head_dim=16, kv_heads=1)
+
+
+@pytest.mark.parametrize("skip_masks", [True, False])
+def test_unmasked_interior_blocks_give_the_masked_result(skip_masks):
+    # Windowed rows over a wrapped ring: first and last blocks of each piece need masks, others not.
+    config = SdpaConfig(skip_masks=skip_masks, block_n=16, programs=3)
+    check([(1, 0, 301), (5, 1, 157), (16, 2, 99)], rows=120, window=70, head_dim=16, kv_heads=1, config=config)
 
 
 def test_head_dim_64_and_a_long_key_tile_match_reference():

@@ -36,19 +36,21 @@ def table(q_lens, kv_ends, cols, num_segments):
 
 
 def run_case(q_lens, kv_ends, *, rows, kv_heads=8, group=4, head_dim=128, dtype=torch.bfloat16, causal=True,
-             window=0, pad=3, seed=0, atol=2e-2):  # fmt: skip
-    from batchkv.ops.sdpa_varlen import sdpa_varlen
+             window=0, pad=3, seed=0, atol=2e-2, config=None):  # fmt: skip
+    from batchkv.ops.sdpa_varlen import _counters, sdpa_varlen
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     cols = torch.randperm(64, generator=torch.Generator().manual_seed(seed))[: len(q_lens)].tolist()
     k, v = poisoned_store(rows, kv_heads, head_dim, dtype, kv_ends, cols, gen)
     info, width = table(q_lens, kv_ends, cols, 2 * len(q_lens))
     q = torch.randn(width + pad, kv_heads * group, head_dim, generator=gen, device="cuda").to(dtype)
-    out = sdpa_varlen(q, k, v, info, causal=causal, window=window)
+    out = torch.full_like(q, float("nan"))
+    sdpa_varlen(q, k, v, info, causal=causal, window=window, out=out, config=config)
     ref = sdpa_varlen_reference(q, k, v, info, causal=causal, window=window)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=atol)
     assert torch.equal(out[width:], torch.zeros_like(out[width:]))
+    assert not _counters(q.device, 0).any()  # every launch leaves the merge counters at zero
 
 
 def test_sensenova_decode_batch_matches_reference():
@@ -73,13 +75,28 @@ def test_other_head_dims_and_fp16_match_reference(head_dim, dtype):
     run_case([1, 3, 1, 64], [1000, 3000, 7, 500], rows=4096, head_dim=head_dim, dtype=dtype)
 
 
+def test_every_swept_config_matches_reference():
+    from batchkv.ops.sdpa_varlen import SdpaConfig
+
+    sweep = [{"heads": 1}, {"heads": 2, "occupancy": 4}, {"heads": 4}, {"heads": 8, "occupancy": 1},
+             {"min_blocks": 4}, {"occupancy": 3}, {"skip_masks": False},
+             {"block_m_long": 64, "num_warps_long": 4, "num_stages_long": 2}]  # fmt: skip
+    for overrides in sweep:
+        run_case([1, 4, 16, 1, 300, 1, 2], [4000, 4, 2000, 1, 700, 64, 3000], rows=4096, config=SdpaConfig(**overrides))
+
+
+def test_one_sequence_decode_merges_many_programs_and_matches_reference():
+    for length in (17, 1024, 4096):
+        run_case([1], [length], rows=4096, pad=0)
+
+
 def test_fp32_storage_matches_reference_tightly():
     run_case([1, 5, 40], [999, 333, 200], rows=1024, dtype=torch.float32, kv_heads=2, atol=1e-4)
 
 
 def test_one_captured_graph_replays_three_length_mixes_with_the_kv_write():
     from batchkv.ops.kv_write import kv_write
-    from batchkv.ops.sdpa_varlen import sdpa_varlen
+    from batchkv.ops.sdpa_varlen import _counters, sdpa_varlen
 
     rows, kv_heads, head_dim, width = 4096, 8, 128, 24
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -101,6 +118,7 @@ def test_one_captured_graph_replays_three_length_mixes_with_the_kv_write():
         [(1, 5, 4000), (1, 9, 17), (4, 2, 900)],
         [(16, 9, 33), (1, 40, 1), (1, 63, 4096), (1, 0, 2500), (4, 5, 4004)],
         [(1, 7, 64)],
+        [(1, 7, 4096)],  # one long sequence: every program merges into one item
     ]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -127,6 +145,7 @@ def test_one_captured_graph_replays_three_length_mixes_with_the_kv_write():
         kv_write_reference(expect_k, expect_v, k_new, v_new, slots)
         graph.replay()
         torch.cuda.synchronize()
+        assert not _counters(q.device, 0).any()  # the merge counters clean up after every replay
         assert torch.equal(k_flat, expect_k) and torch.equal(v_flat, expect_v)
         ref = sdpa_varlen_reference(q, k_store, v_store, info)
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

@@ -6,15 +6,17 @@ col, kv_end), query i of the segment is packed row `q_start + i` at position
 window trims lo; only t >= kv_end - rows is resident, key t at store[t % rows, col]. GQA: query
 head h*G + g reads KV head h (G = Hq // Hkv). Uncovered rows and rows with no key are zeros.
 
-How (device code and its algorithm in `sdpa_varlen_kernels.py`):
+How (device code in `sdpa_varlen_kernels.py` and `sdpa_varlen_long.py`):
 - short segments (q_len <= q_short: decode, verify blocks) go through a stream-K split kernel on a
-  persistent grid of P programs per KV head; every program takes an equal share of all short
+  persistent grid of P programs per head group; every program takes an equal share of all short
   segments' key blocks, so one wave serves any length mix (one sequence of 1024 keys or 64 of up
-  to 8192) without a host decision; fp32 partials are merged with their log-sum-exp;
-- long segments (prefill chunks) get one program per query block, with no split;
-- a merge kernel over (T, Hq) combines partials and writes exact zeros for uncovered rows.
-One KV head's whole query group shares a program, so K/V are read once per group; the (query,
-group head) pairs are flattened into the tile's M rows, padded to 16 for tl.dot.
+  to 8192) without a host decision. An item one program covers is written directly; otherwise the
+  last of its programs to finish merges the fp32 partials (per-item counters, self-cleaning). The
+  same launch writes exact zeros into rows no segment covers: a decode step is one launch;
+- long segments (prefill chunks) get one program per query block, with no split (a second launch,
+  only when T > q_short).
+One program serves `heads` KV heads and their whole query groups, so K/V are read once per group
+and each key row read is heads * D contiguous elements.
 
 Why these choices: decode reads ~all of its time from HBM, so the split kernel aims at equal bytes
 per program (stream-K) rather than equal splits per sequence, which would leave a long sequence's
@@ -22,6 +24,10 @@ programs running after the short ones finished. The grid is fixed by shapes (P f
 so replays with new lengths need no recapture. Tiles use ~32 KiB of K+V per pipeline stage.
 Choices live in `SdpaConfig`; defaults come from a static heuristic (no triton.autotune, whose
 first-call benchmarking does not mix with graph capture); `bench/kernels.py --sweep` tunes them.
+
+Workspace: the merge counters live in one int32 buffer per device, allocated (zeroed) on the first
+call outside any graph capture and never freed; every launch leaves them zero. Two launches that
+run at the same time on different streams would share them: batchkv attends on one stream.
 """
 
 from __future__ import annotations
@@ -34,35 +40,54 @@ import torch
 import triton
 
 from batchkv.errors import ContractError
-from batchkv.ops.sdpa_varlen_kernels import long_kernel, merge_kernel, split_kernel
+from batchkv.ops.sdpa_varlen_kernels import split_kernel
+from batchkv.ops.sdpa_varlen_long import long_kernel
 
 LOG2E = 1.4426950408889634  # 1/ln(2)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+REGISTERS = 65536  # 32-bit registers per SM (every CUDA GPU since sm_50)
+AXIS32_LIMIT = 2**31  # work-axis products (blocks * programs) below this use 32-bit math in the kernel
+WIDE = 16  # steps of at least this many tokens default to 4 KV heads per program, narrower ones to 1
 
 
 @dataclass(frozen=True)
 class SdpaConfig:
     """Launch choices; a 0 field is filled by `resolve_config` from shapes and the device.
 
-    block_n: keys per split tile; block_m: (query, head) rows per split tile (>= 16);
-    q_short: segments with q_len <= q_short take the split path; programs: split programs per KV
-    head (P); occupancy: split programs per SM that P aims at; min_blocks: fewest key blocks a split
-    program takes (fewer programs share a short total); *_long: the prefill kernel.
+    Split path: heads: KV heads per program (a power of two; 0: 4 for fp16/bf16 steps of WIDE
+    tokens or more, for 1 KiB contiguous key rows and no cross-warp reductions, else 1, where
+    fewer partials per item keep latency down and fp32 tiles stay small). Several heads make 3-D
+    tiles with one warp per head: num_warps 0 means 4 for one head, else `heads`, since Triton 3.6
+    puts every warp on the head axis and replicates work when there are more warps than heads;
+    block_n: key positions per tile (0: ~32 KiB of K+V per stage); block_m: tile rows per KV head,
+    (query, group head) pairs (>= 16); q_short: segments with q_len <= q_short take this path;
+    programs: programs per head group (P; 0: occupancy programs per SM over all head groups);
+    min_blocks: fewest key blocks a program takes (fewer programs share a short total, fewer
+    partials to merge); skip_masks: no mask on key blocks every row attends whole; merge_rows:
+    tile rows per head merged at once (0: next power of two >= G); merge_tile: fp32 elements a
+    merge round loads (sets how many programs' partials one round trip brings); max_regs: register
+    cap per thread (0: what `occupancy` programs per SM need, else none).
+    Long path (*_long): tile rows (0: 128 when a key row is <= 256 bytes, else 64), keys (0: 64,
+    else 32), warps, stages (0: 3, else 2).
     """
 
+    heads: int = 0
     block_n: int = 0
     block_m: int = 16
     q_short: int = 16
     programs: int = 0
     occupancy: int = 2
-    num_warps: int = 4
+    num_warps: int = 0
     num_stages: int = 3
-    block_n_long: int = 0
-    block_m_long: int = 64
-    num_warps_long: int = 4
-    num_stages_long: int = 2
     min_blocks: int = 1
-    merge_warps: int = 4
+    skip_masks: bool = True
+    merge_rows: int = 0
+    merge_tile: int = 8192
+    max_regs: int = 0
+    block_n_long: int = 0
+    block_m_long: int = 0
+    num_warps_long: int = 8
+    num_stages_long: int = 0
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -77,20 +102,77 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
 @functools.lru_cache(maxsize=256)
 def resolve_config(
-    config: SdpaConfig | None, head_dim: int, dtype: torch.dtype, num_kv_heads: int, device: torch.device
+    config: SdpaConfig | None,
+    head_dim: int,
+    dtype: torch.dtype,
+    num_kv_heads: int,
+    device: torch.device,
+    num_tokens: int = WIDE,
 ) -> SdpaConfig:
-    """`config` with every 0 field chosen from shapes alone (host-only, no device reads)."""
+    """`config` with every 0 field chosen from shapes alone (host-only, no device reads).
+
+    `heads` is reduced to a divisor of num_kv_heads (gcd), so any config fits any model."""
     cfg = config or SdpaConfig()
+    if cfg.heads < 0 or cfg.heads & (cfg.heads - 1) or cfg.q_short < 1 or cfg.min_blocks < 1:
+        raise ContractError(f"{cfg}: heads must be 0 or a power of two, q_short and min_blocks >= 1")
     esize = dtype.itemsize
-    stage_keys = 32768 // (2 * head_dim * esize)  # keys whose K+V fill 32 KiB
-    block_n = cfg.block_n or max(16, min(128, 1 << (stage_keys.bit_length() - 1)))
-    block_n_long = cfg.block_n_long or (32 if head_dim * esize > 256 else 64)
-    programs = cfg.programs or max(1, -(-cfg.occupancy * _sm_count(device) // num_kv_heads))
-    if min(block_n, block_n_long, cfg.block_m, cfg.block_m_long) < 16 or cfg.q_short < 1:
-        raise ContractError(f"{cfg}: tiles need at least 16 rows and keys, and q_short >= 1")
-    return replace(cfg, block_n=block_n, block_n_long=block_n_long, programs=programs)
+    heads = math.gcd(cfg.heads or (4 if num_tokens >= WIDE and esize == 2 else 1), num_kv_heads)
+    num_warps = cfg.num_warps or (4 if heads == 1 else heads)
+    stage_keys = 32768 // (2 * head_dim * esize * heads)  # key positions whose K+V fill 32 KiB
+    block_n = cfg.block_n or max(16, min(128, _pow2_floor(stage_keys)))
+    wide_rows = head_dim * esize > 256
+    block_n_long = cfg.block_n_long or (32 if wide_rows else 64)
+    block_m_long = cfg.block_m_long or (64 if wide_rows else 128)
+    programs = cfg.programs or max(1, -(-cfg.occupancy * _sm_count(device) // (num_kv_heads // heads)))
+    if min(block_n, block_n_long, cfg.block_m, block_m_long) < 16 or min(block_n, block_n_long) & 15:
+        raise ContractError(f"{cfg}: tiles need at least 16 rows and keys (keys a multiple of 16)")
+    max_regs = cfg.max_regs
+    if not max_regs and cfg.occupancy * num_warps * 32 * 256 > REGISTERS:  # else 255 registers fit
+        max_regs = max(64, REGISTERS // (cfg.occupancy * num_warps * 32) // 8 * 8)
+    return replace(
+        cfg,
+        heads=heads,
+        num_warps=num_warps,
+        max_regs=max_regs,
+        block_n=block_n,
+        programs=programs,
+        block_n_long=block_n_long,
+        block_m_long=block_m_long,
+        num_stages_long=cfg.num_stages_long or (2 if wide_rows else 3),
+    )
+
+
+_COUNTERS: dict[tuple[str, int | None], list[torch.Tensor]] = {}
+
+
+def _counters(device: torch.device, needed: int) -> torch.Tensor:
+    """The device's zeroed int32 merge counters, at least `needed` of them.
+
+    Allocated outside graph capture only; a larger buffer replaces a smaller one for new calls,
+    but every buffer stays alive, since graphs captured with it keep using it."""
+    index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
+    key = (device.type, index)
+    held = _COUNTERS.setdefault(key, [])
+    if held and held[-1].numel() >= needed:
+        return held[-1]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise ContractError(
+            f"sdpa_varlen needs {needed} merge counters on {device} but may not allocate them during graph "
+            "capture; call it once with the same shapes before capturing (a warm-up does this)"
+        )
+    held.append(torch.zeros(max(1 << 16, triton.next_power_of_2(needed)), dtype=torch.int32, device=device))
+    return held[-1]
+
+
+def _regs(max_regs: int, device: torch.device) -> dict:
+    """Triton's `maxnreg` launch option when a cap is wanted (CUDA only; the interpreter has none)."""
+    return {"maxnreg": max_regs} if max_regs and device.type == "cuda" else {}
 
 
 def _check(q, k_store, v_store, seq_info, window, out) -> None:
@@ -158,8 +240,10 @@ def sdpa_varlen(
     QK dot; accumulation is fp32; fp32 stores use IEEE (not tf32) dots.
 
     Graph-safe: nothing is read back to the host and grids depend on shapes only, so a captured
-    call replays correctly after new contents are copied into `seq_info`. The fp32 workspace
-    comes from torch.empty (the graph's pool under capture).
+    call replays correctly after new contents are copied into `seq_info`. The fp32 partials come
+    from torch.empty (the graph's pool under capture); the merge counters are allocated by the
+    first call on a device, which must not be under capture (warm up first), and are left zero by
+    every call. One stream at a time: concurrent calls on two streams would share the counters.
 
     >>> info = torch.tensor([[0, 1, 3, 700], [1, 4, 0, 52]], dtype=torch.int32, device="cuda")
     >>> out = sdpa_varlen(q, k_store, v_store, info)  # q [5, 32, 128], stores [1024, 65, 8, 128]
@@ -174,20 +258,22 @@ def sdpa_varlen(
     if num_segments == 0:
         return out.zero_()
     group = num_q_heads // num_kv_heads
-    cfg = resolve_config(config, head_dim, k_store.dtype, num_kv_heads, q.device)
+    cfg = resolve_config(config, head_dim, k_store.dtype, num_kv_heads, q.device, num_tokens)
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
-    strides = (q.stride(0), q.stride(1), *k_store.stride()[:3])
+    strides = (q.stride(0), q.stride(1), *k_store.stride()[:3], out.stride(0), out.stride(1))
     common = dict(
         CAUSAL=bool(causal),
         GROUP=group,
         HEAD_DIM=head_dim,
         Q_SHORT=cfg.q_short,
         S_POW2=max(16, triton.next_power_of_2(num_segments)),
+        DOT_PREC="ieee" if k_store.dtype == torch.float32 else "tf32",
     )
-    dot_prec = "ieee" if k_store.dtype == torch.float32 else "tf32"
     args = (num_segments, num_tokens, rows, window, qk_scale)
+    long = num_tokens > cfg.q_short  # else no segment can be long: no second launch
 
-    # Split path: block_q queries per tile; at most max_items query blocks over all short segments.
+    # Split path: block_q queries per item; at most max_items items over all short segments.
+    heads, groups = cfg.heads, num_kv_heads // cfg.heads
     block_q = max(1, cfg.block_m // group)
     block_m = max(16, triton.next_power_of_2(block_q * group))
     live = min(num_tokens, num_segments)  # most non-empty segments
@@ -195,23 +281,24 @@ def sdpa_varlen(
     slots = cfg.programs + max_items
     lse_part = torch.empty(slots * num_kv_heads * block_m, dtype=torch.float32, device=q.device)
     o_part = torch.empty(slots * num_kv_heads * block_m * head_dim, dtype=torch.float32, device=q.device)
-    split_kernel[(num_kv_heads, cfg.programs)](
-        q, k_store, v_store, seq_info, o_part, lse_part, *args, cfg.programs, slots, *strides,
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, MIN_BLOCKS=cfg.min_blocks, DOT_PREC=dot_prec,
-        **common, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    counters = _counters(q.device, max_items * groups)
+    merge_rows = min(block_m, cfg.merge_rows or triton.next_power_of_2(group))
+    hg_pow2 = triton.next_power_of_2(heads * group)
+    axis_bound = max_items * -(-rows // cfg.block_n)  # most key blocks on the work axis (an item spans <= rows keys)
+    split_kernel[(groups, cfg.programs)](
+        q, k_store, v_store, seq_info, out, o_part, lse_part, counters, *args, cfg.programs, max_items, *strides,
+        HEADS=heads, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, MIN_BLOCKS=cfg.min_blocks, LONG=long,
+        SKIP_MASKS=cfg.skip_masks, MERGE_ROWS=merge_rows,
+        MERGE_SLOTS=min(64, _pow2_floor(cfg.merge_tile // (heads * merge_rows * head_dim))), HG_POW2=hg_pow2,
+        ZERO_ROWS=_pow2_floor(2048 // (hg_pow2 * head_dim)), AXIS64=axis_bound * slots >= AXIS32_LIMIT, **common,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device),
     )  # fmt: skip
-    if num_tokens > cfg.q_short:  # else no segment can be long: skip the launch
+    if long:
         block_q_long = max(1, cfg.block_m_long // group)
         most_long = min(num_segments, num_tokens // (cfg.q_short + 1))
         long_kernel[(-(-num_tokens // block_q_long) + most_long, num_kv_heads)](
-            q, k_store, v_store, seq_info, out, *args, *strides, out.stride(0), out.stride(1),
+            q, k_store, v_store, seq_info, out, *args, *strides,
             BLOCK_M=max(16, triton.next_power_of_2(block_q_long * group)), BLOCK_Q=block_q_long,
-            BLOCK_N=cfg.block_n_long, DOT_PREC=dot_prec, **common,
-            num_warps=cfg.num_warps_long, num_stages=cfg.num_stages_long,
+            BLOCK_N=cfg.block_n_long, **common, num_warps=cfg.num_warps_long, num_stages=cfg.num_stages_long,
         )  # fmt: skip
-    merge_kernel[(num_tokens, num_q_heads)](
-        out, o_part, lse_part, seq_info, num_segments, rows, window, cfg.programs, slots,
-        out.stride(0), out.stride(1), BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, **common,
-        MIN_BLOCKS=cfg.min_blocks, CHUNK=min(64, triton.next_power_of_2(cfg.programs)), num_warps=cfg.merge_warps,
-    )  # fmt: skip
     return out

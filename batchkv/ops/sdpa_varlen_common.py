@@ -1,0 +1,73 @@
+"""Device helpers shared by `sdpa_varlen`'s kernels: the table, key ranges, row bounds.
+
+`seq_info` rows are (q_start, q_len, col, kv_end). Query i of a segment sits at position
+`p_i = kv_end - q_len + i`; only keys t >= kv_end - rows are resident; causal rows attend
+[lo_i, p_i], non-causal rows [lo, kv_end), a window trimming lo. Positions are int32 (a kv_end
+past 2^31 is outside the contract); store offsets are int64. Scores are in log2 units (1/ln2 is
+folded into qk_scale), so softmax uses exp2.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+NEG_INF = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def load_table(info, S, S_POW2: tl.constexpr):
+    """`seq_info` as four [S_POW2] columns (zeros past S), from one [S_POW2, 4] load of 16-byte rows."""
+    idx = tl.arange(0, S_POW2)
+    c = tl.arange(0, 4)[None, :]
+    tab = tl.load(info + idx[:, None] * 4 + c, mask=(idx < S)[:, None], other=0)
+    q_start = tl.sum(tl.where(c == 0, tab, 0), 1)  # the 4 columns sit in one thread: no shuffles
+    q_len = tl.sum(tl.where(c == 1, tab, 0), 1)
+    col = tl.sum(tl.where(c == 2, tab, 0), 1)
+    kv_end = tl.sum(tl.where(c == 3, tab, 0), 1)
+    return idx, q_start, q_len, col, kv_end
+
+
+@triton.jit
+def first_key(q_len, kv_end, rows, window, CAUSAL: tl.constexpr):
+    """First key any query of a segment attends (vectors or scalars alike)."""
+    lo = tl.maximum(kv_end - rows, 0)  # oldest resident key
+    if CAUSAL:
+        return tl.where(window > 0, tl.maximum(lo, kv_end - q_len - window + 1), lo)  # first query's window
+    return tl.where(window > 0, tl.maximum(lo, kv_end - window), lo)
+
+
+@triton.jit
+def row_bounds(pos, row_ok, kv_end, rows, window, CAUSAL: tl.constexpr):
+    """Keys each row attends, [row_lo, row_hi) (empty for padding rows); pos: query positions."""
+    lo = tl.maximum(kv_end - rows, 0)
+    if CAUSAL:
+        row_lo = tl.where(window > 0, tl.maximum(lo, pos - window + 1), lo)
+        row_hi = pos + 1
+    else:
+        row_lo = tl.where(window > 0, tl.maximum(lo, kv_end - window), lo) + 0 * pos
+        row_hi = kv_end + 0 * pos
+    return row_lo, tl.where(row_ok, row_hi, row_lo)
+
+
+@triton.jit
+def full_bounds(q_len, kv_end, rows, window, i_first, i_last, CAUSAL: tl.constexpr):
+    """[full_lo, full_hi): keys that every query i_first..i_last of a segment attends (scalars).
+
+    A key block inside it needs no mask; rows outside the tile only make it narrower (safe)."""
+    lo = tl.maximum(kv_end - rows, 0)
+    if CAUSAL:
+        full_lo = tl.where(window > 0, tl.maximum(lo, kv_end - q_len + i_last - window + 1), lo)
+        full_hi = kv_end - q_len + i_first + 1
+    else:
+        full_lo = tl.where(window > 0, tl.maximum(lo, kv_end - window), lo)
+        full_hi = kv_end
+    return full_lo, full_hi
+
+
+@triton.jit
+def ring_rows(t, k0, rows):
+    """Storage row t % rows of keys t in [k0, k0 + rows) without a division per key: the range
+    wraps at most once (a scalar base and one compare)."""
+    base = (k0 // rows) * rows
+    return t - base - tl.where(t >= base + rows, rows, 0)

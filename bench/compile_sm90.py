@@ -1,0 +1,111 @@
+"""Compile sdpa_varlen's kernels for sm_90 without a GPU and print what decides their speed.
+
+For each variant: registers and stack (spills) from the cubin, shared memory, cp.async / mma /
+wgmma counts, and the hot loop's instruction mix (the backward branch enclosing the most MMA
+instructions): barriers, local-memory accesses (spills inside the loop), ldmatrix, smem traffic.
+Uses whatever Triton is importable, so the GPU machine's version can be checked here too:
+
+    PYTHONPATH=$PWD python bench/compile_sm90.py
+    PYTHONPATH=/path/to/triton-3.6:$PWD python bench/compile_sm90.py   # pip install --target
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from batchkv.ops.sdpa_varlen_kernels import split_kernel
+from batchkv.ops.sdpa_varlen_long import long_kernel
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def pow2_floor(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def hot_loop(sass: str) -> str:
+    """Instruction mix of the backward branch's body that holds the most MMA instructions."""
+    code = sorted((int(m[1], 16), m[2]) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass))
+    best = None
+    for addr, ins in code:
+        m = re.search(r"BRA\s+(?:[A-Z0-9!]+,\s*)?0x([0-9a-f]+)", ins)
+        if m and int(m[1], 16) < addr:
+            body = [i for a, i in code if int(m[1], 16) <= a <= addr]
+            if best is None or sum("MMA" in i for i in body) > sum("MMA" in i for i in best):
+                best = body
+    if not best:
+        return "no loop"
+    count = {k: sum(k in i for i in best) for k in ("MMA", "BAR.SYNC", "LDGSTS", "LDL", "STL", "LDSM", "SHFL")}
+    return f"loop: {len(best)} instr " + " ".join(f"{k.lower()}={v}" for k, v in count.items())
+
+
+def build(fn, types: dict, consts: dict, warps: int, stages: int, label: str) -> None:
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and (sig[n].startswith("*") or n.startswith("stride"))}  # fmt: skip
+    try:
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
+                           options={"num_warps": warps, "num_stages": stages})  # fmt: skip
+    except Exception as exc:
+        print(f"{label:44s} FAILED {type(exc).__name__}: {str(exc)[:200]}")
+        return
+    ptx = k.asm["ptx"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        res = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True).stdout
+    regs, stack = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
+    print(f"{label:44s} regs={regs[1] if regs else '?'} stack={stack[1] if stack else '?'} "
+          f"smem={k.metadata.shared} cp.async={ptx.count('cp.async.cg')} mma={ptx.count('mma.sync')} "
+          f"wgmma={ptx.count('wgmma.mma_async')} | {hot_loop(sass)}")  # fmt: skip
+
+
+def split(dtype="bf16", D=128, G=4, heads=1, block_n=64, warps=4, stages=3, skip=True, merge_tile=8192):
+    block_q = max(1, 16 // G)
+    block_m = max(16, triton.next_power_of_2(block_q * G))
+    merge_rows = min(block_m, triton.next_power_of_2(G))
+    hg = triton.next_power_of_2(heads * G)
+    types = dict(q=f"*{dtype}", k_store=f"*{dtype}", v_store=f"*{dtype}", info="*i32", out=f"*{dtype}",
+                 o_part="*fp32", lse_part="*fp32", counters="*i32", qk_scale="fp32")  # fmt: skip
+    consts = dict(CAUSAL=True, GROUP=G, HEADS=heads, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+                  Q_SHORT=16, S_POW2=128, MIN_BLOCKS=1, LONG=True, SKIP_MASKS=skip, MERGE_ROWS=merge_rows,
+                  MERGE_SLOTS=min(64, pow2_floor(merge_tile // (heads * merge_rows * D))), HG_POW2=hg,
+                  ZERO_ROWS=pow2_floor(2048 // (hg * D)), AXIS64=False,
+                  DOT_PREC="ieee" if dtype == "fp32" else "tf32")  # fmt: skip
+    label = f"split {dtype} D{D} G{G} heads{heads} n{block_n} w{warps} s{stages}" + ("" if skip else " masked")
+    build(split_kernel, types, consts, warps, stages, label)
+
+
+def long(dtype="bf16", D=128, G=4, block_m=128, block_n=64, warps=8, stages=3):
+    block_q = max(1, block_m // G)
+    types = dict(q=f"*{dtype}", k_store=f"*{dtype}", v_store=f"*{dtype}", info="*i32", out=f"*{dtype}",
+                 qk_scale="fp32")  # fmt: skip
+    consts = dict(CAUSAL=True, GROUP=G, HEAD_DIM=D, BLOCK_M=max(16, triton.next_power_of_2(block_q * G)),
+                  BLOCK_Q=block_q, BLOCK_N=block_n, Q_SHORT=16, S_POW2=128,
+                  DOT_PREC="ieee" if dtype == "fp32" else "tf32")  # fmt: skip
+    build(long_kernel, types, consts, warps, stages, f"long {dtype} D{D} G{G} m{block_m} n{block_n} w{warps} s{stages}")
+
+
+if __name__ == "__main__":
+    print(f"triton {triton.__version__}, sm_90")
+    split()  # b1 / narrow steps
+    split(heads=4, block_n=16, warps=4)  # wide steps (the default from 16 tokens)
+    split(heads=2, block_n=16, warps=2)
+    split(heads=8, block_n=16, warps=8)
+    split(skip=False)
+    split(D=256, block_n=32)
+    split(D=64, G=8, block_n=128)
+    long()  # the default prefill tile
+    long(block_m=64, warps=4, stages=2)  # the previous one
+    long(D=256, block_m=64, block_n=32, stages=2)
