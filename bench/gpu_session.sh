@@ -22,8 +22,8 @@ phase() {  # name, limit in seconds, command...
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())'
 for p in "$@"; do
   case $p in
-    tests) phase tests 150 python3 -m pytest -m gpu tests -q -x -p no:cacheprovider -ra ;;
-    kernels) phase kernels 300 python3 bench/kernels.py --check --out "$OUT/kernels-h200.json" --flex-budget-s 120 ;;
+    tests) phase tests 120 python3 -m pytest -m gpu tests -q -x -p no:cacheprovider -ra ;;
+    kernels) phase kernels 240 python3 bench/kernels.py --check --out "$OUT/kernels-h200.json" --flex-budget-s 60 ;;
     sweep) phase sweep 220 python3 bench/kernels.py --sweep --sweep-out "$OUT/kernels-sweep.json" ;;
     model) phase model 90 python3 bench/model_step.py --preset sensenova-u1-8b --rows 1 8 32 64 --json "$OUT/model_step.json" ;;
     decode) phase decode 420 python3 bench/decode.py --out "$OUT/decode-h200.json" ${DECODE_ARGS:-} ;;
