@@ -58,7 +58,7 @@ def decode_ms_per_token(model, prompt_len: int, new_tokens: int, static_compile:
     static = StaticCache(config=model.config, max_cache_len=prompt_len + new_tokens + 8) if static_compile else None
     forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) if static_compile else model.forward
 
-    def run() -> float:
+    def run(steps: int) -> float:
         if static is not None:
             static.reset()
         cache = static if static is not None else DynamicCache()
@@ -67,15 +67,15 @@ def decode_ms_per_token(model, prompt_len: int, new_tokens: int, static_compile:
         token = out.logits[:, -1:].argmax(-1)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        for step in range(new_tokens):
+        for step in range(steps):
             p = torch.full((1,), prompt_len + step, device=device)
             out = forward(input_ids=token, position_ids=p[None], cache_position=p, use_cache=True, **{name: cache})
             token = out.logits[:, -1:].argmax(-1)
         torch.cuda.synchronize()
-        return (time.perf_counter() - start) * 1e3 / new_tokens
+        return (time.perf_counter() - start) * 1e3 / steps
 
-    run()  # warm-up: cuBLAS handles, and for the compiled path compilation and graph recording
-    return run()
+    run(16)  # warm-up: cuBLAS handles, and for the compiled path compilation and graph recording
+    return run(new_tokens)
 
 
 @torch.inference_mode()

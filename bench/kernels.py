@@ -352,7 +352,7 @@ def bench(cases: dict, k, v, ceiling: float, cfg: SdpaConfig | None, path: Path,
     for name, case in cases.items():
         entry = {"name": name, "peers": {}, "peer_timing": {}, "bytes": case.bytes, "flops": case.flops,
                  "rotations": case.rot, "calls_per_graph": case.calls,
-                 "config": resolve_config(cfg, D, DTYPE, HKV, torch.device(DEV), case.q.shape[0]).__dict__}  # fmt: skip
+                 "config": resolve_config(cfg, D, DTYPE, HKV, torch.device(DEV)).__dict__}  # fmt: skip
         report["cases"].append(entry)
         try:
             us, entry["timing"] = time_calls(batchkv_calls(case, k, v, cfg))

@@ -47,18 +47,17 @@ LOG2E = 1.4426950408889634  # 1/ln(2)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REGISTERS = 65536  # 32-bit registers per SM (every CUDA GPU since sm_50)
 AXIS32_LIMIT = 2**31  # work-axis products (blocks * programs) below this use 32-bit math in the kernel
-WIDE = 16  # steps of at least this many tokens default to 4 KV heads per program, narrower ones to 1
 
 
 @dataclass(frozen=True)
 class SdpaConfig:
     """Launch choices; a 0 field is filled by `resolve_config` from shapes and the device.
 
-    Split path: heads: KV heads per program (a power of two; 0: 4 for fp16/bf16 steps of WIDE
-    tokens or more, for 1 KiB contiguous key rows and no cross-warp reductions, else 1, where
-    fewer partials per item keep latency down and fp32 tiles stay small). Several heads make 3-D
-    tiles with one warp per head: num_warps 0 means 4 for one head, else `heads`, since Triton 3.6
-    puts every warp on the head axis and replicates work when there are more warps than heads;
+    Split path: heads: KV heads per program (a power of two; 0 means 1: on the H200 one head
+    per program beat 2, 4 and 8 on every decode, verify and mixed case, see
+    bench/results/kernels-sweep.json). Several heads make 3-D tiles with one warp per head:
+    num_warps 0 means 4 for one head, else `heads`, since Triton 3.6 puts every warp on the
+    head axis and replicates work when there are more warps than heads;
     block_n: key positions per tile (0: ~32 KiB of K+V per stage); block_m: tile rows per KV head,
     (query, group head) pairs (>= 16); q_short: segments with q_len <= q_short take this path;
     programs: programs per head group (P; 0: occupancy programs per SM over all head groups);
@@ -113,7 +112,6 @@ def resolve_config(
     dtype: torch.dtype,
     num_kv_heads: int,
     device: torch.device,
-    num_tokens: int = WIDE,
 ) -> SdpaConfig:
     """`config` with every 0 field chosen from shapes alone (host-only, no device reads).
 
@@ -122,7 +120,7 @@ def resolve_config(
     if cfg.heads < 0 or cfg.heads & (cfg.heads - 1) or cfg.q_short < 1 or cfg.min_blocks < 1:
         raise ContractError(f"{cfg}: heads must be 0 or a power of two, q_short and min_blocks >= 1")
     esize = dtype.itemsize
-    heads = math.gcd(cfg.heads or (4 if num_tokens >= WIDE and esize == 2 else 1), num_kv_heads)
+    heads = math.gcd(cfg.heads or 1, num_kv_heads)
     num_warps = cfg.num_warps or (4 if heads == 1 else heads)
     stage_keys = 32768 // (2 * head_dim * esize * heads)  # key positions whose K+V fill 32 KiB
     block_n = cfg.block_n or max(16, min(128, _pow2_floor(stage_keys)))
@@ -258,7 +256,7 @@ def sdpa_varlen(
     if num_segments == 0:
         return out.zero_()
     group = num_q_heads // num_kv_heads
-    cfg = resolve_config(config, head_dim, k_store.dtype, num_kv_heads, q.device, num_tokens)
+    cfg = resolve_config(config, head_dim, k_store.dtype, num_kv_heads, q.device)
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
     strides = (q.stride(0), q.stride(1), *k_store.stride()[:3], out.stride(0), out.stride(1))
     common = dict(
