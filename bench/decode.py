@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from batchkv.executor import Engine, Request, SamplingParams
-from batchkv.models import build_model
+from batchkv.models import build_model, preset_config
 
 
 def copy_gbps(device: torch.device, nbytes: int = 2 << 30) -> float:
@@ -142,34 +142,11 @@ def roofline_tokens_per_s(prompts, outputs, weight_bytes: int, kv_per_pos: int, 
     return tokens / seconds
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results/decode-h200.json")
-    ap.add_argument("--preset", default="sensenova-u1-8b")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--small", action="store_true", help="tiny sizes for a smoke test")
-    ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--skip-compile", action="store_true", help="skip transformers StaticCache + compile")
-    ap.add_argument("--serve-requests", type=int, default=256)
-    ap.add_argument("--hf-serve-requests", type=int, default=64)
-    args = ap.parse_args()
-    device = torch.device(args.device)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result: dict = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-    }
-
-    def save() -> None:
-        out.write_text(json.dumps(result, indent=2) + "\n")
-
-    prompt_len, new_tokens = (32, 16) if args.small else (512, 256)
-    n = 8 if args.small else args.serve_requests
-    prompt_range, output_range = ((8, 64), (4, 32)) if args.small else ((64, 2048), (64, 1024))
+def batchkv_parts(result: dict, preset: str, device, prompt_len: int, new_tokens: int, prompts, outputs, save) -> None:
+    """batchkv's single-sequence (graphs and eager) and serving numbers, and the rooflines."""
     graphs = device.type == "cuda"
     result["copy_gbps"] = gbps = copy_gbps(device)
-    model = build_model(args.preset, device, seed=0)
+    model = build_model(preset, device, seed=0)
     wbytes, kvpos = weight_bytes_per_step(model), kv_bytes_per_position(model)
     kv_b1 = kvpos * (prompt_len + new_tokens // 2)
     result["weight_bytes_per_step"] = wbytes
@@ -184,8 +161,7 @@ def main() -> None:
         print(f"b1 {name}: {b1[f'{name}_ms']:.3f} ms/token", flush=True)
         save()
     result["b1_detail"] = b1_detail
-    prompts, outputs = serve_workload(n, prompt_range, output_range, model.vocab_size)
-    result["serve"] = s = {"requests": n, "max_seqs": 64}
+    result["serve"] = s = {"requests": len(prompts), "max_seqs": 64}
     detail = serve(model, device, prompts, outputs, 64, chunk=512, budget=1024, graphs=graphs)
     s.update(
         tokens_per_s=detail["output_tokens_per_s_wall"],
@@ -203,6 +179,41 @@ def main() -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench/results/decode-h200.json")
+    ap.add_argument("--preset", default="sensenova-u1-8b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--small", action="store_true", help="tiny sizes for a smoke test")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-compile", action="store_true", help="skip transformers StaticCache + compile")
+    ap.add_argument("--serve-requests", type=int, default=256)
+    ap.add_argument("--hf-serve-requests", type=int, default=64)
+    ap.add_argument("--hf-serve-max-new", type=int, default=0, help="cap transformers' outputs (0: as drawn)")
+    ap.add_argument("--resume", type=Path, default=None, help="a result JSON to complete: run only the missing parts")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result: dict = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+
+    def save() -> None:
+        out.write_text(json.dumps(result, indent=2) + "\n")
+
+    if args.resume is not None:  # finish a run that stopped early: only the parts it lacks
+        result = json.loads(args.resume.read_text())
+    prompt_len, new_tokens = (32, 16) if args.small else (512, 256)
+    n = 8 if args.small else args.serve_requests
+    prompt_range, output_range = ((8, 64), (4, 32)) if args.small else ((64, 2048), (64, 1024))
+    prompts, outputs = serve_workload(n, prompt_range, output_range, preset_config(args.preset).vocab)
+    if "serve" not in result:
+        batchkv_parts(result, args.preset, device, prompt_len, new_tokens, prompts, outputs, save)
+    b1, s = result["b1"], result["serve"]
     if args.skip_hf or device.type != "cuda":
         return
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -210,7 +221,7 @@ def main() -> None:
 
     hf = qwen3_like(device)
     for key, static in (("hf_eager_ms", False), ("hf_static_compile_ms", True)):
-        if static and args.skip_compile:
+        if (static and args.skip_compile) or b1.get(key) is not None:
             continue
         try:
             b1[key] = decode_ms_per_token(hf, prompt_len, new_tokens, static_compile=static)
@@ -221,7 +232,9 @@ def main() -> None:
         save()
     k = args.hf_serve_requests
     try:
-        hf_serve = generate_padded(hf, prompts[:k], outputs[:k], batch=64)
+        capped = [min(o, args.hf_serve_max_new or o) for o in outputs[:k]]
+        hf_serve = generate_padded(hf, prompts[:k], capped, batch=64)
+        s["hf_eager_outputs_capped_at"] = args.hf_serve_max_new or None
         s["hf_eager_tokens_per_s"] = hf_serve["tokens_per_s"]
         s["hf_eager_requests_measured"] = hf_serve["requests"]
         print(f"serve hf eager: {s['hf_eager_tokens_per_s']:.0f} tok/s over {k} requests", flush=True)

@@ -26,7 +26,7 @@ for p in "$@"; do
     kernels) phase kernels 240 python3 bench/kernels.py --check --out "$OUT/kernels-h200.json" --flex-budget-s 60 ;;
     sweep) phase sweep 220 python3 bench/kernels.py --sweep --sweep-out "$OUT/kernels-sweep.json" ;;
     model) phase model 90 python3 bench/model_step.py --preset sensenova-u1-8b --rows 1 8 32 64 --json "$OUT/model_step.json" ;;
-    decode) phase decode 420 python3 bench/decode.py --out "$OUT/decode-h200.json" ${DECODE_ARGS:-} ;;
+    decode) phase decode ${DECODE_LIMIT:-420} python3 bench/decode.py --out "$OUT/decode-h200.json" ${DECODE_ARGS:-} ;;
     profile) phase profile 90 python3 bench/step_profile.py --rows 1 64 --context 640 --json "$OUT/step_profile.json" ;;
     compat) phase compat 150 python3 bench/compat_attention.py --out "$OUT/compat-h200.json" ;;
     *) echo "unknown phase $p" ;;

@@ -22,6 +22,11 @@ _registrations = 0  # bumped on every submodule registration anywhere; cheap "ma
 
 
 def _count_registration(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    # Registrations while torch.compile traces a forward (transformers slices its ModuleList
+    # there) are temporaries of the traced code, not changes to a served tree; counting them would
+    # make dynamo guard on this global and recompile on every call.
+    if torch.compiler.is_compiling():
+        return
     global _registrations
     _registrations += 1
 
@@ -33,7 +38,9 @@ class ModuleFingerprint:
     """A cheap, exact fingerprint of a module tree: names, types and identities of submodules.
 
     The full walk runs only after some module registration happened since the last call, so the
-    per-step cost is one integer comparison.
+    per-step cost is one integer comparison (a walk of a 42-layer transformers model costs ~0.4 ms).
+    Registrations are what adapter managers do when they bind or unbind (they set a wrapper or the
+    base layer in place); a bare `del model.sub` registers nothing and is not seen.
     """
 
     def __init__(self, module: nn.Module) -> None:
