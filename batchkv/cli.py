@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from batchkv.errors import BatchKVError, ConfigError, ManifestError
 from batchkv.presets import KV_PRESETS
 
-RUN_MODELS = ("sensenova-u1-tiny", "sensenova-u1-8b")  # model presets `batchkv run` can build
+RUN_MODELS = tuple(KV_PRESETS)  # model presets `batchkv run` can build
 
 
 def _length_range(text: str) -> tuple[int, int]:

@@ -1,12 +1,18 @@
 """KV geometry of known models: what a manifest needs to size the cache, nothing more.
 
-Model configs (hidden size, RoPE, MLP) live with the model code; a preset here carries only the
-numbers that decide K/V storage. `KV_PRESETS` maps each preset's name to it.
+Derived from the model presets (`batchkv.models.config.MODEL_PRESETS`), so the geometry a manifest
+is exported with is the geometry the served model has. `KV_PRESETS` maps each preset's name to it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+
+from batchkv.models.config import MODEL_PRESETS
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 @dataclass(frozen=True)
@@ -21,11 +27,6 @@ class KVPreset:
 
 
 KV_PRESETS: dict[str, KVPreset] = {
-    preset.name: preset
-    for preset in (
-        # SenseNova-U1-8B language model: 42 layers, 32 query / 8 KV heads of 128, bf16 (168 KiB per token).
-        KVPreset("sensenova-u1-8b", num_layers=42, kv_heads=8, head_dim=128, dtype="bfloat16"),
-        # The CPU-sized model the tests and demos run: same shape family, small enough for seconds on CPU.
-        KVPreset("sensenova-u1-tiny", num_layers=4, kv_heads=2, head_dim=32, dtype="float32"),
-    )
+    name: KVPreset(name, cfg.num_layers, cfg.kv_heads, cfg.head_dim, _DTYPE_NAMES[cfg.dtype])
+    for name, cfg in MODEL_PRESETS.items()
 }

@@ -1,7 +1,8 @@
 """SenseNova-U1 language-model geometry, and the model presets in one place.
 
 `MODEL_PRESETS` holds whole models (geometry, dtype, random-init scales). KV geometry for the
-cache follows from a model via `model.cache_spec()`; batchkv/presets.py (KV_PRESETS) is separate.
+cache follows from a model via `model.cache_spec()`; batchkv/presets.py (KV_PRESETS) derives the
+KV geometry a manifest is exported with from these.
 """
 
 from __future__ import annotations
