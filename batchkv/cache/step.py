@@ -104,8 +104,7 @@ class StepBuffers:
         pos = host[:w]
         cols = np.full(w, scratch, dtype=np.int64)
         pos[:] = 0
-        pad = np.arange(w, dtype=np.int64)
-        pad_rows = pad  # padded tokens spread over scratch rows; nothing reads them
+        pad_rows = np.arange(w, dtype=np.int64)  # padded tokens spread over scratch rows; nothing reads them
         info = self._host_i32.numpy()
         info[:] = 0
         for s, (q_start, q_len, col, kv_end) in enumerate(layout):
