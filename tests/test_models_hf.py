@@ -12,8 +12,8 @@ from tests.model_loop import greedy_through_cache, make_cache, run_step, text_id
 transformers = pytest.importorskip("transformers")
 
 from batchkv.cache import LayerSpec  # noqa: E402
-from batchkv.errors import ConfigError  # noqa: E402
-from batchkv.models.hf import HFModel  # noqa: E402
+from batchkv.errors import ConfigError, ContractError  # noqa: E402
+from batchkv.models.hf import HFModel, batchkv_attention  # noqa: E402
 
 GEOMETRY = {
     "vocab_size": 256,
@@ -117,3 +117,13 @@ def test_a_model_with_attention_softcapping_is_refused():
     hf.config.attn_logit_softcapping = 50.0
     with pytest.raises(ConfigError, match="attn_logit_softcapping"):
         HFModel(hf)
+
+
+def test_a_model_with_attention_sinks_is_refused():
+    hf = _qwen3()
+    hf.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))  # as gpt-oss keeps them
+    with pytest.raises(ConfigError, match="sinks"):
+        HFModel(hf)
+    x = torch.zeros(1, 2, 3, 8)
+    with pytest.raises(ContractError, match="sinks"):
+        batchkv_attention(hf.model.layers[0].self_attn, x, x, x, None, batchkv_cache=object(), s_aux=torch.zeros(2))

@@ -62,6 +62,8 @@ def batchkv_attention(
         )
     if query.shape[0] != 1:
         raise ContractError(f"'{ATTN_NAME}' attention packs a step into one batch row; got batch {query.shape[0]}")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise ContractError(f"'{ATTN_NAME}' attention has no attention sinks; this model cannot be served through it")
     q = query[0].transpose(0, 1).contiguous()  # [W, Hq, D]
     k = key[0].transpose(0, 1).contiguous()  # [W, Hkv, D]
     v = value[0].transpose(0, 1).contiguous()
@@ -106,6 +108,11 @@ class HFModel:
         self.hf = hf_model.eval()
         self.config = hf_model.config
         _refuse_unsupported(self.config)
+        sinks = [name for name, _ in hf_model.named_parameters() if name.rsplit(".", 1)[-1] == "sinks"]
+        if sinks:
+            raise ConfigError(
+                f"{self.config.model_type}: attention sinks ({sinks[0]}, ...) are not supported by the cache"
+            )
         self._head = hf_model.get_output_embeddings()
 
     @property
