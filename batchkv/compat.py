@@ -21,7 +21,6 @@ forward, continuous batching), this module has no caller.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -29,8 +28,15 @@ from torch import nn
 
 from batchkv import ops
 from batchkv.cache.single import BUCKETS, TAIL_STEP, PagedDecodeCache
-from batchkv.errors import ConfigError
-from batchkv.executor.graphs import GraphSet, ModuleFingerprint
+from batchkv.errors import ConfigError, StepError
+from batchkv.executor.graphs import (
+    AdapterGuard,
+    GraphSet,
+    ModuleFingerprint,
+    adapter_wrapper_classes,
+    dynamic_lora_wrappers_present,
+    register_adapter_wrapper,
+)
 
 __all__ = [
     "BUCKETS",
@@ -62,49 +68,6 @@ def paged_decode_supported(device: torch.device | str, head_dim: int) -> bool:
     except (ConfigError, ImportError):
         return False
     return True
-
-
-# ---- adapter wrappers ------------------------------------------------------------------------
-# (module, class) of the wrapper layers known to be swapped into a model at run time. Looked up in
-# sys.modules only: an instance cannot exist before its class's module is imported, and importing
-# vLLM or peft just to ask would cost seconds.
-_KNOWN_WRAPPERS = (("vllm.lora.layers", "BaseLayerWithLoRA"), ("peft.tuners.lora", "LoraLayer"))
-_registered: list[type] = []
-_registry_version = 0  # bumped on registration, so runners re-check their model
-
-
-def register_adapter_wrapper(cls: type) -> type:
-    """Treat instances of `cls` under a model as dynamic adapter wrappers (usable as a decorator)."""
-    global _registry_version
-    if cls not in _registered:
-        _registered.append(cls)
-        _registry_version += 1
-    return cls
-
-
-def adapter_wrapper_classes() -> tuple[type, ...]:
-    """The registered wrapper classes, plus vLLM's and peft's LoRA layers when they are imported."""
-    found = list(_registered)
-    for module_name, attr in _KNOWN_WRAPPERS:
-        cls = getattr(sys.modules.get(module_name), attr, None)
-        if isinstance(cls, type) and cls not in found:
-            found.append(cls)
-    return tuple(found)
-
-
-def dynamic_lora_wrappers_present(module: nn.Module) -> bool:
-    """True once adapter wrapper layers (LoRA) have been installed anywhere under `module`.
-
-    A LoRA manager replaces linear layers with wrappers, then binds, rescales or resets adapters
-    per request, and the wrappers stay in the tree afterwards. Capture records the module tree and
-    the branches that ran during it, so a graph taken before an adapter was bound would replay
-    without the adapter's matmuls and one taken with it bound would survive its removal -- both
-    silently, and neither visible in the shape, dtype and bucket that decide reuse. So nothing
-    captured may be used once these exist. Adapters fused into the weights leave no wrapper and
-    do not count.
-    """
-    classes = adapter_wrapper_classes()
-    return bool(classes) and any(isinstance(m, classes) for m in module.modules())
 
 
 # ---- decode graph runner ---------------------------------------------------------------------
@@ -147,8 +110,7 @@ class DecodeGraphRunner:
             # runner grew device memory by ~40 MiB a request in the original.
             graphs = GraphSet(self.device, warmup=3)
         self._graphs = graphs
-        self._checked: tuple[int, int] | None = None
-        self._adapters = False
+        self._adapters = AdapterGuard(self._fingerprint, lambda: [language_model])
         self.eager_steps = 0
 
     @property
@@ -158,10 +120,7 @@ class DecodeGraphRunner:
 
     def adapters_present(self) -> bool:
         """`dynamic_lora_wrappers_present(lm)`, re-walked only when the module tree or registry moved."""
-        seen = (self._fingerprint(), _registry_version)
-        if seen != self._checked:
-            self._checked, self._adapters = seen, dynamic_lora_wrappers_present(self.lm)
-        return self._adapters
+        return self._adapters()
 
     def uses_graphs(self) -> bool:
         """Whether the next `step` replays (capturing first if needed) rather than runs eagerly."""
@@ -187,6 +146,11 @@ class DecodeGraphRunner:
         The cache must be staged for the step (`cache.set_length(n)`). Under graphs the returned
         tensor is the capture's static output: read or copy it before the next step.
         """
+        if not self.cache.inner.prepared:  # a replay would silently reuse the last staged slot
+            raise StepError(
+                f"DecodeGraphRunner.step: the cache is not staged for a step (length {self.cache.length}); "
+                "call cache.set_length(n) with n >= 1 first"
+            )
         self.input_ids[0, 0] = token
         self.indexes[0, 0] = t_index
         if not self.uses_graphs():

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicCache
 
+import batchkv.executor.graphs as graph_module
 from batchkv import compat
 from batchkv.compat import DecodeGraphRunner, PagedDecodeCache
 from batchkv.errors import CapacityError, ConfigError, ContractError, StepError
@@ -213,7 +214,7 @@ class FakeLoRA(Wrapper):
 
 
 def test_adapter_wrappers_are_recognised_when_registered_or_defined_by_vllm_or_peft(monkeypatch):
-    monkeypatch.setattr(compat, "_registered", [])
+    monkeypatch.setattr(graph_module, "_registered", [])
     lm = PipelineLM()
     assert not compat.dynamic_lora_wrappers_present(lm)
     lm.layers[0].self_attn.q_proj = FakeLoRA(lm.layers[0].self_attn.q_proj)
@@ -230,7 +231,7 @@ def test_adapter_wrappers_are_recognised_when_registered_or_defined_by_vllm_or_p
 
 
 def test_the_runner_goes_eager_and_drops_its_graphs_once_an_adapter_wrapper_appears(monkeypatch):
-    monkeypatch.setattr(compat, "_registered", [])
+    monkeypatch.setattr(graph_module, "_registered", [])
     compat.register_adapter_wrapper(FakeLoRA)
     lm = PipelineLM().eval()
     prompt, tokens = request(3, 5, 9)
@@ -264,6 +265,19 @@ def test_without_cuda_the_runner_runs_every_step_eagerly_and_paged_decode_is_uns
     assert runner.step(3, 4).shape == (1, 1, 61)
     assert not runner.uses_graphs() and runner.captures == 0 and runner.eager_steps == 1
     assert not compat.paged_decode_supported(torch.device("cpu"), 128)
+
+
+def test_a_step_after_set_length_zero_is_refused_before_anything_runs():
+    lm = PipelineLM().eval()
+    paged = PagedDecodeCache.from_dynamic_cache(dyn_cache(4, 3), 3, "cpu", torch.float32, **SMALL)
+    graphs = RecordingGraphs()
+    runner = DecodeGraphRunner(lm, paged, "cpu", graphs=graphs)
+    paged.set_length(5)
+    runner.step(3, 4)
+    paged.set_length(0)
+    with pytest.raises(StepError, match="set_length"):
+        runner.step(3, 4)  # a replay would overwrite the last staged slot
+    assert graphs.replays == 1
 
 
 def test_paged_decode_is_supported_for_power_of_two_head_dims_from_16_to_256(monkeypatch):

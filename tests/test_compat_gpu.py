@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import batchkv.executor.graphs as graph_module
 from batchkv import compat
 from tests.pipeline_lm import PipelineLM, eager_loop, paged_loop, sensenova_runs
 from tests.test_compat import SMALL, FakeLoRA, request
@@ -63,7 +64,7 @@ def test_a_second_request_replays_the_first_requests_capture():
 
 
 def test_an_adapter_wrapper_turns_graphs_off_and_drops_the_captures(monkeypatch):
-    monkeypatch.setattr(compat, "_registered", [])
+    monkeypatch.setattr(graph_module, "_registered", [])
     compat.register_adapter_wrapper(FakeLoRA)
     lm = PipelineLM().to(DEVICE).eval()
     prompt, tokens = request(3, 5, 6)

@@ -26,6 +26,9 @@ class RecordingGraphs:
         self.captures = self.replays = 0
         self.retired: list = []
 
+    def __len__(self) -> int:
+        return len(self.keys)
+
     def run(self, key, fn):
         if key not in self.keys:
             self.keys[key] = fn
@@ -76,3 +79,32 @@ def test_a_changed_module_tree_gets_a_new_graph():
     engine.run_until_done()
     new = set(graphs.keys) - before
     assert new and all(key[2] != next(iter(before))[2] for key in new)
+    assert before <= set(graphs.retired)  # graphs of the old tree are dropped, not kept alongside
+
+
+def test_adapter_wrappers_turn_graphs_off_and_drop_the_captures(monkeypatch):
+    import batchkv.executor.graphs as graph_module
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, base: torch.nn.Module) -> None:
+            super().__init__()
+            self.base = base
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.base(x)
+
+    monkeypatch.setattr(graph_module, "_registered", [])
+    model = ToyModel(seed=3)
+    engine, graphs = graph_engine(model)
+    request = Request([4, 5, 6], greedy(4))
+    engine.submit(request)
+    engine.run_until_done()
+    assert graphs.captures and len(graphs)
+    graph_module.register_adapter_wrapper(Wrapper)
+    model.blocks[0]["o"] = Wrapper(model.blocks[0]["o"])  # a LoRA manager wraps a layer mid-service
+    captures = graphs.captures
+    rid = engine.submit(request)
+    events = engine.run_until_done()
+    assert len(graphs) == 0 and graphs.captures == captures  # eager from now on
+    tokens = [e.token for e in events if e.request_id == rid and e.token is not None]
+    assert (tokens, "length") == oracle(model, request, 96)

@@ -13,6 +13,7 @@ bound or unbound), so a graph never outlives the tree it was captured with.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Hashable
 
 import torch
@@ -54,6 +55,71 @@ class ModuleFingerprint:
             tree = tuple((name, type(m).__qualname__, id(m)) for name, m in self.module.named_modules())
             self._value = hash(tree)
         return self._value
+
+
+# ---- adapter wrappers ------------------------------------------------------------------------
+# (module, class) of the wrapper layers known to be swapped into a model at run time. Looked up in
+# sys.modules only: an instance cannot exist before its class's module is imported, and importing
+# vLLM or peft just to ask would cost seconds.
+_KNOWN_WRAPPERS = (("vllm.lora.layers", "BaseLayerWithLoRA"), ("peft.tuners.lora", "LoraLayer"))
+_registered: list[type] = []
+_registry_version = 0  # bumped on registration, so runners re-check their model
+
+
+def registry_version() -> int:
+    """Moves whenever `register_adapter_wrapper` adds a class (runners then re-check their model)."""
+    return _registry_version
+
+
+def register_adapter_wrapper(cls: type) -> type:
+    """Treat instances of `cls` under a model as dynamic adapter wrappers (usable as a decorator)."""
+    global _registry_version
+    if cls not in _registered:
+        _registered.append(cls)
+        _registry_version += 1
+    return cls
+
+
+def adapter_wrapper_classes() -> tuple[type, ...]:
+    """The registered wrapper classes, plus vLLM's and peft's LoRA layers when they are imported."""
+    found = list(_registered)
+    for module_name, attr in _KNOWN_WRAPPERS:
+        cls = getattr(sys.modules.get(module_name), attr, None)
+        if isinstance(cls, type) and cls not in found:
+            found.append(cls)
+    return tuple(found)
+
+
+def dynamic_lora_wrappers_present(module: nn.Module) -> bool:
+    """True once adapter wrapper layers (LoRA) have been installed anywhere under `module`.
+
+    A LoRA manager replaces linear layers with wrappers, then binds, rescales or resets adapters
+    per request, and the wrappers stay in the tree afterwards. Capture records the module tree and
+    the branches that ran during it, so a graph taken before an adapter was bound would replay
+    without the adapter's matmuls and one taken with it bound would survive its removal -- both
+    silently, and neither visible in the shape, dtype and bucket that decide reuse. So nothing
+    captured may be used once these exist. Adapters fused into the weights leave no wrapper and
+    do not count.
+    """
+    classes = adapter_wrapper_classes()
+    return bool(classes) and any(isinstance(m, classes) for m in module.modules())
+
+
+class AdapterGuard:
+    """`dynamic_lora_wrappers_present` over some modules, re-walked only when their module tree or
+    the wrapper registry moved (so a step costs a fingerprint comparison)."""
+
+    def __init__(self, fingerprint: Callable[[], int], modules: Callable[[], list[nn.Module]]) -> None:
+        self._fingerprint, self._modules = fingerprint, modules
+        self._seen: tuple[int, int] | None = None
+        self._present = False
+
+    def __call__(self) -> bool:
+        seen = (self._fingerprint(), _registry_version)
+        if seen != self._seen:
+            self._seen = seen
+            self._present = any(dynamic_lora_wrappers_present(m) for m in self._modules())
+        return self._present
 
 
 _POOLS: dict[int, tuple[object, torch.cuda.CUDAGraph]] = {}

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from batchkv.cache import BatchedSequenceCache
-from batchkv.executor.graphs import GraphSet, ModuleFingerprint
+from batchkv.executor.graphs import AdapterGuard, GraphSet, ModuleFingerprint
 from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform
 from batchkv.executor.scheduler import Batch
@@ -49,14 +49,16 @@ class ModelFingerprint:
         self.model = model
         self._prints: dict[int, ModuleFingerprint] = {}
 
-    def __call__(self) -> int:
+    def modules(self) -> list[tuple[str, nn.Module]]:
+        """The model itself when it is a module, else the modules among its attributes."""
         model = self.model
         if isinstance(model, nn.Module):
-            modules = [("", model)]
-        else:
-            modules = [(name, m) for name, m in vars(model).items() if isinstance(m, nn.Module)]
+            return [("", model)]
+        return [(name, m) for name, m in vars(model).items() if isinstance(m, nn.Module)]
+
+    def __call__(self) -> int:
         parts = []
-        for name, module in modules:
+        for name, module in self.modules():
             print_ = self._prints.get(id(module))
             if print_ is None or print_.module is not module:
                 print_ = self._prints[id(module)] = ModuleFingerprint(module)
@@ -86,6 +88,9 @@ class ModelRunner:
         self.model, self.cache, self.max_width = model, cache, max_width
         self.graphs, self.pad_rows = graphs, pad_rows or graphs is not None
         self.fingerprint = ModelFingerprint(model)
+        # Adapter wrappers (LoRA) switch branches without changing the tree: no graph while they exist.
+        self.adapters = AdapterGuard(self.fingerprint, lambda: [m for _, m in self.fingerprint.modules()])
+        self._bound: tuple[int, int] | None = None  # (generation, fingerprint) the kept graphs bind
         device = cache.device
         pin = device.type == "cuda"
         w = max_width
@@ -99,7 +104,6 @@ class ModelRunner:
         self.temperature, self.top_p, self.draws = self._dev_f32.view(3, R).unbind(0)
         self.logits = torch.zeros(R, model.vocab_size, dtype=torch.float32, device=device)
         self._copied = torch.cuda.Event() if pin else None  # staging is reused only after its copy ran
-        self._generation = cache.generation
 
     def input_ids(self, width: int) -> torch.Tensor:
         return self._dev_i64[:width]
@@ -143,8 +147,8 @@ class ModelRunner:
         non_blocking = self._copied is not None
         self._dev_i64.copy_(self._host_i64, non_blocking=non_blocking)
         self._dev_f32.copy_(self._host_f32, non_blocking=non_blocking)
-        if self._copied is not None:
-            self._copied.record()
+        if self._copied is not None:  # on the stream the copies ran on: the cache's device's
+            self._copied.record(torch.cuda.current_stream(self.cache.device))
         return sampling
 
     def _forward(self, width: int, rows: int) -> torch.Tensor:
@@ -160,15 +164,17 @@ class ModelRunner:
         """
         sampling = self._stage(batch, width)
         rows = min(R, width) if self.pad_rows else len(batch.rows)
-        if self.graphs is None:
+        if self.graphs is None or self.adapters():
+            if self.graphs is not None and len(self.graphs):
+                self.graphs.retain(lambda key: False)
+                self._bound = None
             logits = self._forward(width, rows)
         else:
-            generation = self.cache.generation
-            if generation != self._generation:  # storage moved: graphs of older generations are dead
-                self.graphs.retain(lambda key: key[1] == generation)
-                self._generation = generation
-            key = (width, generation, self.fingerprint())
-            logits = self.graphs.run(key, lambda: self._forward(width, rows))  # type: ignore[assignment]
+            bound = (self.cache.generation, self.fingerprint())
+            if bound != self._bound:  # storage moved or the tree changed: older graphs never replay again
+                self.graphs.retain(lambda key: key[1:] == bound)
+                self._bound = bound
+            logits = self.graphs.run((width, *bound), lambda: self._forward(width, rows))  # type: ignore[assignment]
         real = len(batch.rows)
         logits = logits[:real]
         if sampling:
