@@ -283,3 +283,12 @@ def test_a_first_allocation_that_fails_is_a_capacity_error():
     cfg = CacheConfig(num_layers=1, kv_heads=1, head_dim=8, max_seqs=1, capacity=8, dtype=torch.float32)
     with pytest.raises(CapacityError, match="first 8 rows"):
         BatchedSequenceCache(cfg, "cpu", alloc=no_memory)
+
+
+def test_the_triton_backend_refuses_a_head_dim_its_kernels_do_not_take_at_construction():
+    from batchkv.errors import ConfigError
+
+    cfg = CacheConfig(num_layers=1, kv_heads=1, head_dim=24, max_seqs=1, capacity=8, dtype=torch.float32)
+    with pytest.raises(ConfigError, match="head_dim 24"):
+        BatchedSequenceCache(cfg, "cpu", attention="triton")
+    assert BatchedSequenceCache(cfg, "cpu", attention="reference").config.head_dim == 24

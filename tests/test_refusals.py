@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,3 +119,23 @@ def test_configs_that_break_a_rule_are_refused():
         CacheConfig(num_layers=2, kv_heads=1, head_dim=8, max_seqs=1, capacity=4, layers=(LayerSpec(),))
     with pytest.raises(ConfigError, match="max_segments"):
         CacheConfig(num_layers=1, kv_heads=1, head_dim=8, max_seqs=4, capacity=4, max_segments=2)
+
+
+def test_non_integer_ids_and_lengths_are_refused():
+    pair = make_pair()
+    a = pair.new()
+    pair.step([a, a, a])
+    before = snapshot(pair.cache)
+    for call in (
+        lambda: pair.cache.rewind(a, 2.5),
+        lambda: pair.cache.rewind(a, True),
+        lambda: pair.cache.seq_clone(a, upto=1.0),
+        lambda: pair.cache.declare_step([0.9]),
+        lambda: pair.cache.declare_step([[a]]),
+        lambda: pair.cache.pos(0.0),
+    ):
+        with pytest.raises((PositionError, UnknownSequenceError)):
+            call()
+        assert_same(before, snapshot(pair.cache))
+    pair.rewind(a, np.int64(2))  # numpy integers are integers
+    assert pair.cache.pos(a) == 2

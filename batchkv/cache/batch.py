@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from batchkv import ops
@@ -21,6 +22,7 @@ from batchkv.cache.step import StepBuffers, StepPlan
 from batchkv.cache.store import Allocator, ColumnStore
 from batchkv.errors import (
     CapacityError,
+    ConfigError,
     ContractError,
     NoFreeColumnError,
     PositionError,
@@ -28,6 +30,11 @@ from batchkv.errors import (
     StepError,
     UnknownSequenceError,
 )
+
+
+def _is_int(value: object) -> bool:
+    """An integer (Python or numpy), not a bool or a float that happens to equal one."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 class BatchedSequenceCache:
@@ -59,6 +66,12 @@ class BatchedSequenceCache:
         self.config = config
         self.device = torch.device(device)
         self.attention = ops.resolve_backend(attention, self.device)
+        d = config.head_dim
+        if self.attention == "triton" and (d < 16 or d > 256 or d & (d - 1)):
+            # Refused here, not at the first attend inside a forward (or a graph capture).
+            raise ConfigError(
+                f"head_dim {d}: the Triton kernels take a power of two from 16 to 256; use attention='reference'"
+            )
         self._write, self._attend = ops.backend_functions(self.attention)
         try:
             self._store = ColumnStore(config, self.device, alloc)
@@ -106,6 +119,11 @@ class BatchedSequenceCache:
         return self._buffers.positions[: self._width or 0]
 
     @property
+    def prepared(self) -> bool:
+        """True between a successful `prepare_step` and the step's commit (or its invalidation)."""
+        return self._width is not None
+
+    @property
     def seq_info(self) -> torch.Tensor:
         """Device int32 [max_segments, 4]: the staged (q_start, q_len, col, kv_end) table."""
         return self._buffers.seq_info
@@ -116,16 +134,16 @@ class BatchedSequenceCache:
         return sorted(self._lengths)
 
     def k_store(self, layer: int) -> torch.Tensor:
-        """Layer's K storage [rows, max_seqs + 1, Hkv, D]. Its address changes when `generation` does."""
+        """Layer's K storage [rows, config.columns, Hkv, D]. Its address changes when `generation` does."""
         return self._store.k[layer]
 
     def v_store(self, layer: int) -> torch.Tensor:
-        """Layer's V storage [rows, max_seqs + 1, Hkv, D]. Its address changes when `generation` does."""
+        """Layer's V storage [rows, config.columns, Hkv, D]. Its address changes when `generation` does."""
         return self._store.v[layer]
 
     # ---- sequence verbs (host) ----------------------------------------------------------------
     def _known(self, seq: int) -> int:
-        if seq not in self._lengths:
+        if not _is_int(seq) or seq not in self._lengths:
             held = self.sequences
             raise UnknownSequenceError(f"sequence {seq} is not held (held: {held}); create it with seq_new()")
         return self._lengths[seq]
@@ -163,7 +181,7 @@ class BatchedSequenceCache:
         """A new sequence holding a device copy of `src`'s first `upto` positions (default all)."""
         length = self._known(src)
         upto = length if upto is None else upto
-        if not 0 <= upto <= length:
+        if not _is_int(upto) or not 0 <= upto <= length:
             raise PositionError(f"seq_clone: upto={upto} is outside [0, {length}] for sequence {src}")
         floor = self.ring_floor(src)
         if upto < floor:
@@ -188,7 +206,7 @@ class BatchedSequenceCache:
     def rewind(self, seq: int, new_len: int) -> None:
         """Move `seq`'s length back to `new_len` (speculative rejection, retries)."""
         length = self._known(seq)
-        if not 0 <= new_len <= length:
+        if not _is_int(new_len) or not 0 <= new_len <= length:
             raise PositionError(
                 f"rewind: sequence {seq} holds {length} positions; new_len={new_len} is outside [0, {length}]"
             )

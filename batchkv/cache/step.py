@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from batchkv.errors import UnknownSequenceError
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -33,7 +35,10 @@ class StepPlan:
 
     @classmethod
     def from_ids(cls, seq_ids: Sequence[int]) -> StepPlan:
-        ids = tuple(int(i) for i in seq_ids)
+        array = np.asarray(seq_ids)
+        if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+            raise UnknownSequenceError(f"declare_step takes a flat list of integer sequence ids; got {seq_ids!r}")
+        ids = tuple(array.tolist())
         segments: list[Segment] = []
         counts: dict[int, int] = {}
         start = 0
@@ -88,6 +93,7 @@ class StepBuffers:
         self.slots = self._dev_i64[max_width:].view(groups, max_width)
         # The previous step's async copy must finish before the pinned buffer is rewritten.
         self._copied = torch.cuda.Event() if pin else None
+        self._device = device
 
     def fill(
         self,
@@ -118,5 +124,5 @@ class StepBuffers:
         non_blocking = self._copied is not None
         self._dev_i64.copy_(self._host_i64, non_blocking=non_blocking)
         self.seq_info.copy_(self._host_i32, non_blocking=non_blocking)
-        if self._copied is not None:
-            self._copied.record()
+        if self._copied is not None:  # on the stream the copies ran on: the cache's device's
+            self._copied.record(torch.cuda.current_stream(self._device))
