@@ -1,4 +1,4 @@
-"""The `batchkv` command: run | bench | export | inspect.
+"""The `batchkv` command: run | export | inspect (benchmarks live in bench/, run as scripts).
 
 Each subcommand adds its own options (`_add_*`) and runs in its own function (`_cmd_*`); heavy
 imports happen inside them so `batchkv --help` stays fast.
@@ -208,7 +208,9 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-layout", required=True, choices=("sequence", "batched-sequence", "cell"))
     p.add_argument("--max-kv-seqs", type=int, default=1, metavar="N", help="resident sequences (default 1)")
     p.add_argument("--capacity", type=int, required=True, metavar="N", help="most positions per sequence")
-    p.add_argument("--max-write", type=int, metavar="N", help="most tokens per sequence per step (default 512)")
+    p.add_argument(
+        "--max-write", type=int, metavar="N", help="most tokens per sequence per step (default min(512, capacity))"
+    )
     p.add_argument("--max-segments", type=int, metavar="N", help="most runs per step (default 2 * max-kv-seqs)")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None, help="(batched-sequence)")
     p.add_argument("--max-cells", type=int, metavar="N", help="cell pool size (default max-kv-seqs * capacity)")

@@ -229,3 +229,26 @@ def test_a_request_with_more_samples_than_a_step_can_sample_is_refused_at_submit
     rid = engine.submit(Request([1], greedy(3, n=4)))  # 4 rows from a 1-token prompt: a width-4 step
     outputs = gather(engine.run_until_done())
     assert len(outputs[rid].tokens) == 4 and all(len(t) == 3 for t in outputs[rid].tokens)
+
+
+def test_cancellation_events_survive_a_step_that_raises(model):
+    engine = engine_for(model)
+    first = engine.submit(Request([1, 2, 3], greedy(8)))
+    request = Request([4, 5], greedy(8))
+    second = engine.submit(request)
+    events = engine.step()
+    engine.cancel(first)
+    run = engine.runner.run
+
+    def broken(batch, width):
+        raise RuntimeError("injected forward failure")
+
+    engine.runner.run = broken
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    engine.runner.run = run
+    events += engine.run_until_done()
+    assert [e.request_id for e in events if e.finish_reason == "cancelled"] == [first]
+    assert engine.metrics.finished["cancelled"] == 1
+    tokens = [e.token for e in events if e.request_id == second and e.token is not None]
+    assert (tokens, "length") == oracle(model, request, 48)  # the failed step left no trace

@@ -13,10 +13,10 @@ driven through the BatchControl verbs. `set_length(n)` holds n - 1 positions and
 one-token step, so `attend` writes slot n - 1 and reads [0, n) from the staged device buffers,
 exactly as the original wrote at `length - 1` and attended `seqused` positions.
 
-Costs against the original: storage is `[rows, 2, Hkv, D]` per layer (the store's scratch column
-is allocated though a one-token step never pads into it), twice the original's bytes; and
-`set_length` is a declare/prepare on the host (~20 us of Python and one small host-to-device
-copy) where the original launched two `fill_`s.
+Costs against the original: storage is `[rows, 1, Hkv, D]` per layer, the original's bytes (a
+store whose steps are one token wide never pads, so it has no scratch column); `set_length` is a
+declare/prepare on the host (~20 us of Python and two small host-to-device copies) where the
+original launched two `fill_`s.
 
 When to delete this: once the pipeline drives its decode through a scheduler-visible runner, or
 serves more than one sequence per forward, use `BatchedSequenceCache` and the executor directly.

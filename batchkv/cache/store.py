@@ -1,4 +1,5 @@
-"""The column store: per layer, K and V of shape [rows, C, Hkv, D] with C = max_seqs + 1.
+"""The column store: per layer, K and V of shape [rows, C, Hkv, D] with C = `config.columns`
+(max_seqs + 1 for the scratch column; max_seqs when steps are one token wide and never pad).
 
 Position p of the sequence in column c lives at row `p % rows`, i.e. flat slot `(p % rows) * C + c`
 of the `[rows * C, Hkv, D]` view. Flat layers grow by whole rows toward `capacity`; ring layers grow

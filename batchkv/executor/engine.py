@@ -44,7 +44,8 @@ class Engine:
     capacity: most positions (prompt + generated) one sequence may hold.
     max_step_tokens: token budget of one step (decode tokens + prompt chunks).
     prefill_chunk: most prompt tokens one sequence writes in one step (the cache's max_write).
-    width_buckets: packed widths a step is padded up to (default powers of two up to the budget).
+    width_buckets: packed widths a step is padded up to (default `default_buckets`: 1, 2, 4, ..., 32,
+        48, 64, then every 64 to 512 and every 128 to the budget).
     use_graphs: "auto" (CUDA graphs when on CUDA with capturable attention), True or False.
     row_buckets, row_step: the cache's row growth schedule (see CacheConfig.buckets/tail_step).
     seed: draws the sampling seed of requests that do not set one.
@@ -196,14 +197,12 @@ class Engine:
     def step(self) -> list[Event]:
         """Run one step; returns its events (tokens, finishes, cancellations), possibly none."""
         start = time.perf_counter()
-        events = self.scheduler.take_cancelled()
-        self.metrics.finished["cancelled"] += len(events)
         self.scheduler.admit()
         batch = self.scheduler.plan()
         self._note_growth()
         self._idle = batch is None
         if batch is None:
-            return events
+            return self._take_cancelled()
         # At least as wide as its sampling rows: the LM head runs on min(width, 64) rows.
         width = self._bucket(max(len(batch.seq_ids), len(batch.rows)))
         self.cache.declare_step(batch.seq_ids)
@@ -230,7 +229,13 @@ class Engine:
             decode=batch.decode_tokens,
             held_columns=held,
         )
-        return events + new
+        return self._take_cancelled() + new
+
+    def _take_cancelled(self) -> list[Event]:
+        # Taken only once the step succeeded: if it raised, they come out of a later step.
+        events = self.scheduler.take_cancelled()
+        self.metrics.finished["cancelled"] += len(events)
+        return events
 
     def stream(self) -> Iterator[Event]:
         """Step until every submitted request has finished, yielding events as they come."""

@@ -47,7 +47,7 @@ def summary_table(summary: dict, title: str, *, graphs: bool) -> str:
     finished = summary.get("finished", {})
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(finished.items()) if v)
     rows = [
-        ("requests", f"{summary['requests_submitted']} served, {summary['requests_refused']} refused ({reasons})"),
+        ("requests", f"{summary['requests_submitted']} submitted, {summary['requests_refused']} refused ({reasons})"),
         (
             "tokens",
             f"{summary['generated_tokens']} generated, {summary['prefill_tokens']} prompt, "

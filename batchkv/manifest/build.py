@@ -74,8 +74,8 @@ def from_manifest(
     """Build the cache a manifest (a `Manifest`, a file path, or the file's bytes) describes.
 
     Storage starts small and grows toward `maximum_capacity` as sequences lengthen (see
-    `BatchedSequenceCache.reserve`). The manifest's `causal` is not a cache setting: the executor
-    passes `manifest.is_causal` to every `update_and_attend` call.
+    `BatchedSequenceCache.reserve`). The manifest's `causal` is not a cache setting: whoever drives
+    the model passes `manifest.is_causal` to `update_and_attend` (the cache takes it per call).
 
     Example:
         cache = from_manifest("manifests/sensenova-u1-8b-batched-16.json", "cuda")

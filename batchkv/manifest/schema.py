@@ -65,8 +65,9 @@ class Layer(Struct, frozen=True, forbid_unknown_fields=True):
 class Manifest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """An exported cache's geometry (DESIGN.md, Manifests). Field order is the encoded key order.
 
-    The executor passes `causal` (batched-sequence) to `update_and_attend` on every call; the cache
-    itself takes causality per call.
+    `causal` (batched-sequence) records whether the exported model attends causally; the cache
+    takes causality per `update_and_attend` call, so whoever drives the model passes it (the
+    executor's models are causal; a draft model exported with causal=false passes False).
     """
 
     version: int
@@ -104,7 +105,7 @@ class Manifest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def is_causal(self) -> bool:
-        """The `causal` the executor passes to `update_and_attend` (default true)."""
+        """The `causal` to pass to `update_and_attend` for this model (default true)."""
         return self.causal if isinstance(self.causal, bool) else True
 
     @property

@@ -52,7 +52,7 @@ def kv_write(k_flat: torch.Tensor, v_flat: torch.Tensor, k: torch.Tensor, v: tor
             f"store rows {tuple(k_flat.shape[1:])} and k rows {tuple(k.shape[1:])} must match, D a power of 2"
         )
     if slots.dtype not in (torch.int64, torch.int32) or slots.shape != (width,):
-        raise ContractError(f"slots must be int64 [{width}]; got {slots.dtype} {tuple(slots.shape)}")
+        raise ContractError(f"slots must be int64 or int32 [{width}]; got {slots.dtype} {tuple(slots.shape)}")
     if not k_flat.device == v_flat.device == k.device == v.device == slots.device:
         raise ContractError("k_flat, v_flat, k, v and slots must share a device")
     if k_flat.dtype != v_flat.dtype or k_flat.stride() != v_flat.stride() or not k.dtype.is_floating_point:

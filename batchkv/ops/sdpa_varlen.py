@@ -55,7 +55,7 @@ class SdpaConfig:
 
     Split path: heads: KV heads per program (a power of two; 0 means 1: on the H200 one head
     per program beat 2, 4 and 8 on every decode, verify and mixed case, see
-    bench/results/kernels-sweep.json). Several heads make 3-D tiles with one warp per head:
+    bench/results/kernels-sweep-h200.json). Several heads make 3-D tiles with one warp per head:
     num_warps 0 means 4 for one head, else `heads`, since Triton 3.6 puts every warp on the
     head axis and replicates work when there are more warps than heads;
     block_n: key positions per tile (0: ~32 KiB of K+V per stage); block_m: tile rows per KV head,
