@@ -217,8 +217,12 @@ class BatchedSequenceCache:
                 f"(max_write {self.config.max_write}) can resume no earlier than {floor}, not {new_len}"
             )
         self._lengths[seq] = new_len
+        self._restage(seq)
+
+    def _restage(self, seq: int) -> None:
+        """`seq`'s length moved: a declared step naming it keeps its plan but must be prepared again."""
         if self._plan is not None and seq in self._plan.counts:
-            self._width = None  # staged positions are stale; prepare_step again
+            self._width = None  # staged positions are stale
 
     def reserve(self, length: int) -> bool:
         """Grow storage now so sequences can reach `length` positions without growing mid-run."""
@@ -257,8 +261,7 @@ class BatchedSequenceCache:
             )
         self._lengths[seq] = new_len
         self._high_water[seq] = max(self._high_water[seq], new_len)
-        if self._plan is not None and seq in self._plan.counts:
-            self._width = None  # staged positions are stale; prepare_step again
+        self._restage(seq)
 
     def _load_prefix(self, seq: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
         """Replace `seq`'s history with external K/V: one [n, Hkv, D] tensor per layer for each.
@@ -282,8 +285,7 @@ class BatchedSequenceCache:
             self._store.write_column(seq, layer, keys[layer], values[layer])
         self._lengths[seq] = n
         self._high_water[seq] = n  # every resident row now holds the new history
-        if self._plan is not None and seq in self._plan.counts:
-            self._width = None
+        self._restage(seq)
 
     # ---- step protocol (host) -----------------------------------------------------------------
     def declare_step(self, seq_ids: Sequence[int]) -> None:

@@ -132,10 +132,7 @@ class Manifest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         (ring), or `max_cells` (cell pool, every layer)."""
         if self.layout == "cell":
             return self.max_cells  # type: ignore[return-value]
-        entry = self.layer(layer_id)
-        if entry.policy == "ring":
-            return min(self.maximum_capacity, entry.window + self.max_write - 1)
-        return self.maximum_capacity
+        return _layer_rows(self.layer(layer_id), self.maximum_capacity, self.max_write)
 
     @property
     def bytes_per_token(self) -> int:
@@ -157,11 +154,12 @@ def _kv_bytes(m: Manifest, by_id: dict[int, Layer]) -> int:
     per_row = m.bytes_per_row // m.num_layers
     if m.layout == "cell":
         return m.num_layers * m.max_cells * per_row  # type: ignore[operator]
-    total = 0
-    for entry in by_id.values():
-        ring = entry.policy == "ring"
-        total += min(m.maximum_capacity, entry.window + m.max_write - 1) if ring else m.maximum_capacity
-    return total * per_row
+    return sum(_layer_rows(entry, m.maximum_capacity, m.max_write) for entry in by_id.values()) * per_row
+
+
+def _layer_rows(entry: Layer, capacity: int, max_write: int) -> int:
+    """Rows of a batched layer at full capacity: capacity (flat) or min(capacity, window + max_write - 1) (ring)."""
+    return min(capacity, entry.window + max_write - 1) if entry.policy == "ring" else capacity
 
 
 # ---- the checks ---------------------------------------------------------------------------------
