@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batchkv.ops import sdpa_varlen_reference
-from batchkv.ops.sdpa_varlen import SdpaConfig, resolve_config, sdpa_varlen
+from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config, sdpa_varlen
 
 HQ, HKV, D, COLUMNS, ROWS, SEGMENTS = 32, 8, 128, 65, 9216, 128
 G = HQ // HKV

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from batchkv.errors import ContractError
-from batchkv.ops import kv_write_reference
-from batchkv.ops.kv_write import kv_write
+from batchkv.ops import kv_write_reference, sdpa_varlen_reference
+from batchkv.ops.kv_write_triton import kv_write
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -59,3 +59,19 @@ def test_kv_write_refuses_contract_breaches(breach):
     BAD[breach](args)
     with pytest.raises(ContractError):
         kv_write(**args)
+
+
+def test_the_package_exports_the_kernel_functions_not_their_modules():
+    from batchkv.ops import kv_write as write
+    from batchkv.ops import sdpa_varlen as attend
+
+    assert callable(write) and callable(attend)
+    k_flat, v_flat = torch.zeros(8, 1, 16), torch.zeros(8, 1, 16)
+    k, v = torch.randn(2, 1, 16), torch.randn(2, 1, 16)
+    write(k_flat, v_flat, k, v, torch.tensor([3, 5]))
+    assert torch.equal(k_flat[[3, 5]], k) and torch.equal(v_flat[[3, 5]], v)
+    store_k, store_v = k_flat.view(8, 1, 1, 16), v_flat.view(8, 1, 1, 16)
+    info = torch.tensor([[0, 1, 0, 6]], dtype=torch.int32)
+    q = torch.randn(1, 2, 16)
+    out = attend(q, store_k, store_v, info)
+    assert torch.allclose(out, sdpa_varlen_reference(q, store_k, store_v, info), atol=1e-5)

@@ -37,7 +37,7 @@ def table(q_lens, kv_ends, cols, num_segments):
 
 def run_case(q_lens, kv_ends, *, rows, kv_heads=8, group=4, head_dim=128, dtype=torch.bfloat16, causal=True,
              window=0, pad=3, seed=0, atol=2e-2, config=None):  # fmt: skip
-    from batchkv.ops.sdpa_varlen import _counters, sdpa_varlen
+    from batchkv.ops.sdpa_varlen_triton import _counters, sdpa_varlen
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     cols = torch.randperm(64, generator=torch.Generator().manual_seed(seed))[: len(q_lens)].tolist()
@@ -76,7 +76,7 @@ def test_other_head_dims_and_fp16_match_reference(head_dim, dtype):
 
 
 def test_every_swept_config_matches_reference():
-    from batchkv.ops.sdpa_varlen import SdpaConfig
+    from batchkv.ops.sdpa_varlen_triton import SdpaConfig
 
     sweep = [{"heads": 1}, {"heads": 2, "occupancy": 4}, {"heads": 4}, {"heads": 8, "occupancy": 1},
              {"min_blocks": 4}, {"occupancy": 3}, {"skip_masks": False},
@@ -95,8 +95,8 @@ def test_fp32_storage_matches_reference_tightly():
 
 
 def test_one_captured_graph_replays_three_length_mixes_with_the_kv_write():
-    from batchkv.ops.kv_write import kv_write
-    from batchkv.ops.sdpa_varlen import _counters, sdpa_varlen
+    from batchkv.ops.kv_write_triton import kv_write
+    from batchkv.ops.sdpa_varlen_triton import _counters, sdpa_varlen
 
     rows, kv_heads, head_dim, width = 4096, 8, 128, 24
     gen = torch.Generator(device="cuda").manual_seed(3)

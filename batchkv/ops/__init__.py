@@ -3,7 +3,9 @@
 - `sdpa_varlen_reference(q, k_store, v_store, seq_info, *, scale, causal, window)`: the oracle.
 - `kv_write_reference(k_flat, v_flat, k, v, slots)`: the step's K/V write.
 - `sdpa_varlen`, `kv_write`: the Triton kernels of the same contracts (imported lazily, so CPU-only
-  use works without Triton; on CPU they run under `TRITON_INTERPRET=1`).
+  use works without Triton; on CPU they run under `TRITON_INTERPRET=1`). Their modules are
+  `sdpa_varlen_triton` and `kv_write_triton`: a submodule named like the function it exports
+  would shadow the function on this package once imported.
 
 `resolve_backend` / `backend_functions` pick the pair a cache uses.
 """
@@ -45,8 +47,8 @@ def backend_functions(name: str) -> tuple[Callable[..., None], Callable[..., tor
     if name == "reference":
         return kv_write_reference, sdpa_varlen_reference
     if name == "triton":
-        from batchkv.ops.kv_write import kv_write
-        from batchkv.ops.sdpa_varlen import sdpa_varlen
+        from batchkv.ops.kv_write_triton import kv_write
+        from batchkv.ops.sdpa_varlen_triton import sdpa_varlen
 
         return kv_write, sdpa_varlen
     raise ConfigError(f"attention backend {name!r} is unknown; use one of {BACKENDS[1:]}")
@@ -55,11 +57,11 @@ def backend_functions(name: str) -> tuple[Callable[..., None], Callable[..., tor
 def __getattr__(name: str) -> object:
     """Lazy `sdpa_varlen` / `kv_write` (importing Triton only when they are asked for)."""
     if name == "sdpa_varlen":
-        from batchkv.ops.sdpa_varlen import sdpa_varlen
+        from batchkv.ops.sdpa_varlen_triton import sdpa_varlen
 
         return sdpa_varlen
     if name == "kv_write":
-        from batchkv.ops.kv_write import kv_write
+        from batchkv.ops.kv_write_triton import kv_write
 
         return kv_write
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
