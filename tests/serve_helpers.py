@@ -90,27 +90,28 @@ def free_port() -> int:
 
 
 class Server:
-    """`batchkv serve` in a subprocess on a free port; `url` once /health answers."""
+    """`batchkv serve` in a subprocess on a free port. Starts at construction; `wait()` returns
+    once /health answers, so the caller can do other work while it boots."""
 
-    def __init__(self, model: str, *args: str, timeout: float = 60.0) -> None:
+    def __init__(self, model: str, *args: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a full pipe would stall the server
+        # A file, not a pipe: a full pipe would stall the server. Closed with the object.
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
         command = [sys.executable, "-m", "batchkv.cli", "serve", "--model", model, "--port", str(self.port)]
         self.proc = subprocess.Popen(
-            [*command, "--device", "cpu", "--threads", "1", *args],
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
+            [*command, "--device", "cpu", "--threads", "1", *args], env=env, stdout=self.log, stderr=subprocess.STDOUT
         )
+
+    def wait(self, timeout: float = 120.0) -> Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"batchkv serve exited {self.proc.returncode}:\n{self.output()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    return
+                    return self
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
@@ -121,9 +122,9 @@ class Server:
         self.log.seek(0)
         return self.log.read()
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> tuple[int, str]:
-        """Send `sig`; returns (exit status, everything the server printed)."""
-        if self.proc.poll() is None:
+    def stop(self, sig: int | None = signal.SIGTERM, timeout: float = 30.0) -> tuple[int, str]:
+        """Send `sig` (None: one was sent already) and wait; returns (exit status, all it printed)."""
+        if sig is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
             self.proc.wait(timeout=timeout)

@@ -10,9 +10,9 @@ import pytest
 pytest.importorskip("msgspec")
 pytest.importorskip("tokenizers")
 
-from batchkv.serve.detok import IncrementalDetokenizer, StopMatcher  # noqa: E402
-from batchkv.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, decode_body  # noqa: E402
-from tests.serve_helpers import make_tokenizer  # noqa: E402
+from batchkv.serve.detok import IncrementalDetokenizer, StopMatcher
+from batchkv.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, decode_body
+from tests.serve_helpers import make_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,7 @@ class ServerMetrics:
     def __init__(self, max_seqs: int) -> None:
         disable_created_metrics()  # no `_created` series: timestamps nobody graphs
         r = self.registry = CollectorRegistry()
-        self.running = Gauge(
-            "batchkv_requests_running", "Requests holding columns (prefilling or decoding)", registry=r
-        )
+        self.running = Gauge("batchkv_requests_running", "Requests prefilling or decoding", registry=r)
         self.waiting = Gauge("batchkv_requests_waiting", "Requests queued for columns", registry=r)
         self.columns = Gauge("batchkv_kv_columns_in_use", "KV cache columns held by sequences", registry=r)
         Gauge("batchkv_kv_columns_total", "KV cache columns (max_seqs)", registry=r).set(max_seqs)

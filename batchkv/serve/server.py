@@ -1,9 +1,9 @@
 """`batchkv serve`: load the model, start the engine thread, run uvicorn, shut down cleanly.
 
-Shutdown on SIGINT or SIGTERM: uvicorn stops accepting connections and lets in-flight requests
-finish for up to `--drain-timeout` seconds, then cancels the rest (their engine requests are
-cancelled and their columns freed); the engine thread stops and the process exits 0. A second
-SIGINT forces the exit.
+Shutdown on SIGINT or SIGTERM: uvicorn stops accepting connections; requests in flight may finish
+for `--drain-timeout` seconds, then the engine thread cancels the rest (their streams end with
+finish_reason "abort", their columns are freed) and new submits get 503. Then the engine thread
+stops and the process exits 0. A second SIGINT forces the exit.
 """
 
 from __future__ import annotations
@@ -21,6 +21,21 @@ DEFAULT_CAPACITY = 4096
 def _ignore(signum: int, frame: object) -> None:
     """Stands in for the default handlers while uvicorn serves: uvicorn re-raises the signal that
     stopped it once it has shut down, and a default handler would turn a clean stop into a kill."""
+
+
+def _uvicorn_server(uvicorn):
+    class Server(uvicorn.Server):
+        """uvicorn's server, telling the engine thread to drain when a signal stops it."""
+
+        def __init__(self, config, on_exit) -> None:
+            super().__init__(config)
+            self.on_exit = on_exit
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self.on_exit()
+
+    return Server
 
 
 def _device(name: str) -> str:
@@ -88,10 +103,10 @@ def serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         access_log=args.access_log,
-        timeout_graceful_shutdown=args.drain_timeout,
+        timeout_graceful_shutdown=args.drain_timeout + 5.0,  # a backstop: the worker cancels first
         lifespan="on",
     )
-    server = uvicorn.Server(config)
+    server = _uvicorn_server(uvicorn)(config, lambda: worker.drain(args.drain_timeout))
     previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run()

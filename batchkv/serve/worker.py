@@ -7,6 +7,10 @@ each step's events to the loop in one `call_soon_threadsafe`, which puts them on
 asyncio queues. A step that raises fails every live request (they see the exception) and the
 thread goes on serving.
 
+Shutdown: `drain(seconds)` (safe to call from a signal handler) refuses new submits with 503 and,
+once the seconds pass, cancels every live request; each stream then ends with its samples'
+"cancelled" events, so handlers finish normally instead of being torn down.
+
 A `Stream` is one HTTP request's view: it may hold several engine requests (a batch of prompts),
 each with n samples; items on its queue are lists of `(prompt_index, Event)`, or an exception.
 """
@@ -74,6 +78,7 @@ class EngineWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="batchkv-engine", daemon=True)
         self._steps = 0
+        self._deadline: float | None = None  # draining: cancel what is live at this monotonic time
 
     # ---- loop side -----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -85,6 +90,10 @@ class EngineWorker:
         if self._thread.is_alive():
             self.post(("stop",))
             self._thread.join(timeout)
+
+    def drain(self, seconds: float) -> None:
+        """Stop taking requests; cancel those still live after `seconds`. Signal-handler safe."""
+        self.post(("drain", time.monotonic() + seconds))
 
     @property
     def alive(self) -> bool:
@@ -125,8 +134,7 @@ class EngineWorker:
     def _run(self) -> None:
         engine = self.engine
         while True:
-            block = not engine.has_work
-            commands = [self._commands.get()] if block else []
+            commands = [] if engine.has_work else [self._next_command()]
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -137,12 +145,35 @@ class EngineWorker:
                     self._cancel_all()
                     return
                 getattr(self, "_" + command[0])(*command[1:])
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                for rid in list(self._routes):  # routes stay: the "cancelled" events end the streams
+                    engine.cancel(rid)
             if engine.has_work:
                 self._step()
             self._observe()
 
+    def _next_command(self) -> tuple:
+        """Block for a command; while draining, only until the deadline (then a no-op)."""
+        if self._deadline is None:
+            return self._commands.get()
+        try:
+            return self._commands.get(timeout=max(self._deadline - time.monotonic(), 0.0))
+        except queue.Empty:
+            return ("idle",)
+
+    def _idle(self) -> None:
+        pass
+
+    def _drain(self, deadline: float) -> None:
+        if self._deadline is None or deadline < self._deadline:
+            self._deadline = deadline
+
     def _submit(self, stream: Stream, requests: list[Request], arrival: float, done: asyncio.Future) -> None:
         engine = self.engine
+        if self._deadline is not None:
+            error = APIError(503, "the server is shutting down; retry on another replica", type="server_error")
+            self._call(self._resolve, done, error)
+            return
         if engine.num_waiting + len(requests) > self.max_waiting:
             error = APIError(
                 429,
