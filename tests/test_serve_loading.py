@@ -29,7 +29,9 @@ def test_a_sensenova_directory_loads_its_prefixed_language_model_and_skips_the_g
     tensors = {f"language_model.{k}": v for k, v in checkpoint_tensors(source).items()}
     tensors["language_model.model.layers.0.mlp.gate_proj_mot_gen.weight"] = torch.zeros(3, 3)
     tensors["language_model.model.embed_tokens_mot_gen.weight"] = torch.zeros(3, 3)
-    save_file(tensors, str(tmp_path / "model-00001-of-00001.safetensors"))
+    save_file(tensors, str(tmp_path / "model-00002-of-00002.safetensors"))
+    branch = {"gen_mot_gen.model.embed_tokens.weight": torch.zeros(3, 3)}  # in the shard read first
+    save_file(branch, str(tmp_path / "model-00001-of-00002.safetensors"))
     config = {"model_type": "sensenova_u1", "architectures": ["SenseNovaU1ForConditionalGeneration"],
               "llm_config": {**TINY, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096}}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
