@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import signal
 import time
 
@@ -375,3 +376,13 @@ def test_a_preset_serves_token_ids_as_the_engine_does_refuses_text_and_shuts_dow
     for code, out in results:
         assert code == 0, out
         assert "Traceback" not in out, out
+
+
+def test_the_readmes_openai_client_example_runs_against_the_server(server, capsys):
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    example = re.search(r"official `openai` client:\n\n```py\n(.*?)```", readme, flags=re.S).group(1)
+    example = example.replace("http://127.0.0.1:8000", server.url).replace("/models/Qwen3-0.6B", "tiny")
+    exec(compile(example, "README.md[openai]", "exec"), {})
+    assert capsys.readouterr().out.strip()
