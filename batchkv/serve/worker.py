@@ -150,7 +150,8 @@ class EngineWorker:
                     engine.cancel(rid)
             if engine.has_work:
                 self._step()
-            self._observe()
+            else:
+                self._observe()
 
     def _next_command(self) -> tuple:
         """Block for a command; while draining, only until the deadline (then a no-op)."""
@@ -194,6 +195,7 @@ class EngineWorker:
             self._call(self._resolve, done, APIError(400, str(exc)))
             return
         self.metrics.prompted.inc(sum(len(r.prompt_ids) for r in requests))
+        self._observe()  # before the answer: a client that got its 200 sees itself counted
         self._call(self._resolve, done, None)
 
     def _cancel(self, stream: Stream, prompt_index: int | None) -> None:
@@ -220,6 +222,7 @@ class EngineWorker:
         if self._steps % TRIM_STEPS == 0:
             m = self.engine.metrics
             m.step_times.clear(), m.inter_token.clear(), m.first_token.clear()
+        self._observe()  # before the tokens go out: a client that saw them sees this step's state
         self._deliver(events)
 
     def _deliver(self, events: list[Event]) -> None:
