@@ -93,7 +93,7 @@ class Server:
     """`batchkv serve` in a subprocess on a free port. Starts at construction; `wait()` returns
     once /health answers, so the caller can do other work while it boots."""
 
-    def __init__(self, model: str, *args: str) -> None:
+    def __init__(self, model: str, *args: str, device: str = "cpu") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -101,7 +101,7 @@ class Server:
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
         command = [sys.executable, "-m", "batchkv.cli", "serve", "--model", model, "--port", str(self.port)]
         self.proc = subprocess.Popen(
-            [*command, "--device", "cpu", "--threads", "1", *args], env=env, stdout=self.log, stderr=subprocess.STDOUT
+            [*command, "--device", device, "--threads", "1", *args], env=env, stdout=self.log, stderr=subprocess.STDOUT
         )
 
     def wait(self, timeout: float = 120.0) -> Server:

@@ -40,6 +40,7 @@ class Job:
 
 
 def check_model(body: SamplingFields, info: ModelInfo) -> None:
+    """APIError(404) unless the body names the served model (or none)."""
     if body.model is not None and body.model != info.name:
         raise APIError(
             404,

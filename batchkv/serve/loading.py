@@ -54,6 +54,7 @@ def _read_config(path: Path) -> dict:
 
 
 def is_sensenova(config: dict) -> bool:
+    """A config.json (as a dict) of SenseNova-U1: by model_type or an architecture name."""
     model_type = str(config.get("model_type", "")).lower()
     return model_type.startswith("sensenova") or any(
         str(a).lower().startswith("sensenova") for a in config.get("architectures") or ()

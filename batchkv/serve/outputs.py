@@ -38,6 +38,8 @@ class Delta:
 
 @dataclass(eq=False)
 class Choice:
+    """One sample of one prompt: its text so far (released pieces), token ids and finish reason."""
+
     index: int
     detok: IncrementalDetokenizer | None
     stops: StopMatcher
@@ -115,6 +117,7 @@ class Tracker:
             stream.cancel(prompt)
 
     def usage(self) -> dict[str, int]:
+        """OpenAI `usage`: prompt tokens of every prompt, completion tokens of every choice."""
         prompt = sum(len(p) for p in self.job.prompts)
         completion = sum(len(c.token_ids) for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -122,10 +125,12 @@ class Tracker:
 
 # ---- answers -----------------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
+    """A response id as OpenAI writes them: `cmpl-...`, `chatcmpl-...`."""
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def completion_body(tracker: Tracker, rid: str, model: str) -> dict[str, Any]:
+    """The JSON of a finished /v1/completions answer."""
     job, choices = tracker.job, []
     for c in tracker.choices:
         choice: dict[str, Any] = {"index": c.index, "text": "".join(c.text), "logprobs": None}
@@ -145,6 +150,7 @@ def completion_body(tracker: Tracker, rid: str, model: str) -> dict[str, Any]:
 
 
 def chat_body(tracker: Tracker, rid: str, model: str) -> dict[str, Any]:
+    """The JSON of a finished /v1/chat/completions answer."""
     job, choices = tracker.job, []
     for c in tracker.choices:
         choice: dict[str, Any] = {
@@ -170,6 +176,7 @@ def chat_body(tracker: Tracker, rid: str, model: str) -> dict[str, Any]:
 
 
 def completion_chunk(deltas: list[Delta], rid: str, model: str, created: int, token_ids: bool) -> dict[str, Any]:
+    """One streamed /v1/completions event: the choices one engine step touched."""
     choices = []
     for d in deltas:
         choice: dict[str, Any] = {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish}
@@ -180,6 +187,7 @@ def completion_chunk(deltas: list[Delta], rid: str, model: str, created: int, to
 
 
 def chat_chunk(deltas: list[Delta], rid: str, model: str, created: int, token_ids: bool) -> dict[str, Any]:
+    """One streamed /v1/chat/completions event (`chat.completion.chunk`)."""
     choices = []
     for d in deltas:
         delta = {"content": d.text} if d.text or d.finish is None else {}

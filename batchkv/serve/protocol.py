@@ -35,10 +35,13 @@ class APIError(BatchKVError):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> dict[str, Any]:
+        """The OpenAI error JSON."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """`stream_options`: include_usage adds a last event with `usage` and no choices."""
+
     include_usage: bool = False
 
 
@@ -76,11 +79,15 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
 
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
+    """One part of a message's content; only `type: "text"` is served."""
+
     type: str
     text: str | None = None
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """One message of `messages`, handed to the chat template as {role, content}."""
+
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None

@@ -82,6 +82,7 @@ class EngineWorker:
 
     # ---- loop side -----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the engine thread; events are delivered on `loop`."""
         self._loop = loop
         self._thread.start()
 
@@ -100,6 +101,7 @@ class EngineWorker:
         return self._thread.is_alive()
 
     def post(self, command: tuple) -> None:
+        """Queue a command for the engine thread (any thread; signal-handler safe)."""
         self._commands.put(command)
 
     async def submit(self, requests: Sequence[Request], arrival: float) -> Stream:
