@@ -303,6 +303,8 @@ BAD = [
     ("unsupported field", {"prompt": "x", "logprobs": 3}, 400, "logprobs"),
     ("n beyond the columns", {"prompt": "x", "max_tokens": 3, "n": MAX_SEQS + 1}, 400, None),
     ("mixed prompt batch", {"prompt": ["x", [1, 2]], "max_tokens": 3}, 400, "prompt"),
+    ("top_p out of range", {"prompt": "x", "max_tokens": 3, "top_p": 1.5}, 400, "top_p"),
+    ("max_tokens 0", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
 ]
 
 

@@ -54,8 +54,8 @@ def _need_tokenizer(info: ModelInfo, what: str, param: str):
     if info.tokenizer is None:
         raise APIError(
             400,
-            f"{what} needs a tokenizer and {info.name!r} has none (a preset, or a directory without tokenizer "
-            "files): send the prompt as a list of token ids to /v1/completions",
+            f"{info.name!r} has no tokenizer (a preset, or a directory without tokenizer files), so {what} cannot "
+            "be served: send the prompt as a list of token ids to /v1/completions",
             param=param,
         )
     return info.tokenizer
@@ -148,8 +148,10 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
                 stop_token_ids=stop_ids,
                 n=body.n,
             )
-        except RequestError as exc:
-            raise APIError(400, str(exc)) from exc
+        except RequestError as exc:  # its message starts with the field: "top_p is 1.5; ..."
+            message = str(exc).replace("max_new_tokens", "max_tokens")
+            field = message.split(" ", 1)[0]
+            raise APIError(400, message, param=field if hasattr(body, field) else None) from exc
         requests.append(Request(prompt, params))
     options = body.stream_options
     return Job(
