@@ -35,6 +35,9 @@ class Delta:
     token_ids: list[int]
     finish: str | None
 
+    def merge(self, later: Delta) -> Delta:
+        return Delta(self.index, self.text + later.text, self.token_ids + later.token_ids, later.finish)
+
 
 @dataclass(eq=False)
 class Choice:
@@ -96,14 +99,14 @@ class Tracker:
         n = self.job.n
         try:
             async for items in stream:
-                out = []
+                out: dict[int, Delta] = {}  # one delta per choice, even over several steps
                 for prompt, event in items:
                     delta = self.choices[prompt * n + event.sample].add(event)
                     if delta is not None:
-                        out.append(delta)
+                        out[delta.index] = out[delta.index].merge(delta) if delta.index in out else delta
                     self._release(stream, prompt)
                 if out:
-                    yield out
+                    yield sorted(out.values(), key=lambda d: d.index)
                 if self.done:
                     return
         finally:

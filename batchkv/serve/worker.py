@@ -47,11 +47,15 @@ class Stream:
         return self._items()
 
     async def _items(self) -> AsyncIterator[list[tuple[int, Event]]]:
+        """Everything queued so far, as one list: a reader that falls behind catches up in one go."""
         while True:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            for item in items:
+                if isinstance(item, BaseException):
+                    raise item
+            yield [event for item in items for event in item]  # type: ignore[union-attr]
 
     def cancel(self, prompt_index: int | None = None) -> None:
         """Cancel one prompt's engine request, or all of them; frees their columns (thread-safe)."""
