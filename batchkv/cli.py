@@ -1,4 +1,4 @@
-"""The `batchkv` command: run | export | inspect (benchmarks live in bench/, run as scripts).
+"""The `batchkv` command: run | serve | export | inspect (benchmarks live in bench/, run as scripts).
 
 Each subcommand adds its own options (`_add_*`) and runs in its own function (`_cmd_*`); heavy
 imports happen inside them so `batchkv --help` stays fast.
@@ -287,10 +287,30 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 2
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a transformers model directory (Qwen3, Llama, SenseNova-U1) or a preset over "
+        "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics (needs batchkv[serve]).",
+    )
+    from batchkv.serve.server import add_arguments  # argparse only; the server's imports wait for _cmd_serve
+
+    add_arguments(p)
+    p.set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from batchkv.serve.server import serve
+
+    return serve(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="batchkv", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
+    _add_serve(sub)
     _add_export(sub)
     _add_inspect(sub)
     args = parser.parse_args(argv)

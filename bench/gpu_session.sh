@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: run the named phases in order, each under its own time limit, with
-# results under $OUT. Phases: tests kernels sweep model decode profile compat.
+# results under $OUT. Phases: tests kernels sweep model decode profile compat serve.
 #   OUT=/tmp/out bash bench/gpu_session.sh tests kernels model decode
-# The machine has no msgspec: carry its wheel in .whl/ (bash ../shared/device/wheels.sh).
+# The machine has no msgspec: carry its wheel in .whl/ (bash ../shared/device/wheels.sh). The serve
+# phase also needs the server's wheels: see bench/results/README.md.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -29,6 +30,7 @@ for p in "$@"; do
     decode) phase decode ${DECODE_LIMIT:-420} python3 bench/decode.py --out "$OUT/decode-h200.json" ${DECODE_ARGS:-} ;;
     profile) phase profile 90 python3 bench/step_profile.py --rows 1 64 --context 640 --json "$OUT/step_profile.json" ;;
     compat) phase compat 150 python3 bench/compat_attention.py --out "$OUT/compat-h200.json" ;;
+    serve) phase serve 230 python3 bench/serve_http.py --out "$OUT/serve-http-h200.json" ;;
     *) echo "unknown phase $p" ;;
   esac
 done

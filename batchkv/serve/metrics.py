@@ -1,0 +1,53 @@
+"""The server's Prometheus metrics (`GET /metrics`), in a registry of their own.
+
+Written by the engine thread (prometheus_client's metrics are thread-safe), read by the HTTP
+thread. Latencies are seconds measured on the server: time to first token runs from the moment
+the HTTP request was parsed to the step that produced the sample's first token; inter-token
+latency is the gap between two consecutive tokens of one sample.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class ServerMetrics:
+    """Gauges of the engine's state, token counters and latency histograms."""
+
+    def __init__(self, max_seqs: int) -> None:
+        disable_created_metrics()  # no `_created` series: timestamps nobody graphs
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("batchkv_requests_running", "Requests prefilling or decoding", registry=r)
+        self.waiting = Gauge("batchkv_requests_waiting", "Requests queued for columns", registry=r)
+        self.columns = Gauge("batchkv_kv_columns_in_use", "KV cache columns held by sequences", registry=r)
+        Gauge("batchkv_kv_columns_total", "KV cache columns (max_seqs)", registry=r).set(max_seqs)
+        self.generated = Counter("batchkv_generation_tokens", "Tokens generated", registry=r)
+        self.prompted = Counter("batchkv_prompt_tokens", "Prompt tokens accepted", registry=r)
+        self.captures = Counter("batchkv_graph_captures", "CUDA graphs captured", registry=r)
+        self.finished = Counter(
+            "batchkv_request_samples_finished", "Samples finished, by reason", ["reason"], registry=r
+        )
+        self.refused = Counter("batchkv_requests_refused", "HTTP requests refused, by status", ["status"], registry=r)
+        self.ttft = Histogram(
+            "batchkv_time_to_first_token_seconds", "Request arrival to first token", buckets=TTFT_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "batchkv_inter_token_latency_seconds", "Gap between tokens of one sample", buckets=ITL_BUCKETS, registry=r
+        )
+        self._captures_seen = 0
+
+    def observe_engine(self, *, running: int, waiting: int, columns: int, captures: int) -> None:
+        """The engine's state after a step or a command (engine thread)."""
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.columns.set(columns)
+        if captures > self._captures_seen:
+            self.captures.inc(captures - self._captures_seen)
+            self._captures_seen = captures
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric."""
+        return generate_latest(self.registry)

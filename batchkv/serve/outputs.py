@@ -1,0 +1,201 @@
+"""Engine events to OpenAI choices: text per sample, finish reasons, and the JSON of the answers.
+
+`Tracker` consumes a `Stream`'s items and keeps one `Choice` per (prompt, sample), prompt-major
+(choice index = prompt * n + sample). Each choice runs its tokens through the incremental
+detokenizer and the stop matcher. A choice that meets a stop string finishes there ("stop") while
+the engine may still be decoding it: once every sample of a prompt has finished on this side, the
+tracker cancels that prompt's engine request so its columns free at once.
+
+Finish reasons: the engine's stop -> "stop", length and capacity -> "length", cancelled -> "abort"
+(vLLM's word for a request ended by the server).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchkv.executor import Event
+from batchkv.serve.detok import IncrementalDetokenizer, StopMatcher
+from batchkv.serve.jobs import Job
+from batchkv.serve.worker import Stream
+
+FINISH = {"stop": "stop", "length": "length", "capacity": "length", "cancelled": "abort"}
+
+
+@dataclass
+class Delta:
+    """What one choice gained from one item: text, token ids, and its finish reason if it ended."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish: str | None
+
+    def merge(self, later: Delta) -> Delta:
+        return Delta(self.index, self.text + later.text, self.token_ids + later.token_ids, later.finish)
+
+
+@dataclass(eq=False)
+class Choice:
+    """One sample of one prompt: its text so far (released pieces), token ids and finish reason."""
+
+    index: int
+    detok: IncrementalDetokenizer | None
+    stops: StopMatcher
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish: str | None = None
+    engine_done: bool = False
+
+    def add(self, event: Event) -> Delta | None:
+        """Apply one event; None when it changes nothing visible (tokens after a stop string)."""
+        if event.finish_reason is not None:
+            self.engine_done = True
+        if self.finish is not None:
+            return None
+        new, text = [], ""
+        if event.token is not None:
+            new = [event.token]
+            self.token_ids.append(event.token)
+            if self.detok is not None:
+                text = self.stops.feed(self.detok.add(event.token))
+        if self.stops.stopped:
+            self.finish = "stop"
+        elif event.finish_reason is not None:
+            if self.detok is not None:
+                text += self.stops.feed(self.detok.flush())
+                text += self.stops.flush()
+            self.finish = "stop" if self.stops.stopped else FINISH[event.finish_reason]
+        self.text.append(text)
+        return Delta(self.index, text, new, self.finish)
+
+
+class Tracker:
+    """The choices of one job, fed from its stream."""
+
+    def __init__(self, job: Job, tokenizer: Any | None) -> None:
+        self.job = job
+        decode = None
+        if tokenizer is not None:
+            decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)  # noqa: E731
+        self.choices = [
+            Choice(p * job.n + s, IncrementalDetokenizer(decode, prompt) if decode else None, StopMatcher(job.stops))
+            for p, prompt in enumerate(job.prompts)
+            for s in range(job.n)
+        ]
+        self.cancelled: set[int] = set()
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish is not None for c in self.choices)
+
+    async def deltas(self, stream: Stream) -> AsyncIterator[list[Delta]]:
+        """Per engine step, the deltas of the choices it touched; ends when every choice finished.
+        Leaving early (an error, a disconnect) cancels what the engine still decodes."""
+        n = self.job.n
+        try:
+            async for items in stream:
+                out: dict[int, Delta] = {}  # one delta per choice, even over several steps
+                for prompt, event in items:
+                    delta = self.choices[prompt * n + event.sample].add(event)
+                    if delta is not None:
+                        out[delta.index] = out[delta.index].merge(delta) if delta.index in out else delta
+                    self._release(stream, prompt)
+                if out:
+                    yield sorted(out.values(), key=lambda d: d.index)
+                if self.done:
+                    return
+        finally:
+            if not all(c.engine_done for c in self.choices):
+                stream.cancel()
+
+    def _release(self, stream: Stream, prompt: int) -> None:
+        group = self.choices[prompt * self.job.n : (prompt + 1) * self.job.n]
+        if prompt not in self.cancelled and all(c.finish for c in group) and not all(c.engine_done for c in group):
+            self.cancelled.add(prompt)
+            stream.cancel(prompt)
+
+    def usage(self) -> dict[str, int]:
+        """OpenAI `usage`: prompt tokens of every prompt, completion tokens of every choice."""
+        prompt = sum(len(p) for p in self.job.prompts)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# ---- answers -----------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    """A response id as OpenAI writes them: `cmpl-...`, `chatcmpl-...`."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def completion_body(tracker: Tracker, rid: str, model: str) -> dict[str, Any]:
+    """The JSON of a finished /v1/completions answer."""
+    job, choices = tracker.job, []
+    for c in tracker.choices:
+        choice: dict[str, Any] = {"index": c.index, "text": "".join(c.text), "logprobs": None}
+        choice["finish_reason"] = c.finish
+        if job.token_ids:
+            choice["token_ids"] = c.token_ids
+            choice["prompt_token_ids"] = job.prompts[c.index // job.n]
+        choices.append(choice)
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": tracker.usage(),
+    }
+
+
+def chat_body(tracker: Tracker, rid: str, model: str) -> dict[str, Any]:
+    """The JSON of a finished /v1/chat/completions answer."""
+    job, choices = tracker.job, []
+    for c in tracker.choices:
+        choice: dict[str, Any] = {
+            "index": c.index,
+            "message": {"role": "assistant", "content": "".join(c.text)},
+            "logprobs": None,
+            "finish_reason": c.finish,
+        }
+        if job.token_ids:
+            choice["token_ids"] = c.token_ids
+        choices.append(choice)
+    body = {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": tracker.usage(),
+    }
+    if job.token_ids:
+        body["prompt_token_ids"] = job.prompts[0]
+    return body
+
+
+def completion_chunk(deltas: list[Delta], rid: str, model: str, created: int, token_ids: bool) -> dict[str, Any]:
+    """One streamed /v1/completions event: the choices one engine step touched."""
+    choices = []
+    for d in deltas:
+        choice: dict[str, Any] = {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish}
+        if token_ids:
+            choice["token_ids"] = d.token_ids
+        choices.append(choice)
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+
+
+def chat_chunk(deltas: list[Delta], rid: str, model: str, created: int, token_ids: bool) -> dict[str, Any]:
+    """One streamed /v1/chat/completions event (`chat.completion.chunk`)."""
+    choices = []
+    for d in deltas:
+        delta = {"content": d.text} if d.text or d.finish is None else {}
+        choice: dict[str, Any] = {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": d.finish}
+        if token_ids:
+            choice["token_ids"] = d.token_ids
+        choices.append(choice)
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}

@@ -1,0 +1,148 @@
+"""Request bodies of the OpenAI-compatible API (msgspec Structs, strict) and the errors it answers.
+
+Bodies decode with `decode_body`: malformed JSON, a field of the wrong type and a field this
+server does not know are all `APIError(400)` naming the field. OpenAI fields that batchkv does not
+implement (logprobs, penalties, logit_bias, echo, suffix, tools, ...) are declared so that their
+default values pass and anything else is refused by `refuse_unsupported` with the field named,
+rather than being silently ignored. Extensions that vLLM also accepts: `top_k`, `stop_token_ids`,
+`ignore_eos`, `return_token_ids`; for chat also `add_generation_prompt` and `chat_template_kwargs`.
+
+Errors answer `{"error": {"message", "type", "param", "code"}}` as OpenAI does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from batchkv.errors import BatchKVError
+
+
+class APIError(BatchKVError):
+    """A refused HTTP request: `status`, and the OpenAI error body's `type`, `param` and `code`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error JSON."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """`stream_options`: include_usage adds a last event with `usage` and no choices."""
+
+    include_usage: bool = False
+
+
+class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None  # None: up to the capacity (context length)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: off
+    seed: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+    user: str | None = None
+    # OpenAI fields accepted only at their defaults (see UNSUPPORTED).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    """POST /v1/completions. `prompt`: a string, a list of token ids, or a list of either (a batch)."""
+
+    prompt: str | list[int | str | list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
+    """One part of a message's content; only `type: "text"` is served."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """One message of `messages`, handed to the chat template as {role, content}."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+# field -> values that mean "off"; anything else is refused with 400 naming the field.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (False,),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+def decode_body(raw: bytes, kind: type[msgspec.Struct]) -> Any:
+    """Decode a JSON body into `kind`; APIError(400) naming the field on any problem."""
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        param = text.rsplit("at `$.", 1)[1].rstrip("`").split("[")[0].split(".")[0] if "at `$." in text else None
+        if text.startswith("Object contains unknown field"):
+            param = text.split("`")[1]
+            text = f"{text}; this server does not accept the field {param!r} (remove it)"
+        raise APIError(400, text, param=param) from exc
+    except msgspec.DecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON ({exc})") from exc
+
+
+def refuse_unsupported(body: msgspec.Struct) -> None:
+    """APIError(400) for an OpenAI field set to something batchkv does not implement."""
+    for name, off in UNSUPPORTED.items():
+        value = getattr(body, name, off[0])  # chat and completions declare different sets
+        if value not in off:
+            raise APIError(400, f"{name}={value!r} is not supported by batchkv serve; leave it unset", param=name)
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")

@@ -1,0 +1,164 @@
+"""`batchkv serve`: load the model, start the engine thread, run uvicorn, shut down cleanly.
+
+Shutdown on SIGINT or SIGTERM: uvicorn stops accepting connections; requests in flight may finish
+for `--drain-timeout` seconds, then the engine thread cancels the rest (their streams end with
+finish_reason "abort", their columns are freed) and new submits get 503. Then the engine thread
+stops and the process exits 0. A second SIGINT forces the exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from batchkv.errors import ConfigError
+
+DEFAULT_CAPACITY = 4096
+
+
+def _ignore(signum: int, frame: object) -> None:
+    """Stands in for the default handlers while uvicorn serves: uvicorn re-raises the signal that
+    stopped it once it has shut down, and a default handler would turn a clean stop into a kill."""
+
+
+def _uvicorn_server(uvicorn):
+    class Server(uvicorn.Server):
+        """uvicorn's server, telling the engine thread to drain when a signal stops it."""
+
+        def __init__(self, config, on_exit) -> None:
+            super().__init__(config)
+            self.on_exit = on_exit
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self.on_exit()
+
+    return Server
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but CUDA is not available here; use --device cpu")
+    return name
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the server until a signal stops it; returns the exit status."""
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn
+    except ImportError as exc:
+        raise ConfigError(f"batchkv serve needs its extra: pip install 'batchkv[serve]' ({exc})") from exc
+    import torch
+
+    from batchkv.executor import Engine
+    from batchkv.serve.app import build_app
+    from batchkv.serve.jobs import ModelInfo
+    from batchkv.serve.loading import load_served_model
+    from batchkv.serve.metrics import ServerMetrics
+    from batchkv.serve.worker import EngineWorker
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = _device(args.device)
+    served = load_served_model(args.model, device, dtype=args.dtype, seed=args.seed)
+    limit = served.max_positions
+    capacity = args.capacity or min(DEFAULT_CAPACITY, limit or DEFAULT_CAPACITY)
+    if limit and capacity > limit:
+        raise ConfigError(f"--capacity {capacity} is beyond the model's max_position_embeddings {limit}; lower it")
+    engine = Engine(
+        served.model,
+        max_seqs=args.max_seqs,
+        capacity=capacity,
+        max_step_tokens=args.max_step_tokens,
+        prefill_chunk=min(args.prefill_chunk, capacity, args.max_step_tokens),
+        device=device,
+        use_graphs={"auto": "auto", "on": True, "off": False}[args.graphs],
+        seed=args.seed,
+    )
+    metrics = ServerMetrics(args.max_seqs)
+    worker = EngineWorker(engine, metrics, max_waiting=args.max_waiting)
+    name = args.served_model_name or args.model
+    info = ModelInfo(name, served.tokenizer, capacity, served.eos_ids)
+    app = build_app(worker, info, metrics)
+    mode = "graphs" if engine.uses_graphs else "eager"
+    text = "text and token ids" if served.tokenizer is not None else "token ids only (no tokenizer)"
+    print(
+        f"batchkv serve: {name} ({served.kind}, {text}) on {device} ({mode}), max_seqs {args.max_seqs}, "
+        f"capacity {capacity}; http://{args.host}:{args.port}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        timeout_graceful_shutdown=args.drain_timeout + 5.0,  # a backstop: the worker cancels first
+        lifespan="on",
+    )
+    server = _uvicorn_server(uvicorn)(config, lambda: worker.drain(args.drain_timeout))
+    previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        worker.stop()
+    return 0 if server.started else 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `batchkv serve`."""
+    m = p.add_argument_group("model")
+    m.add_argument(
+        "--model", required=True, metavar="PATH_OR_PRESET", help="a transformers model directory or a preset"
+    )
+    m.add_argument("--served-model-name", metavar="NAME", help="the name clients send as `model` (default: --model)")
+    m.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto (default): cuda when available"
+    )
+    m.add_argument(
+        "--dtype",
+        choices=("auto", "bfloat16", "float16", "float32"),
+        default="auto",
+        help="auto (default): the config's",
+    )
+    m.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights and of unseeded sampling (0)")
+    e = p.add_argument_group("engine")
+    e.add_argument(
+        "--max-seqs", type=int, default=16, help="resident sequences (cache columns); n samples take n (%(default)s)"
+    )
+    e.add_argument(
+        "--capacity",
+        type=int,
+        help=f"positions per sequence, prompt + max_tokens (default min({DEFAULT_CAPACITY}, max_position_embeddings))",
+    )
+    e.add_argument("--max-step-tokens", type=int, default=512, help="token budget of one step (%(default)s)")
+    e.add_argument(
+        "--prefill-chunk", type=int, default=256, help="most prompt tokens per sequence per step (%(default)s)"
+    )
+    e.add_argument("--max-waiting", type=int, default=256, help="requests queued for columns before 429s (%(default)s)")
+    e.add_argument(
+        "--graphs", choices=("auto", "on", "off"), default="auto", help="CUDA graphs (auto, the default: on CUDA)"
+    )
+    e.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    h = p.add_argument_group("http")
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
+    h.add_argument("--port", type=int, default=8000, help="(%(default)s)")
+    h.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown (%(default)s)"
+    )
+    h.add_argument(
+        "--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info", help="(%(default)s)"
+    )
+    h.add_argument("--access-log", action="store_true", help="log every HTTP request")

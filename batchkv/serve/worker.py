@@ -1,0 +1,266 @@
+"""The engine thread: the only code that touches the `Engine` once the server runs.
+
+HTTP handlers (on the asyncio loop) never call the engine. They post commands to a thread-safe
+queue: submit (answered through an asyncio future) and cancel. The thread applies the commands
+between steps, steps while any request is live (and blocks on the queue when none is), and hands
+each step's events to the loop in one `call_soon_threadsafe`, which puts them on the per-request
+asyncio queues. A step that raises fails every live request (they see the exception) and the
+thread goes on serving.
+
+Shutdown: `drain(seconds)` (safe to call from a signal handler) refuses new submits with 503 and,
+once the seconds pass, cancels every live request; each stream then ends with its samples'
+"cancelled" events, so handlers finish normally instead of being torn down.
+
+A `Stream` is one HTTP request's view: it may hold several engine requests (a batch of prompts),
+each with n samples; items on its queue are lists of `(prompt_index, Event)`, or an exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from batchkv.errors import RequestError
+from batchkv.executor import Engine, Event, Request
+from batchkv.serve.metrics import ServerMetrics
+from batchkv.serve.protocol import APIError
+
+log = logging.getLogger("batchkv.serve")
+TRIM_STEPS = 4096  # the engine's own latency lists are cleared this often (they grow per step)
+
+
+class Stream:
+    """Events of one HTTP request's engine requests, delivered on the asyncio loop."""
+
+    def __init__(self, worker: EngineWorker) -> None:
+        self.worker = worker
+        self.queue: asyncio.Queue[list[tuple[int, Event]] | BaseException] = asyncio.Queue()
+        self.ids: list[int] = []  # engine request ids, by prompt index (engine thread only)
+
+    def __aiter__(self) -> AsyncIterator[list[tuple[int, Event]]]:
+        return self._items()
+
+    async def _items(self) -> AsyncIterator[list[tuple[int, Event]]]:
+        """Everything queued so far, as one list: a reader that falls behind catches up in one go."""
+        while True:
+            items = [await self.queue.get()]
+            while not self.queue.empty():
+                items.append(self.queue.get_nowait())
+            for item in items:
+                if isinstance(item, BaseException):
+                    raise item
+            yield [event for item in items for event in item]  # type: ignore[union-attr]
+
+    def cancel(self, prompt_index: int | None = None) -> None:
+        """Cancel one prompt's engine request, or all of them; frees their columns (thread-safe)."""
+        self.worker.post(("cancel", self, prompt_index))
+
+
+@dataclass(eq=False)
+class _Route:
+    stream: Stream
+    prompt_index: int
+    samples: int
+    arrival: float
+    last: dict[int, float] = field(default_factory=dict)  # sample -> time of its last token
+    finished: int = 0
+
+
+class EngineWorker:
+    """Owns `engine` on a thread of its own. `max_waiting`: most requests queued for columns."""
+
+    def __init__(self, engine: Engine, metrics: ServerMetrics, *, max_waiting: int) -> None:
+        self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._routes: dict[int, _Route] = {}  # engine request id -> where its events go
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="batchkv-engine", daemon=True)
+        self._steps = 0
+        self._deadline: float | None = None  # draining: cancel what is live at this monotonic time
+
+    # ---- loop side -----------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the engine thread; events are delivered on `loop`."""
+        self._loop = loop
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel whatever is live and end the thread."""
+        if self._thread.is_alive():
+            self.post(("stop",))
+            self._thread.join(timeout)
+
+    def drain(self, seconds: float) -> None:
+        """Stop taking requests; cancel those still live after `seconds`. Signal-handler safe."""
+        self.post(("drain", time.monotonic() + seconds))
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def post(self, command: tuple) -> None:
+        """Queue a command for the engine thread (any thread; signal-handler safe)."""
+        self._commands.put(command)
+
+    async def submit(self, requests: Sequence[Request], arrival: float) -> Stream:
+        """Queue engine requests as one stream. APIError 429 when the waiting queue is full, 400
+        when the engine refuses one (then none of them is queued)."""
+        loop = asyncio.get_running_loop()
+        stream, done = Stream(self), loop.create_future()
+        self.post(("submit", stream, list(requests), arrival, done))
+        try:
+            await done
+        except asyncio.CancelledError:
+            stream.cancel()  # runs after the submit: the queue is FIFO
+            raise
+        return stream
+
+    def _call(self, fn, *args) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    @staticmethod
+    def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(None)
+
+    @staticmethod
+    def _dispatch(deliveries: dict[Stream, list]) -> None:
+        for stream, items in deliveries.items():
+            stream.queue.put_nowait(items)
+
+    # ---- engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            commands = [] if engine.has_work else [self._next_command()]
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if command[0] == "stop":
+                    self._cancel_all()
+                    return
+                getattr(self, "_" + command[0])(*command[1:])
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                for rid in list(self._routes):  # routes stay: the "cancelled" events end the streams
+                    engine.cancel(rid)
+            if engine.has_work:
+                self._step()
+            else:
+                self._observe()
+
+    def _next_command(self) -> tuple:
+        """Block for a command; while draining, only until the deadline (then a no-op)."""
+        if self._deadline is None:
+            return self._commands.get()
+        try:
+            return self._commands.get(timeout=max(self._deadline - time.monotonic(), 0.0))
+        except queue.Empty:
+            return ("idle",)
+
+    def _idle(self) -> None:
+        pass
+
+    def _drain(self, deadline: float) -> None:
+        if self._deadline is None or deadline < self._deadline:
+            self._deadline = deadline
+
+    def _submit(self, stream: Stream, requests: list[Request], arrival: float, done: asyncio.Future) -> None:
+        engine = self.engine
+        if self._deadline is not None:
+            error = APIError(503, "the server is shutting down; retry on another replica", type="server_error")
+            self._call(self._resolve, done, error)
+            return
+        if engine.num_waiting + len(requests) > self.max_waiting:
+            error = APIError(
+                429,
+                f"the server is busy: {engine.num_waiting} requests are waiting for columns and the queue holds "
+                f"{self.max_waiting} (retry later; the server's --max-waiting sets the queue)",
+                type="rate_limit_error",
+                code="queue_full",
+            )
+            self._call(self._resolve, done, error)
+            return
+        try:
+            for index, request in enumerate(requests):
+                rid = engine.submit(request)
+                stream.ids.append(rid)
+                self._routes[rid] = _Route(stream, index, request.params.n, arrival)
+        except RequestError as exc:
+            self._cancel(stream, None)
+            self._call(self._resolve, done, APIError(400, str(exc)))
+            return
+        self.metrics.prompted.inc(sum(len(r.prompt_ids) for r in requests))
+        self._observe()  # before the answer: a client that got its 200 sees itself counted
+        self._call(self._resolve, done, None)
+
+    def _cancel(self, stream: Stream, prompt_index: int | None) -> None:
+        for index, rid in enumerate(stream.ids):
+            if prompt_index is None or index == prompt_index:
+                self.engine.cancel(rid)
+                self._routes.pop(rid, None)  # its "cancelled" events go nowhere
+
+    def _cancel_all(self) -> None:
+        for rid in list(self._routes):
+            self.engine.cancel(rid)
+        self._routes.clear()
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step()
+        except Exception as exc:  # a failed step: every live request sees the error
+            log.exception("engine step failed; failing %d live requests", len(self._routes))
+            streams = {route.stream for route in self._routes.values()}
+            self._cancel_all()
+            self._call(self._dispatch, dict.fromkeys(streams, exc))
+            return
+        self._steps += 1
+        if self._steps % TRIM_STEPS == 0:
+            m = self.engine.metrics
+            m.step_times.clear(), m.inter_token.clear(), m.first_token.clear()
+        self._observe()  # before the tokens go out: a client that saw them sees this step's state
+        self._deliver(events)
+
+    def _deliver(self, events: list[Event]) -> None:
+        now = time.perf_counter()
+        deliveries: dict[Stream, list] = {}
+        for event in events:
+            if event.finish_reason is not None:
+                self.metrics.finished.labels(event.finish_reason).inc()
+            route = self._routes.get(event.request_id)
+            if route is None:
+                continue
+            if event.token is not None:
+                self.metrics.generated.inc()
+                last = route.last.get(event.sample)
+                if last is None:
+                    self.metrics.ttft.observe(now - route.arrival)
+                else:
+                    self.metrics.itl.observe(now - last)
+                route.last[event.sample] = now
+            if event.finish_reason is not None:
+                route.finished += 1
+                if route.finished == route.samples:
+                    del self._routes[event.request_id]
+            deliveries.setdefault(route.stream, []).append((route.prompt_index, event))
+        if deliveries:
+            self._call(self._dispatch, deliveries)
+
+    def _observe(self) -> None:
+        engine = self.engine
+        self.metrics.observe_engine(
+            running=engine.num_running,
+            waiting=engine.num_waiting,
+            columns=len(engine.cache.sequences),
+            captures=engine.runner.captures,
+        )

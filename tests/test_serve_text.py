@@ -1,0 +1,98 @@
+"""The server's text path without a server: incremental detokenisation against the tokenizer's own
+decode, stop strings, and request bodies decoded strictly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("msgspec")
+pytest.importorskip("tokenizers")
+
+from batchkv.serve.detok import IncrementalDetokenizer, StopMatcher
+from batchkv.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, decode_body
+from tests.serve_helpers import make_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+def _decode(tokenizer):
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_incremental_text_of_random_tokens_equals_the_decode_of_all_of_them(tokenizer):
+    rng = random.Random(0)
+    decode = _decode(tokenizer)
+    for _ in range(30):
+        prompt = tokenizer.encode(rng.choice(["Hello", "Café", "日本", "🙂 x"]))
+        tokens = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 25))]
+        detok = IncrementalDetokenizer(decode, prompt)
+        text = "".join(detok.add(t) for t in tokens) + detok.flush()
+        assert text == decode(tokens)
+
+
+def test_a_character_split_over_tokens_comes_out_whole(tokenizer):
+    decode = _decode(tokenizer)
+    text = "naïve 日本語のテキスト 🙂🚀✨ brûlée"
+    tokens = tokenizer.encode(text)
+    assert any(decode([t]).endswith("\ufffd") for t in tokens), "the corpus should split some character"
+    detok = IncrementalDetokenizer(decode)
+    pieces = [detok.add(t) for t in tokens]
+    assert "".join(pieces) + detok.flush() == text
+    assert not any("\ufffd" in piece for piece in pieces)
+
+
+def _run(stops, deltas):
+    m = StopMatcher(stops)
+    out = [m.feed(d) for d in deltas]
+    return out, m.flush(), m.stopped
+
+
+def test_a_stop_string_spanning_deltas_cuts_the_text_before_it():
+    out, tail, stopped = _run(["END"], ["abc E", "N", "D and more"])
+    assert out == ["abc ", "", ""] and tail == "" and stopped
+
+
+def test_text_that_could_begin_a_stop_string_is_held_then_released_when_it_does_not():
+    out, tail, stopped = _run(["END"], ["x E", "Nd", "!"])
+    assert out == ["x ", "ENd", "!"] and not stopped
+    out, tail, stopped = _run(["END"], ["x EN"])
+    assert out == ["x "] and tail == "EN" and not stopped
+
+
+def test_the_earliest_of_several_stop_strings_wins():
+    out, _, stopped = _run(["world", "lo w"], ["hello world"])
+    assert out == ["hel"] and stopped
+
+
+def test_nothing_comes_out_after_a_stop():
+    m = StopMatcher(["."])
+    assert m.feed("a.b") == "a" and m.feed("c") == "" and m.flush() == ""
+
+
+def test_a_body_with_an_unknown_field_is_refused_naming_it():
+    with pytest.raises(APIError) as info:
+        decode_body(b'{"prompt": "x", "max_tokenz": 3}', CompletionRequest)
+    assert info.value.status == 400 and info.value.param == "max_tokenz"
+
+
+def test_a_field_of_the_wrong_type_is_refused_naming_it():
+    with pytest.raises(APIError) as info:
+        decode_body(b'{"messages": [], "temperature": "hot"}', ChatCompletionRequest)
+    assert info.value.status == 400 and info.value.param == "temperature"
+
+
+def test_malformed_json_is_refused():
+    with pytest.raises(APIError) as info:
+        decode_body(b'{"prompt": ', CompletionRequest)
+    assert info.value.status == 400 and "JSON" in info.value.message
+
+
+def test_a_prompt_may_be_text_token_ids_or_a_batch_of_either():
+    for raw in (b'"a"', b"[1, 2]", b'["a", "b"]', b"[[1], [2, 3]]"):
+        body = decode_body(b'{"prompt": ' + raw + b"}", CompletionRequest)
+        assert body.prompt is not None
