@@ -29,6 +29,7 @@ for p in "$@"; do
     decode) phase decode ${DECODE_LIMIT:-420} python3 bench/decode.py --out "$OUT/decode-h200.json" ${DECODE_ARGS:-} ;;
     profile) phase profile 90 python3 bench/step_profile.py --rows 1 64 --context 640 --json "$OUT/step_profile.json" ;;
     compat) phase compat 150 python3 bench/compat_attention.py --out "$OUT/compat-h200.json" ;;
+    fp8) phase fp8 240 python3 bench/kv_fp8.py --out "$OUT/kv-fp8-h200.json" ;;
     *) echo "unknown phase $p" ;;
   esac
 done
