@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: run the named phases in order, each under its own time limit, with
-# results under $OUT. Phases: tests kernels sweep model decode profile compat.
+# results under $OUT. Phases: tests kernels sweep model decode profile compat fp8.
 #   OUT=/tmp/out bash bench/gpu_session.sh tests kernels model decode
 # The machine has no msgspec: carry its wheel in .whl/ (bash ../shared/device/wheels.sh).
 set -uo pipefail
