@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from batchkv.errors import ContractError
-from batchkv.ops.support import COMPUTE_DTYPES, FP8, FP8_MAX, SCALE_DTYPE, SCALE_FLOOR, quantized, refusal
+from batchkv.ops.support import COMPUTE_DTYPES, FP8_MAX, SCALE_FLOOR, quantized, refusal, scales_refusal
 
 E4M3_MAX = tl.constexpr(FP8_MAX)
 E4M3_FLOOR = tl.constexpr(SCALE_FLOOR)
@@ -113,7 +113,9 @@ def kv_write(
             f"stores must share dtype and strides, k fp16/bf16/fp32; got {k_flat.dtype}/{v_flat.dtype}, {k.dtype}"
         )
     quant = quantized(k_flat.dtype)
-    _check_scales(k_flat, k_scale, v_scale, quant)
+    problem = scales_refusal(k_flat, k_scale, v_scale)
+    if problem:
+        raise ContractError(f"kv_write: {problem}")
     if any(x.stride(-1) != 1 for x in (k_flat, k, v)) or slots.stride(0) != 1:
         raise ContractError("k_flat, k, v need a contiguous last dim and slots stride 1; call .contiguous()")
     if width == 0:
@@ -124,18 +126,3 @@ def kv_write(
         v.stride(0), v.stride(1), k_scale.stride(0), HKV=num_kv_heads, H_POW2=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim, QUANT=quant, num_warps=4,
     )  # fmt: skip
-
-
-def _check_scales(k_flat: torch.Tensor, k_scale, v_scale, quant: bool) -> None:
-    """e4m3 stores take fp32 [N, Hkv] scales (one stride, heads contiguous); other stores none."""
-    if not quant:
-        if k_scale is not None or v_scale is not None:
-            raise ContractError(f"k_scale/v_scale are for {FP8} stores; this store is {k_flat.dtype}")
-        return
-    want = tuple(k_flat.shape[:2])
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if s is None or s.dtype != SCALE_DTYPE or tuple(s.shape) != want or s.device != k_flat.device:
-            got = "None" if s is None else f"{s.dtype} {tuple(s.shape)} on {s.device}"
-            raise ContractError(f"{FP8} stores need {name} fp32 {list(want)} on {k_flat.device}; got {got}")
-    if k_scale.stride() != v_scale.stride() or k_scale.stride(1) != 1:
-        raise ContractError("k_scale and v_scale need the same strides and contiguous heads")

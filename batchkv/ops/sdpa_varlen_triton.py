@@ -42,7 +42,7 @@ import triton
 from batchkv.errors import ContractError
 from batchkv.ops.sdpa_varlen_kernels import split_kernel
 from batchkv.ops.sdpa_varlen_long import long_kernel
-from batchkv.ops.support import COMPUTE_DTYPES, FP8, SCALE_DTYPE, quantized, refusal
+from batchkv.ops.support import COMPUTE_DTYPES, quantized, refusal, scales_refusal
 
 LOG2E = 1.4426950408889634  # 1/ln(2)
 REGISTERS = 65536  # 32-bit registers per SM (every CUDA GPU since sm_50)
@@ -174,21 +174,6 @@ def _regs(max_regs: int, device: torch.device) -> dict:
     return {"maxnreg": max_regs} if max_regs and device.type == "cuda" else {}
 
 
-def _check_scales(k_store, k_scale, v_scale) -> None:
-    """e4m3 stores take fp32 [rows, C, Hkv] scales (one stride, heads contiguous); other stores none."""
-    if not quantized(k_store.dtype):
-        if k_scale is not None or v_scale is not None:
-            raise ContractError(f"k_scale/v_scale are for {FP8} stores; these stores are {k_store.dtype}")
-        return
-    want = tuple(k_store.shape[:3])
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if s is None or s.dtype != SCALE_DTYPE or tuple(s.shape) != want or s.device != k_store.device:
-            got = "None" if s is None else f"{s.dtype} {tuple(s.shape)} on {s.device}"
-            raise ContractError(f"{FP8} stores need {name} fp32 {list(want)} on {k_store.device}; got {got}")
-    if k_scale.stride() != v_scale.stride() or k_scale.stride(2) != 1:
-        raise ContractError("k_scale and v_scale need the same strides and contiguous heads")
-
-
 def _check(q, k_store, v_store, seq_info, window, out, k_scale, v_scale) -> None:
     if q.dim() != 3 or k_store.dim() != 4 or k_store.shape != v_store.shape:
         raise ContractError(
@@ -208,7 +193,9 @@ def _check(q, k_store, v_store, seq_info, window, out, k_scale, v_scale) -> None
         raise ContractError(
             f"q must be fp16/bf16/fp32 and both stores one dtype; got {q.dtype}, {k_store.dtype}, {v_store.dtype}"
         )
-    _check_scales(k_store, k_scale, v_scale)
+    problem = scales_refusal(k_store, k_scale, v_scale)
+    if problem:
+        raise ContractError(f"sdpa_varlen: {problem}")
     if q.stride(-1) != 1 or k_store.stride(-1) != 1 or k_store.stride() != v_store.stride():
         raise ContractError(
             "q and the stores need a contiguous last dim, and k_store and v_store the same strides; "

@@ -55,3 +55,23 @@ def refusal(kv_dtype: torch.dtype, head_dim: int, backend: str = "triton") -> st
     if backend == "triton" and head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim}: the Triton kernels take a power of two from 16 to 256; use attention='reference'"
     return None
+
+
+def scales_refusal(store: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> str | None:
+    """Why k_scale, v_scale do not fit K/V storage `store` [..., Hkv, D]; None when they do.
+
+    e4m3 stores need both: fp32 [..., Hkv] on the store's device, one set of strides, heads
+    contiguous. Other stores take none.
+    """
+    if not quantized(store.dtype):
+        return (
+            None if k_scale is None and v_scale is None else f"k_scale/v_scale are for {FP8} stores, not {store.dtype}"
+        )
+    want = tuple(store.shape[:-1])
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None or s.dtype != SCALE_DTYPE or tuple(s.shape) != want or s.device != store.device:
+            got = "None" if s is None else f"{s.dtype} {tuple(s.shape)} on {s.device}"
+            return f"{FP8} stores need {name} fp32 {list(want)} on {store.device}; got {got}"
+    if k_scale.stride() != v_scale.stride() or k_scale.stride(-1) != 1:
+        return "k_scale and v_scale need the same strides and contiguous heads"
+    return None
