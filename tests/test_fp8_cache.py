@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
 from batchkv import BatchedSequenceCache, CacheConfig, LayerSpec
@@ -167,3 +168,24 @@ def test_attention_over_e4m3_storage_stays_within_5_percent_of_bf16_storage_on_r
         (kc, ks), (vc, vs) = quantize_fp8(k), quantize_fp8(v)
         e4m3 = sdpa_varlen_reference(q, kc, vc, info, k_scale=ks, v_scale=vs)
         assert (e4m3 - bf16).norm() <= 0.05 * bf16.norm()
+
+
+def test_the_facade_on_e4m3_attends_over_what_to_dynamic_cache_hands_back():
+    # The attend writes position 9 (quantised); to_dynamic_cache returns all 10 dequantised positions,
+    # and SDPA over them is what the attend computed.
+    gen = torch.Generator().manual_seed(5)
+    source = DynamicCache()
+    for layer in range(2):
+        k, v = torch.randn(2, 1, 2, 9, 16, generator=gen).to(DEVICE, torch.bfloat16)
+        source.update(k, v, layer)
+    paged = PagedDecodeCache.from_dynamic_cache(source, 2, DEVICE, torch.bfloat16, buckets=(16,), kv_dtype=FP8)
+    paged.set_length(10)
+    q, k, v = (torch.randn(1, h, 1, 16, generator=gen).to(DEVICE, torch.bfloat16) for h in (4, 2, 2))
+    out = paged.attend(1, q, k, v, 0.25)  # [1, 1, 4, 16]
+    back = DynamicCache()
+    paged.to_dynamic_cache(back)
+    keys, values = back.layers[1].keys.float(), back.layers[1].values.float()  # [1, 2, 10, 16]
+    assert keys.shape == (1, 2, 10, 16)
+    assert torch.equal(keys[0, :, 9], dequantize_fp8(*quantize_fp8(k[0, :, 0]), torch.bfloat16).float())  # its write
+    want = F.scaled_dot_product_attention(q.float(), keys, values, scale=0.25, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)

@@ -48,7 +48,8 @@ def _store_rows(flat, scale, x, dst, ok, s_dst, s_ok, QUANT: tl.constexpr):
     if QUANT:
         x = x.to(tl.float32)
         s = tl.maximum(tl.div_rn(tl.max(tl.abs(x), 1), E4M3_MAX), E4M3_FLOOR)  # [H]
-        y = tl.minimum(tl.maximum(tl.div_rn(x, s[:, None]), -E4M3_MAX), E4M3_MAX)
+        nan = tl.PropagateNan.ALL  # a NaN element stays NaN (its code is e4m3's NaN), as in bf16 storage
+        y = tl.minimum(tl.maximum(tl.div_rn(x, s[:, None]), -E4M3_MAX, propagate_nan=nan), E4M3_MAX, propagate_nan=nan)
         tl.store(flat + dst, _round_e4m3(y).to(flat.dtype.element_ty), mask=ok)
         tl.store(scale + s_dst, s, mask=s_ok)
     else:
@@ -68,8 +69,8 @@ def _kv_write_kernel(k_flat, v_flat, k, v, slots, k_scale, v_scale, stride_fs, s
     heads = tl.arange(0, H_POW2)
     s_dst = slot * stride_ss + heads  # k_scale and v_scale share theirs, heads contiguous
     row = i.to(tl.int64)
-    k_row = tl.load(k + row * stride_ks + h * stride_kh + d, mask=ok)
-    v_row = tl.load(v + row * stride_vs + h * stride_vh + d, mask=ok)
+    k_row = tl.load(k + row * stride_ks + h * stride_kh + d, mask=ok, other=0.0)  # padded heads: zero rows
+    v_row = tl.load(v + row * stride_vs + h * stride_vh + d, mask=ok, other=0.0)
     _store_rows(k_flat, k_scale, k_row, dst, ok, s_dst, heads < HKV, QUANT)
     _store_rows(v_flat, v_scale, v_row, dst, ok, s_dst, heads < HKV, QUANT)
 
