@@ -108,34 +108,51 @@ def test_a_failed_growth_of_a_scale_plane_leaves_every_plane_as_it_was():
     pair.step([a] * 4)  # the retry grows every plane and attends over the moved codes and scales
 
 
-def test_triton_e4m3_cache_matches_reference_e4m3_cache_step_after_step():
+def resident(cache, layer: int, seq: int) -> dict[str, torch.Tensor]:
+    """Every plane's rows of the positions `seq` holds and `layer` keeps, in position order, as bits."""
+    planes, n = cache.planes(layer), cache.pos(seq)
+    rows = planes["k"].shape[0]
+    at = torch.arange(max(0, n - rows), n, device=planes["k"].device) % rows
+    return {
+        name: plane[at, seq].view(torch.uint8 if plane.dtype == FP8 else torch.int32) for name, plane in planes.items()
+    }
+
+
+def test_triton_e4m3_cache_matches_reference_e4m3_cache_through_growth_clone_and_rewind():
     cfg = CacheConfig(**GEOMETRY, layers=(LayerSpec(), LayerSpec("ring", window=12)), dtype=torch.float32,
-                      kv_dtype=FP8)  # fmt: skip
+                      kv_dtype=FP8, buckets=(16,), tail_step=16)  # fmt: skip
     caches = [BatchedSequenceCache(cfg, DEVICE, attention=name) for name in ("triton", "reference")]
-    held = [(c.seq_new(), c.seq_new()) for c in caches]
-    assert held[0] == held[1]
-    ids = held[0]
-    for cache in caches:  # rows never written compare equal too
-        for layer in range(2):
-            for plane in cache.planes(layer).values():
-                plane.view(torch.uint8).zero_()
+    for cache in caches:
+        assert (cache.seq_new(), cache.seq_new()) == (0, 1)
     gen = torch.Generator().manual_seed(0)
-    for packed, width, causal in [([0] * 8 + [1] * 5, 16, True), ([0, 1], 4, True), ([0] * 8 + [1], 9, True),
-                                  ([1] * 4 + [0], 6, False), ([0, 1], 2, True)]:  # fmt: skip
+    plan = [  # (packed ids, width, causal), or a verb run on both caches
+        ([0] * 8 + [1] * 5, 16, True), ([0, 1], 4, True), ([0] * 8 + [1], 9, True),  # 0 reaches 17: growth
+        ([1] * 4 + [0], 6, False), ([0, 1], 2, True),  # a draft block; 0 passes the ring's 19 rows
+        ("clone", 0, 16), ("rewind", 1, 8),  # 2 = a copy of 0's first 16 positions, codes and scales
+        ([2, 2, 0, 1, 1], 5, True), ([0] * 8 + [2] * 8, 16, True), ([2, 0, 1], 4, True),  # 2 reaches 26: growth
+    ]  # fmt: skip
+    for item in plan:
+        if isinstance(item[0], str):
+            verb, seq, n = item
+            for cache in caches:
+                cache.seq_clone(seq, n) if verb == "clone" else cache.rewind(seq, n)
+            continue
+        packed, width, causal = item
         q = torch.randn(width, 4, 16, generator=gen).to(DEVICE)
         k, v = (torch.randn(2, width, 2, 16, generator=gen) * torch.logspace(-2, 2, 16)).to(DEVICE)
         outs = []
         for cache in caches:
-            cache.declare_step([ids[i] for i in packed])
+            cache.declare_step(packed)
             cache.prepare_step(width)
             outs.append([cache.update_and_attend(layer, q, k, v, causal=causal) for layer in range(2)])
             cache.commit_step()
         for got, want in zip(*outs, strict=True):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
-    for layer in range(2):  # the Triton write stored the reference write's codes and scales
-        for name, plane in caches[0].planes(layer).items():
-            want = caches[1].planes(layer)[name]
-            assert torch.equal(plane[:, :2].view(torch.uint8), want[:, :2].view(torch.uint8)), name
+    assert caches[0].generation >= 2 and caches[0].rows == 32
+    for layer in range(2):  # the Triton write stored the reference write's codes and scales, bit for bit
+        for seq in (0, 1, 2):
+            got, want = (resident(cache, layer, seq) for cache in caches)
+            assert all(torch.equal(got[name], want[name]) for name in want), (layer, seq)
 
 
 def test_the_facade_quantises_a_loaded_prefix_and_hands_back_its_dequantised_values():
