@@ -378,8 +378,8 @@ class BatchedSequenceCache:
 
         q: [W, Hq, D]; k, v: [W, Hkv, D] with W the prepared width. Returns [W, Hq, D] in q's
         dtype; padding rows are exact zeros. e4m3 storage quantises K/V in the write and
-        dequantises in the attention kernel (fp32 accumulation). Capturable: reads only device buffers staged by
-        `prepare_step`, whose addresses are fixed for a given `generation`.
+        dequantises in the attention kernel (fp32 accumulation). Capturable: reads only device
+        buffers staged by `prepare_step`, whose addresses are fixed for a given `generation`.
         """
         if self._width is None:
             raise StepError("update_and_attend: no prepared step; call declare_step and prepare_step first")

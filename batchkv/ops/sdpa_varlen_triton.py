@@ -182,9 +182,11 @@ def _check(q, k_store, v_store, seq_info, window, out, k_scale, v_scale) -> None
         )
     num_q_heads, head_dim = q.shape[1:]
     rows, _, num_kv_heads, store_dim = k_store.shape
+    if store_dim != head_dim:
+        raise ContractError(f"sdpa_varlen: q has head_dim {head_dim} but the stores {store_dim}")
     problem = refusal(k_store.dtype, head_dim)
-    if store_dim != head_dim or problem:
-        raise ContractError(f"sdpa_varlen: q and the stores have head_dim {head_dim}, {store_dim}; {problem or ''}")
+    if problem:
+        raise ContractError(f"sdpa_varlen: {problem}")
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ContractError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}; GQA needs Hq % Hkv == 0")
     if rows < 1:
