@@ -14,6 +14,7 @@ from batchkv.errors import BatchKVError, ConfigError, ManifestError
 from batchkv.presets import KV_PRESETS
 
 RUN_MODELS = tuple(KV_PRESETS)  # model presets `batchkv run` can build
+KV_DTYPE_NAMES = ("bfloat16", "float16", "float32", "float8_e4m3fn")  # batchkv.ops.support.KV_DTYPES
 
 
 def _length_range(text: str) -> tuple[int, int]:
@@ -74,6 +75,12 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--prefill-chunk", type=int, default=32, help="most prompt tokens per sequence per step")
     e.add_argument("--graphs", choices=("auto", "on", "off"), default="auto", help="CUDA graphs (auto: on CUDA)")
     e.add_argument(
+        "--kv-dtype",
+        choices=("model", "fp8", *KV_DTYPE_NAMES),
+        default="model",
+        help="K/V storage dtype (model: the model's; fp8: float8_e4m3fn, e4m3 with a scale per position and head)",
+    )
+    e.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -99,6 +106,13 @@ def _build_model(preset: str, device: str, seed: int):
             f"model {preset!r} is unavailable: batchkv.models.sensenova cannot be imported ({exc})"
         ) from exc
     return build_model(preset, device, seed=seed)
+
+
+def _kv_dtype(name: str):
+    """--kv-dtype: None for "model", else the torch storage dtype ("fp8" is float8_e4m3fn)."""
+    from batchkv.ops.support import KV_DTYPES
+
+    return None if name == "model" else KV_DTYPES["float8_e4m3fn" if name == "fp8" else name]
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -127,6 +141,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         device=device,
         use_graphs={"auto": "auto", "on": True, "off": False}[args.graphs],
         seed=args.seed,
+        kv_dtype=_kv_dtype(args.kv_dtype),
     )
     if args.workload:
         items = load_jsonl(args.workload)
@@ -159,6 +174,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     summary = engine.metrics.summary()
     mode = "graphs" if engine.uses_graphs else "eager"
     title = f"batchkv run: {args.model} on {device} ({mode}), max_seqs {args.max_seqs}, capacity {args.capacity}"
+    if args.kv_dtype != "model":
+        title += f", kv {args.kv_dtype}"
     print(summary_table(summary, title, graphs=engine.uses_graphs))
     if args.json:
         record = {"model": args.model, "device": device, "graphs": engine.uses_graphs, **summary}
@@ -173,6 +190,7 @@ _EXPORT_FLAGS = {
     "kv_heads": "--kv-heads",
     "head_dim": "--head-dim",
     "dtype": "--dtype",
+    "kv_dtype": "--kv-dtype",
     "model": "--model",
     "maximum_capacity": "--capacity",
     "max_write": "--max-write",
@@ -203,7 +221,8 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-layers", type=int, help="layers (overrides the preset)")
     p.add_argument("--kv-heads", type=int, help="KV heads per layer (overrides the preset)")
     p.add_argument("--head-dim", type=int, help="head dimension (overrides the preset)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="K/V storage dtype")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="the model's K/V dtype")
+    p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, help="K/V storage dtype (default --dtype)")
     p.add_argument("--model", help="model name recorded in the manifest (default: the preset's name)")
     p.add_argument("--kv-layout", required=True, choices=("sequence", "batched-sequence", "cell"))
     p.add_argument("--max-kv-seqs", type=int, default=1, metavar="N", help="resident sequences (default 1)")
@@ -247,6 +266,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
             step_widths=args.widths,
             max_sample_rows=args.max_sample_rows,
             model=args.model or (preset.name if preset else None),
+            kv_dtype=args.kv_dtype,
             **geometry,
         )
     except ManifestError as exc:

@@ -37,6 +37,7 @@ from batchkv.executor.graphs import (
     dynamic_lora_wrappers_present,
     register_adapter_wrapper,
 )
+from batchkv.ops.support import refusal
 
 __all__ = [
     "BUCKETS",
@@ -59,7 +60,7 @@ def paged_decode_supported(device: torch.device | str, head_dim: int) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    if not 16 <= head_dim <= 256 or head_dim & (head_dim - 1):
+    if refusal(torch.bfloat16, head_dim, "triton"):
         return False
     if not ops.triton_available(device):
         return False

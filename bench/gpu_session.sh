@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: run the named phases in order, each under its own time limit, with
-# results under $OUT. Phases: tests kernels sweep model decode profile compat serve.
+# results under $OUT. Phases: tests kernels sweep model decode profile compat serve fp8.
 #   OUT=/tmp/out bash bench/gpu_session.sh tests kernels model decode
 # The machine has no msgspec: carry its wheel in .whl/ (bash ../shared/device/wheels.sh). The serve
 # phase also needs the server's wheels: see bench/results/README.md.
@@ -31,6 +31,7 @@ for p in "$@"; do
     profile) phase profile 90 python3 bench/step_profile.py --rows 1 64 --context 640 --json "$OUT/step_profile.json" ;;
     compat) phase compat 150 python3 bench/compat_attention.py --out "$OUT/compat-h200.json" ;;
     serve) phase serve 230 python3 bench/serve_http.py --out "$OUT/serve-http-h200.json" ;;
+    fp8) phase fp8 240 python3 bench/kv_fp8.py --out "$OUT/kv-fp8-h200.json" ;;
     *) echo "unknown phase $p" ;;
   esac
 done

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from batchkv.ops.reference import dequantize_fp8, quantize_fp8
+
 
 class NaiveCache:
     def __init__(self, num_layers: int, windows: list[int]) -> None:
@@ -71,6 +73,14 @@ class NaiveCache:
         return out
 
 
+def stored(cfg, x: torch.Tensor) -> torch.Tensor:
+    """What a store of `cfg.kv_dtype` gives back for K or V rows x [n, Hkv, D]: x cast to it, or
+    e4m3 codes times their scales (the oracle keeps exactly what the cache keeps)."""
+    if cfg.quantized:
+        return dequantize_fp8(*quantize_fp8(x))
+    return x.to(cfg.kv_dtype).float()
+
+
 class Pair:
     """Drives a BatchedSequenceCache and a NaiveCache with the same verbs and random tensors."""
 
@@ -115,7 +125,7 @@ class Pair:
             k = self.randn(width, cfg.kv_heads, cfg.head_dim)
             v = self.randn(width, cfg.kv_heads, cfg.head_dim)
             out = self.cache.update_and_attend(layer, q, k, v, causal=causal)
-            want = self.naive.step(layer, ids, q[:n], k[:n], v[:n], causal=causal)
+            want = self.naive.step(layer, ids, q[:n], stored(cfg, k[:n]), stored(cfg, v[:n]), causal=causal)
             torch.testing.assert_close(out[:n].float(), want, atol=atol, rtol=1e-4)
             assert torch.equal(out[n:], torch.zeros_like(out[n:])), "padding rows must be exact zeros"
             outs.append(out)

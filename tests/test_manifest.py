@@ -28,8 +28,13 @@ from batchkv.manifest import (
 )
 from batchkv.manifest.codec import MAX_FILE_BYTES
 
-ELEM = {"bfloat16": 2, "float16": 2, "float32": 4}
-TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+ELEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+TORCH = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -70,6 +75,7 @@ def sample_manifests() -> list[Manifest]:
         make_manifest(layout="batched-sequence", num_layers=6, kv_heads=8, head_dim=128, dtype="bfloat16",
                       capacity=4096, max_seqs=3, window_every=3, window=1000, causal=False, model="módel ✓"),
         decode_doc({**valid_doc(), "layers": valid_doc()["layers"][::-1]}),  # listed in any order
+        decode_doc({**valid_doc(), "kv_dtype": "float8_e4m3fn"}),  # e4m3 storage, fp32 scales beside it
     ]  # fmt: skip
 
 
@@ -141,6 +147,10 @@ RULES = [
     ("kv_heads high", _set(kv_heads=257), "$.kv_heads", "must be in [1, 256]"),
     ("head_dim high", _set(head_dim=2048), "$.head_dim", "must be in [1, 1024]"),
     ("dtype", _set(dtype="int8"), "$.dtype", "use one of 'bfloat16', 'float16', 'float32'"),
+    ("dtype e4m3", _set(dtype="float8_e4m3fn"), "$.dtype", "use one of 'bfloat16', 'float16', 'float32'"),
+    ("kv_dtype", _set(kv_dtype="float8_e5m2"), "$.kv_dtype",
+     "use one of 'bfloat16', 'float16', 'float32', 'float8_e4m3fn'"),
+    ("kv_dtype type", _set(kv_dtype=8), "$.kv_dtype", "expected `str`, got `int`"),
     ("capacity low", _set(maximum_capacity=0), "$.maximum_capacity", "must be in [1, 16777216]"),
     ("capacity high", _set(maximum_capacity=1 << 25), "$.maximum_capacity", "must be in [1, 16777216]"),
     ("max_write > capacity", _set(max_write=257), "$.max_write", "must be in [1, 256] (maximum_capacity"),
@@ -328,7 +338,8 @@ def _expected_rows(m: Manifest, layer_id: int) -> int:
 
 
 def assert_geometry(cache, m: Manifest) -> None:
-    """At full reservation every layer's K and V are [rows, max_seqs + 1, kv_heads, head_dim] of dtype."""
+    """At full reservation every layer's K and V are [rows, max_seqs + 1, kv_heads, head_dim] of the
+    storage dtype, with fp32 scales [rows, max_seqs + 1, kv_heads] beside e4m3 ones."""
     seqs = m.max_seqs if m.layout == "batched-sequence" else 1
     assert (cache.max_seqs, cache.capacity, cache.config.max_write) == (seqs, m.maximum_capacity, m.max_write)
     assert cache.config.max_segments == (m.max_segments if isinstance(m.max_segments, int) else 2 * seqs)
@@ -338,10 +349,15 @@ def assert_geometry(cache, m: Manifest) -> None:
     for layer_id in range(m.num_layers):
         shape = (_expected_rows(m, layer_id), seqs + 1, m.kv_heads, m.head_dim)
         for store in (cache.k_store(layer_id), cache.v_store(layer_id)):
-            assert tuple(store.shape) == shape and store.dtype == TORCH[m.dtype]
+            assert tuple(store.shape) == shape and store.dtype == TORCH[m.storage_dtype]
+        scales = [t for name, t in cache.planes(layer_id).items() if name.endswith("_scale")]
+        assert [(tuple(t.shape), t.dtype) for t in scales] == [(shape[:3], torch.float32)] * len(scales)
+        assert len(scales) == (2 if m.storage_dtype == "float8_e4m3fn" else 0)
     expected_bytes = sum(_expected_rows(m, i) for i in range(m.num_layers)) * (seqs + 1)
-    expected_bytes *= 2 * m.kv_heads * m.head_dim * ELEM[m.dtype]
+    scale_bytes = 4 if m.storage_dtype == "float8_e4m3fn" else 0
+    expected_bytes *= 2 * m.kv_heads * (m.head_dim * ELEM[m.storage_dtype] + scale_bytes)
     assert cache.nbytes == expected_bytes == m.kv_bytes
+    assert (cache.config.dtype, cache.config.kv_dtype) == (TORCH[m.dtype], TORCH[m.storage_dtype])
 
 
 @pytest.mark.parametrize("m", [m for m in sample_manifests() if m.layout != "cell"], ids=lambda m: m.layout)
@@ -354,6 +370,22 @@ def test_from_manifest_reads_paths_and_bytes_and_is_exported_at_the_top(tmp_path
     path = dump_manifest(m, tmp_path / "m.msgpack")
     for source in (path, str(path), path.read_bytes(), m):
         assert_geometry(batchkv.from_manifest(source, "meta"), m)
+
+
+def test_kv_dtype_is_optional_defaults_to_dtype_and_an_e4m3_manifest_counts_its_scales():
+    plain, e4m3 = decode_doc(valid_doc()), decode_doc({**valid_doc(), "kv_dtype": "float8_e4m3fn"})
+    assert plain.kv_dtype is msgspec.UNSET and plain.storage_dtype == plain.dtype == "float32"
+    assert "kv_dtype" not in json.loads(encode_json(plain))  # files written before the field stay byte for byte
+    # 4 layers x K and V x 2 heads: 32 fp32 elements, or 32 e4m3 codes plus one fp32 scale per head
+    assert plain.bytes_per_token == 4 * 2 * 2 * 32 * 4
+    assert e4m3.bytes_per_token == 4 * 2 * 2 * (32 + 4)
+    assert decode_doc({**valid_doc(), "kv_dtype": "float32"}).bytes_per_token == plain.bytes_per_token
+
+
+def test_from_manifest_takes_dtype_overrides_by_name():
+    cache = from_manifest(sample_manifests()[0], "meta", kv_dtype="float8_e4m3fn", dtype="bfloat16")
+    assert (cache.config.dtype, cache.config.kv_dtype) == (torch.bfloat16, torch.float8_e4m3fn)
+    assert set(cache.planes(0)) == {"k", "v", "k_scale", "v_scale"}
 
 
 def test_a_cell_manifest_is_refused_with_the_layout_to_export_instead():

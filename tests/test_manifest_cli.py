@@ -17,7 +17,8 @@ from batchkv.presets import KV_PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "manifests").glob("*.json"))
-ELEM = {"bfloat16": 2, "float16": 2, "float32": 4}
+ELEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+SCALE = {"float8_e4m3fn": 4}  # an fp32 scale per (position, kv head) beside e4m3 K and V
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -33,7 +34,27 @@ def full_capacity_bytes(m: Manifest) -> int:
     for e in m.layers:
         ring = e.policy == "ring"
         rows += min(m.maximum_capacity, e.window + m.max_write - 1) if ring else m.maximum_capacity
-    return rows * (seqs + 1) * 2 * m.kv_heads * m.head_dim * ELEM[m.dtype]
+    kv = m.kv_dtype if isinstance(m.kv_dtype, str) else m.dtype
+    return rows * (seqs + 1) * 2 * m.kv_heads * (m.head_dim * ELEM[kv] + SCALE.get(kv, 0))
+
+
+def test_export_kv_dtype_fp8_then_inspect_shows_e4m3_storage_and_its_bytes(tmp_path, capsys):
+    out_path = tmp_path / "fp8.json"
+    code, _, _ = run(
+        capsys, "export", "--preset", "sensenova-u1-8b", "--kv-layout", "batched-sequence", "--max-kv-seqs", "4",
+        "--capacity", "1024", "--kv-dtype", "float8_e4m3fn", "-o", str(out_path),
+    )  # fmt: skip
+    m = load_manifest(out_path)
+    assert code == 0 and (m.dtype, m.kv_dtype) == ("bfloat16", "float8_e4m3fn")
+    code, out, err = run(capsys, "inspect", str(out_path))
+    assert (code, err) == (0, "")
+    per_token = 42 * 2 * 8 * (128 + 4)  # e4m3 codes and one fp32 scale per (layer, K/V, head)
+    assert f"({per_token} B: K+V of every layer, scales included)" in out
+    assert f"{per_token / (42 * 2 * 8 * 128 * 2):.3f}x the bytes of bfloat16" in out
+    assert f"({full_capacity_bytes(m)} B of K/V" in out
+    cache = from_manifest(m, "meta")
+    cache.reserve(m.maximum_capacity)
+    assert cache.nbytes == m.kv_bytes
 
 
 @pytest.mark.parametrize("suffix", [".json", ".msgpack"])
@@ -197,11 +218,12 @@ def test_each_shipped_manifest_validates_inspects_and_builds(path, capsys):
 def test_sensenova_manifests_use_the_sensenova_kv_geometry():
     # DESIGN.md: 42 layers, 8 KV heads, head_dim 128, bf16, no sliding window; 42*2*8*128*2 B per token.
     sensenova = [m for m in map(load_manifest, SHIPPED) if m.model == "sensenova-u1-8b"]
-    assert len(sensenova) == 3
+    assert len(sensenova) == 4
     for m in sensenova:
         assert (m.num_layers, m.kv_heads, m.head_dim, m.dtype) == (42, 8, 128, "bfloat16")
         assert all(e.policy == "flat" and e.window == 0 for e in m.layers)
-        assert m.bytes_per_token == 42 * 2 * 8 * 128 * 2
+        e4m3 = m.kv_dtype == "float8_e4m3fn"
+        assert m.bytes_per_token == (42 * 2 * 8 * (128 + 4) if e4m3 else 42 * 2 * 8 * 128 * 2)
 
 
 def readme_commands() -> list[list[str]]:

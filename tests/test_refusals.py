@@ -29,7 +29,7 @@ def snapshot(cache) -> dict:
         "seq_info": cache.seq_info.clone(),
         "positions": cache.positions.clone(),
         "generation": cache.generation,
-        "store": [(cache.k_store(i).clone(), cache.v_store(i).clone()) for i in range(cache.config.num_layers)],
+        "store": [{name: t.clone() for name, t in cache.planes(i).items()} for i in range(cache.config.num_layers)],
     }
 
 
@@ -37,14 +37,15 @@ def assert_same(a: dict, b: dict) -> None:
     for key in ("lengths", "floors", "plan", "width", "generation"):
         assert a[key] == b[key], key
     assert torch.equal(a["seq_info"], b["seq_info"]) and torch.equal(a["positions"], b["positions"])
-    for (k1, v1), (k2, v2) in zip(a["store"], b["store"], strict=True):
-        assert torch.equal(k1.nan_to_num(7.0), k2.nan_to_num(7.0)) and torch.equal(
-            v1.nan_to_num(7.0), v2.nan_to_num(7.0)
-        )
+    for planes1, planes2 in zip(a["store"], b["store"], strict=True):
+        assert planes1.keys() == planes2.keys()
+        for name, t1 in planes1.items():
+            assert torch.equal(t1.view(torch.uint8), planes2[name].view(torch.uint8)), name  # bit for bit, NaN too
 
 
-def test_every_refusal_leaves_everything_unchanged():
-    pair = make_pair(max_seqs=3, capacity=32, max_write=3, max_width=8)
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
+def test_every_refusal_leaves_everything_unchanged(kv_dtype):
+    pair = make_pair(max_seqs=3, capacity=32, max_write=3, max_width=8, kv_dtype=kv_dtype)
     cache = pair.cache
     a, b = pair.new(), pair.new()
     for _ in range(7):

@@ -30,6 +30,7 @@ from batchkv.errors import (
     StepError,
     UnknownSequenceError,
 )
+from batchkv.ops.support import refusal
 
 
 def _is_int(value: object) -> bool:
@@ -66,12 +67,10 @@ class BatchedSequenceCache:
         self.config = config
         self.device = torch.device(device)
         self.attention = ops.resolve_backend(attention, self.device)
-        d = config.head_dim
-        if self.attention == "triton" and (d < 16 or d > 256 or d & (d - 1)):
-            # Refused here, not at the first attend inside a forward (or a graph capture).
-            raise ConfigError(
-                f"head_dim {d}: the Triton kernels take a power of two from 16 to 256; use attention='reference'"
-            )
+        # Refused here, not at the first attend inside a forward (or a graph capture).
+        problem = refusal(config.kv_dtype, config.head_dim, self.attention)
+        if problem:
+            raise ConfigError(problem)
         self._write, self._attend = ops.backend_functions(self.attention)
         try:
             self._store = ColumnStore(config, self.device, alloc)
@@ -140,6 +139,11 @@ class BatchedSequenceCache:
     def v_store(self, layer: int) -> torch.Tensor:
         """Layer's V storage [rows, config.columns, Hkv, D]. Its address changes when `generation` does."""
         return self._store.v[layer]
+
+    def planes(self, layer: int) -> dict[str, torch.Tensor]:
+        """Every storage plane of `layer` by name: k, v [rows, columns, Hkv, D] in `config.kv_dtype`
+        and, for e4m3 storage, k_scale, v_scale fp32 [rows, columns, Hkv] (value = code * scale)."""
+        return self._store.layer(layer)
 
     # ---- sequence verbs (host) ----------------------------------------------------------------
     def _known(self, seq: int) -> int:
@@ -287,6 +291,14 @@ class BatchedSequenceCache:
         self._high_water[seq] = n  # every resident row now holds the new history
         self._restage(seq)
 
+    def _read_prefix(self, seq: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """K and V of positions [0, n) of `seq` (flat layers, n <= rows: a staged step's positions
+        count), one [n, Hkv, D] tensor per layer each, in `config.dtype` (e4m3 dequantised).
+        Host side; package-internal (the facade's `to_dynamic_cache`)."""
+        self._known(seq)
+        pairs = [self._store.read_column(seq, layer, n) for layer in range(self.config.num_layers)]
+        return [k for k, _ in pairs], [v for _, v in pairs]
+
     # ---- step protocol (host) -----------------------------------------------------------------
     def declare_step(self, seq_ids: Sequence[int]) -> None:
         """Declare the next forward: one sequence id per packed token, in packed order.
@@ -365,8 +377,9 @@ class BatchedSequenceCache:
         """Write this step's K/V for `layer`, then attend over each sequence's history.
 
         q: [W, Hq, D]; k, v: [W, Hkv, D] with W the prepared width. Returns [W, Hq, D] in q's
-        dtype; padding rows are exact zeros. Capturable: reads only device buffers staged by
-        `prepare_step`, whose addresses are fixed for a given `generation`.
+        dtype; padding rows are exact zeros. e4m3 storage quantises K/V in the write and
+        dequantises in the attention kernel (fp32 accumulation). Capturable: reads only device
+        buffers staged by `prepare_step`, whose addresses are fixed for a given `generation`.
         """
         if self._width is None:
             raise StepError("update_and_attend: no prepared step; call declare_step and prepare_step first")
@@ -380,8 +393,10 @@ class BatchedSequenceCache:
             )
         if not causal and self._plan is not None and self._plan.split:
             raise StepError("a non-causal step needs each sequence's tokens in one run (a draft block is one segment)")
-        k_flat, v_flat = self._store.flat_views(layer)
-        self._write(k_flat, v_flat, k, v, self._buffers.slots[self._group_of[layer], :width])
-        window = cfg.layers[layer].window
-        store_k, store_v = self._store.k[layer], self._store.v[layer]
-        return self._attend(q, store_k, store_v, self._buffers.seq_info, scale=scale, causal=causal, window=window)
+        flat, store = self._store.flat_views(layer), self._store.layer(layer)
+        slots = self._buffers.slots[self._group_of[layer], :width]
+        self._write(flat["k"], flat["v"], k, v, slots, k_scale=flat.get("k_scale"), v_scale=flat.get("v_scale"))
+        return self._attend(
+            q, store["k"], store["v"], self._buffers.seq_info, scale=scale, causal=causal,
+            window=cfg.layers[layer].window, k_scale=store.get("k_scale"), v_scale=store.get("v_scale"),
+        )  # fmt: skip

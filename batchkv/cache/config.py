@@ -7,11 +7,13 @@ growth predictable: the same config always grows through the same row counts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from batchkv.errors import ConfigError
+from batchkv.ops.support import COMPUTE_DTYPES, SCALE_DTYPE, quantized, refusal
 
 POLICIES = ("flat", "ring")
 FIRST_ROWS = 256  # first flat allocation when no bucket schedule is given; doubles from here
@@ -49,7 +51,11 @@ class CacheConfig:
     capacity: most positions one sequence may hold.
     max_write: most tokens one sequence writes in one step (sizes ring layers).
     layers: one `LayerSpec` per layer; default all flat, no window.
-    dtype: storage dtype (K/V are cast to it on write).
+    dtype: the K/V dtype of the model (fp16, bf16 or fp32): what the write takes and a read-back
+        gives; also the storage dtype unless `kv_dtype` says otherwise.
+    kv_dtype: storage dtype (default `dtype`: K/V are cast to it on write). `torch.float8_e4m3fn`
+        stores e4m3 codes plus an fp32 scale per (position, KV head) beside them (see
+        `batchkv.ops.support`): half the bytes of bf16 per position, and 3% for the scales.
     max_segments: most runs in one step; default `2 * max_seqs`.
     max_width: most packed tokens in one step (static buffer size); default `max_seqs * max_write`.
     buckets, tail_step: flat row schedule. Empty `buckets` doubles from 256; otherwise the first
@@ -65,6 +71,7 @@ class CacheConfig:
     max_write: int = 1
     layers: tuple[LayerSpec, ...] = ()
     dtype: torch.dtype = torch.bfloat16
+    kv_dtype: torch.dtype | None = None
     max_segments: int = 0
     max_width: int = 0
     buckets: tuple[int, ...] = ()
@@ -86,8 +93,12 @@ class CacheConfig:
             raise ConfigError(f"CacheConfig.layers has {len(layers)} entries for num_layers={self.num_layers}")
         if not all(isinstance(spec, LayerSpec) for spec in layers):
             raise ConfigError("CacheConfig.layers must hold LayerSpec entries")
-        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
-            raise ConfigError(f"CacheConfig.dtype is {self.dtype!r}; use a floating torch dtype")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ConfigError(f"CacheConfig.dtype is {self.dtype!r}; use torch.float16, bfloat16 or float32")
+        kv_dtype = self.dtype if self.kv_dtype is None else self.kv_dtype
+        problem = refusal(kv_dtype, self.head_dim, backend="reference")
+        if problem:
+            raise ConfigError(f"CacheConfig: {problem}")
         max_segments = self.max_segments or 2 * self.max_seqs
         if max_segments < self.max_seqs:
             raise ConfigError(f"CacheConfig.max_segments is {max_segments}; it must be >= max_seqs ({self.max_seqs})")
@@ -102,6 +113,7 @@ class CacheConfig:
             min(self.capacity, spec.window + self.max_write - 1) if spec.policy == "ring" else 0 for spec in layers
         )
         object.__setattr__(self, "layers", layers)
+        object.__setattr__(self, "kv_dtype", kv_dtype)
         object.__setattr__(self, "max_segments", max_segments)
         object.__setattr__(self, "max_width", max_width)
         object.__setattr__(self, "_ring_rows", ring_rows)
@@ -145,7 +157,24 @@ class CacheConfig:
         ring = self._ring_rows[layer]
         return min(ring, flat_rows) if ring else flat_rows
 
+    @property
+    def quantized(self) -> bool:
+        """True when K/V are stored as e4m3 codes with a scale per (position, KV head)."""
+        return quantized(self.kv_dtype)
+
+    @property
+    def planes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Storage planes of every layer: name -> (shape after the row axis, dtype).
+
+        k, v: (columns, Hkv, D) in kv_dtype; for e4m3 storage also k_scale, v_scale: (columns, Hkv)
+        fp32. Every plane is indexed by row first, so growth, clones and writes treat them alike.
+        """
+        rows = (self.columns, self.kv_heads, self.head_dim)
+        planes = {"k": (rows, self.kv_dtype), "v": (rows, self.kv_dtype)}
+        if self.quantized:
+            planes |= {"k_scale": (rows[:2], SCALE_DTYPE), "v_scale": (rows[:2], SCALE_DTYPE)}
+        return planes
+
     def bytes_per_row(self) -> int:
-        """Bytes one row of every layer's K and V takes, across all columns."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.columns * self.kv_heads * self.head_dim * elem
+        """Bytes one row of every layer's planes (K, V and any scales) takes, across all columns."""
+        return self.num_layers * sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.planes.values())

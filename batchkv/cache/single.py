@@ -65,12 +65,14 @@ class PagedDecodeCache:
     """K/V of one sequence for single-token decode, in a `max_seqs = 1` column store.
 
     Args: num_layers, kv_heads, head_dim, and `length` (positions to hold now: the first bucket
-    that fits is allocated), device, dtype (storage). `buckets`/`tail_step` set the schedule;
+    that fits is allocated), device, dtype (the model's K/V dtype; storage too unless `kv_dtype`
+    says otherwise, e.g. `torch.float8_e4m3fn`). `buckets`/`tail_step` set the schedule;
     `attention` picks the kernels ("auto": Triton on CUDA); `alloc` is the store's allocator.
 
     Attributes: `bucket` (rows allocated), `generation` (moves when storage moves; a graph keyed
     on an older one is stale), `length` (positions the next `attend` reads, its own included).
-    `k[i]`, `v[i]` are [bucket, Hkv, D] views of layer i's column (position p at row p).
+    `k[i]`, `v[i]` are [bucket, Hkv, D] views of layer i's column (position p at row p), in the
+    storage dtype: e4m3 codes when `kv_dtype` is e4m3 (`to_dynamic_cache` dequantises).
 
     Example (the pipeline's loop):
         paged = PagedDecodeCache.from_dynamic_cache(dyn, num_layers, device, dtype)
@@ -97,12 +99,13 @@ class PagedDecodeCache:
         tail_step: int = TAIL_STEP,
         attention: str = "auto",
         alloc: Allocator = torch.empty,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.device, self.dtype = torch.device(device), dtype
         self.schedule = CacheConfig(
             num_layers, kv_heads, head_dim, max_seqs=1, capacity=_UNBOUNDED, max_write=1, dtype=dtype,
-            max_width=1, buckets=tuple(buckets), tail_step=tail_step,
+            kv_dtype=kv_dtype, max_width=1, buckets=tuple(buckets), tail_step=tail_step,
         )  # fmt: skip
         config = self.schedule
         if config.buckets:
@@ -246,7 +249,7 @@ class PagedDecodeCache:
         return obj
 
     def to_dynamic_cache(self, cache: Any) -> None:
-        """Write the decoded K/V back, [1, Hkv, length, D] per layer, into `cache.layers`.
+        """Write the decoded K/V back, [1, Hkv, length, D] per layer in `dtype`, into `cache.layers`.
 
         Only decode runs here; the stage after it (the DiT) reads the ordinary cache, so the two
         are reconciled once at the hand-off rather than kept in sync on every step. A lazily
@@ -258,11 +261,11 @@ class PagedDecodeCache:
             raise ContractError(f"to_dynamic_cache: the cache has {len(layers)} layers, not {self.num_layers}")
         while len(layers) < self.num_layers:
             layers.append(make())
-        n = self._length
+        all_keys, all_values = self._cache._read_prefix(self._seq, self._length)  # [n, Hkv, D], dequantised
         for i in range(self.num_layers):
             layer = layers[i]
-            keys = self._cache.k_store(i)[:n, self._seq].transpose(0, 1).unsqueeze(0).contiguous()
-            values = self._cache.v_store(i)[:n, self._seq].transpose(0, 1).unsqueeze(0).contiguous()
+            keys = all_keys[i].transpose(0, 1).unsqueeze(0).contiguous()
+            values = all_values[i].transpose(0, 1).unsqueeze(0).contiguous()
             if getattr(layer, "is_initialized", True) is False:
                 try:
                     layer.lazy_initialization(keys, values)

@@ -47,6 +47,8 @@ class Engine:
     width_buckets: packed widths a step is padded up to (default `default_buckets`: 1, 2, 4, ..., 32,
         48, 64, then every 64 to 512 and every 128 to the budget).
     use_graphs: "auto" (CUDA graphs when on CUDA with capturable attention), True or False.
+    kv_dtype: K/V storage dtype (default: the model's `cache_spec()["kv_dtype"]`, else its dtype);
+        `torch.float8_e4m3fn` halves the bytes per position (see `CacheConfig.kv_dtype`).
     row_buckets, row_step: the cache's row growth schedule (see CacheConfig.buckets/tail_step).
     seed: draws the sampling seed of requests that do not set one.
 
@@ -72,6 +74,7 @@ class Engine:
         row_buckets: tuple[int, ...] = (),
         row_step: int = 0,
         seed: int = 0,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         for name, value in (("max_seqs", max_seqs), ("max_step_tokens", max_step_tokens)):
             if not isinstance(value, int) or value < 1:
@@ -101,6 +104,7 @@ class Engine:
             max_write=prefill_chunk,
             layers=tuple(spec.get("layers") or ()),
             dtype=spec.get("dtype", torch.bfloat16),
+            kv_dtype=kv_dtype or spec.get("kv_dtype"),
             max_width=buckets[-1],
             buckets=tuple(row_buckets),
             tail_step=row_step,

@@ -19,9 +19,19 @@ from batchkv.cache import BatchedSequenceCache, CacheConfig, LayerSpec
 from batchkv.errors import ConfigError, UnsupportedLayout
 from batchkv.manifest.codec import load_manifest
 from batchkv.manifest.schema import MAX_LAYERS, Layer, Manifest
+from batchkv.ops.support import KV_DTYPES
 
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-OVERRIDES = ("capacity", "max_seqs", "max_write", "max_segments", "max_width", "buckets", "tail_step", "dtype")
+OVERRIDES = (
+    "capacity",
+    "max_seqs",
+    "max_write",
+    "max_segments",
+    "max_width",
+    "buckets",
+    "tail_step",
+    "dtype",
+    "kv_dtype",
+)
 DEFAULT_MAX_WRITE = 512  # a prefill chunk per sequence per step
 
 
@@ -29,8 +39,9 @@ def cache_config(manifest: Manifest, **overrides: object) -> CacheConfig:
     """The `CacheConfig` a manifest describes; `overrides` replace `CacheConfig` fields.
 
     Overrides (`capacity`, `max_seqs`, `max_write`, `max_segments`, `max_width`, `buckets`,
-    `tail_step`, `dtype`) serve tests and small machines: the same layer pattern at a smaller
-    scale. Lowering `max_seqs` without `max_segments` resets it to its default `2 * max_seqs`.
+    `tail_step`, `dtype`, `kv_dtype`; dtypes as torch dtypes or manifest names) serve tests and
+    small machines: the same layer pattern at a smaller scale. Lowering `max_seqs` without
+    `max_segments` resets it to its default `2 * max_seqs`.
     """
     if manifest.layout == "cell":
         raise UnsupportedLayout(
@@ -53,13 +64,15 @@ def cache_config(manifest: Manifest, **overrides: object) -> CacheConfig:
         "capacity": manifest.maximum_capacity,
         "max_write": manifest.max_write,
         "layers": tuple(LayerSpec(e.policy, e.window) for e in sorted(manifest.layers, key=lambda e: e.layer_id)),
-        "dtype": TORCH_DTYPES[manifest.dtype],
+        "dtype": KV_DTYPES[manifest.dtype],
+        "kv_dtype": KV_DTYPES[manifest.storage_dtype],
         "max_segments": manifest.segments,
     }
     if "max_seqs" in overrides and "max_segments" not in overrides:
         fields["max_segments"] = 0  # CacheConfig's default: 2 * max_seqs
-    if isinstance(overrides.get("dtype"), str):
-        overrides["dtype"] = TORCH_DTYPES.get(overrides["dtype"], overrides["dtype"])  # type: ignore[arg-type]
+    for name in ("dtype", "kv_dtype"):
+        if isinstance(overrides.get(name), str):
+            overrides[name] = KV_DTYPES.get(overrides[name], overrides[name])  # type: ignore[arg-type]
     fields.update(overrides)
     return CacheConfig(**fields)  # type: ignore[arg-type]
 
@@ -117,6 +130,7 @@ def make_manifest(
     head_dim: int,
     dtype: str,
     capacity: int,
+    kv_dtype: str | None = None,
     max_seqs: int = 1,
     max_write: int | None = None,
     max_segments: int | None = None,
@@ -130,6 +144,7 @@ def make_manifest(
 ) -> Manifest:
     """A validated manifest from export options (the arguments of `batchkv export`).
 
+    `kv_dtype` (storage; e.g. "float8_e4m3fn") is recorded only when given (default `dtype`).
     `max_write` defaults to min(512, capacity); `max_segments` to 2 * max_seqs and `causal` to true
     (batched-sequence); `max_cells` (cell) to max_seqs * capacity; `step_widths` to the decode
     widths 1, 2, 4, ... max_seqs. Options the layout does not take are refused.
@@ -146,6 +161,8 @@ def make_manifest(
     extra: dict[str, object] = {}
     if model is not None:
         extra["model"] = model
+    if kv_dtype is not None:
+        extra["kv_dtype"] = kv_dtype
     if layout == "batched-sequence":
         causal = True if causal is None else causal
         extra.update(max_seqs=max_seqs, max_segments=max_segments or 2 * max_seqs, causal=causal)

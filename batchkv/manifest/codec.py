@@ -19,11 +19,11 @@ from pathlib import Path
 import msgspec
 
 from batchkv.errors import ConfigError, ManifestError
-from batchkv.manifest.schema import LAYOUTS, POLICIES, Layer, Manifest, key_path
+from batchkv.manifest.schema import DTYPE_BYTES, KV_DTYPE_BYTES, LAYOUTS, POLICIES, Layer, Manifest, key_path
 
 MAX_FILE_BYTES = 4 << 20  # a 1024-layer manifest is ~60 KiB
 SUFFIXES = {".json": "json", ".msgpack": "msgpack", ".mpk": "msgpack"}
-_ENUM_HINTS = {"layout": LAYOUTS, "policy": POLICIES, "dtype": ("bfloat16", "float16", "float32")}
+_ENUM_HINTS = {"layout": LAYOUTS, "policy": POLICIES, "dtype": tuple(DTYPE_BYTES), "kv_dtype": tuple(KV_DTYPE_BYTES)}
 _AT = re.compile(r"(?P<msg>.*?)(?: - at `(?P<path>\$[^`]*)`)?", re.S)
 
 

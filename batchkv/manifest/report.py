@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from batchkv.manifest.schema import Manifest
+from batchkv.manifest.schema import DTYPE_BYTES, SCALE_BYTES, Manifest
 
 
 def human_bytes(n: int) -> str:
@@ -47,6 +47,17 @@ def layer_groups(m: Manifest) -> list[tuple[list[int], str, int, int]]:
     return [(ids, policy, window, rows) for (policy, window, rows), ids in groups.items()]
 
 
+def _storage(m: Manifest) -> str:
+    kv = m.storage_dtype
+    if kv not in SCALE_BYTES:
+        return kv if kv == m.dtype else f"{kv} (cast from {m.dtype} on write)"
+    full = 2 * m.num_layers * m.kv_heads * m.head_dim * DTYPE_BYTES[m.dtype]
+    return (
+        f"{kv} + an fp32 scale per (position, kv head), quantised on write: {m.bytes_per_token / full:.3f}x "
+        f"the bytes of {m.dtype}"
+    )
+
+
 def describe(m: Manifest) -> str:
     """Multi-line summary: layout, sequences, geometry, per-layer storage, bytes and full-capacity memory."""
     per_layer_row = m.bytes_per_row // m.num_layers
@@ -64,6 +75,7 @@ def describe(m: Manifest) -> str:
         ("sequences", seqs),
         ("capacity", f"{m.maximum_capacity} positions per sequence; max_write {m.max_write}"),
         ("kv geometry", f"{m.num_layers} layers x {m.kv_heads} kv heads x head_dim {m.head_dim}, {m.dtype}"),
+        ("kv storage", _storage(m)),
         ("step widths", f"{widths}; max_sample_rows {m.max_sample_rows}"),
     ]
     lines = [f"{label:<16} {value}" for label, value in rows]
@@ -77,7 +89,8 @@ def describe(m: Manifest) -> str:
     cols = "1 column" if m.columns == 1 else f"{m.columns} columns"
     lines += [
         "",
-        f"{'bytes per token':<16} {human_bytes(m.bytes_per_token)} ({m.bytes_per_token} B: K+V of every layer)",
+        f"{'bytes per token':<16} {human_bytes(m.bytes_per_token)} ({m.bytes_per_token} B: K+V of every layer"
+        + (", scales included)" if m.storage_dtype in SCALE_BYTES else ")"),
         f"{'bytes per row':<16} {human_bytes(m.bytes_per_row)} ({m.bytes_per_row} B: every layer, {cols})",
         f"{'full capacity':<16} {human_bytes(m.kv_bytes)} ({m.kv_bytes} B of K/V, every layer at its full rows)",
     ]

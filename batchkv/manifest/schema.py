@@ -28,7 +28,9 @@ from batchkv.errors import ManifestError
 VERSION = 1
 LAYOUTS = ("sequence", "cell", "batched-sequence")
 POLICIES = ("flat", "ring")
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}  # model K/V dtypes (`dtype`)
+KV_DTYPE_BYTES = {**DTYPE_BYTES, "float8_e4m3fn": 1}  # storage dtypes (`kv_dtype`)
+SCALE_BYTES = {"float8_e4m3fn": 4}  # an fp32 scale per (position, KV head) beside e4m3 K and V
 
 # Ceilings: far above any model or accelerator in use, far below what would exhaust a host.
 MAX_LAYERS = 1024
@@ -65,6 +67,9 @@ class Layer(Struct, frozen=True, forbid_unknown_fields=True):
 class Manifest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """An exported cache's geometry (DESIGN.md, Manifests). Field order is the encoded key order.
 
+    `dtype` is the model's K/V dtype; `kv_dtype` the storage dtype (default `dtype`), where
+    "float8_e4m3fn" stores e4m3 codes plus an fp32 scale per (position, KV head).
+
     `causal` (batched-sequence) records whether the exported model attends causally; the cache
     takes causality per `update_and_attend` call, so whoever drives the model passes it (the
     executor's models are causal; a draft model exported with causal=false passes False).
@@ -77,6 +82,7 @@ class Manifest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     kv_heads: int
     head_dim: int
     dtype: Literal["bfloat16", "float16", "float32"]
+    kv_dtype: Literal["bfloat16", "float16", "float32", "float8_e4m3fn"] | UnsetType = UNSET
     maximum_capacity: int
     max_write: int
     max_seqs: int | UnsetType = UNSET
@@ -135,9 +141,15 @@ class Manifest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         return _layer_rows(self.layer(layer_id), self.maximum_capacity, self.max_write)
 
     @property
+    def storage_dtype(self) -> str:
+        """The K/V storage dtype: `kv_dtype`, default `dtype`."""
+        return self.kv_dtype if isinstance(self.kv_dtype, str) else self.dtype
+
+    @property
     def bytes_per_token(self) -> int:
-        """K+V bytes of one position of one sequence across every layer."""
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        """K+V bytes of one position of one sequence across every layer, scales included."""
+        kv = self.storage_dtype
+        return 2 * self.num_layers * self.kv_heads * (self.head_dim * KV_DTYPE_BYTES[kv] + SCALE_BYTES.get(kv, 0))
 
     @property
     def bytes_per_row(self) -> int:
@@ -190,6 +202,8 @@ def _check(m: Manifest) -> None:
     _int("$.kv_heads", m.kv_heads, 1, MAX_KV_HEADS)
     _int("$.head_dim", m.head_dim, 1, MAX_HEAD_DIM)
     _choice("$.dtype", m.dtype, tuple(DTYPE_BYTES))
+    if m.kv_dtype is not UNSET:
+        _choice("$.kv_dtype", m.kv_dtype, tuple(KV_DTYPE_BYTES))
     capacity = _int("$.maximum_capacity", m.maximum_capacity, 1, MAX_CAPACITY, " positions per sequence")
     why = " (maximum_capacity: one step cannot write more than a sequence holds)"
     _int("$.max_write", m.max_write, 1, capacity, why)

@@ -97,15 +97,17 @@ class HFModel:
     """A transformers causal LM behind the batchkv model interface (see `batchkv.models`).
 
     The wrapped model stays usable on its own: the attention implementation is switched only
-    inside `__call__`. Parameters are not copied.
+    inside `__call__`. Parameters are not copied. `kv_dtype` (e.g. `torch.float8_e4m3fn`) goes
+    into `cache_spec()`, so an engine or cache built from it stores K/V that way.
 
     >>> hf = Qwen3ForCausalLM(Qwen3Config(...)); model = HFModel(hf)
     >>> cache = BatchedSequenceCache(CacheConfig(**model.cache_spec(), max_seqs=4, capacity=512))
     >>> logits = model(input_ids, indexes, cache, logits_rows)   # float32 [R, vocab]
     """
 
-    def __init__(self, hf_model: torch.nn.Module) -> None:
+    def __init__(self, hf_model: torch.nn.Module, *, kv_dtype: torch.dtype | None = None) -> None:
         self.hf = hf_model.eval()
+        self.kv_dtype = kv_dtype
         self.config = hf_model.config
         _refuse_unsupported(self.config)
         sinks = [name for name, _ in hf_model.named_parameters() if name.rsplit(".", 1)[-1] == "sinks"]
@@ -155,6 +157,7 @@ class HFModel:
             "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             "layers": self._layer_specs(),
             "dtype": self.dtype,
+            "kv_dtype": self.kv_dtype,
         }
 
     @torch.no_grad()

@@ -5,6 +5,12 @@ as `kv_write_reference`. One program per token copies its [Hkv, D] rows of K and
 vectorised along D. Slots are int64 and offsets are computed in int64 (rows * C * Hkv * D can pass
 2^31). Padding tokens carry slots in the scratch column, so every slot is written and none is read
 by attention. Capturable: no host reads, grid = (W,).
+
+e4m3 stores quantise in the same launch: each (token, KV head) row of D gets scale
+max(amax / 448, 2^-126) (IEEE divisions, `div_rn`) and codes e4m3(x / scale), bit for bit what
+`quantize_fp8` stores. The rounding to e4m3 is done in fp32 first (`_round_e4m3`), so the cast only
+moves exact values: Triton's interpreter rounds fp32 -> e4m3 half-up and drops the carry into the
+exponent (1.97 becomes 1.0), and the explicit rounding makes CPU runs store what the GPU stores.
 """
 
 from __future__ import annotations
@@ -14,32 +20,79 @@ import triton
 import triton.language as tl
 
 from batchkv.errors import ContractError
+from batchkv.ops.support import COMPUTE_DTYPES, FP8_MAX, SCALE_FLOOR, quantized, refusal, scales_refusal
+
+E4M3_MAX = tl.constexpr(FP8_MAX)
+E4M3_FLOOR = tl.constexpr(SCALE_FLOOR)
 
 
 @triton.jit
-def _kv_write_kernel(k_flat, v_flat, k, v, slots, stride_fs, stride_fh, stride_ks, stride_kh, stride_vs, stride_vh,
-                     HKV: tl.constexpr, H_POW2: tl.constexpr, HEAD_DIM: tl.constexpr):  # fmt: skip
+def _round_e4m3(y):
+    """fp32 y (|y| <= 448) rounded to nearest-even on the e4m3 grid, still fp32.
+
+    The grid step below 2^(e+1) is 2^(max(e, -6) - 3) (3 mantissa bits; subnormals under 2^-6).
+    Adding c = 2^23 steps makes the fp32 sum's ulp one step, so (|y| + c) - c rounds |y| to the
+    grid, ties to even, in IEEE arithmetic; the sign comes back from y's sign bit (-0 stays -0).
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127  # unbiased exponent; -127 for zero
+    step = tl.maximum(e, -6) - 3  # log2 of the grid step
+    c = ((step + 23 + 127) << 23).to(tl.float32, bitcast=True)
+    r = (tl.abs(y) + c) - c
+    return tl.where(bits < 0, -r, r)
+
+
+@triton.jit
+def _store_rows(flat, scale, x, dst, ok, s_dst, s_ok, QUANT: tl.constexpr):
+    """Store rows x [H, D] at `flat + dst`; e4m3 stores also get one scale per row, at `scale + s_dst` [H]."""
+    if QUANT:
+        x = x.to(tl.float32)
+        s = tl.maximum(tl.div_rn(tl.max(tl.abs(x), 1), E4M3_MAX), E4M3_FLOOR)  # [H]
+        nan = tl.PropagateNan.ALL  # a NaN element stays NaN (its code is e4m3's NaN), as in bf16 storage
+        y = tl.minimum(tl.maximum(tl.div_rn(x, s[:, None]), -E4M3_MAX, propagate_nan=nan), E4M3_MAX, propagate_nan=nan)
+        tl.store(flat + dst, _round_e4m3(y).to(flat.dtype.element_ty), mask=ok)
+        tl.store(scale + s_dst, s, mask=s_ok)
+    else:
+        tl.store(flat + dst, x.to(flat.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _kv_write_kernel(k_flat, v_flat, k, v, slots, k_scale, v_scale, stride_fs, stride_fh, stride_ks, stride_kh,
+                     stride_vs, stride_vh, stride_ss, HKV: tl.constexpr, H_POW2: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
     i = tl.program_id(0)
     slot = tl.load(slots + i).to(tl.int64)
     h = tl.arange(0, H_POW2)[:, None]
     d = tl.arange(0, HEAD_DIM)[None, :]
     ok = h < HKV
     dst = slot * stride_fs + h * stride_fh + d  # k_flat and v_flat share strides
+    heads = tl.arange(0, H_POW2)
+    s_dst = slot * stride_ss + heads  # k_scale and v_scale share theirs, heads contiguous
     row = i.to(tl.int64)
-    k_row = tl.load(k + row * stride_ks + h * stride_kh + d, mask=ok)
-    v_row = tl.load(v + row * stride_vs + h * stride_vh + d, mask=ok)
-    tl.store(k_flat + dst, k_row.to(k_flat.dtype.element_ty), mask=ok)
-    tl.store(v_flat + dst, v_row.to(v_flat.dtype.element_ty), mask=ok)
+    k_row = tl.load(k + row * stride_ks + h * stride_kh + d, mask=ok, other=0.0)  # padded heads: zero rows
+    v_row = tl.load(v + row * stride_vs + h * stride_vh + d, mask=ok, other=0.0)
+    _store_rows(k_flat, k_scale, k_row, dst, ok, s_dst, heads < HKV, QUANT)
+    _store_rows(v_flat, v_scale, v_row, dst, ok, s_dst, heads < HKV, QUANT)
 
 
-def kv_write(k_flat: torch.Tensor, v_flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+def kv_write(
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
     """Write this step's K/V rows at their store slots, one launch for both.
 
     k_flat, v_flat: [rows * C, Hkv, D] views of the store (one dtype and strides, last dim
-    contiguous); k, v: [W, Hkv, D] in any float dtype (cast on write); slots: int64 (or int32) [W]
-    on the same device. D must be a power of two. Capturable (no host reads).
+    contiguous); k, v: [W, Hkv, D] fp16/bf16/fp32 (cast on write); slots: int64 (or int32) [W]
+    on the same device. D a power of two from 16 to 256. e4m3 stores (`torch.float8_e4m3fn`) need
+    k_scale, v_scale: fp32 [rows * C, Hkv] views with contiguous rows, and get codes and scales as
+    `quantize_fp8` makes them. Capturable (no host reads).
 
-    >>> kv_write(*cache._store.flat_views(0), k, v, slots)  # k, v [W, 8, 128]; slots [W]
+    >>> kv_write(*cache._store.flat_views(0).values(), k, v, slots)  # k, v [W, 8, 128]; slots [W]
     """
     if k_flat.dim() != 3 or k_flat.shape != v_flat.shape or k.shape != v.shape or k.dim() != 3:
         raise ContractError(
@@ -47,21 +100,30 @@ def kv_write(k_flat: torch.Tensor, v_flat: torch.Tensor, k: torch.Tensor, v: tor
             f"{tuple(v_flat.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     width, num_kv_heads, head_dim = k.shape
-    if k_flat.shape[1:] != k.shape[1:] or head_dim & (head_dim - 1):
-        raise ContractError(
-            f"store rows {tuple(k_flat.shape[1:])} and k rows {tuple(k.shape[1:])} must match, D a power of 2"
-        )
+    problem = refusal(k_flat.dtype, head_dim)
+    if problem:
+        raise ContractError(f"kv_write: {problem}")
+    if k_flat.shape[1:] != k.shape[1:]:
+        raise ContractError(f"store rows {tuple(k_flat.shape[1:])} and k rows {tuple(k.shape[1:])} must match")
     if slots.dtype not in (torch.int64, torch.int32) or slots.shape != (width,):
         raise ContractError(f"slots must be int64 or int32 [{width}]; got {slots.dtype} {tuple(slots.shape)}")
     if not k_flat.device == v_flat.device == k.device == v.device == slots.device:
         raise ContractError("k_flat, v_flat, k, v and slots must share a device")
-    if k_flat.dtype != v_flat.dtype or k_flat.stride() != v_flat.stride() or not k.dtype.is_floating_point:
-        raise ContractError(f"stores must share dtype and strides; got {k_flat.dtype}/{v_flat.dtype}, {k.dtype}")
+    if k_flat.dtype != v_flat.dtype or k_flat.stride() != v_flat.stride() or k.dtype not in COMPUTE_DTYPES:
+        raise ContractError(
+            f"stores must share dtype and strides, k fp16/bf16/fp32; got {k_flat.dtype}/{v_flat.dtype}, {k.dtype}"
+        )
+    quant = quantized(k_flat.dtype)
+    problem = scales_refusal(k_flat, k_scale, v_scale)
+    if problem:
+        raise ContractError(f"kv_write: {problem}")
     if any(x.stride(-1) != 1 for x in (k_flat, k, v)) or slots.stride(0) != 1:
         raise ContractError("k_flat, k, v need a contiguous last dim and slots stride 1; call .contiguous()")
     if width == 0:
         return
+    k_scale, v_scale = (k_scale, v_scale) if quant else (k_flat, v_flat)  # unread without QUANT
     _kv_write_kernel[(width,)](
-        k_flat, v_flat, k, v, slots, k_flat.stride(0), k_flat.stride(1), k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), HKV=num_kv_heads, H_POW2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, num_warps=4,
+        k_flat, v_flat, k, v, slots, k_scale, v_scale, k_flat.stride(0), k_flat.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), k_scale.stride(0), HKV=num_kv_heads, H_POW2=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim, QUANT=quant, num_warps=4,
     )  # fmt: skip

@@ -3,6 +3,9 @@
 These are the oracles: the Triton kernels must match them, and the cache uses them where there is
 no GPU. They read `seq_info` on the host (`tolist()`), so they are not capturable in a CUDA graph.
 
+e4m3 storage (see `batchkv.ops.support`) is the same arithmetic as the Triton kernels: the write
+quantises each row of D elements with `quantize_fp8`, attention dequantises `code * scale` in fp32.
+
 Contract (`sdpa_varlen`), for each row s of `seq_info` = (q_start, q_len, col, kv_end):
 - query i in [0, q_len) is packed row `q_start + i` and sits at position `p_i = kv_end - q_len + i`;
 - causal rows attend keys t in [lo_i, p_i], lo_i = max(0, p_i - window + 1) when windowed, else 0;
@@ -18,6 +21,31 @@ import math
 
 import torch
 
+from batchkv.ops.support import FP8, FP8_MAX, SCALE_FLOOR
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] float -> (codes float8_e4m3fn [..., D], scales float32 [...]), one scale per row.
+
+    scale = max(amax / 448, 2^-126); code = e4m3(x / scale) rounded to nearest even (the division
+    is IEEE fp32 and |x / scale| <= 448 after a clamp). `codes.float() * scale` is the stored value.
+
+    >>> codes, scales = quantize_fp8(torch.randn(5, 8, 128))  # [5, 8, 128] e4m3, [5, 8] fp32
+    """
+    x = x.float()
+    scale = (x.abs().amax(-1) / FP8_MAX).clamp_min(SCALE_FLOOR)
+    return (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """codes e4m3 [..., D] and scales fp32 [...] -> values [..., D] in `dtype` (computed in fp32)."""
+    return (codes.float() * scale[..., None].float()).to(dtype)
+
+
+def _read(store: torch.Tensor, scale: torch.Tensor | None, at: tuple) -> torch.Tensor:
+    """fp32 rows store[at] ([..., Hkv, D]), dequantised when the store is e4m3."""
+    return store[at].float() if scale is None else dequantize_fp8(store[at], scale[at])
+
 
 def sdpa_varlen_reference(
     q: torch.Tensor,
@@ -28,10 +56,13 @@ def sdpa_varlen_reference(
     scale: float | None = None,
     causal: bool = True,
     window: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over the column store, computed in float32.
 
-    q: [T, Hq, D]; k_store, v_store: [rows, C, Hkv, D]; seq_info: int [S, 4] (any device).
+    q: [T, Hq, D]; k_store, v_store: [rows, C, Hkv, D]; seq_info: int [S, 4] (any device);
+    k_scale, v_scale: fp32 [rows, C, Hkv] for e4m3 stores (the value is code * scale), else None.
     Returns [T, Hq, D] in q's dtype. Not graph-capturable (reads seq_info on the host).
 
     >>> out = sdpa_varlen_reference(q, k, v, torch.tensor([[0, 3, 1, 3]], dtype=torch.int32))
@@ -48,8 +79,8 @@ def sdpa_varlen_reference(
         if lo_resident >= kv_end:
             continue
         t = torch.arange(lo_resident, kv_end, device=q.device)  # resident key positions
-        keys = k_store[t % rows, col].float().repeat_interleave(group, dim=1)  # [N, Hq, D]
-        values = v_store[t % rows, col].float().repeat_interleave(group, dim=1)
+        keys = _read(k_store, k_scale, (t % rows, col)).repeat_interleave(group, dim=1)  # [N, Hq, D]
+        values = _read(v_store, v_scale, (t % rows, col)).repeat_interleave(group, dim=1)
         p = torch.arange(kv_end - q_len, kv_end, device=q.device)  # [q_len] query positions
         if causal:
             allowed = t[None, :] <= p[:, None]
@@ -70,12 +101,32 @@ def sdpa_varlen_reference(
 
 
 def kv_write_reference(
-    k_flat: torch.Tensor, v_flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write this step's K/V rows into the flat store views: `k_flat[slots[i]] = k[i]`.
 
     k_flat, v_flat: [rows * C, Hkv, D] views of the store; k, v: [W, Hkv, D]; slots: int64 [W].
-    Cast to the store's dtype on write. Capturable (no host reads).
+    Cast to the store's dtype on write; e4m3 stores also take k_scale, v_scale, fp32 [rows * C, Hkv]
+    views, and get `quantize_fp8`'s codes and scales. Capturable (no host reads).
     """
-    k_flat.index_copy_(0, slots, k.to(k_flat.dtype))
-    v_flat.index_copy_(0, slots, v.to(v_flat.dtype))
+    for flat, scale, x in ((k_flat, k_scale, k), (v_flat, v_scale, v)):
+        if scale is None:
+            index_copy(flat, slots, x.to(flat.dtype))
+        else:
+            codes, scales = quantize_fp8(x)
+            index_copy(flat, slots, codes)
+            index_copy(scale, slots, scales)
+
+
+def index_copy(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.index_copy_(0, index, src)`, for e4m3 tensors too (through uint8 views: torch has no
+    e4m3 index_copy on the CPU)."""
+    if dst.dtype == FP8:
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+    dst.index_copy_(0, index, src)

@@ -23,6 +23,10 @@ segment covers. Long segments (prefill) are `long_kernel`'s (`sdpa_varlen_long.p
 - Rows: program P-1-p of a head group zeroes rows t = p, p + P, ... that no segment writes (its
   heads only), so padding rows are exact zeros without another launch.
 
+- e4m3 stores (QUANT): codes convert to q's dtype in registers; per tile one [BLOCK_N] vector
+  of K scales (times qk_scale) multiplies the score columns and one of V scales multiplies p
+  before the PV dot, so l_i sums unscaled p and acc sums p * scale * code. Accumulation is fp32.
+
 Only interior key blocks (every row of the tile attends every key) skip the mask. The plan is
 derived on the device from one [S, 4] table load, one int64 scan and one reduction per piece:
 no length reaches the host. The kernel trusts the table's contents but never writes outside
@@ -53,15 +57,18 @@ def _locate_combine(a0, a1, a2, b0, b1, b2):
 
 
 @triton.jit
-def _attend(q_tile, k_base, v_base, stride_r, stride_h, rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale,
-            HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-            SKIP_MASKS: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+def _attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_sr, rows, k0, k1, row_lo, row_hi,
+            full_lo, full_hi, qk_scale, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            HEAD_DIM: tl.constexpr, SKIP_MASKS: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
     """Online softmax of [HEADS, BLOCK_M, D] queries over keys [k0, k1) (block-aligned pieces).
 
     k_base, v_base: the first head's (column, KV head) at key row 0; row_lo, row_hi: [BLOCK_M]. Returns the
     normalised output [HEADS, BLOCK_M, D] and its lse [HEADS, BLOCK_M] (log2 units). One head
     runs as plain 2-D tiles: a batched dot whose batch is smaller than the warp count replicates
-    work in some Triton versions (3.6 puts every warp on the batch axis)."""
+    work in some Triton versions (3.6 puts every warp on the batch axis).
+    QUANT (e4m3 stores): ks_base, vs_base point at the first head's scales at key row 0. Codes
+    convert exactly to q's dtype for the dots; each tile loads one [BLOCK_N] K and V scale vector
+    per head, K's folded into the scores column-wise, V's into p before the PV dot."""
     if HEADS == 1:  # 2-D: q [M, D], keys [N, D], scores [M, N]
         q_tile = tl.reshape(q_tile, [BLOCK_M, HEAD_DIM])
         d = tl.arange(0, HEAD_DIM)[None, :]
@@ -82,21 +89,34 @@ def _attend(q_tile, k_base, v_base, stride_r, stride_h, rows, k0, k1, row_lo, ro
     offs_n = tl.arange(0, BLOCK_N)
     for start in range(k0, k1, BLOCK_N):
         t = start + offs_n  # key positions
-        r = ring_rows(t, k0, rows).to(tl.int64) * stride_r
+        rr = ring_rows(t, k0, rows).to(tl.int64)
+        r = rr * stride_r
+        sr = rr * stride_sr
         if HEADS == 1:
             r = r[:, None]
             in_range = (t < k1)[:, None]
             t_s = t[None, :]
+            sr = sr[None, :]  # [1, N]: one scale per score column
+            s_range = (t < k1)[None, :]
         else:
             r = r[None, :, None]
             in_range = (t < k1)[None, :, None]
             t_s = t[None, None, :]
+            sr = tl.arange(0, HEADS)[:, None, None] + sr[None, None, :]  # [H, 1, N], heads contiguous
+            s_range = (t < k1)[None, None, :]
         k = tl.load(k_base + r + d, mask=in_range, other=0.0)
         v = tl.load(v_base + r + d, mask=in_range, other=0.0)
-        if HEADS == 1:
-            s = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        if QUANT:
+            k_s = tl.load(ks_base + sr, mask=s_range, other=0.0) * qk_scale
+            v_s = tl.load(vs_base + sr, mask=s_range, other=0.0)
+            k = k.to(q_tile.dtype)
+            v = v.to(q_tile.dtype)
         else:
-            s = tl.dot(q_tile, tl.trans(k, (0, 2, 1)), input_precision=DOT_PREC) * qk_scale
+            k_s = qk_scale
+        if HEADS == 1:
+            s = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PREC) * k_s
+        else:
+            s = tl.dot(q_tile, tl.trans(k, (0, 2, 1)), input_precision=DOT_PREC) * k_s
         if SKIP_MASKS:
             if (start < full_lo) | (start + BLOCK_N > full_hi):  # an edge block: some row misses some key
                 s = tl.where((t_s >= row_lo) & (t_s < row_hi), s, NEG_INF)
@@ -107,6 +127,8 @@ def _attend(q_tile, k_base, v_base, stride_r, stride_h, rows, k0, k1, row_lo, ro
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - tl.expand_dims(m_safe, AXIS))
         l_i = l_i * alpha + tl.sum(p, AXIS)
+        if QUANT:
+            p = p * v_s
         acc = acc * tl.expand_dims(alpha, AXIS) + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     has = l_i > 0
@@ -173,9 +195,10 @@ def _merge(out, o_part, lse_part, it, p_first, p_last, h0, num_kv_heads, q_start
 
 
 @triton.jit
-def split_kernel(q, k_store, v_store, info, out, o_part, lse_part, counters, S, T, rows, window, qk_scale, P,
-                 MAX_ITEMS, stride_qt, stride_qh, stride_r, stride_c, stride_h, stride_ot, stride_oh,
-                 CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_part, counters, S, T, rows, window,
+                 qk_scale, P, MAX_ITEMS, stride_qt, stride_qh, stride_r, stride_c, stride_h, stride_sr, stride_sc,
+                 stride_ot, stride_oh, QUANT: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr,
+                 HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, Q_SHORT: tl.constexpr,
                  S_POW2: tl.constexpr, MIN_BLOCKS: tl.constexpr, LONG: tl.constexpr, SKIP_MASKS: tl.constexpr,
                  MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, HG_POW2: tl.constexpr,
@@ -233,14 +256,17 @@ def split_kernel(q, k_store, v_store, info, out, o_part, lse_part, counters, S, 
         row_ok = (tl.arange(0, BLOCK_M) < BLOCK_Q * GROUP) & (i < q_len) & (token >= 0) & (token < T)
         head = (h0 + hh) * GROUP + g[None, :, None]  # [HEADS, BLOCK_M, 1] query heads
         q_ptrs = q + token.to(tl.int64)[None, :, None] * stride_qt + head * stride_qh + d
-        q_tile = tl.load(q_ptrs, mask=row_ok[None, :, None], other=0.0).to(k_store.dtype.element_ty)
+        q_tile = tl.load(q_ptrs, mask=row_ok[None, :, None], other=0.0)
+        if not QUANT:  # the dots run in the store's dtype (e4m3 codes convert to q's instead)
+            q_tile = q_tile.to(k_store.dtype.element_ty)
         row_lo, row_hi = row_bounds(kv_end - q_len + i, row_ok, kv_end, rows, window, CAUSAL)
         i_last = tl.minimum(q_len, qb * BLOCK_Q + BLOCK_Q) - 1
         full_lo, full_hi = full_bounds(q_len, kv_end, rows, window, qb * BLOCK_Q, i_last, CAUSAL)
         kv = col * stride_c + h0.to(tl.int64) * stride_h  # (column, first KV head)
-        o, lse = _attend(q_tile, k_store + kv, v_store + kv, stride_r, stride_h, rows, k0, k1, row_lo,
-                         row_hi, full_lo, full_hi, qk_scale, HEADS, BLOCK_M, BLOCK_N, HEAD_DIM, SKIP_MASKS,
-                         DOT_PREC)  # fmt: skip
+        sc = col * stride_sc + h0  # its scales
+        o, lse = _attend(q_tile, k_store + kv, v_store + kv, k_scale + sc, v_scale + sc, stride_r, stride_h, stride_sr,
+                         rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, HEADS, BLOCK_M, BLOCK_N, HEAD_DIM,
+                         SKIP_MASKS, DOT_PREC, QUANT)  # fmt: skip
         out_ptrs = out + token.to(tl.int64)[None, :, None] * stride_ot + head * stride_oh + d
         if p_first == p_last:  # the item is this program's alone
             tl.store(out_ptrs, o.to(out.dtype.element_ty), mask=row_ok[None, :, None])

@@ -24,18 +24,26 @@ def _locate_combine(a0, a1, b0, b1):
 
 
 @triton.jit
-def _attend_range(q_tile, k_base, v_base, stride_r, rows, k_ring, start0, stop, k1, row_lo, row_hi, m_i, l_i, acc,
-                  qk_scale, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  DOT_PREC: tl.constexpr):  # fmt: skip
-    """Online softmax over key blocks [start0, stop) (keys < k1), continuing (m_i, l_i, acc)."""
+def _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k_ring, start0, stop, k1,
+                  row_lo, row_hi, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
+    """Online softmax over key blocks [start0, stop) (keys < k1), continuing (m_i, l_i, acc).
+
+    QUANT: e4m3 codes convert to q's dtype; one [BLOCK_N] K scale vector scales the score columns
+    and one V scale vector scales p before the PV dot (see `sdpa_varlen_kernels`)."""
     offs_n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     for start in range(start0, stop, BLOCK_N):
         t = start + offs_n  # key positions
-        r = ring_rows(t, k_ring, rows).to(tl.int64)[:, None] * stride_r + d[None, :]
+        rr = ring_rows(t, k_ring, rows).to(tl.int64)
+        r = rr[:, None] * stride_r + d[None, :]
         in_range = (t < k1)[:, None]  # all true in interior blocks; cheap, and keeps one load path
         k = tl.load(k_base + r, mask=in_range, other=0.0)
-        s = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [M, N], log2 units
+        if QUANT:
+            k_s = tl.load(ks_base + rr[None, :] * stride_sr, mask=(t < k1)[None, :], other=0.0) * qk_scale
+            s = tl.dot(q_tile, tl.trans(k.to(q_tile.dtype)), input_precision=DOT_PREC) * k_s  # [M, N], log2 units
+        else:
+            s = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [M, N], log2 units
         if MASKED:
             s = tl.where((t[None, :] >= row_lo[:, None]) & (t[None, :] < row_hi[:, None]), s, NEG_INF)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -44,17 +52,20 @@ def _attend_range(q_tile, k_base, v_base, stride_r, rows, k_ring, start0, stop, 
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + r, mask=in_range, other=0.0)
+        if QUANT:
+            p = p * tl.load(vs_base + rr[None, :] * stride_sr, mask=(t < k1)[None, :], other=0.0)
+            v = v.to(q_tile.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     return m_i, l_i, acc
 
 
 @triton.jit
-def long_kernel(q, k_store, v_store, info, out, S, T, rows, window, qk_scale,
-                stride_qt, stride_qh, stride_r, stride_c, stride_h, stride_ot, stride_oh,
-                CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, Q_SHORT: tl.constexpr, S_POW2: tl.constexpr,
-                DOT_PREC: tl.constexpr):  # fmt: skip
+def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, S, T, rows, window, qk_scale,
+                stride_qt, stride_qh, stride_r, stride_c, stride_h, stride_sr, stride_sc, stride_ot, stride_oh,
+                QUANT: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, Q_SHORT: tl.constexpr,
+                S_POW2: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     h = tl.program_id(1)
     idx = tl.arange(0, S_POW2)
@@ -77,7 +88,9 @@ def long_kernel(q, k_store, v_store, info, out, S, T, rows, window, qk_scale,
     row_ok = (r < BLOCK_Q * GROUP) & (i < q_len) & (token >= 0) & (token < T)
     head = h * GROUP + r % GROUP
     q_ptrs = q + token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-    q_tile = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0).to(k_store.dtype.element_ty)
+    q_tile = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    if not QUANT:  # the dots run in the store's dtype (e4m3 codes convert to q's instead)
+        q_tile = q_tile.to(k_store.dtype.element_ty)
     row_lo, row_hi = row_bounds(kv_end - q_len + i, row_ok, kv_end, rows, window, CAUSAL)
     k0 = tl.min(tl.where(row_ok, row_lo, kv_end), 0)
     k1 = tl.max(tl.where(row_ok, row_hi, 0), 0)  # the tile's last query: the causal diagonal
@@ -87,15 +100,19 @@ def long_kernel(q, k_store, v_store, info, out, S, T, rows, window, qk_scale,
     b = tl.maximum(a + tl.maximum(tl.minimum(full_hi, k1) - a, 0) // BLOCK_N * BLOCK_N, a)  # interior end
     base = col * stride_c + h * stride_h
     k_base, v_base = k_store + base, v_store + base
+    ks_base, vs_base = k_scale + col * stride_sc + h, v_scale + col * stride_sc + h
     m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, stride_r, rows, k0, k0, a, k1, row_lo, row_hi, m_i, l_i,
-                                  acc, qk_scale, True, BLOCK_N, HEAD_DIM, DOT_PREC)  # fmt: skip
-    m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, stride_r, rows, k0, a, b, k1, row_lo, row_hi, m_i, l_i,
-                                  acc, qk_scale, False, BLOCK_N, HEAD_DIM, DOT_PREC)  # fmt: skip
-    m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, stride_r, rows, k0, b, k1, k1, row_lo, row_hi, m_i, l_i,
-                                  acc, qk_scale, True, BLOCK_N, HEAD_DIM, DOT_PREC)  # fmt: skip
+    m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, k0, a, k1,
+                                  row_lo, row_hi, m_i, l_i, acc, qk_scale, True, BLOCK_N, HEAD_DIM, DOT_PREC,
+                                  QUANT)  # fmt: skip
+    m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, a, b, k1,
+                                  row_lo, row_hi, m_i, l_i, acc, qk_scale, False, BLOCK_N, HEAD_DIM, DOT_PREC,
+                                  QUANT)  # fmt: skip
+    m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, b, k1, k1,
+                                  row_lo, row_hi, m_i, l_i, acc, qk_scale, True, BLOCK_N, HEAD_DIM, DOT_PREC,
+                                  QUANT)  # fmt: skip
     o = tl.where((l_i > 0)[:, None], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     ptrs = out + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(ptrs, o.to(out.dtype.element_ty), mask=row_ok[:, None])

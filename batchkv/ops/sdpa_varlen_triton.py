@@ -42,9 +42,9 @@ import triton
 from batchkv.errors import ContractError
 from batchkv.ops.sdpa_varlen_kernels import split_kernel
 from batchkv.ops.sdpa_varlen_long import long_kernel
+from batchkv.ops.support import COMPUTE_DTYPES, quantized, refusal, scales_refusal
 
 LOG2E = 1.4426950408889634  # 1/ln(2)
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REGISTERS = 65536  # 32-bit registers per SM (every CUDA GPU since sm_50)
 AXIS32_LIMIT = 2**31  # work-axis products (blocks * programs) below this use 32-bit math in the kernel
 
@@ -58,7 +58,8 @@ class SdpaConfig:
     bench/results/kernels-sweep-h200.json). Several heads make 3-D tiles with one warp per head:
     num_warps 0 means 4 for one head, else `heads`, since Triton 3.6 puts every warp on the
     head axis and replicates work when there are more warps than heads;
-    block_n: key positions per tile (0: ~32 KiB of K+V per stage); block_m: tile rows per KV head,
+    block_n: key positions per tile (0: ~32 KiB of K+V per stage, so 128 keys of e4m3 at D 128
+    where bf16 takes 64); block_m: tile rows per KV head,
     (query, group head) pairs (>= 16); q_short: segments with q_len <= q_short take this path;
     programs: programs per head group (P; 0: occupancy programs per SM over all head groups);
     min_blocks: fewest key blocks a program takes (fewer programs share a short total, fewer
@@ -124,7 +125,7 @@ def resolve_config(
     num_warps = cfg.num_warps or (4 if heads == 1 else heads)
     stage_keys = 32768 // (2 * head_dim * esize * heads)  # key positions whose K+V fill 32 KiB
     block_n = cfg.block_n or max(16, min(128, _pow2_floor(stage_keys)))
-    wide_rows = head_dim * esize > 256
+    wide_rows = head_dim * max(esize, 2) > 256  # e4m3 tiles are converted to 16 bits for the dots
     block_n_long = cfg.block_n_long or (32 if wide_rows else 64)
     block_m_long = cfg.block_m_long or (64 if wide_rows else 128)
     programs = cfg.programs or max(1, -(-cfg.occupancy * _sm_count(device) // (num_kv_heads // heads)))
@@ -173,7 +174,7 @@ def _regs(max_regs: int, device: torch.device) -> dict:
     return {"maxnreg": max_regs} if max_regs and device.type == "cuda" else {}
 
 
-def _check(q, k_store, v_store, seq_info, window, out) -> None:
+def _check(q, k_store, v_store, seq_info, window, out, k_scale, v_scale) -> None:
     if q.dim() != 3 or k_store.dim() != 4 or k_store.shape != v_store.shape:
         raise ContractError(
             "sdpa_varlen wants q [T, Hq, D] and k_store, v_store [rows, C, Hkv, D] of one shape; "
@@ -181,17 +182,22 @@ def _check(q, k_store, v_store, seq_info, window, out) -> None:
         )
     num_q_heads, head_dim = q.shape[1:]
     rows, _, num_kv_heads, store_dim = k_store.shape
-    if store_dim != head_dim or head_dim < 16 or head_dim & (head_dim - 1):
-        raise ContractError(f"head_dim must be one power of two >= 16 in q and the stores; got {head_dim}, {store_dim}")
+    if store_dim != head_dim:
+        raise ContractError(f"sdpa_varlen: q has head_dim {head_dim} but the stores {store_dim}")
+    problem = refusal(k_store.dtype, head_dim)
+    if problem:
+        raise ContractError(f"sdpa_varlen: {problem}")
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ContractError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}; GQA needs Hq % Hkv == 0")
     if rows < 1:
         raise ContractError("the stores have 0 rows; grow the cache before attending")
-    if q.dtype not in DTYPES or k_store.dtype not in DTYPES or v_store.dtype != k_store.dtype:
+    if q.dtype not in COMPUTE_DTYPES or v_store.dtype != k_store.dtype:
         raise ContractError(
-            f"q and the stores must be fp16/bf16/fp32, one dtype for both stores; got {q.dtype}, "
-            f"{k_store.dtype}, {v_store.dtype}"
+            f"q must be fp16/bf16/fp32 and both stores one dtype; got {q.dtype}, {k_store.dtype}, {v_store.dtype}"
         )
+    problem = scales_refusal(k_store, k_scale, v_scale)
+    if problem:
+        raise ContractError(f"sdpa_varlen: {problem}")
     if q.stride(-1) != 1 or k_store.stride(-1) != 1 or k_store.stride() != v_store.stride():
         raise ContractError(
             "q and the stores need a contiguous last dim, and k_store and v_store the same strides; "
@@ -228,14 +234,19 @@ def sdpa_varlen(
     window: int = 0,
     out: torch.Tensor | None = None,
     config: SdpaConfig | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over the column store (Triton; contract in the module docstring).
 
     q: [T, Hq, D] fp16/bf16/fp32; k_store, v_store: [rows, C, Hkv, D], one dtype and strides,
     last dim contiguous; seq_info: int32 [S, 4] rows (q_start, q_len, col, kv_end) on q's device;
-    D a power of two >= 16; Hq % Hkv == 0. scale defaults to 1/sqrt(D); window 0 means none.
-    Returns `out` (or a new tensor) [T, Hq, D] in q's dtype. q is cast to the store dtype for the
-    QK dot; accumulation is fp32; fp32 stores use IEEE (not tf32) dots.
+    D a power of two from 16 to 256; Hq % Hkv == 0. scale defaults to 1/sqrt(D); window 0 means
+    none. Returns `out` (or a new tensor) [T, Hq, D] in q's dtype. q is cast to the store dtype
+    for the QK dot; accumulation is fp32; fp32 dots are IEEE (not tf32).
+    e4m3 stores (`torch.float8_e4m3fn`) also take k_scale, v_scale: fp32 [rows, C, Hkv] (heads
+    contiguous; the value is code * scale); their codes are converted exactly to q's dtype in
+    registers, and the dots run in q's dtype.
 
     Graph-safe: nothing is read back to the host and grids depend on shapes only, so a captured
     call replays correctly after new contents are copied into `seq_info`. The fp32 partials come
@@ -246,7 +257,7 @@ def sdpa_varlen(
     >>> info = torch.tensor([[0, 1, 3, 700], [1, 4, 0, 52]], dtype=torch.int32, device="cuda")
     >>> out = sdpa_varlen(q, k_store, v_store, info)  # q [5, 32, 128], stores [1024, 65, 8, 128]
     """
-    _check(q, k_store, v_store, seq_info, window, out)
+    _check(q, k_store, v_store, seq_info, window, out, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     rows, _, num_kv_heads, _ = k_store.shape
     num_segments = seq_info.shape[0]
@@ -258,14 +269,19 @@ def sdpa_varlen(
     group = num_q_heads // num_kv_heads
     cfg = resolve_config(config, head_dim, k_store.dtype, num_kv_heads, q.device)
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
-    strides = (q.stride(0), q.stride(1), *k_store.stride()[:3], out.stride(0), out.stride(1))
+    quant = quantized(k_store.dtype)
+    dots = q.dtype if quant else k_store.dtype  # the dtype tl.dot runs in
+    k_scale, v_scale = (k_scale, v_scale) if quant else (k_store, v_store)  # unread without QUANT
+    scale_strides = k_scale.stride()[:2] if quant else (0, 0)
+    strides = (q.stride(0), q.stride(1), *k_store.stride()[:3], *scale_strides, out.stride(0), out.stride(1))
     common = dict(
+        QUANT=quant,
         CAUSAL=bool(causal),
         GROUP=group,
         HEAD_DIM=head_dim,
         Q_SHORT=cfg.q_short,
         S_POW2=max(16, triton.next_power_of_2(num_segments)),
-        DOT_PREC="ieee" if k_store.dtype == torch.float32 else "tf32",
+        DOT_PREC="ieee" if dots == torch.float32 else "tf32",
     )
     args = (num_segments, num_tokens, rows, window, qk_scale)
     long = num_tokens > cfg.q_short  # else no segment can be long: no second launch
@@ -284,7 +300,8 @@ def sdpa_varlen(
     hg_pow2 = triton.next_power_of_2(heads * group)
     axis_bound = max_items * -(-rows // cfg.block_n)  # most key blocks on the work axis (an item spans <= rows keys)
     split_kernel[(groups, cfg.programs)](
-        q, k_store, v_store, seq_info, out, o_part, lse_part, counters, *args, cfg.programs, max_items, *strides,
+        q, k_store, v_store, k_scale, v_scale, seq_info, out, o_part, lse_part, counters, *args, cfg.programs,
+        max_items, *strides,
         HEADS=heads, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, MIN_BLOCKS=cfg.min_blocks, LONG=long,
         SKIP_MASKS=cfg.skip_masks, MERGE_ROWS=merge_rows,
         MERGE_SLOTS=min(64, _pow2_floor(cfg.merge_tile // (heads * merge_rows * head_dim))), HG_POW2=hg_pow2,
@@ -295,7 +312,7 @@ def sdpa_varlen(
         block_q_long = max(1, cfg.block_m_long // group)
         most_long = min(num_segments, num_tokens // (cfg.q_short + 1))
         long_kernel[(-(-num_tokens // block_q_long) + most_long, num_kv_heads)](
-            q, k_store, v_store, seq_info, out, *args, *strides,
+            q, k_store, v_store, k_scale, v_scale, seq_info, out, *args, *strides,
             BLOCK_M=max(16, triton.next_power_of_2(block_q_long * group)), BLOCK_Q=block_q_long,
             BLOCK_N=cfg.block_n_long, **common, num_warps=cfg.num_warps_long, num_stages=cfg.num_stages_long,
         )  # fmt: skip

@@ -1,0 +1,159 @@
+"""e4m3 K/V storage in the kernels, under the interpreter on CPU at small shapes.
+
+The Triton write stores exactly what `quantize_fp8` stores (codes and scales, bit for bit), and
+sdpa_varlen over e4m3 codes and fp32 scales equals the torch reference on the same codes at fp32
+tolerance across the kernel suite's shapes. Stores start poisoned: NaN codes (0x7F) and NaN
+scales everywhere a segment may not read, so a stray read turns the output into NaN (Triton's
+interpreter decodes code 0x7F as 480, so the NaN scale is the tripwire there).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchkv.errors import ContractError
+from batchkv.ops import sdpa_varlen_reference
+from batchkv.ops.kv_write_triton import kv_write
+from batchkv.ops.reference import dequantize_fp8, kv_write_reference, quantize_fp8
+from batchkv.ops.sdpa_varlen_triton import SdpaConfig, _counters, sdpa_varlen
+from batchkv.ops.support import FP8, SCALE_FLOOR
+from tests.test_sdpa_varlen import DEVICE, make_case
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8 else t.view(torch.int32)
+
+
+# ---- the write --------------------------------------------------------------------------------------
+def poisoned_flat(slots: int, kv_heads: int, head_dim: int):
+    codes = torch.full((slots, kv_heads, head_dim), float("nan"), device=DEVICE).to(FP8)
+    scales = torch.full((slots, kv_heads), float("nan"), device=DEVICE)
+    return codes, codes.clone(), scales, scales.clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_write_stores_the_reference_codes_and_scales_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(0)
+    width, kv_heads, head_dim = 9, 3, 32
+    # magnitudes 1e-12 .. 1e8 across rows (e4m3 subnormals included), strided views of one projection
+    spread = torch.logspace(-12, 8, width)[:, None, None, None]
+    kv = (torch.randn(width, 2, kv_heads, head_dim, generator=gen) * spread).to(dtype)
+    kv[2, 0, 1] = 0.0  # an all-zero row
+    kv[3, 1, 0, :4] = -0.0
+    k, v = kv[:, 0].to(DEVICE), kv[:, 1].to(DEVICE)
+    slots = torch.randperm(40, generator=gen)[:width].to(DEVICE)
+    got, want = poisoned_flat(40, kv_heads, head_dim), poisoned_flat(40, kv_heads, head_dim)
+    kv_write(got[0], got[1], k, v, slots, k_scale=got[2], v_scale=got[3])
+    kv_write_reference(want[0], want[1], k, v, slots, k_scale=want[2], v_scale=want[3])
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(bits(g), bits(w))  # NaN poison included: slots not written stay untouched
+    assert torch.equal(got[0][slots[2], 1].float(), torch.zeros(head_dim)) and got[2][slots[2], 1] == SCALE_FLOOR
+
+
+def test_quantize_fp8_keeps_each_element_within_half_an_e4m3_step():
+    # e4m3 has 3 mantissa bits: rounding moves a normal value by at most 2^-4 of itself; below the
+    # smallest normal (2^-6 * scale) by at most half the subnormal step, 2^-10 * scale.
+    x = torch.randn(64, 4, 128, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 128)
+    codes, scale = quantize_fp8(x)
+    err = (dequantize_fp8(codes, scale) - x).abs()
+    bound = torch.maximum(x.abs() * 2**-4, scale[..., None] * 2**-10) * (1 + 1e-6)
+    assert (err <= bound).all()
+    amax = dequantize_fp8(codes, scale).abs().amax(-1)  # code 448 * (amax / 448): amax to one fp32 rounding
+    torch.testing.assert_close(amax, x.abs().amax(-1), rtol=2**-23, atol=0)
+
+
+# ---- attention ------------------------------------------------------------------------------------
+def check_fp8(segments, *, causal=True, window=0, config=None, q_dtype=torch.float32, atol=2e-5, **case):
+    """sdpa_varlen on e4m3 codes of NaN-poisoned stores equals the reference on the same codes."""
+    (q, k, v), info = make_case(segments, **case)  # fp32, NaN past every kv_end and in unused columns
+    (k_codes, k_scale), (v_codes, v_scale) = quantize_fp8(k), quantize_fp8(v)
+    assert k_scale.isnan().any() and bits(k_codes).eq(0x7F).any()  # the poison survives quantisation
+    q = q.to(q_dtype)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    out = torch.full_like(q, float("nan"))
+    sdpa_varlen(q, k_codes, v_codes, info, causal=causal, window=window, config=config, out=out, **scales)
+    ref = sdpa_varlen_reference(q, k_codes, v_codes, info, causal=causal, window=window, **scales)
+    covered = torch.zeros(q.shape[0], dtype=torch.bool)
+    for q_start, q_len, _, _ in info.tolist():
+        covered[q_start : q_start + q_len] = True
+    assert not out.isnan().any()
+    torch.testing.assert_close(out[covered].float(), ref[covered].float(), atol=atol, rtol=1e-4)
+    assert torch.equal(out[~covered], torch.zeros_like(out[~covered]))
+    assert not _counters(q.device, 0).any()
+
+
+SHORT = SdpaConfig(block_n=16)
+CASES = {  # the kernel suite's shapes (tests/test_sdpa_varlen.py), on e4m3 storage
+    "decode gqa 1": dict(segments=[(1, 0, 1), (1, 3, 17), (1, 1, 130)], rows=140, group=1, kv_heads=4, head_dim=16),
+    "decode gqa 8": dict(segments=[(1, 0, 1), (1, 3, 17), (1, 4, 257)], rows=260, group=8, kv_heads=1),
+    "verify blocks": dict(segments=[(3, 2, 8), (16, 0, 95)], rows=100, kv_heads=1, head_dim=16),
+    "prefill long path": dict(segments=[(40, 1, 40), (40, 0, 113)], rows=120, head_dim=16,
+                              config=SdpaConfig(block_m_long=32)),
+    "mixed split runs": dict(segments=[(1, 3, 200), (4, 0, 63), (0, 4, 0), (40, 1, 77), (2, 0, 65), (1, 2, 1)],
+                             rows=210, group=3, head_dim=16),
+    "sliding window": dict(segments=[(1, 0, 150), (3, 1, 49), (40, 2, 90)], rows=160, window=7, head_dim=16,
+                           kv_heads=1),
+    "wrapped ring": dict(segments=[(1, 0, 301), (5, 1, 57), (3, 2, 24)], rows=24, window=20, head_dim=16),
+    "non-causal window": dict(segments=[(4, 0, 70), (16, 1, 33), (40, 2, 100)], rows=110, causal=False, window=6,
+                              head_dim=16, kv_heads=1),
+    "one program per head": dict(segments=[(1, 0, 70), (3, 2, 33), (1, 1, 300)], rows=310, head_dim=16,
+                                 kv_heads=1, config=SdpaConfig(programs=1, block_n=16)),
+    "many programs merged": dict(segments=[(1, 0, 700), (3, 1, 45)], rows=710, head_dim=16, kv_heads=1,
+                                 config=SdpaConfig(programs=50, block_n=16)),
+    "unmasked interiors": dict(segments=[(1, 0, 301), (5, 1, 157), (16, 2, 99)], rows=120, window=70, head_dim=16,
+                               kv_heads=1, config=SdpaConfig(programs=3, block_n=16)),
+    "two heads per program": dict(segments=[(1, 0, 129), (4, 1, 300), (16, 3, 90), (40, 4, 60)], rows=300,
+                                  kv_heads=4, group=2, head_dim=16, config=SdpaConfig(heads=2, block_n=16)),
+    "head_dim 64, 128-key tiles": dict(segments=[(1, 0, 129), (5, 1, 300)], rows=300, head_dim=64, group=2,
+                                       config=SdpaConfig(block_n=128)),
+    "fp16 queries": dict(segments=[(1, 0, 80), (3, 1, 21), (40, 2, 60)], rows=90, head_dim=16,
+                         q_dtype=torch.float16, atol=2e-3),
+    "uncovered rows": dict(segments=[(1, 0, 50), (0, 2, 9), (3, 1, 20)], rows=60, gap=3, pad=20, head_dim=16,
+                           kv_heads=1, config=SHORT),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_e4m3_attention_matches_the_reference_on_the_same_codes(case):
+    check_fp8(**CASES[case])
+
+
+def _fp8_inputs():
+    (q, k, v), info = make_case([(1, 0, 4)], rows=8, pad=0, head_dim=16)
+    (kc, ks), (vc, vs) = quantize_fp8(k), quantize_fp8(v)
+    return dict(q=q, k_store=kc, v_store=vc, seq_info=info, k_scale=ks, v_scale=vs)
+
+
+BAD = {
+    "e4m3 stores without scales": lambda a: a.update(k_scale=None, v_scale=None),
+    "fp16 scales": lambda a: a.update(k_scale=a["k_scale"].half(), v_scale=a["v_scale"].half()),
+    "scales of another shape": lambda a: a.update(k_scale=a["k_scale"][:4], v_scale=a["v_scale"][:4]),
+    "scales beside bf16 stores": lambda a: a.update(k_store=a["k_store"].bfloat16(), v_store=a["v_store"].bfloat16()),
+    "e5m2 stores": lambda a: a.update(k_store=a["k_store"].to(torch.float8_e5m2),
+                                      v_store=a["v_store"].to(torch.float8_e5m2)),
+    "e4m3 queries": lambda a: a.update(q=a["q"].to(FP8)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("breach", list(BAD))
+def test_e4m3_contract_breaches_raise_contract_error(breach):
+    args = _fp8_inputs()
+    BAD[breach](args)
+    with pytest.raises(ContractError):
+        sdpa_varlen(**args)
+
+
+@pytest.mark.parametrize("breach", ["no scales", "scales for fp32 stores", "fp32 inputs as e5m2 stores"])
+def test_the_write_refuses_e4m3_contract_breaches(breach):
+    k_flat, v_flat, k_scale, v_scale = poisoned_flat(8, 2, 16)
+    args = dict(k_flat=k_flat, v_flat=v_flat, k=torch.randn(2, 2, 16), v=torch.randn(2, 2, 16),
+                slots=torch.tensor([1, 2]), k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+    if breach == "no scales":
+        args.update(k_scale=None)
+    elif breach == "scales for fp32 stores":
+        args.update(k_flat=k_flat.float(), v_flat=v_flat.float())
+    else:
+        args.update(k_flat=k_flat.to(torch.float8_e5m2), v_flat=v_flat.to(torch.float8_e5m2))
+    with pytest.raises(ContractError):
+        kv_write(**{name: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for name, x in args.items()})
