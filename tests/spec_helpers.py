@@ -52,3 +52,24 @@ def known_continuations(schedule: list[tuple[int, Request]], outputs, ids) -> di
         for sample, tokens in enumerate(outputs[ids[index]].tokens):
             known[(request.prompt_ids, sample)] = tokens
     return known
+
+
+def forced_dflash(proposer, known: dict, corrupt=None):
+    """Make a DFlash proposer's drafts the known continuation after its drafter ran (so the drafter
+    step, its context flushes and rewinds all happen, with long accepted runs)."""
+    plain_propose = proposer.propose
+
+    def propose(batch, samples, counts):
+        drafts = plain_propose(batch, samples, counts)
+        for sample, src in zip(samples, drafts.src, strict=True):
+            future = known.get((sample.owner.prompt, sample.index), [])
+            emitted = len(sample.tokens)
+            for j, index in enumerate(src):
+                if emitted + j < len(future):
+                    token = future[emitted + j]
+                    if corrupt is not None and corrupt(emitted, j):
+                        token = (token + 1) % proposer.drafter.config.vocab
+                    proposer.drafts[index] = token
+        return drafts
+
+    proposer.propose = propose

@@ -100,7 +100,7 @@ def test_drafter_on_the_column_store_matches_the_dense_reference_across_steps_an
         )  # fmt: skip
         cache.commit_step()
         r = 0
-        for s, new, block, anchor in owners:
+        for s, _new, block, anchor in owners:
             cache.rewind(s, cache.pos(s) - block)  # only context K/V stay
             length = cache.pos(s)
             t_ctx = torch.arange(length) + offsets[s]
