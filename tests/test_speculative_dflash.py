@@ -29,10 +29,9 @@ def schedule_for(vocab: int, seed: int, count: int = 7, stop: int | None = None)
     return schedule
 
 
-def run_pair(model, drafter, schedule, *, force: bool, cancels=None, block: int = 5, **overrides):
+def run_pair(model, drafter, schedule, *, force: bool, cancels=None, block: int = 5, plain=None, **overrides):
     opts = OPTS | overrides
-    plain = Engine(model, **opts)
-    outputs, ids = drive(plain, schedule, cancels)
+    outputs, ids = plain or drive(Engine(model, **opts), schedule, cancels)
     engine = Engine(model, speculative=SpeculativeConfig("dflash", block_size=block, drafter=drafter), **opts)
     if force:
         forced_dflash(engine.speculator.proposer, known_continuations(schedule, outputs, ids))
@@ -80,11 +79,12 @@ def test_a_transformers_qwen3_with_sliding_layers_and_a_dflash_drafter_decodes_e
 
     model = HFModel(_qwen3(use_sliding_window=True, sliding_window=6, max_window_layers=1))
     drafter = build_drafter(model, num_layers=1, target_layer_ids=(0, 1), block_size=4, seed=2)
-    schedule = schedule_for(model.vocab_size, 3, count=6)
-    plain, fast, engine = run_pair(model, drafter, schedule, force=True, block=4)
+    schedule = schedule_for(model.vocab_size, 3, count=5)
+    reference = drive(Engine(model, **OPTS), schedule)
+    plain, fast, engine = run_pair(model, drafter, schedule, force=True, block=4, plain=reference)
     assert fast == plain
     assert engine.metrics.spec_accepted == engine.metrics.spec_proposed > 0
-    plain, fast, _ = run_pair(model, drafter, schedule, force=False, block=4)
+    plain, fast, _ = run_pair(model, drafter, schedule, force=False, block=4, plain=reference)
     assert fast == plain
 
 

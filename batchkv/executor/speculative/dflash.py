@@ -163,6 +163,8 @@ class DFlashProposer:
         self._dev.copy_(self._host, non_blocking=self._copied is not None)
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.cache.device))
+        if self.cache.rows < self.target_cache.rows:  # grow with the target (admission), not mid-decode
+            self.cache.reserve(self.target_cache.rows)
         self.cache.declare_step(seq_ids)
         self.cache.prepare_step(width)
         self.runner.execute((width, rows), lambda: self._forward(width, rows))
