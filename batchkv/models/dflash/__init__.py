@@ -30,6 +30,20 @@ and a `config.json` whose `dflash_config` holds `target_layer_ids`, `block_size`
 
 from batchkv.models.dflash.config import DFlashConfig
 from batchkv.models.dflash.model import DFlashDrafter
-from batchkv.models.dflash.weights import build_drafter, checkpoint_names, load_drafter_weights, save_drafter
+from batchkv.models.dflash.weights import (
+    build_drafter,
+    checkpoint_names,
+    default_target_layers,
+    load_drafter_weights,
+    save_drafter,
+)
 
-__all__ = ["DFlashConfig", "DFlashDrafter", "build_drafter", "checkpoint_names", "load_drafter_weights", "save_drafter"]
+__all__ = [
+    "DFlashConfig",
+    "DFlashDrafter",
+    "build_drafter",
+    "checkpoint_names",
+    "default_target_layers",
+    "load_drafter_weights",
+    "save_drafter",
+]

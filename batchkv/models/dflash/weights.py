@@ -34,6 +34,12 @@ def target_geometry(target) -> dict:
             "rope_theta": cfg.theta_t}  # fmt: skip
 
 
+def default_target_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
+    """`count` target layers evenly spaced from the first to the last (DFlash taps a few)."""
+    count = min(count, num_layers)
+    return tuple(sorted({round(i * (num_layers - 1) / max(1, count - 1)) for i in range(count)}))
+
+
 def checkpoint_names(config: DFlashConfig) -> list[str]:
     """Every tensor name of a drafter checkpoint, in order."""
     names = ["fc.weight", "hidden_norm.weight"]
