@@ -56,10 +56,11 @@ def _named(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def random_init(drafter: DFlashDrafter, seed: int = 0) -> None:
-    """Projections N(0, 1/fan_in), norm weights 1 + 0.1 N(0, 1); one generator per (seed, name)."""
+    """Projections N(0, 1/fan_in), norm weights 1 + 0.1 N(0, 1); one generator per (seed, name),
+    drawn on the parameters' device (reproducible per device kind; fast for wide drafters)."""
     for name, p in _named(drafter).items():
-        gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**62)
-        draw = torch.randn(p.shape, generator=gen)
+        gen = torch.Generator(p.device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**62)
+        draw = torch.randn(p.shape, generator=gen, device=p.device)
         p.copy_(1.0 + 0.1 * draw if p.dim() == 1 else draw / math.sqrt(p.shape[1]))
 
 
