@@ -105,7 +105,8 @@ class DFlashProposer:
         self._hbuf = {name: self._host.numpy()[i * width : (i + 1) * width] for i, name in enumerate(names)}
         self._copied = torch.cuda.Event() if pin else None
         self.drafts = torch.zeros(width, dtype=torch.int64, device=device)  # device draft buffer
-        self.runner = DraftRunner(_Modules(drafter, target), self.cache, width, GraphSet(device) if graphs else None)  # type: ignore[arg-type]
+        own_graphs = GraphSet(device) if graphs is not None else None  # keyed by the drafter's widths
+        self.runner = DraftRunner(_Modules(drafter, target), self.cache, width, own_graphs)  # type: ignore[arg-type]
         self.states: dict[SampleState, DraftState] = {}
         self.fork_from: dict[SampleState, SampleState] = {}  # fork -> sample 0 whose column it clones
 
