@@ -40,3 +40,17 @@ def test_draft_and_verify_steps_replay_one_graph_per_bucket_key():
     assert {sampling for (_, _, sampling), _, _ in verify.keys} <= {True, False}
     assert {gen for _, gen, _ in draft.keys} == {engine.speculator.proposer.cache.generation}
     assert engine.metrics.spec_proposed > 0
+
+
+def test_the_drafter_gets_its_own_graph_set_whenever_the_engine_has_one(monkeypatch):
+    import batchkv.executor.speculative.dflash as dflash_module
+    from batchkv.executor.speculative import build_speculator
+
+    monkeypatch.setattr(dflash_module, "GraphSet", lambda device: RecordingGraphs())
+    model = build_model("sensenova-u1-tiny", "cpu", seed=0)
+    drafter = build_drafter(model, num_layers=1, target_layer_ids=(1,), block_size=4, seed=5)
+    spec = SpeculativeConfig("dflash", block_size=4, drafter=drafter)
+    engine = Engine(model, max_seqs=2, capacity=64, max_step_tokens=16, prefill_chunk=8, speculative=spec)
+    assert engine.speculator.proposer.runner.graphs is None  # eager engine, eager drafter
+    speculator = build_speculator(spec, engine, model, RecordingGraphs())  # empty, so falsy
+    assert speculator.proposer.runner.graphs is not None and speculator.runner.graphs is not None
