@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: run the named phases in order, each under its own time limit, with
-# results under $OUT. Phases: tests kernels sweep model decode profile compat.
+# results under $OUT. Phases: tests kernels sweep model decode profile compat spec.
 #   OUT=/tmp/out bash bench/gpu_session.sh tests kernels model decode
 # The machine has no msgspec: carry its wheel in .whl/ (bash ../shared/device/wheels.sh).
 set -uo pipefail
@@ -29,6 +29,7 @@ for p in "$@"; do
     decode) phase decode ${DECODE_LIMIT:-420} python3 bench/decode.py --out "$OUT/decode-h200.json" ${DECODE_ARGS:-} ;;
     profile) phase profile 90 python3 bench/step_profile.py --rows 1 64 --context 640 --json "$OUT/step_profile.json" ;;
     compat) phase compat 150 python3 bench/compat_attention.py --out "$OUT/compat-h200.json" ;;
+    spec) phase spec ${SPEC_LIMIT:-300} python3 bench/spec.py --out "$OUT/spec-h200.json" --budget-s 240 ;;
     *) echo "unknown phase $p" ;;
   esac
 done
