@@ -74,6 +74,16 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--max-step-tokens", type=int, default=64, help="token budget of one step")
     e.add_argument("--prefill-chunk", type=int, default=32, help="most prompt tokens per sequence per step")
     e.add_argument("--graphs", choices=("auto", "on", "off"), default="auto", help="CUDA graphs (auto: on CUDA)")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument(
+        "--speculative",
+        choices=("off", "ngram", "dflash"),
+        default="off",
+        help="ngram: prompt lookup; dflash: a DFlash block drafter (random weights unless --drafter)",
+    )
+    s.add_argument("--spec-block", type=int, metavar="N", help="verify rows per sample per step (default 16; ngram 8)")
+    s.add_argument("--spec-layers", type=int, default=1, metavar="N", help="dflash: layers of a random drafter")
+    s.add_argument("--drafter", metavar="DIR", help="dflash: drafter checkpoint folder (config.json + safetensors)")
     e.add_argument(
         "--kv-dtype",
         choices=("model", "fp8", *KV_DTYPE_NAMES),
@@ -115,6 +125,25 @@ def _kv_dtype(name: str):
     return None if name == "model" else KV_DTYPES["float8_e4m3fn" if name == "fp8" else name]
 
 
+def _speculative_config(args: argparse.Namespace, model):
+    """The engine's SpeculativeConfig from --speculative/--spec-block/--spec-layers/--drafter, or None."""
+    from batchkv.executor import SpeculativeConfig
+
+    if args.speculative == "off":
+        if args.drafter or args.spec_block is not None:
+            raise ConfigError("--drafter and --spec-block need --speculative ngram|dflash")
+        return None
+    if args.speculative == "ngram":
+        return SpeculativeConfig("ngram", block_size=args.spec_block or 8)
+    from batchkv.models.dflash import build_drafter, default_target_layers
+
+    taps = default_target_layers(model.config.num_layers)
+    block, layers = args.spec_block or 16, args.spec_layers
+    drafter = build_drafter(model, num_layers=layers, target_layer_ids=taps, block_size=block, seed=args.seed,
+                            checkpoint=args.drafter)  # fmt: skip
+    return SpeculativeConfig("dflash", block_size=args.spec_block, drafter=drafter)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     import json
 
@@ -132,6 +161,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if device == "cpu" and args.model != "sensenova-u1-tiny":
         raise ConfigError(f"{args.model} is too large for the CPU; use --device cuda or --model sensenova-u1-tiny")
     model = _build_model(args.model, device, args.seed)
+    speculative = _speculative_config(args, model)
     engine = Engine(
         model,
         max_seqs=args.max_seqs,
@@ -142,6 +172,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         use_graphs={"auto": "auto", "on": True, "off": False}[args.graphs],
         seed=args.seed,
         kv_dtype=_kv_dtype(args.kv_dtype),
+        speculative=speculative,
     )
     if args.workload:
         items = load_jsonl(args.workload)
@@ -237,6 +268,10 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=0, metavar="W", help="the ring layers' sliding window")
     p.add_argument("--widths", type=_int_list, metavar="1,2,4", help="captured step widths (default 1,2,4..N)")
     p.add_argument("--max-sample-rows", type=int, default=64, metavar="N", help="logits rows per step")
+    p.add_argument("--draft-layers", type=int, metavar="N", help="also a DFlash drafter of N layers: write the pair")
+    p.add_argument(
+        "--spec-block", type=int, default=16, metavar="N", help="the pair's block size (with --draft-layers)"
+    )
     p.add_argument("-o", "--output", required=True, metavar="FILE", help=".json or .msgpack")
     p.set_defaults(func=_cmd_export)
 
@@ -274,12 +309,35 @@ def _cmd_export(args: argparse.Namespace) -> int:
         flag = f" ({_EXPORT_FLAGS[field]})" if field in _EXPORT_FLAGS else ""
         print(f"batchkv export: {exc.path}{flag}: {_one_line(exc.rule)}", file=sys.stderr)
         return 2
+    if args.draft_layers is not None:
+        return _export_pair(args, manifest)
     try:
         dump_manifest(manifest, args.output)
     except OSError as exc:
         print(_one_line(f"batchkv export: cannot write {args.output}: {exc.strerror or exc}"), file=sys.stderr)
         return 2
     print(f"wrote {args.output}: {manifest.layout}, {human_bytes(manifest.kv_bytes)} of K/V at full capacity")
+    return 0
+
+
+def _export_pair(args: argparse.Namespace, manifest) -> int:
+    """`export --draft-layers N`: the target's manifest and its DFlash drafter's, in one JSON file."""
+    from batchkv.manifest.pair import dump_pair, make_pair
+    from batchkv.manifest.report import human_bytes
+
+    if manifest.layout != "batched-sequence" or not args.output.endswith(".json"):
+        raise ConfigError("a DFlash pair needs --kv-layout batched-sequence and a .json output")
+    try:
+        pair = make_pair(manifest, draft_layers=args.draft_layers, block_size=args.spec_block)
+        dump_pair(pair, args.output)
+    except ManifestError as exc:
+        print(f"batchkv export: {exc.path}: {_one_line(exc.rule)}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(_one_line(f"batchkv export: cannot write {args.output}: {exc.strerror or exc}"), file=sys.stderr)
+        return 2
+    total = human_bytes(pair.target.kv_bytes + pair.drafter.kv_bytes)
+    print(f"wrote {args.output}: DFlash pair (block {pair.block_size}), {total} of K/V at full capacity")
     return 0
 
 
@@ -291,17 +349,25 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from batchkv.manifest import load_manifest
+    from batchkv.manifest.pair import decode_pair, is_pair, read_source
     from batchkv.manifest.report import describe
 
     try:
-        manifest = load_manifest(args.file)
+        data = read_source(args.file)
+        pair = decode_pair(data) if is_pair(data) else None
+        manifest = load_manifest(args.file) if pair is None else None  # the suffix picks the format
     except ManifestError as exc:
         problem = str(exc)
     except OSError as exc:
         problem = f"cannot read: {exc.strerror or exc}"
     else:
         print(f"{'file':<16} {args.file}")
-        print(describe(manifest))
+        if pair is None:
+            print(describe(manifest))  # type: ignore[arg-type]
+            return 0
+        print(f"{'pair':<16} DFlash target + drafter, block_size {pair.block_size}")
+        for name, part in (("target", pair.target), ("drafter", pair.drafter)):
+            print(f"\n[{name}]\n{describe(part)}")
         return 0
     print(_one_line(f"batchkv inspect: {args.file}: {problem}"), file=sys.stderr)
     return 2

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: run the named phases in order, each under its own time limit, with
-# results under $OUT. Phases: tests kernels sweep model decode profile compat serve fp8.
+# results under $OUT. Phases: tests kernels sweep model decode profile compat serve fp8 spec.
 #   OUT=/tmp/out bash bench/gpu_session.sh tests kernels model decode
 # The machine has no msgspec: carry its wheel in .whl/ (bash ../shared/device/wheels.sh). The serve
 # phase also needs the server's wheels: see bench/results/README.md.
@@ -32,6 +32,7 @@ for p in "$@"; do
     compat) phase compat 150 python3 bench/compat_attention.py --out "$OUT/compat-h200.json" ;;
     serve) phase serve 230 python3 bench/serve_http.py --out "$OUT/serve-http-h200.json" ;;
     fp8) phase fp8 240 python3 bench/kv_fp8.py --out "$OUT/kv-fp8-h200.json" ;;
+    spec) phase spec ${SPEC_LIMIT:-300} python3 bench/spec.py --out "$OUT/spec-h200.json" --budget-s 240 ;;
     *) echo "unknown phase $p" ;;
   esac
 done

@@ -100,8 +100,11 @@ class ToyModel(nn.Module):
 
     def forward(self, input_ids, indexes, cache, logits_rows) -> torch.Tensor:
         """input_ids int64 [W]; indexes int64 [3, W] (t, h, w); logits_rows int64 [R] -> float32 [R, vocab]."""
-        x = self._layers(input_ids, indexes[0], cache.update_and_attend)
-        return self.head(x[logits_rows]).float()
+        return self.head(self.hidden_states(input_ids, indexes, cache, logits_rows)).float()
+
+    def hidden_states(self, input_ids, indexes, cache, logits_rows, taps=None) -> torch.Tensor:
+        """Final-normed hidden states [R, hidden] of `logits_rows` (speculative decoding's verify path)."""
+        return self._layers(input_ids, indexes[0], cache.update_and_attend)[logits_rows]
 
     @torch.no_grad()
     def reference_logits(self, ids: list[int], rope_offset: int = 0) -> torch.Tensor:

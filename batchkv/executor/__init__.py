@@ -9,6 +9,7 @@ Example:
 
 from batchkv.executor.engine import Engine, default_buckets
 from batchkv.executor.request import FINISH_REASONS, MAX_SAMPLE_ROWS, Event, Output, Request, SamplingParams, gather
+from batchkv.executor.speculative import SpeculativeConfig
 
 __all__ = [
     "FINISH_REASONS",
@@ -18,6 +19,7 @@ __all__ = [
     "Output",
     "Request",
     "SamplingParams",
+    "SpeculativeConfig",
     "default_buckets",
     "gather",
 ]

@@ -18,9 +18,10 @@ from batchkv.cache import BatchedSequenceCache, CacheConfig
 from batchkv.errors import ConfigError, RequestError, StepError
 from batchkv.executor.graphs import GraphSet
 from batchkv.executor.metrics import Metrics
-from batchkv.executor.request import Event, Request
+from batchkv.executor.request import MAX_SAMPLE_ROWS, Event, Request
 from batchkv.executor.runner import ModelRunner, StepModel
 from batchkv.executor.scheduler import RequestState, Scheduler
+from batchkv.executor.speculative import NoSpeculation, SpeculativeConfig, Speculator, build_speculator
 
 
 def default_buckets(max_step_tokens: int) -> tuple[int, ...]:
@@ -51,6 +52,11 @@ class Engine:
         `torch.float8_e4m3fn` halves the bytes per position (see `CacheConfig.kv_dtype`).
     row_buckets, row_step: the cache's row growth schedule (see CacheConfig.buckets/tail_step).
     seed: draws the sampling seed of requests that do not set one.
+    speculative: a `SpeculativeConfig` (n-gram lookup or a DFlash drafter), or None. Each decode
+        sample then verifies up to block_size - 1 drafts a step; drafts ride on top of
+        `max_step_tokens` (the widths reach max_step_tokens + min(64, max_seqs) * (block_size - 1)),
+        the cache's max_write is at least block_size, and a step has at most
+        min(64, max_seqs) * block_size logits rows (see `batchkv.executor.speculative`).
 
     Example:
         engine = Engine(model, max_seqs=8, capacity=512)
@@ -75,6 +81,7 @@ class Engine:
         row_step: int = 0,
         seed: int = 0,
         kv_dtype: torch.dtype | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         for name, value in (("max_seqs", max_seqs), ("max_step_tokens", max_step_tokens)):
             if not isinstance(value, int) or value < 1:
@@ -86,11 +93,17 @@ class Engine:
                 f"Engine prefill_chunk is {prefill_chunk!r}; use 1..min(capacity={capacity}, "
                 f"max_step_tokens={max_step_tokens})"
             )
-        buckets = tuple(width_buckets) if width_buckets else default_buckets(max_step_tokens)
-        if list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] < max_step_tokens:
+        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
+            raise ConfigError(f"speculative is a {type(speculative).__name__}; pass a SpeculativeConfig or None")
+        block = speculative.block_size if speculative is not None else 1
+        if block > capacity:
+            raise ConfigError(f"speculative block_size {block} exceeds capacity {capacity}; lower block_size")
+        widest = max_step_tokens + min(MAX_SAMPLE_ROWS, max_seqs) * (block - 1)  # type: ignore[operator]
+        buckets = tuple(width_buckets) if width_buckets else default_buckets(widest)
+        if list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] < widest:
             raise ConfigError(
                 f"width_buckets {buckets} must be positive, strictly increasing and reach "
-                f"max_step_tokens={max_step_tokens} (add {max_step_tokens})"
+                f"{widest} (max_step_tokens, plus drafts when speculating; add {widest})"
             )
         if use_graphs not in ("auto", True, False):
             raise ConfigError(f"use_graphs is {use_graphs!r}; use 'auto', True or False")
@@ -101,7 +114,7 @@ class Engine:
             head_dim=spec["head_dim"],
             max_seqs=max_seqs,
             capacity=capacity,
-            max_write=prefill_chunk,
+            max_write=max(prefill_chunk, block),  # type: ignore[type-var]
             layers=tuple(spec.get("layers") or ()),
             dtype=spec.get("dtype", torch.bfloat16),
             kv_dtype=kv_dtype or spec.get("kv_dtype"),
@@ -122,9 +135,16 @@ class Engine:
         graphs = GraphSet(self.device) if use_graphs is not False and capturable else None
         self.buckets = buckets
         self.vocab_size = int(model.vocab_size)
-        self.runner = ModelRunner(model, self.cache, buckets[-1], graphs=graphs, pad_rows=self.device.type == "cuda")
         self.scheduler = Scheduler(self.cache, max_step_tokens, prefill_chunk, buckets)
         self.metrics = Metrics(max_seqs)
+        if speculative is None:
+            self.runner = ModelRunner(
+                model, self.cache, buckets[-1], graphs=graphs, pad_rows=self.device.type == "cuda"
+            )
+            self.speculator: Speculator | NoSpeculation = NoSpeculation()
+        else:
+            self.speculator = build_speculator(speculative, self, model, graphs)
+            self.runner = self.speculator.runner
         self._seeds = random.Random(seed)
         self._next_id = 0
         self._generation = self.cache.generation
@@ -187,7 +207,9 @@ class Engine:
 
         Its samples' "cancelled" events come out of the next `step()`.
         """
-        return self.scheduler.cancel(request_id)
+        cancelled = self.scheduler.cancel(request_id)
+        self.speculator.release()
+        return cancelled
 
     # ---- stepping ------------------------------------------------------------------------------
     def _bucket(self, tokens: int) -> int:
@@ -207,19 +229,22 @@ class Engine:
         self._idle = batch is None
         if batch is None:
             return self._take_cancelled()
+        self.speculator.extend(batch)  # decode rows become verify segments [anchor, drafts...]
         # At least as wide as its sampling rows: the LM head runs on min(width, 64) rows.
         width = self._bucket(max(len(batch.seq_ids), len(batch.rows)))
         self.cache.declare_step(batch.seq_ids)
         self.cache.prepare_step(width)
         self._note_growth()
         held = len(self.cache.sequences)
-        tokens = self.runner.run(batch, width)  # the step's one host synchronisation
+        runs = self.runner.run(batch, width)  # tokens per sample; the step's one host synchronisation
         self.cache.commit_step()
+        self.speculator.accept(batch, runs)  # rewind verify segments to their accepted end
         now = time.perf_counter()
-        previous = [s.last_emit if s.tokens else None for s in batch.samples]
-        new = self.scheduler.complete(batch, tokens, now)
-        for sample, before in zip(batch.samples, previous, strict=True):
-            self.metrics.record_token(now, before, sample.owner.submitted)
+        previous = [(s.last_emit if s.tokens else None, len(s.tokens)) for s in batch.samples]
+        new = self.scheduler.complete(batch, runs, now)
+        self.speculator.release()
+        for sample, (before, count) in zip(batch.samples, previous, strict=True):
+            self.metrics.record_tokens(now, before, sample.owner.submitted, len(sample.tokens) - count)
         for event in new:
             if event.finish_reason is not None:
                 self.metrics.finished[event.finish_reason] += 1
@@ -255,7 +280,6 @@ class Engine:
 
     def assert_idle(self) -> None:
         """Raise StepError unless no request is live and every column is free (a leak check)."""
-        if self.scheduler.live or self.cache.sequences:
-            raise StepError(
-                f"engine not idle: live requests {sorted(self.scheduler.live)}, held columns {self.cache.sequences}"
-            )
+        held = self.cache.sequences + self.speculator.sequences()
+        if self.scheduler.live or held:
+            raise StepError(f"engine not idle: live requests {sorted(self.scheduler.live)}, held columns {held}")

@@ -38,6 +38,9 @@ class Metrics:
     inter_token: list[float] = field(default_factory=list)
     first_token: list[float] = field(default_factory=list)
     occupancy_sum: float = 0.0  # sum over steps of held columns / max_seqs
+    spec_segments: int = 0  # verify segments that carried drafts
+    spec_proposed: int = 0  # drafts verified
+    spec_accepted: int = 0  # drafts accepted
     first_start: float | None = None
     last_end: float = 0.0
 
@@ -56,13 +59,17 @@ class Metrics:
         self.widths[width] += 1
         self.occupancy_sum += held_columns / self.max_seqs
 
-    def record_token(self, now: float, previous: float | None, submitted: float) -> None:
-        """A sampled token; `previous` is the sample's last token time (None for its first)."""
-        self.generated_tokens += 1
-        if previous is None:
-            self.first_token.append(now - submitted)
-        else:
-            self.inter_token.append(now - previous)
+    def record_tokens(self, now: float, previous: float | None, submitted: float, count: int = 1) -> None:
+        """`count` tokens of one sample arriving together (a verify segment's accepted run);
+        `previous` is the sample's last token time (None before its first). The tokens after the
+        first of a run arrive with it: their inter-token latency is 0."""
+        for _ in range(count):
+            self.generated_tokens += 1
+            if previous is None:
+                self.first_token.append(now - submitted)
+            else:
+                self.inter_token.append(now - previous)
+            previous = now
 
     @property
     def elapsed(self) -> float:
@@ -98,4 +105,11 @@ class Metrics:
             "growths": self.growths,
             "width_buckets_used": len(self.widths),
             "finished": dict(self.finished),
+            "spec_proposed": self.spec_proposed,
+            "spec_accepted": self.spec_accepted,
+            "spec_acceptance_rate": self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0,
+            # Tokens a verify segment emits on average (accepted drafts + the bonus): tau.
+            "spec_accept_len_mean": (
+                (self.spec_accepted + self.spec_segments) / self.spec_segments if self.spec_segments else 0.0
+            ),
         }

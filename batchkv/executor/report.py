@@ -61,6 +61,15 @@ def summary_table(summary: dict, title: str, *, graphs: bool) -> str:
         ("occupancy", f"{100 * summary['occupancy']:.1f}% of columns held"),
         ("width buckets", f"{summary['width_buckets_used']} used"),
     ]
+    if summary.get("spec_proposed"):
+        rows.append(
+            (
+                "speculative",
+                f"{summary['spec_proposed']} drafts, {summary['spec_accepted']} accepted "
+                f"({100 * summary['spec_acceptance_rate']:.0f}%); {summary['spec_accept_len_mean']:.2f} tokens "
+                "per verify segment",
+            )
+        )
     if graphs:
         rows.append(
             ("graphs", f"{summary['captures']} captures, {summary['replays']} replays, {summary['growths']} growths")

@@ -13,6 +13,7 @@ Host synchronisations per step: one, `tolist()` on the sampled tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -85,12 +86,8 @@ class ModelRunner:
         graphs: GraphSet | None = None,
         pad_rows: bool = False,
     ) -> None:
-        self.model, self.cache, self.max_width = model, cache, max_width
-        self.graphs, self.pad_rows = graphs, pad_rows or graphs is not None
-        self.fingerprint = ModelFingerprint(model)
-        # Adapter wrappers (LoRA) switch branches without changing the tree: no graph while they exist.
-        self.adapters = AdapterGuard(self.fingerprint, lambda: [m for _, m in self.fingerprint.modules()])
-        self._bound: tuple[int, int] | None = None  # (generation, fingerprint) the kept graphs bind
+        self._bind(model, cache, max_width, graphs)
+        self.pad_rows = pad_rows or graphs is not None
         device = cache.device
         pin = device.type == "cuda"
         w = max_width
@@ -104,6 +101,13 @@ class ModelRunner:
         self.temperature, self.top_p, self.draws = self._dev_f32.view(3, R).unbind(0)
         self.logits = torch.zeros(R, model.vocab_size, dtype=torch.float32, device=device)
         self._copied = torch.cuda.Event() if pin else None  # staging is reused only after its copy ran
+
+    def _bind(self, model: StepModel, cache: BatchedSequenceCache, max_width: int, graphs: GraphSet | None) -> None:
+        self.model, self.cache, self.max_width, self.graphs = model, cache, max_width, graphs
+        self.fingerprint = ModelFingerprint(model)
+        # Adapter wrappers (LoRA) switch branches without changing the tree: no graph while they exist.
+        self.adapters = AdapterGuard(self.fingerprint, lambda: [m for _, m in self.fingerprint.modules()])
+        self._bound: tuple[int, int] | None = None  # (generation, fingerprint) the kept graphs bind
 
     def input_ids(self, width: int) -> torch.Tensor:
         return self._dev_i64[:width]
@@ -157,24 +161,28 @@ class ModelRunner:
         self.logits[:rows].copy_(out)
         return self.logits
 
-    def run(self, batch: Batch, width: int) -> list[int]:
-        """Forward the declared-and-prepared step at `width`, sample, and return one token per row.
+    def execute(self, head: object, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run `fn` eagerly, or replay its graph keyed by (head, cache generation, fingerprint)."""
+        if self.graphs is None or self.adapters():
+            if self.graphs is not None and len(self.graphs):
+                self.graphs.retain(lambda key: False)
+                self._bound = None
+            return fn()
+        bound = (self.cache.generation, self.fingerprint())
+        if bound != self._bound:  # storage moved or the tree changed: older graphs never replay again
+            self.graphs.retain(lambda key: key[1:] == bound)
+            self._bound = bound
+        return self.graphs.run((head, *bound), fn)  # type: ignore[return-value]
+
+    def run(self, batch: Batch, width: int) -> list[list[int]]:
+        """Forward the declared-and-prepared step at `width`, sample, and return each row's token
+        (as a one-token list, the shape a verify step's accepted runs take).
 
         The cache must have been given `declare_step(batch.seq_ids)` and `prepare_step(width)`.
         """
         sampling = self._stage(batch, width)
         rows = min(R, width) if self.pad_rows else len(batch.rows)
-        if self.graphs is None or self.adapters():
-            if self.graphs is not None and len(self.graphs):
-                self.graphs.retain(lambda key: False)
-                self._bound = None
-            logits = self._forward(width, rows)
-        else:
-            bound = (self.cache.generation, self.fingerprint())
-            if bound != self._bound:  # storage moved or the tree changed: older graphs never replay again
-                self.graphs.retain(lambda key: key[1:] == bound)
-                self._bound = bound
-            logits = self.graphs.run((width, *bound), lambda: self._forward(width, rows))  # type: ignore[assignment]
+        logits = self.execute(width, lambda: self._forward(width, rows))
         real = len(batch.rows)
         logits = logits[:real]
         if sampling:
@@ -183,4 +191,4 @@ class ModelRunner:
             )
         else:
             tokens = greedy_tokens(logits)
-        return tokens.tolist()
+        return [[token] for token in tokens.tolist()]

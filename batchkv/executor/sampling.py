@@ -26,12 +26,16 @@ def _splitmix64(x: int) -> int:
     return z ^ (z >> 31)
 
 
-def uniform(seed: int, sample: int, index: int) -> float:
+def uniform(seed: int, sample: int, index: int, stream: int = 0) -> float:
     """The uniform draw in [0, 1) for token `index` of parallel sample `sample` of a request.
 
-    24 bits, so the value is exact in float32 and strictly below 1.
+    `stream` separates independent draws for the same token: 0 picks the token (plain sampling,
+    and speculative decoding's residual or bonus draw), 1 is speculative decoding's acceptance
+    test. 24 bits, so the value is exact in float32 and strictly below 1.
     """
     h = _splitmix64(_splitmix64(_splitmix64(seed) ^ sample) ^ index)
+    if stream:
+        h = _splitmix64(h ^ stream)
     return (h >> 40) / float(1 << 24)
 
 
@@ -50,6 +54,27 @@ def sample_tokens(
 
     >>> sample_tokens(logits, torch.tensor([0.7]), torch.tensor([50]), torch.tensor([0.9]), torch.tensor([0.3]))
     """
+    greedy = temperature <= 0
+    probs, order, keep = filtered_probs(logits, temperature, top_k, top_p)
+    cum = probs.cumsum(-1)
+    choice = (cum < draws[:, None] * cum[:, -1:]).sum(-1)
+    # Rounding can never land past the kept prefix; a row that keeps nothing (top_p <= 0, which
+    # SamplingParams refuses; greedy padding rows) reads index 0 instead of out of bounds.
+    choice = torch.minimum(choice, (keep.sum(-1) - 1).clamp(min=0))
+    sampled = order.gather(1, choice[:, None]).squeeze(1)
+    return torch.where(greedy, logits.argmax(-1), sampled)
+
+
+def filtered_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distribution a row samples from, in stably sorted order (most likely first).
+
+    Returns probs float32 [R, V] (temperature, then top-k, then top-p; filtered entries 0, the
+    rest in proportion but not renormalised after top-p), order int64 [R, V] (the token id at
+    each sorted rank) and keep bool [R, V] (a prefix of each row). Greedy rows (temperature 0)
+    come out at temperature 1: the caller takes their argmax instead. Graph-safe.
+    """
     vocab = logits.shape[-1]
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
@@ -61,13 +86,7 @@ def sample_tokens(
     before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
     keep &= (before < top_p[:, None]) | (top_p >= 1.0)[:, None]  # still a prefix; rank 0 always kept
     probs = probs.masked_fill(~keep, 0.0)
-    cum = probs.cumsum(-1)
-    choice = (cum < draws[:, None] * cum[:, -1:]).sum(-1)
-    # Rounding can never land past the kept prefix; a row that keeps nothing (top_p <= 0, which
-    # SamplingParams refuses; greedy padding rows) reads index 0 instead of out of bounds.
-    choice = torch.minimum(choice, (keep.sum(-1) - 1).clamp(min=0))
-    sampled = order.gather(1, choice[:, None]).squeeze(1)
-    return torch.where(greedy, logits.argmax(-1), sampled)
+    return probs, order, keep
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,12 @@ class Batch:
     input_ids: list[int] = field(default_factory=list)
     t_index: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)  # packed row whose logits each sample row reads
-    samples: list[SampleState] = field(default_factory=list)  # who samples at each row
+    samples: list[SampleState] = field(default_factory=list)  # who samples at each row (segment)
+    # Logits rows of each sample's segment, in `rows` order: 1 for plain decode and prompt rows,
+    # 1 + drafts for a verify segment [anchor, d1 .. dk] (set by the speculator).
+    spans: list[int] = field(default_factory=list)
+    # Per packed row: index into the proposer's device draft buffer, or -1 for `input_ids` (empty: all -1).
+    draft_src: list[int] = field(default_factory=list)
     decode_tokens: int = 0
     prefill: list[tuple[RequestState, int]] = field(default_factory=list)  # prompt chunks written
     completed: list[RequestState] = field(default_factory=list)  # prompts finished this step
@@ -167,6 +172,7 @@ class Scheduler:
                 batch.completed.append(state)
                 batch.rows += [row] * n
                 batch.samples += state.samples
+        batch.spans = [1] * len(batch.samples)
         return batch if batch.seq_ids else None
 
     def _chunks(self, budget: int, rows: int) -> list[tuple[RequestState, int]]:
@@ -186,27 +192,31 @@ class Scheduler:
         return chunks
 
     # ---- completion ----------------------------------------------------------------------------
-    def complete(self, batch: Batch, tokens: list[int], now: float) -> list[Event]:
-        """Apply a committed step: record sampled tokens, fork, finish and free. Returns events."""
+    def complete(self, batch: Batch, tokens: list[list[int]], now: float) -> list[Event]:
+        """Apply a committed step: record each sample's new tokens (one, or a verify segment's
+        accepted run), fork, finish and free. A finish truncates the run. Returns events."""
         capacity = self.cache.capacity
         for state, chunk in batch.prefill:
             state.prefilled += chunk
         events = []
-        for sample, token in zip(batch.samples, tokens, strict=True):
+        for sample, run in zip(batch.samples, tokens, strict=True):
             state, params = sample.owner, sample.owner.request.params
-            if not sample.tokens:
-                sample.next_t = state.request.rope_offset + len(state.prompt)
-            else:
-                sample.next_t += 1
-            sample.tokens.append(token)
-            sample.last_emit = now
-            if token in params.stop_token_ids:
-                sample.finish = "stop"
-            elif len(sample.tokens) >= params.max_new_tokens:
-                sample.finish = "length"
-            elif len(state.prompt) + len(sample.tokens) > capacity:  # no position left to write it
-                sample.finish = "capacity"
-            events.append(Event(state.id, token, sample.finish, sample.index))
+            for token in run:
+                if not sample.tokens:
+                    sample.next_t = state.request.rope_offset + len(state.prompt)
+                else:
+                    sample.next_t += 1
+                sample.tokens.append(token)
+                sample.last_emit = now
+                if token in params.stop_token_ids:
+                    sample.finish = "stop"
+                elif len(sample.tokens) >= params.max_new_tokens:
+                    sample.finish = "length"
+                elif len(state.prompt) + len(sample.tokens) > capacity:  # no position left to write it
+                    sample.finish = "capacity"
+                events.append(Event(state.id, token, sample.finish, sample.index))
+                if sample.finish is not None:
+                    break
         for state in batch.completed:
             self._fork(state)
         for sample in batch.samples:

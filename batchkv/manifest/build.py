@@ -18,6 +18,7 @@ import torch
 from batchkv.cache import BatchedSequenceCache, CacheConfig, LayerSpec
 from batchkv.errors import ConfigError, UnsupportedLayout
 from batchkv.manifest.codec import load_manifest
+from batchkv.manifest.pair import CachePair, ManifestPair, decode_pair, is_pair, read_source
 from batchkv.manifest.schema import MAX_LAYERS, Layer, Manifest
 from batchkv.ops.support import KV_DTYPES
 
@@ -95,9 +96,21 @@ def from_manifest(
         cache.max_seqs, cache.capacity          # (16, 32768)
         tiny = from_manifest("manifests/sensenova-u1-8b-batched-16.json", max_seqs=2, capacity=64)
 
+    A DFlash pair manifest (`batchkv.manifest.pair`) builds both caches and returns a
+    `CachePair(target, drafter)`.
+
     Raises `ManifestError` for an invalid file, `UnsupportedLayout` for `cell`, `ConfigError` for
     a bad override.
     """
+    if isinstance(source, ManifestPair) or (not isinstance(source, Manifest) and is_pair(read_source(source))):
+        pair = source if isinstance(source, ManifestPair) else decode_pair(read_source(source))
+        drafter_overrides = dict(overrides)
+        if "max_write" in overrides:  # the drafter writes context rows plus a block
+            drafter_overrides["max_write"] = overrides["max_write"] + pair.block_size  # type: ignore[operator]
+        return CachePair(  # type: ignore[return-value]
+            BatchedSequenceCache(cache_config(pair.target, **overrides), device, attention=attention),
+            BatchedSequenceCache(cache_config(pair.drafter, **drafter_overrides), device, attention=attention),
+        )
     manifest = source if isinstance(source, Manifest) else load_manifest(source)
     return BatchedSequenceCache(cache_config(manifest, **overrides), device, attention=attention)
 

@@ -93,6 +93,16 @@ def _refuse_unsupported(config) -> None:
         raise ConfigError(f"{config.model_type}: a non-causal config (is_causal=False) cannot be served")
 
 
+def _tap_hook(taps, layer: int):
+    """A forward hook recording a decoder layer's output ([1, W, H], or a tuple starting with it)."""
+
+    def hook(module: torch.nn.Module, args: object, output: object) -> None:
+        h = output[0] if isinstance(output, tuple) else output
+        taps.record(layer, h[0])  # type: ignore[index]
+
+    return hook
+
+
 class HFModel:
     """A transformers causal LM behind the batchkv model interface (see `batchkv.models`).
 
@@ -159,6 +169,42 @@ class HFModel:
             "dtype": self.dtype,
             "kv_dtype": self.kv_dtype,
         }
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings [W, H] of int64 [W] ids, in the model dtype (a DFlash drafter's block input)."""
+        return self.hf.get_input_embeddings()(input_ids)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """LM head of final-normed hidden states [R, H] -> logits [R, vocab] in the model dtype."""
+        return self._head(h)
+
+    @torch.no_grad()
+    def hidden_states(
+        self, input_ids: torch.Tensor, indexes: torch.Tensor, cache, logits_rows: torch.Tensor, taps=None
+    ) -> torch.Tensor:
+        """The decoder's final-normed hidden states [R, H] of `logits_rows` (the step of `__call__`
+        without the LM head). `taps` (a `batchkv.models.taps.HiddenTaps`, or None) receives the
+        states after its decoder layers, through forward hooks that select its rows. Capturable
+        when the cache is.
+        """
+        decoder = getattr(self.hf, self.hf.base_model_prefix)
+        hooks = []
+        if taps is not None:
+            for layer in taps.layer_ids:
+                hook = _tap_hook(taps, layer)
+                hooks.append(decoder.layers[layer].register_forward_hook(hook))
+        try:
+            with _attention_implementation(self.config, ATTN_NAME):
+                out = decoder(
+                    input_ids=input_ids[None],
+                    position_ids=indexes[0][None],
+                    use_cache=False,
+                    **{CACHE_KWARG: cache},
+                )
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return out.last_hidden_state[0].index_select(0, logits_rows)
 
     @torch.no_grad()
     def __call__(

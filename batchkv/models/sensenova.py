@@ -185,6 +185,23 @@ class SenseNovaLM(nn.Module):
 
         Returns float32 [R, vocab]. `cache` must be declared and prepared for width W.
         """
+        return self.head(self.hidden_states(input_ids, indexes, cache, logits_rows)).float()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings [W, H] of int64 [W] ids, in the model dtype (a DFlash drafter's block input)."""
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """LM head of final-normed hidden states [R, H] -> logits [R, vocab] in the model dtype."""
+        return F.linear(h, self.lm_head)
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, indexes: torch.Tensor, cache, logits_rows: torch.Tensor, taps=None
+    ) -> torch.Tensor:
+        """The step of `forward`, stopping before the LM head: final-normed hidden states [R, H] of
+        `logits_rows`. `taps` (a `batchkv.models.taps.HiddenTaps`, or None) receives the hidden
+        states after its layers for its rows. Capturable.
+        """
         eps = self.config.rms_eps
         h = F.embedding(input_ids, self.embed_tokens)  # [W, H]
         cos, sin = self.rope.tables(indexes, h.dtype)  # [W, D] each, shared by every layer
@@ -198,5 +215,6 @@ class SenseNovaLM(nn.Module):
                 h, x = add_rms_norm(h, mlp, layers[layer + 1].input_layernorm, eps)
             else:
                 h = h + mlp
-        h = rms_norm(h.index_select(0, logits_rows), self.norm, eps)  # [R, H]
-        return F.linear(h, self.lm_head).float()
+            if taps is not None:
+                taps.record(layer, h)
+        return rms_norm(h.index_select(0, logits_rows), self.norm, eps)  # [R, H]

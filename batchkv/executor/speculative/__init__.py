@@ -1,0 +1,64 @@
+"""Speculative decoding in the engine: proposers, verify segments, acceptance on the device.
+
+- `SpeculativeConfig` picks the proposer: n-gram prompt lookup (`ngram.py`) or a DFlash drafter
+  (`dflash.py`, over `batchkv.models.dflash.DFlashDrafter`).
+- `Speculator` (`speculator.py`) plugs in at two fixed points of `Engine.step()`: it extends the
+  planned batch with drafts before the step is declared, and rewinds after commit.
+- `VerifyRunner` (`verify.py`) runs the step: one causal segment `[anchor, d1 .. dk]` per speculating
+  sample beside other sequences' prompt chunks, every row a logits row, acceptance on the device
+  (`acceptance.py`: greedy prefix match, or rejection sampling), one host read.
+
+Greedy output equals non-speculative greedy output token for token; sampling keeps the
+distribution (drafts are point-mass proposals; see `acceptance.py`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from batchkv.errors import ConfigError
+from batchkv.executor.graphs import GraphSet
+from batchkv.executor.speculative.config import MAX_BLOCK_SIZE, SpeculativeConfig
+from batchkv.executor.speculative.speculator import NgramProposer, NoSpeculation, Proposer, Speculator
+from batchkv.executor.speculative.verify import VerifyRunner
+
+if TYPE_CHECKING:
+    from batchkv.executor.engine import Engine
+    from batchkv.executor.runner import StepModel
+
+
+def build_speculator(
+    config: SpeculativeConfig, engine: Engine, model: StepModel, graphs: GraphSet | None
+) -> Speculator:
+    """The speculator an engine with `config` runs: its proposer and its `VerifyRunner` (`.runner`)."""
+    missing = [name for name in ("hidden_states", "head") if not callable(getattr(model, name, None))]
+    if missing:
+        raise ConfigError(
+            f"speculative decoding needs the model's {' and '.join(missing)} (final hidden states of chosen "
+            f"rows, and the LM head); {type(model).__name__} lacks them"
+        )
+    proposer: Proposer
+    drafts = taps = None
+    if config.method == "ngram":
+        proposer = NgramProposer(config.ngram_max)
+    else:
+        from batchkv.executor.speculative.dflash import DFlashProposer
+
+        proposer = DFlashProposer(config, engine, model, graphs)
+        drafts, taps = proposer.drafts, proposer.taps
+    speculator = Speculator(config, engine.cache, proposer, engine.metrics)
+    runner = VerifyRunner(
+        model, engine.cache, engine.buckets, config.block_size, graphs=graphs, drafts=drafts, taps=taps
+    )  # type: ignore[arg-type]
+    speculator.runner = runner
+    return speculator
+
+
+__all__ = [
+    "MAX_BLOCK_SIZE",
+    "NoSpeculation",
+    "SpeculativeConfig",
+    "Speculator",
+    "VerifyRunner",
+    "build_speculator",
+]

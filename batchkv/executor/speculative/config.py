@@ -1,0 +1,51 @@
+"""`SpeculativeConfig`: which proposer drafts, and how long a block is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchkv.errors import ConfigError
+
+METHODS = ("dflash", "ngram")
+MAX_BLOCK_SIZE = 32  # verify rows per sample per step; with 64 anchors at most 2048 logits rows a step
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding for an `Engine`.
+
+    method: "ngram" (prompt lookup: the last 1..`ngram_max` tokens matched against the sequence's
+        own prompt and output, proposing what followed) or "dflash" (a `DFlashDrafter` drafts a
+        whole block in one non-causal forward over the target's hidden states).
+    block_size: rows of one verify segment, `[anchor, d1 .. d(block_size - 1)]` (2..32). Each
+        speculating sample proposes at most block_size - 1 drafts a step.
+    drafter: the `batchkv.models.dflash.DFlashDrafter` for method "dflash" (its own block size is
+        the default when block_size is None).
+    ngram_max: the longest suffix the n-gram proposer matches (1..8).
+
+    >>> Engine(model, speculative=SpeculativeConfig("ngram", block_size=8))
+    """
+
+    method: str
+    block_size: int | None = None
+    drafter: object | None = None
+    ngram_max: int = 3
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"SpeculativeConfig.method is {self.method!r}; use one of {METHODS}")
+        if self.method == "dflash" and self.drafter is None:
+            raise ConfigError("SpeculativeConfig(method='dflash') needs drafter= (see batchkv.models.dflash)")
+        if self.method == "ngram" and self.drafter is not None:
+            raise ConfigError("SpeculativeConfig(method='ngram') takes no drafter; use method='dflash'")
+        block = self.block_size
+        if block is None:
+            block = getattr(getattr(self.drafter, "config", None), "block_size", 8)
+            object.__setattr__(self, "block_size", block)
+        if not isinstance(block, int) or not 2 <= block <= MAX_BLOCK_SIZE:
+            raise ConfigError(
+                f"SpeculativeConfig.block_size is {block!r}; use 2..{MAX_BLOCK_SIZE} "
+                "(an anchor plus at least one draft; the bound caps a step's verify rows)"
+            )
+        if not isinstance(self.ngram_max, int) or not 1 <= self.ngram_max <= 8:
+            raise ConfigError(f"SpeculativeConfig.ngram_max is {self.ngram_max!r}; use 1..8")

@@ -1,0 +1,225 @@
+"""The DFlash proposer: a `DFlashDrafter` drafting every speculating sample's block in one forward.
+
+Per engine step, before the target's step is declared (`propose`), one drafter step over the
+drafter's own cache: per owner one non-causal segment `[context rows..., anchor, mask x k]`. The
+context rows are the positions the target committed since the owner's last draft; their features
+are the target's hidden states after the drafter's `target_layer_ids`, tapped by the previous
+target step (`HiddenTaps`, rows selected inside the forward) and gathered on the device. The
+drafts (argmax of the target's LM head over the block's mask rows) stay on the device: the verify
+runner reads them through `Batch.draft_src`. After the step every owner is rewound to its committed
+length, so only context K/V stay. After the target's step (`observe`) each owner's accepted rows
+(anchor + accepted drafts, or a prompt chunk) become its next context rows.
+
+Forks (n > 1): the prompt's context goes to sample 0's drafter column; the other samples decode
+plainly for one step, and their drafter columns are cloned from sample 0's right after the drafter
+step that wrote the prompt's last chunk. Drafts are each row's argmax (a point-mass proposal) for
+greedy and sampled requests alike; acceptance keeps sampling lossless (see `acceptance.py`).
+
+Drafter widths: the context rows of one step are at most the previous target step's rows, plus a
+block per anchor (at most 64), so the drafter's widest step is the target's widest plus
+min(64, max_seqs) * block_size; `max_write` is max(prefill_chunk, block_size) + block_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from batchkv.cache import BatchedSequenceCache, CacheConfig
+from batchkv.errors import ConfigError, StepError
+from batchkv.executor.graphs import GraphSet
+from batchkv.executor.request import MAX_SAMPLE_ROWS
+from batchkv.executor.runner import ModelFingerprint, ModelRunner
+from batchkv.executor.scheduler import Batch, SampleState
+from batchkv.executor.speculative.config import SpeculativeConfig
+from batchkv.executor.speculative.speculator import Drafts
+
+if TYPE_CHECKING:
+    from batchkv.executor.engine import Engine
+
+HEAD_CHUNK = 64  # draft rows per LM-head call (argmax in the model dtype)
+
+
+@dataclass(eq=False)
+class DraftState:
+    """One sample's drafter column and its context rows not yet written there (packed rows of the
+    last target step, at positions [pos(seq), pos(seq) + len(pending)))."""
+
+    seq: int
+    pending: list[int] = field(default_factory=list)
+
+
+class _Modules:
+    """The drafter and the target's modules, so one fingerprint covers both (a drafter graph
+    embeds with the target's table and drafts with its LM head)."""
+
+    def __init__(self, drafter: nn.Module, target: object) -> None:
+        self.drafter = drafter
+        for name, module in ModelFingerprint(target).modules():  # type: ignore[arg-type]
+            setattr(self, f"target_{name or 'model'}", module)
+
+
+class DraftRunner(ModelRunner):
+    """Graph binding of the drafter's step (the buffers live on the proposer)."""
+
+    def __init__(self, modules: _Modules, cache: BatchedSequenceCache, width: int, graphs: GraphSet | None) -> None:
+        self._bind(modules, cache, width, graphs)  # type: ignore[arg-type]
+
+
+class DFlashProposer:
+    """Drafts with a `DFlashDrafter` for an engine (see the module docstring)."""
+
+    def __init__(self, config: SpeculativeConfig, engine: Engine, target: object, graphs: GraphSet | None) -> None:
+        from batchkv.executor.engine import default_buckets
+
+        drafter = config.drafter
+        if not callable(getattr(target, "embed", None)):
+            raise ConfigError(
+                f"a DFlash drafter embeds with the target's table; {type(target).__name__} has no embed()"
+            )
+        if getattr(drafter, "target", None) is not target:
+            raise ConfigError("the drafter was built for another model; build_drafter(target=<the engine's model>)")
+        block = config.block_size
+        self.drafter, self.target, self.block = drafter, target, block
+        cache = engine.cache
+        anchors = min(MAX_SAMPLE_ROWS, cache.max_seqs)
+        self.buckets = default_buckets(engine.buckets[-1] + anchors * block)  # type: ignore[operator]
+        width = self.buckets[-1]
+        max_write = min(cache.capacity, max(engine.scheduler.prefill_chunk, block) + block)  # type: ignore[operator]
+        spec = drafter.cache_spec()  # type: ignore[attr-defined]
+        self.cache = BatchedSequenceCache(
+            CacheConfig(**spec, max_seqs=cache.max_seqs, capacity=cache.capacity, max_write=max_write, max_width=width),
+            cache.device,
+            attention=cache.attention,
+        )
+        self.target_cache = cache
+        self.taps = drafter.make_taps(engine.buckets[-1])  # type: ignore[attr-defined]
+        device, pin = cache.device, cache.device.type == "cuda"
+        names = ("ids", "t", "is_ctx", "gather", "rows")
+        self._host = torch.zeros(len(names) * width, dtype=torch.int64, pin_memory=pin)
+        self._dev = torch.zeros_like(self._host, device=device)
+        self.buf = {name: self._dev[i * width : (i + 1) * width] for i, name in enumerate(names)}
+        self._hbuf = {name: self._host.numpy()[i * width : (i + 1) * width] for i, name in enumerate(names)}
+        self._copied = torch.cuda.Event() if pin else None
+        self.drafts = torch.zeros(width, dtype=torch.int64, device=device)  # device draft buffer
+        own_graphs = GraphSet(device) if graphs is not None else None  # keyed by the drafter's widths
+        self.runner = DraftRunner(_Modules(drafter, target), self.cache, width, own_graphs)  # type: ignore[arg-type]
+        self.states: dict[SampleState, DraftState] = {}
+        self.fork_from: dict[SampleState, SampleState] = {}  # fork -> sample 0 whose column it clones
+
+    def sequences(self) -> list[int]:
+        return self.cache.sequences
+
+    # ---- before the target's step ---------------------------------------------------------------
+    def propose(self, batch: Batch, samples: list[SampleState], counts: list[int]) -> Drafts:
+        """Run the drafter step: flush every owner's context rows and draft the decode samples' blocks."""
+        want = {s: k for s, k in zip(samples, counts, strict=True) if k > 0 and s in self.states}
+        segments = [(s, st, want.get(s, 0)) for s, st in self.states.items() if st.pending or s in want]
+        src: dict[SampleState, list[int]] = {}
+        if segments:
+            src = self._draft(segments)
+        self._sync_forks()
+        self.release()
+        tokens = [[0] * len(src.get(s, ())) for s in samples]
+        return Drafts(tokens, [src.get(s, []) for s in samples])
+
+    def _draft(self, segments: list[tuple[SampleState, DraftState, int]]) -> dict[SampleState, list[int]]:
+        h = self._hbuf
+        mask = self.drafter.config.mask_token_id  # type: ignore[attr-defined]
+        seq_ids: list[int] = []
+        n = r = 0
+        src: dict[SampleState, list[int]] = {}
+        for sample, st, k in segments:
+            start = self.cache.pos(st.seq)
+            offset = sample.owner.request.rope_offset
+            ctx, total = len(st.pending), len(st.pending) + (k + 1 if k else 0)
+            if k and self.target_cache.pos(sample.seq) != start + ctx:
+                raise StepError(f"drafter column of sample {sample.index} of request {sample.owner.id} is out of step")
+            h["ids"][n : n + total] = 0
+            h["is_ctx"][n : n + total] = 0
+            h["is_ctx"][n : n + ctx] = 1
+            h["gather"][n : n + total] = 0
+            h["gather"][n : n + ctx] = st.pending
+            h["t"][n : n + total] = range(offset + start, offset + start + total)
+            if k:
+                h["ids"][n + ctx] = sample.tokens[-1]  # the anchor, then mask tokens
+                h["ids"][n + ctx + 1 : n + total] = mask
+                h["rows"][r : r + k] = range(n + ctx + 1, n + total)
+                src[sample] = list(range(r, r + k))
+                r += k
+            seq_ids += [st.seq] * total
+            n += total
+        width = next(b for b in self.buckets if b >= n)
+        rows = next(b for b in self.buckets if b >= max(r, 1))
+        h["ids"][n:width] = 0
+        h["is_ctx"][n:width] = 0
+        h["gather"][n:width] = 0
+        h["t"][n:width] = 0
+        h["rows"][r:rows] = 0
+        if self._copied is not None:
+            self._copied.synchronize()
+        self._dev.copy_(self._host, non_blocking=self._copied is not None)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.cache.device))
+        if self.cache.rows < self.target_cache.rows:  # grow with the target (admission), not mid-decode
+            self.cache.reserve(self.target_cache.rows)
+        self.cache.declare_step(seq_ids)
+        self.cache.prepare_step(width)
+        self.runner.execute((width, rows), lambda: self._forward(width, rows))
+        self.cache.commit_step()
+        for _, st, k in segments:
+            if k:
+                self.cache.rewind(st.seq, self.cache.pos(st.seq) - k - 1)  # only context K/V stay
+            st.pending = []
+        return src
+
+    def _forward(self, width: int, rows: int) -> torch.Tensor:
+        """The captured region: gather context features, the drafter forward, argmax drafts."""
+        b = self.buf
+        features = self.taps.out.index_select(0, b["gather"][:width])
+        h = self.drafter(b["ids"][:width], features, b["is_ctx"][:width] > 0, b["t"][:width], self.cache,  # type: ignore[operator]
+                         b["rows"][:rows])  # fmt: skip
+        for c in range(0, rows, HEAD_CHUNK):
+            part = slice(c, min(rows, c + HEAD_CHUNK))
+            self.drafts[part].copy_(self.target.head(h[part]).argmax(-1))  # type: ignore[attr-defined]
+        return self.drafts
+
+    def _sync_forks(self) -> None:
+        """Clone sample 0's drafter column for forks once it holds the whole prompt."""
+        for fork, parent in list(self.fork_from.items()):
+            st = self.states.get(parent)
+            if fork.finish is None and st is not None and not st.pending:
+                self.states[fork] = DraftState(self.cache.seq_clone(st.seq))
+            if fork.finish is not None or st is None or not st.pending:
+                del self.fork_from[fork]
+
+    # ---- after the target's step ----------------------------------------------------------------
+    def observe(self, batch: Batch, runs: list[list[int]]) -> None:
+        """Accepted rows (and prompt chunks) of the committed step become context to write next."""
+        r = end = 0
+        for sample, span, run in zip(batch.samples, batch.spans, runs, strict=True):
+            if sample.tokens:  # a decode or verify segment (prompt rows come after)
+                st = self.states.get(sample)
+                if st is not None:
+                    st.pending = batch.rows[r : r + len(run)]
+                end = max(end, batch.rows[r + span - 1] + 1)
+            r += span
+        for state, chunk in batch.prefill:
+            head = state.samples[0]
+            st = self.states.get(head)
+            if st is None:
+                st = self.states[head] = DraftState(self.cache.seq_new())
+            st.pending = list(range(end, end + chunk))
+            end += chunk
+        for state in batch.completed:
+            for fork in state.samples[1:]:
+                self.fork_from[fork] = state.samples[0]
+
+    def release(self) -> None:
+        """Free drafter columns of finished samples (kept while a fork still needs to clone one)."""
+        needed = {parent for fork, parent in self.fork_from.items() if fork.finish is None}
+        for sample in [s for s, st in self.states.items() if s.finish is not None and s not in needed]:
+            self.cache.seq_rm(self.states.pop(sample).seq)

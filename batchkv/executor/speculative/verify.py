@@ -1,0 +1,176 @@
+"""The verify runner: one forward over a step whose sampling rows are verify segments, with
+acceptance on the device and one small host read.
+
+Static device buffers, sized at the largest width W: token ids [W], RoPE indexes [3, W], the draft
+source of each packed row [W] (-1: the staged id; else an index into the proposer's device draft
+buffer, so DFlash drafts never visit the host), and per logits row (at most W): the packed row,
+whether a draft follows it in its segment, the segment table (start, length), and the sampling
+parameters and two uniform draws. The result is int64 [W, block + 1] (see `acceptance.combine`).
+
+Logits rows per step: at most 64 anchors (the scheduler's cap on sampling rows) times block_size.
+The LM head runs on them in chunks of 64 rows: greedy steps take each chunk's argmax in the model's
+dtype; sampling steps turn one chunk at a time into float32 probabilities. So a step never holds
+more than a [64, vocab] float32 tensor, however many rows it verifies.
+
+With a `GraphSet`, the forward, the head and the acceptance are one graph per (width bucket,
+logits-rows bucket, sampling or greedy) and storage generation and module tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from batchkv.cache import BatchedSequenceCache
+from batchkv.executor.graphs import GraphSet
+from batchkv.executor.runner import ModelRunner, StepModel
+from batchkv.executor.sampling import uniform
+from batchkv.executor.scheduler import Batch
+from batchkv.executor.speculative.acceptance import combine, greedy_rows, sampled_rows
+
+HEAD_CHUNK = 64  # logits rows per LM-head call: bounds the float32 [rows, vocab] a sampling step holds
+ACCEPT_STREAM = 1  # `uniform` stream of the acceptance test (stream 0 draws tokens)
+
+# int64 buffers: name -> length in units of W (carved once, by name)
+_I64 = (("ids", 1), ("indexes", 3), ("draft_src", 1), ("rows", 1), ("has_next", 1), ("seg_start", 1),
+        ("seg_len", 1), ("top_k", 1))  # fmt: skip
+_F32 = ("temperature", "top_p", "u_accept", "u_draw")
+
+
+class VerifyRunner(ModelRunner):
+    """Runs planned steps whose sampling rows form segments (`Batch.spans`) and returns, per
+    segment, the tokens it emits: accepted drafts then the correction or bonus token.
+
+    model: the engine's model, with `hidden_states(input_ids, indexes, cache, rows, taps=None)
+    -> [R, H]` (final-normed hidden states of the selected rows) and `head(h) -> [R, vocab]` in
+    its dtype. buckets: the engine's width buckets (logits rows are padded to one of them).
+    drafts: the proposer's device draft buffer (int64), or None when drafts come as token ids.
+    taps: a `HiddenTaps`-like object whose `bind(width)` gives the taps a forward of that width
+    writes (DFlash context features), or None.
+    """
+
+    def __init__(
+        self,
+        model: StepModel,
+        cache: BatchedSequenceCache,
+        buckets: tuple[int, ...],
+        block_size: int,
+        *,
+        graphs: GraphSet | None = None,
+        drafts: torch.Tensor | None = None,
+        taps: object | None = None,
+    ) -> None:
+        w = buckets[-1]
+        self._bind(model, cache, w, graphs)
+        self.buckets, self.block_size, self.drafts, self.taps = buckets, block_size, drafts, taps
+        self.pad_rows = True
+        device = cache.device
+        pin = device.type == "cuda"
+        size = sum(n for _, n in _I64) * w
+        self._host_i64 = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+        self._host_f32 = torch.zeros(len(_F32) * w, dtype=torch.float32, pin_memory=pin)
+        self._dev_i64 = torch.zeros_like(self._host_i64, device=device)
+        self._dev_f32 = torch.zeros_like(self._host_f32, device=device)
+        self._host: dict[str, object] = {}
+        self.buf: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, n in _I64:
+            self._host[name] = self._host_i64.numpy()[offset : offset + n * w]
+            self.buf[name] = self._dev_i64[offset : offset + n * w]
+            offset += n * w
+        for i, name in enumerate(_F32):
+            self._host[name] = self._host_f32.numpy()[i * w : (i + 1) * w]
+            self.buf[name] = self._dev_f32[i * w : (i + 1) * w]
+        self.result = torch.zeros(w, block_size + 1, dtype=torch.int64, device=device)
+        self._copied = torch.cuda.Event() if pin else None
+
+    def input_ids(self, width: int) -> torch.Tensor:
+        return self.buf["ids"][:width]
+
+    def indexes(self, width: int) -> torch.Tensor:
+        return self.buf["indexes"][: 3 * width].view(3, width)
+
+    def _rows_bucket(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
+
+    def _stage(self, batch: Batch, width: int, rows: int) -> bool:  # type: ignore[override]
+        """Write the step's inputs to the device buffers; True when some row samples (not greedy)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        host = self._host
+        n = len(batch.input_ids)
+        ids, index = host["ids"], host["indexes"][: 3 * width].reshape(3, width)
+        ids[:width] = 0  # padding feeds token 0; its K/V go to the scratch column
+        ids[:n] = batch.input_ids
+        index[:] = 0  # text tokens: (t, 0, 0)
+        index[0, :n] = batch.t_index
+        src = host["draft_src"]
+        src[:width] = -1
+        if batch.draft_src:
+            src[:n] = batch.draft_src
+        for name in ("rows", "has_next", "seg_start", "seg_len", "top_k"):
+            host[name][:rows] = 0
+        for name, fill in (("temperature", 0.0), ("top_p", 1.0), ("u_accept", 0.0), ("u_draw", 0.0)):
+            host[name][:rows] = fill
+        real = len(batch.rows)
+        host["rows"][:real] = batch.rows
+        sampling, r = False, 0
+        for i, (sample, span) in enumerate(zip(batch.samples, batch.spans, strict=True)):
+            host["seg_start"][i], host["seg_len"][i] = r, span
+            host["has_next"][r : r + span - 1] = 1
+            p = sample.owner.request.params
+            if not p.greedy:
+                sampling = True
+                host["temperature"][r : r + span] = p.temperature
+                host["top_p"][r : r + span] = p.top_p
+                host["top_k"][r : r + span] = p.top_k
+                seed, index, emitted = sample.owner.seed, sample.index, len(sample.tokens)
+                for j in range(span):  # row j decides output token `emitted + j`
+                    host["u_draw"][r + j] = uniform(seed, index, emitted + j)
+                    host["u_accept"][r + j] = uniform(seed, index, emitted + j, ACCEPT_STREAM)
+            r += span
+        non_blocking = self._copied is not None
+        self._dev_i64.copy_(self._host_i64, non_blocking=non_blocking)
+        self._dev_f32.copy_(self._host_f32, non_blocking=non_blocking)
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.cache.device))
+        return sampling
+
+    def _forward(self, width: int, rows: int, sampling: bool) -> torch.Tensor:  # type: ignore[override]
+        """The captured region: forward, LM head in row chunks, acceptance; writes `self.result`."""
+        b = self.buf
+        ids = self.input_ids(width)
+        if self.drafts is not None:  # drafts produced on the device replace their placeholder ids
+            src = b["draft_src"][:width]
+            ids = torch.where(src >= 0, self.drafts.index_select(0, src.clamp(min=0)), ids)
+        select = b["rows"][:rows]
+        taps = self.taps.bind(width) if self.taps is not None else None  # type: ignore[attr-defined]
+        h = self.model.hidden_states(ids, self.indexes(width), self.cache, select, taps=taps)  # type: ignore[attr-defined]
+        following = ids.index_select(0, (select + 1).clamp(max=width - 1))
+        draft_next = torch.where(b["has_next"][:rows] > 0, following, -1)
+        oks, fixes = [], []
+        for c in range(0, rows, HEAD_CHUNK):
+            part = slice(c, min(rows, c + HEAD_CHUNK))
+            logits = self.model.head(h[part])  # type: ignore[attr-defined]  # [chunk, vocab], model dtype
+            if sampling:
+                params = (b[name][part] for name in ("temperature", "top_k", "top_p", "u_accept", "u_draw"))
+                ok, fix = sampled_rows(logits.float(), draft_next[part], *params)
+            else:
+                ok, fix = greedy_rows(logits, draft_next[part])
+            oks.append(ok)
+            fixes.append(fix)
+        out = combine(torch.cat(oks), torch.cat(fixes), draft_next, b["seg_start"][:rows], b["seg_len"][:rows],
+                      self.block_size)  # fmt: skip
+        self.result[:rows].copy_(out)
+        return self.result
+
+    def run(self, batch: Batch, width: int) -> list[list[int]]:
+        """Forward the declared-and-prepared step at `width`, accept on the device, and return each
+        segment's emitted tokens (one host read). The cache must be declared and prepared."""
+        rows = self._rows_bucket(len(batch.rows))
+        sampling = self._stage(batch, width, rows)
+        fn: Callable[[], torch.Tensor] = lambda: self._forward(width, rows, sampling)  # noqa: E731
+        result = self.execute((width, rows, sampling), fn)
+        table = result[: len(batch.samples)].tolist()  # the step's one host synchronisation
+        return [row[1 : 1 + row[0]] for row in table]
