@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batchkv.ops import sdpa_varlen_reference
@@ -75,10 +76,10 @@ def main() -> None:
         prefixes = [(k[:n, 0].transpose(0, 1)[None].contiguous(), v[:n, 0].transpose(0, 1)[None].contiguous())
                     for k, v in stores]  # fmt: skip
         best = None
-        for backend in (torch.nn.attention.SDPBackend.FLASH_ATTENTION, torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION):
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
             try:
                 with torch.nn.attention.sdpa_kernel(backend):
-                    calls = [lambda k=k, v=v: F.scaled_dot_product_attention(qq, k, v, enable_gqa=True)
+                    calls = [lambda k=k, v=v, qq=qq: F.scaled_dot_product_attention(qq, k, v, enable_gqa=True)
                              for k, v in prefixes]  # fmt: skip
                     us = graph_us(calls)
                 if best is None or us < best[0]:
@@ -96,7 +97,8 @@ def main() -> None:
                 err = (sdpa_varlen(q, *stores[0], info, config=cfg).float() - ref_of(q, stores[0], info)).abs().max()
                 if not err < 3e-2:
                     raise RuntimeError(f"max error {err.item()} at {n} keys")
-                calls = [lambda k=k, v=v, info=info: sdpa_varlen(q, k, v, info, out=out, config=cfg) for k, v in stores]
+                calls = [lambda k=k, v=v, info=info, cfg=cfg: sdpa_varlen(q, k, v, info, out=out, config=cfg)
+                         for k, v in stores]  # fmt: skip
                 row["us"][n] = round(graph_us(calls), 2)
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {exc}"[:200]
