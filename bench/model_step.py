@@ -7,6 +7,10 @@ in a CUDA graph and replayed; the roofline is the weight bytes of one step over 
 device-to-device copy bandwidth (read + write bytes over time) of the same run.
 
     python bench/model_step.py --preset sensenova-u1-8b --rows 1 8 32 64          # on the GPU
+
+Each width is timed twice on CUDA: as the model runs (the few-row kernel of batchkv.models.gemv at
+up to GEMV_MAX_ROWS rows) and with every matmul on cuBLAS; `kernels` counts the kernels one eager
+step launches (= the nodes of its graph), from the profiler.
     python bench/model_step.py --preset sensenova-u1-tiny --device cpu --iters 3   # smoke test
 """
 
@@ -18,6 +22,7 @@ import time
 
 import torch
 
+import batchkv.models.gemv as gemv_module
 from batchkv.models import build_model
 
 
@@ -76,6 +81,22 @@ def step_ms(model, rows: int, iters: int) -> float:
     return start.elapsed_time(end) / iters
 
 
+def kernels_per_step(model, rows: int) -> int:
+    """Kernels one eager step launches (each is a node of the captured graph)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = model.device
+    ids = torch.zeros(rows, dtype=torch.int64, device=dev)
+    idx = torch.zeros(3, rows, dtype=torch.int64, device=dev)
+    sel = torch.arange(rows, device=dev)
+    model(ids, idx, NullAttention(), sel)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model(ids, idx, NullAttention(), sel)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="sensenova-u1-8b")
@@ -103,6 +124,16 @@ def main() -> None:
             gbs = weight_bytes / (ms / 1e3) / 1e9
             roof_ms = weight_bytes / (peak * 1e9) * 1e3
             results.append({"rows": rows, "ms": ms, "weight_gbs": gbs, "roofline_ms": roof_ms})
+            if device.type == "cuda" and rows <= gemv_module.GEMV_MAX_ROWS:
+                results[-1]["kernels"] = kernels_per_step(model, rows)
+                limit, gemv_module.GEMV_MAX_ROWS = gemv_module.GEMV_MAX_ROWS, 0  # every matmul on cuBLAS
+                results[-1]["cublas_ms"] = step_ms(model, rows, args.iters)
+                results[-1]["cublas_kernels"] = kernels_per_step(model, rows)
+                gemv_module.GEMV_MAX_ROWS = limit
+                print(
+                    f"  rows {rows:3d}: cuBLAS only {results[-1]['cublas_ms']:8.3f} ms/step; kernels per step "
+                    f"{results[-1]['kernels']} (cuBLAS only {results[-1]['cublas_kernels']})"
+                )
             print(
                 f"  rows {rows:3d}: {ms:8.3f} ms/step  {gbs:7.0f} GB/s  roofline {roof_ms:.3f} ms "
                 f"({100 * roof_ms / ms:.0f}% of it)  {rows / ms * 1e3:9.0f} tokens/s"

@@ -35,8 +35,10 @@ as possible): q/k/v are one fused matmul and gate/up another (fused when weights
 checkpoint keeps the separate names); on CUDA each residual add runs fused with the RMSNorm after
 it, the split QK-norm and RoPE of all q and k heads are one kernel, and SiLU*mul another
 (`batchkv.models.fused`); RoPE tables are computed once per step for all layers; only the
-`logits_rows` rows reach the final norm and LM head. A layer is 4 matmuls, 4 small kernels, the
-K/V write and attention.
+`logits_rows` rows reach the final norm and LM head. At up to `GEMV_MAX_ROWS` rows on CUDA the
+matmuls are the few-row kernel of `batchkv.models.gemv`, which streams the weights at the read
+bandwidth, takes SiLU*mul into the down projection and writes the logits in float32 directly. A
+layer is 4 matmuls, 3 or 4 small kernels, the K/V write and attention.
 
 Image tokens in the published model attend bidirectionally within one t index; this module serves
 text (causal) only.
@@ -50,7 +52,8 @@ from torch import nn
 
 from batchkv.cache.config import LayerSpec
 from batchkv.models.config import SenseNovaConfig
-from batchkv.models.fused import add_rms_norm, qk_norm_rope, silu_mul
+from batchkv.models.fused import add_rms_norm, qk_norm_rope
+from batchkv.models.gemv import linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -173,19 +176,20 @@ class SenseNovaLM(nn.Module):
     def _attention(self, layer: int, p: DecoderLayer, x: torch.Tensor, cos, sin, cache) -> torch.Tensor:
         cfg, w = self.config, x.shape[0]
         d, hq, hkv = cfg.head_dim, cfg.q_heads, cfg.kv_heads
-        qkv = F.linear(x, p.qkv)  # [W, (Hq + 2 Hkv) D]
+        qkv = linear(x, p.qkv)  # [W, (Hq + 2 Hkv) D]
         # Split QK-norm then RoPE over the q and k heads: one fused kernel on CUDA.
         q, k = qk_norm_rope(qkv, p.q_norm, p.k_norm, cos, sin, self.rope.partner, hq, hkv, cfg.rms_eps)
         v = qkv[:, (hq + hkv) * d :].view(w, hkv, d)
         out = cache.update_and_attend(layer, q, k, v, scale=self.scale)  # [W, Hq, D]
-        return F.linear(out.reshape(w, hq * d), p.o_proj)
+        return linear(out.reshape(w, hq * d), p.o_proj)
 
     def forward(self, input_ids: torch.Tensor, indexes: torch.Tensor, cache, logits_rows: torch.Tensor) -> torch.Tensor:
         """One packed step. input_ids int64 [W], indexes int64 [3, W], logits_rows int64 [R].
 
         Returns float32 [R, vocab]. `cache` must be declared and prepared for width W.
         """
-        return self.head(self.hidden_states(input_ids, indexes, cache, logits_rows)).float()
+        h = self.hidden_states(input_ids, indexes, cache, logits_rows)
+        return linear(h, self.lm_head, out_dtype=torch.float32)  # the float32 cast fused at few rows
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Input embeddings [W, H] of int64 [W] ids, in the model dtype (a DFlash drafter's block input)."""
@@ -193,7 +197,7 @@ class SenseNovaLM(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """LM head of final-normed hidden states [R, H] -> logits [R, vocab] in the model dtype."""
-        return F.linear(h, self.lm_head)
+        return linear(h, self.lm_head)
 
     def hidden_states(
         self, input_ids: torch.Tensor, indexes: torch.Tensor, cache, logits_rows: torch.Tensor, taps=None
@@ -210,7 +214,7 @@ class SenseNovaLM(nn.Module):
         for layer, p in enumerate(layers):
             # Each residual add is fused with the norm that follows it: one kernel on CUDA.
             h, x = add_rms_norm(h, self._attention(layer, p, x, cos, sin, cache), p.post_attention_layernorm, eps)
-            mlp = F.linear(silu_mul(F.linear(x, p.gate_up)), p.down)
+            mlp = linear(linear(x, p.gate_up), p.down, silu_mul=True)  # silu(gate) * up fused into down
             if layer + 1 < len(layers):
                 h, x = add_rms_norm(h, mlp, layers[layer + 1].input_layernorm, eps)
             else:
