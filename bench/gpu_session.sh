@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: run the named phases in order, each under its own time limit, with
-# results under $OUT. Phases: tests kernels sweep model decode profile compat serve fp8 spec.
+# results under $OUT. Phases: tests kernels sweep model decode profile compat serve fp8 spec gemv b1 ncu.
 #   OUT=/tmp/out bash bench/gpu_session.sh tests kernels model decode
 # The machine has no msgspec: carry its wheel in .whl/ (bash ../shared/device/wheels.sh). The serve
 # phase also needs the server's wheels: see bench/results/README.md.
@@ -23,7 +23,7 @@ phase() {  # name, limit in seconds, command...
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())'
 for p in "$@"; do
   case $p in
-    tests) phase tests 120 python3 -m pytest -m gpu tests -q -x -p no:cacheprovider -ra ;;
+    tests) phase tests ${TESTS_LIMIT:-300} python3 -m pytest -m gpu tests -q -p no:cacheprovider -ra --timeout 150 ;;
     kernels) phase kernels 240 python3 bench/kernels.py --check --out "$OUT/kernels-h200.json" --flex-budget-s 60 ;;
     sweep) phase sweep 220 python3 bench/kernels.py --sweep --sweep-out "$OUT/kernels-sweep.json" ;;
     model) phase model 90 python3 bench/model_step.py --preset sensenova-u1-8b --rows 1 8 32 64 --json "$OUT/model_step.json" ;;
@@ -33,6 +33,11 @@ for p in "$@"; do
     serve) phase serve 230 python3 bench/serve_http.py --out "$OUT/serve-http-h200.json" ;;
     fp8) phase fp8 240 python3 bench/kv_fp8.py --out "$OUT/kv-fp8-h200.json" ;;
     spec) phase spec ${SPEC_LIMIT:-300} python3 bench/spec.py --out "$OUT/spec-h200.json" --budget-s 240 ;;
+    gemv) phase gemv 120 python3 bench/gemv.py --out "$OUT/gemv-h200.json" ;;
+    b1) phase b1 150 python3 bench/b1_sweep.py --out "$OUT/b1-sweep-h200.json" ;;
+    ncu) phase ncu 90 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section LaunchStats \
+      --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --csv --page details \
+      python3 bench/b1_ncu.py ;;
     *) echo "unknown phase $p" ;;
   esac
 done
