@@ -7,9 +7,10 @@ a compile shared across batch sizes goes symbolic and falls back to the generic 
 block mask (length mask over K/V padded to a multiple of 128) is built outside timing; calls are
 graph-replayed like batchkv's.
 
-Knobs (`kernel_options`, read by torch 2.11 and 2.13 alike): for decode shapes the split count
-(`SPLIT_KV`, default 2 * SMs / (B * Hkv)), key tile (`BLOCK_N`), warps and pipeline stages; for
-prefill shapes the generic kernel's tiles. The first call runs under `run_and_get_code`, so the
+Knobs (`kernel_options`, read by torch 2.11 and 2.13 alike): what the mask guarantees (rows never
+empty, contiguous blocks) and a prescaled q; for decode shapes the split count (`SPLIT_KV`, default
+2 * SMs / (B * Hkv)), key tile (`BLOCK_N`), warps and pipeline stages; for prefill shapes the
+generic kernel's tiles. The first call runs under `run_and_get_code`, so the
 record says which template inductor generated (flex decoding has `SPLIT_KV`) and its constants;
 one call under the profiler names the kernels that ran.
 """
@@ -24,7 +25,10 @@ import torch
 from kernel_cases import Case
 from kernel_peers import Candidate, gather
 
-PREFILL_KNOBS = [{}, {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}]
+# Facts of a length mask that flex may exploit: every query row sees key 0, and each row's blocks
+# are a contiguous prefix. PRESCALE_QK folds the scale into q first (checked against the reference).
+MASK_FACTS = {"ROWS_GUARANTEED_SAFE": True, "BLOCKS_ARE_CONTIGUOUS": True, "PRESCALE_QK": True}
+PREFILL_KNOBS = [{}, MASK_FACTS, {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}]
 
 
 def decode_knobs(case: Case) -> list[dict]:
@@ -33,6 +37,7 @@ def decode_knobs(case: Case) -> list[dict]:
     split = max(1, sms // (case.batch * case.geo.hkv) * 2)  # torch's default (get_split_k)
     return [
         {},
+        MASK_FACTS,
         {"num_stages": 3},  # the first of inductor's own autotuning list (BLOCK_N 64, 3 stages, 2 warps)
         {"SPLIT_KV": 2 * split},
         {"BLOCK_N": 128, "num_warps": 4, "num_stages": 3},

@@ -81,6 +81,7 @@ def serve(
     """Serve the requests through transformers continuous batching; tokens/s and latencies.
 
     arrivals: seconds from the start at which each request arrives (None: all at once, offline).
+    box_s: seconds the run may go on past the last arrival before the manager is hard-stopped.
     Times to first token count from the arrival; token times are the peer's own per-token
     timestamps (taken in its generation thread). Setup (cache, warm-up captures, compiles) is not
     timed. Returns tokens, tokens/s over the wall time to the last token, finished requests,
@@ -107,7 +108,7 @@ def serve(
     try:
         while nxt < n or inflight:
             now = time.perf_counter()
-            if now - start > box_s:
+            if now - start > arrivals[-1] + box_s:
                 boxed = True
                 break
             while nxt < n and inflight < max_inflight and start + arrivals[nxt] <= now:
