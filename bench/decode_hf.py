@@ -73,7 +73,7 @@ def hf_parts(parts, ctx: SimpleNamespace, args) -> None:
             if row.get("peer"):
                 continue
             n = row["requests"]
-            arrivals = poisson_arrivals(n, row["nominal_rate"], seed=row["arrival_seed"])
+            arrivals = poisson_arrivals(n, row["rate"], seed=row["arrival_seed"])
             peer = hf_cb.serve(hf(), best, prompts[:n], outputs[:n], arrivals, box_s=args.hf_online_box_s)
             row["peer"] = {"name": "transformers continuous batching", "setting": best,
                            "kept_up": not peer["boxed"], **peer}  # fmt: skip

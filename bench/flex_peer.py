@@ -12,7 +12,8 @@ empty, contiguous blocks) and a prescaled q; for decode shapes the split count (
 2 * SMs / (B * Hkv)), key tile (`BLOCK_N`), warps and pipeline stages; for prefill shapes the
 generic kernel's tiles. The first call runs under `run_and_get_code`, so the
 record says which template inductor generated (flex decoding has `SPLIT_KV`) and its constants;
-one call under the profiler names the kernels that ran.
+one call under the profiler names the kernels that ran. (torch 2.13 can also force a template with
+`kernel_options["BACKEND"]`; 2.11 may not have that knob, so the path is read, not forced.)
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class FlexData:
 def _generated(codes: list[str]) -> dict:
     """Which flex template inductor generated, and its launch constants, from the output code."""
     text = "\n".join(codes)
+    if "flex" not in text and "SPARSE_KV_BLOCK_SIZE" not in text:
+        return {"path": "unknown (no generated code was captured)"}
     found = {"path": "flex_decoding" if "SPLIT_KV" in text else "flex_attention"}
     for name in ("SPLIT_KV", "BLOCK_M", "BLOCK_N", "SPARSE_KV_BLOCK_SIZE"):
         match = re.search(rf"\b{name} ?: ?tl\.constexpr ?= ?(\d+)", text)
@@ -109,6 +112,7 @@ def flex(case: Case, k: torch.Tensor, v: torch.Tensor, knobs: list[dict] | None 
     from torch.nn.attention.flex_attention import flex_attention
 
     data = FlexData(case, k, v)
+    torch._inductor.config.fx_graph_cache = False  # a cache hit would skip the code the record reads
     for options in knobs if knobs is not None else knob_sets(case):
         torch._dynamo.reset()
         compiled = torch.compile(flex_attention, dynamic=False)

@@ -68,7 +68,7 @@ def main(path: str) -> None:
                                    label=f"{who} {key[:-3]}" if i == 0 else None)  # fmt: skip
         if peer and not peer.get("kept_up", True):
             online.text(i + 0.2, online.get_ylim()[0], "did not\nkeep up", ha="center", va="bottom", fontsize=7)
-    online.set_xticks(range(len(rows)), [f"{row['label']}\n{row['nominal_rate']:.2f} req/s" for row in rows])
+    online.set_xticks(range(len(rows)), [f"{row['label']}\n{row['rate']:.2f} req/s" for row in rows])
     online.set_yscale("log")
     online.set_ylabel("ms (log)")
     online.set_title("online: Poisson arrivals; TTFT from arrival", fontsize=10)

@@ -55,7 +55,7 @@ def decode(path: Path) -> None:
     for row in s.get("online", []):
         peer = row.get("peer") or {}
         ttft = f"{_num(row['ttft_p50_ms'], '.0f')}/{_num(row['ttft_p99_ms'], '.0f')}"
-        print(f"  online {row['label']:16s} {row['nominal_rate']:5.2f} req/s n={row['requests']:3d} | batchkv "
+        print(f"  online {row['label']:16s} {row['rate']:5.2f} req/s n={row['requests']:3d} | batchkv "
               f"{row['tokens_per_s']:6.0f} tok/s TTFT {ttft} "
               f"ITL {_num(row['itl_p50_ms'], '.1f')}/{_num(row['itl_p99_ms'], '.1f')} ms | transformers "
               f"{_num(peer.get('tokens_per_s'), '.0f')} tok/s TTFT {_num(peer.get('ttft_p50_ms'), '.0f')}/"
