@@ -29,7 +29,7 @@ for p in "$@"; do
   case $p in
     tests) phase tests 300 python3 -m pytest -m gpu tests -q -x -p no:cacheprovider -ra ;;
     kernels) phase kernels 240 python3 bench/kernels.py --check --out "$OUT/kernels-h200.json" \
-      --budget-s "${KERNELS_BUDGET:-210}" ${KERNELS_ARGS:-} ;;
+      --budget-s "${KERNELS_BUDGET:-215}" ${KERNELS_ARGS:-} ;;
     sweep) phase sweep 220 python3 bench/kernels.py --sweep --sweep-out "$OUT/kernels-sweep.json" ;;
     model) phase model 90 python3 bench/model_step.py --preset sensenova-u1-8b --rows 1 8 32 64 --json "$OUT/model_step.json" ;;
     decode) phase decode "${DECODE_LIMIT:-420}" python3 bench/decode.py --out "$OUT/decode-h200.json" \

@@ -13,7 +13,7 @@ when this torch ships it; flex_attention compiled per case shape with its knobs 
 last, since compiles are the slow part; defaults for every case first, then the other knobs while
 the budget lasts). Recompiles are logged (TORCH_LOGS=recompiles) while flex runs.
 
-    python3 bench/kernels.py [--check] [--sweep] [--out bench/results/kernels-h200.json] [--budget-s 225]
+    python3 bench/kernels.py [--check] [--sweep] [--out bench/results/kernels-h200.json] [--budget-s 215]
     python bench/kernels.py --small --check --out /tmp/k.json     # CPU smoke run (Triton interpreter)
 
 --check first compares batchkv with the torch reference on every case (a mismatch is recorded and
@@ -240,8 +240,8 @@ def main() -> None:
     parser.add_argument("--config", default="{}", help="SdpaConfig overrides as JSON, e.g. '{\"occupancy\": 4}'")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--small", action="store_true", help="tiny geometry and cases (a CPU smoke run)")
-    parser.add_argument("--budget-s", type=float, default=210.0, help="wall-clock budget of the whole run")
-    parser.add_argument("--flex-budget-s", type=float, default=120.0, help="part of the budget kept for flex")
+    parser.add_argument("--budget-s", type=float, default=215.0, help="wall-clock budget of the whole run")
+    parser.add_argument("--flex-budget-s", type=float, default=110.0, help="part of the budget kept for flex")
     parser.add_argument("--resume", type=Path, default=None, help="a result JSON to complete")
     args = parser.parse_args()
     deadline = Deadline(args.budget_s)
