@@ -88,6 +88,7 @@ def hf_parts(parts, ctx: SimpleNamespace, args) -> None:
     def single(static: bool):
         key = "hf_static_compile_ms" if static else "hf_eager_ms"
         b1 = r.setdefault("b1", {"prompt": ctx.prompt_len, "new_tokens": ctx.new_tokens})
+        hf().set_attn_implementation("sdpa")  # whatever the serving calibration left set
         b1[key] = decode_ms_per_token(hf(), ctx.prompt_len, ctx.new_tokens, static_compile=static)
         print(f"b1 {key}: {b1[key]:.3f} ms/token", flush=True)
 
