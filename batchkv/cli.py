@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from batchkv.dtypes import STORAGE_DTYPES
 from batchkv.errors import BatchKVError, ConfigError, ManifestError
 from batchkv.presets import KV_PRESETS
 
@@ -203,7 +204,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-layers", type=int, help="layers (overrides the preset)")
     p.add_argument("--kv-heads", type=int, help="KV heads per layer (overrides the preset)")
     p.add_argument("--head-dim", type=int, help="head dimension (overrides the preset)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="K/V storage dtype")
+    p.add_argument("--dtype", choices=tuple(STORAGE_DTYPES), help="K/V storage dtype")
     p.add_argument("--model", help="model name recorded in the manifest (default: the preset's name)")
     p.add_argument("--kv-layout", required=True, choices=("sequence", "batched-sequence", "cell"))
     p.add_argument("--max-kv-seqs", type=int, default=1, metavar="N", help="resident sequences (default 1)")

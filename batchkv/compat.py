@@ -56,10 +56,13 @@ def paged_decode_supported(device: torch.device | str, head_dim: int) -> bool:
     Needs CUDA, Triton importable with batchkv's kernel built, and head_dim a power of two in
     [16, 256] (the kernel's tile contract). Elsewhere the pipeline keeps its ordinary cache.
     """
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"paged_decode_supported: {device!r} is not a device torch knows") from None
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
-    if not 16 <= head_dim <= 256 or head_dim & (head_dim - 1):
+    if ops.kernel_problem(head_dim):
         return False
     if not ops.triton_available(device):
         return False

@@ -16,11 +16,11 @@ import os
 import torch
 
 from batchkv.cache import BatchedSequenceCache, CacheConfig, LayerSpec
+from batchkv.dtypes import dtype_named
 from batchkv.errors import ConfigError, UnsupportedLayout
 from batchkv.manifest.codec import load_manifest
 from batchkv.manifest.schema import MAX_LAYERS, Layer, Manifest
 
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 OVERRIDES = ("capacity", "max_seqs", "max_write", "max_segments", "max_width", "buckets", "tail_step", "dtype")
 DEFAULT_MAX_WRITE = 512  # a prefill chunk per sequence per step
 
@@ -53,13 +53,13 @@ def cache_config(manifest: Manifest, **overrides: object) -> CacheConfig:
         "capacity": manifest.maximum_capacity,
         "max_write": manifest.max_write,
         "layers": tuple(LayerSpec(e.policy, e.window) for e in sorted(manifest.layers, key=lambda e: e.layer_id)),
-        "dtype": TORCH_DTYPES[manifest.dtype],
+        "dtype": dtype_named(manifest.dtype),
         "max_segments": manifest.segments,
     }
     if "max_seqs" in overrides and "max_segments" not in overrides:
         fields["max_segments"] = 0  # CacheConfig's default: 2 * max_seqs
     if isinstance(overrides.get("dtype"), str):
-        overrides["dtype"] = TORCH_DTYPES.get(overrides["dtype"], overrides["dtype"])  # type: ignore[arg-type]
+        overrides["dtype"] = dtype_named(overrides["dtype"])  # type: ignore[arg-type]
     fields.update(overrides)
     return CacheConfig(**fields)  # type: ignore[arg-type]
 

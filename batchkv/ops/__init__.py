@@ -7,7 +7,9 @@
   `sdpa_varlen_triton` and `kv_write_triton`: a submodule named like the function it exports
   would shadow the function on this package once imported.
 
-`resolve_backend` / `backend_functions` pick the pair a cache uses.
+`resolve_backend` / `backend_functions` pick the pair a cache uses; `kernel_problem` is the one
+owner of the rule on which head_dim and storage dtype the Triton kernels take (every validator,
+from the cache to `batchkv export`, asks it).
 """
 
 from __future__ import annotations
@@ -16,10 +18,25 @@ from collections.abc import Callable
 
 import torch
 
-from batchkv.errors import ConfigError
+from batchkv.errors import ConfigError, DependencyError
 from batchkv.ops.reference import kv_write_reference, sdpa_varlen_reference
 
 BACKENDS = ("auto", "triton", "reference")
+KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two: tiles span head_dim, >= 16 for tl.dot
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def kernel_problem(head_dim: int, dtype: torch.dtype | None = None) -> str | None:
+    """Why the Triton kernels cannot run K/V of this head_dim (and storage dtype), or None if they can.
+
+    The torch reference backend takes any geometry; this rule is the Triton kernels' alone.
+    """
+    if head_dim not in KERNEL_HEAD_DIMS or isinstance(head_dim, bool):
+        return f"head_dim {head_dim!r}: the Triton kernels take one of {', '.join(map(str, KERNEL_HEAD_DIMS))}"
+    if dtype is not None and dtype not in KERNEL_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in KERNEL_DTYPES)
+        return f"dtype {dtype}: the Triton kernels take {names}"
+    return None
 
 
 def triton_available(device: torch.device) -> bool:
@@ -47,9 +64,13 @@ def backend_functions(name: str) -> tuple[Callable[..., None], Callable[..., tor
     if name == "reference":
         return kv_write_reference, sdpa_varlen_reference
     if name == "triton":
-        from batchkv.ops.kv_write_triton import kv_write
-        from batchkv.ops.sdpa_varlen_triton import sdpa_varlen
-
+        try:
+            from batchkv.ops.kv_write_triton import kv_write
+            from batchkv.ops.sdpa_varlen_triton import sdpa_varlen
+        except ImportError as exc:
+            raise DependencyError(
+                f"attention 'triton' needs Triton ({exc}); pip install 'batchkv[triton]', or use attention='reference'"
+            ) from exc
         return kv_write, sdpa_varlen
     raise ConfigError(f"attention backend {name!r} is unknown; use one of {BACKENDS[1:]}")
 
@@ -69,7 +90,10 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "BACKENDS",
+    "KERNEL_DTYPES",
+    "KERNEL_HEAD_DIMS",
     "backend_functions",
+    "kernel_problem",
     "kv_write",
     "kv_write_reference",
     "resolve_backend",

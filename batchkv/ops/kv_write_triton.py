@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from batchkv.errors import ContractError
+from batchkv.ops import kernel_problem
 
 
 @triton.jit
@@ -37,7 +38,7 @@ def kv_write(k_flat: torch.Tensor, v_flat: torch.Tensor, k: torch.Tensor, v: tor
 
     k_flat, v_flat: [rows * C, Hkv, D] views of the store (one dtype and strides, last dim
     contiguous); k, v: [W, Hkv, D] in any float dtype (cast on write); slots: int64 (or int32) [W]
-    on the same device. D must be a power of two. Capturable (no host reads).
+    on the same device. D as `batchkv.ops.kernel_problem` allows. Capturable (no host reads).
 
     >>> kv_write(*cache._store.flat_views(0), k, v, slots)  # k, v [W, 8, 128]; slots [W]
     """
@@ -47,9 +48,10 @@ def kv_write(k_flat: torch.Tensor, v_flat: torch.Tensor, k: torch.Tensor, v: tor
             f"{tuple(v_flat.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     width, num_kv_heads, head_dim = k.shape
-    if k_flat.shape[1:] != k.shape[1:] or head_dim & (head_dim - 1):
+    if k_flat.shape[1:] != k.shape[1:] or kernel_problem(head_dim):
         raise ContractError(
-            f"store rows {tuple(k_flat.shape[1:])} and k rows {tuple(k.shape[1:])} must match, D a power of 2"
+            f"store rows {tuple(k_flat.shape[1:])} and k rows {tuple(k.shape[1:])} must match; "
+            f"{kernel_problem(head_dim) or 'they differ'}"
         )
     if slots.dtype not in (torch.int64, torch.int32) or slots.shape != (width,):
         raise ContractError(f"slots must be int64 or int32 [{width}]; got {slots.dtype} {tuple(slots.shape)}")

@@ -40,11 +40,11 @@ import torch
 import triton
 
 from batchkv.errors import ContractError
+from batchkv.ops import kernel_problem
 from batchkv.ops.sdpa_varlen_kernels import split_kernel
 from batchkv.ops.sdpa_varlen_long import long_kernel
 
 LOG2E = 1.4426950408889634  # 1/ln(2)
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REGISTERS = 65536  # 32-bit registers per SM (every CUDA GPU since sm_50)
 AXIS32_LIMIT = 2**31  # work-axis products (blocks * programs) below this use 32-bit math in the kernel
 
@@ -181,13 +181,14 @@ def _check(q, k_store, v_store, seq_info, window, out) -> None:
         )
     num_q_heads, head_dim = q.shape[1:]
     rows, _, num_kv_heads, store_dim = k_store.shape
-    if store_dim != head_dim or head_dim < 16 or head_dim & (head_dim - 1):
-        raise ContractError(f"head_dim must be one power of two >= 16 in q and the stores; got {head_dim}, {store_dim}")
+    problem = kernel_problem(head_dim, k_store.dtype)
+    if store_dim != head_dim or problem:
+        raise ContractError(f"q's head_dim {head_dim} and the stores' {store_dim}: {problem or 'they must match'}")
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise ContractError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}; GQA needs Hq % Hkv == 0")
     if rows < 1:
         raise ContractError("the stores have 0 rows; grow the cache before attending")
-    if q.dtype not in DTYPES or k_store.dtype not in DTYPES or v_store.dtype != k_store.dtype:
+    if kernel_problem(head_dim, q.dtype) or v_store.dtype != k_store.dtype:
         raise ContractError(
             f"q and the stores must be fp16/bf16/fp32, one dtype for both stores; got {q.dtype}, "
             f"{k_store.dtype}, {v_store.dtype}"

@@ -1,0 +1,44 @@
+"""Pinned host staging: one host buffer per dtype, mirrored by a fixed-address device buffer.
+
+A step's small inputs (positions, write slots, `seq_info`; token ids, RoPE indexes, sampling
+parameters) are written on the host and cross with one host-to-device copy per dtype. On CUDA the
+host side is pinned and the copy asynchronous, so the host buffer may be rewritten only once the
+previous copy ran: `begin` waits for it, `upload` copies and records when it ran. The device
+buffers are only ever written by `copy_`, so their addresses never change and a captured graph
+that reads them stays valid.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class Staging:
+    """Host and device buffers of `sizes[dtype]` elements each, zero-filled, on `device`."""
+
+    def __init__(self, sizes: dict[torch.dtype, int], device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self._host = {dtype: torch.zeros(n, dtype=dtype, pin_memory=pin) for dtype, n in sizes.items()}
+        self.device_buffers = {dtype: torch.zeros_like(h, device=device) for dtype, h in self._host.items()}
+        self._copied = torch.cuda.Event() if pin else None
+        self._device = device
+
+    @staticmethod
+    def nbytes(sizes: dict[torch.dtype, int]) -> int:
+        """Bytes of host plus device buffers for `sizes` (what construction allocates)."""
+        return 2 * sum(n * torch.empty((), dtype=dtype).element_size() for dtype, n in sizes.items())
+
+    def begin(self) -> dict[torch.dtype, np.ndarray]:
+        """Wait until the previous upload has left the host buffers; numpy views of them to write."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return {dtype: h.numpy() for dtype, h in self._host.items()}
+
+    def upload(self) -> None:
+        """Copy every host buffer to its device buffer (asynchronous from pinned memory on CUDA)."""
+        non_blocking = self._copied is not None
+        for dtype, host in self._host.items():
+            self.device_buffers[dtype].copy_(host, non_blocking=non_blocking)
+        if self._copied is not None:  # on the stream the copies ran on: the device's current one
+            self._copied.record(torch.cuda.current_stream(self._device))
