@@ -28,7 +28,8 @@ from torch import nn
 
 from batchkv import ops
 from batchkv.cache.single import BUCKETS, TAIL_STEP, PagedDecodeCache
-from batchkv.errors import ConfigError, StepError
+from batchkv.checks import int_arg
+from batchkv.errors import ConfigError, ContractError, StepError
 from batchkv.executor.graphs import (
     AdapterGuard,
     GraphSet,
@@ -154,6 +155,9 @@ class DecodeGraphRunner:
                 f"DecodeGraphRunner.step: the cache is not staged for a step (length {self.cache.length}); "
                 "call cache.set_length(n) with n >= 1 first"
             )
+        for name, value in (("token", token), ("t_index", t_index)):
+            if not isinstance(value, torch.Tensor):
+                int_arg(f"DecodeGraphRunner.step: {name}", value, 0, error=ContractError)
         self.input_ids[0, 0] = token
         self.indexes[0, 0] = t_index
         if not self.uses_graphs():

@@ -8,6 +8,7 @@ import torch
 
 from batchkv import BatchedSequenceCache, CacheConfig, LayerSpec, from_manifest, load_manifest
 from batchkv.cache import PagedDecodeCache
+from batchkv.compat import DecodeGraphRunner
 from batchkv.errors import (
     CheckpointError,
     ConfigError,
@@ -16,9 +17,12 @@ from batchkv.errors import (
     RequestError,
     StepError,
     UnknownSequenceError,
+    WorkloadError,
 )
 from batchkv.executor import Engine, Request, SamplingParams, gather
+from batchkv.executor.workload import synthetic
 from batchkv.models import build_model
+from tests.pipeline_lm import PipelineLM
 from tests.test_cache import make_pair
 from tests.test_refusals import assert_same, snapshot
 from tests.toy_model import ToyModel
@@ -75,6 +79,8 @@ CONSTRUCTORS = {
     "seed float": (lambda: SamplingParams(seed=1.0), RequestError, "seed"),
     "n bool": (lambda: SamplingParams(n=True), RequestError, "n"),
     "stop id float": (lambda: SamplingParams(stop_token_ids=[2.0]), RequestError, "stop_token_ids[0]"),
+    "synthetic count": (lambda: synthetic(2.5, vocab_size=97), WorkloadError, "num_requests"),
+    "synthetic range": (lambda: synthetic(2, vocab_size=97, prompt_len=(1, 4.5)), WorkloadError, "prompt_len[1]"),
 }
 if NO_CUDA:
     CONSTRUCTORS["cache on missing CUDA"] = (
@@ -186,6 +192,16 @@ def test_a_paged_cache_refuses_bad_lengths_and_shapes_and_attends_as_before():
     assert torch.equal(paged.attend(0, *qkv, 0.25), twin.attend(0, *qkv, 0.25))
 
 
+def test_the_decode_runner_refuses_a_fractional_token_or_rope_index_before_writing_it():
+    paged = PagedDecodeCache(3, 2, 16, 8, "cpu", torch.float32, attention="reference")
+    runner = DecodeGraphRunner(PipelineLM().eval(), paged, "cpu")
+    paged.set_length(1)
+    for args, names in (((1.5, 0), "token"), ((3, True), "t_index"), ((-1, 0), "token")):
+        refused(lambda args=args: runner.step(*args), ContractError, names)
+        assert runner.input_ids.tolist() == [[0]] and runner.indexes.tolist() == [[0], [0], [0]]
+    assert runner.step(3, 0).shape == (1, 1, 61)
+
+
 # ---- the engine: refusals leave a running engine as it was -----------------------------------
 def _engine(**overrides) -> Engine:
     options = {"max_seqs": 2, "capacity": 48, "max_step_tokens": 8, "prefill_chunk": 4, **overrides}
@@ -230,5 +246,7 @@ def test_refused_submits_leave_a_running_engine_producing_the_same_tokens():
             busy.submit(bad)
         assert (busy.num_waiting, busy.num_running, busy.cache.sequences) == state[:3]
         assert [busy.cache.pos(s) for s in busy.cache.sequences] == state[3]
+    refused(lambda: busy.cancel(True), RequestError, "request_id")  # True == 1 would cancel request 1
+    refused(lambda: busy.cancel(0.0), RequestError, "request_id")
     assert gather(busy.run_until_done()) == gather(calm.run_until_done())
     assert (busy.metrics.refused, busy.metrics.submitted) == (2, 1)  # the non-Request is not a request

@@ -192,7 +192,7 @@ class Engine:
 
         Its samples' "cancelled" events come out of the next `step()`.
         """
-        return self.scheduler.cancel(request_id)
+        return self.scheduler.cancel(int_arg("cancel: request_id", request_id, error=RequestError))
 
     # ---- stepping ------------------------------------------------------------------------------
     def _bucket(self, tokens: int) -> int:

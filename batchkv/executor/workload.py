@@ -21,6 +21,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from batchkv.checks import int_arg, int_args, real_arg
 from batchkv.errors import BatchKVError, WorkloadError
 from batchkv.executor.engine import Engine
 from batchkv.executor.request import Event, Request, SamplingParams
@@ -49,11 +50,13 @@ def synthetic(
     `arrival_gap` steps (0: all at step 0). `sampling` gives every other parameter; each request
     gets seed `seed + i` when `sampling.seed` is None, so the run is reproducible.
     """
-    for name, (lo, hi) in (("prompt_len", prompt_len), ("output_len", output_len)):
-        if not 1 <= lo <= hi:
-            raise WorkloadError(f"{name} range {lo}:{hi} must satisfy 1 <= min <= max")
-    if num_requests < 0 or arrival_gap < 0:
-        raise WorkloadError(f"num_requests ({num_requests}) and arrival_gap ({arrival_gap}) must be >= 0")
+    for name, bounds in (("prompt_len", prompt_len), ("output_len", output_len)):
+        values = int_args(name, bounds, 1, error=WorkloadError)
+        if len(values) != 2 or values[0] > values[1]:
+            raise WorkloadError(f"{name} range {bounds} must be (min, max) with 1 <= min <= max")
+    num_requests = int_arg("num_requests", num_requests, 0, error=WorkloadError)
+    if real_arg("arrival_gap", arrival_gap, error=WorkloadError) < 0:
+        raise WorkloadError(f"arrival_gap is {arrival_gap}; it must be >= 0 (0: all at once)")
     base = sampling or SamplingParams()
     rng = np.random.default_rng(seed)
     items, step = [], 0
