@@ -102,8 +102,12 @@ def dump_manifest(m: Manifest, path: str | os.PathLike[str]) -> Path:
         raise ConfigError(f"cannot tell the format of {str(path)!r}; name it .json, .msgpack or .mpk")
     data = encode_json(m) if fmt == "json" else encode_msgpack(m)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a refused write leaves nothing behind
+        raise
     return path
 
 
