@@ -21,7 +21,7 @@ from batchkv.errors import (
 )
 from batchkv.executor import Engine, Request, SamplingParams, gather
 from batchkv.executor.workload import synthetic
-from batchkv.models import build_model
+from batchkv.models import SenseNovaConfig, build_model
 from tests.pipeline_lm import PipelineLM
 from tests.test_cache import make_pair
 from tests.test_refusals import assert_same, snapshot
@@ -62,6 +62,11 @@ CONSTRUCTORS = {
     "manifest device": (lambda: from_manifest(MANIFEST, "tpu9"), ConfigError, "tpu9"),
     "manifest source": (lambda: from_manifest(None), ConfigError, "NoneType"),
     "load_manifest source": (lambda: load_manifest(123), ConfigError, "int"),
+    "SenseNovaConfig bool": (
+        lambda: SenseNovaConfig(num_layers=True, hidden=8, q_heads=1, kv_heads=1, head_dim=8, intermediate=8, vocab=8),
+        ConfigError,
+        "num_layers",
+    ),
     "build_model device": (lambda: build_model("sensenova-u1-tiny", "tpu9"), ConfigError, "tpu9"),
     "build_model seed": (lambda: build_model("sensenova-u1-tiny", "cpu", seed=1.5), ConfigError, "seed"),
     "build_model checkpoint": (lambda: build_model("sensenova-u1-tiny", checkpoint=3), CheckpointError, "3"),
