@@ -53,6 +53,8 @@ class BatchedSequenceCache:
     store the device cannot hold is a CapacityError with the bytes asked for.
     """
 
+    _FIX = "lower max_seqs or capacity, or free device memory"  # what a failed allocation advises
+
     def __init__(
         self,
         config: CacheConfig,
@@ -83,8 +85,6 @@ class BatchedSequenceCache:
         self._high_water: dict[int, int] = {}  # id -> most positions ever written (ring floor)
         self._plan: StepPlan | None = None
         self._width: int | None = None  # set by prepare_step, cleared by commit/invalidation
-
-    _FIX = "lower max_seqs or capacity, or free device memory"
 
     # ---- properties ---------------------------------------------------------------------------
     @property
