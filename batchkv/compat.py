@@ -28,7 +28,7 @@ from torch import nn
 
 from batchkv import ops
 from batchkv.cache.single import BUCKETS, TAIL_STEP, PagedDecodeCache
-from batchkv.checks import int_arg
+from batchkv.checks import device_arg, int_arg
 from batchkv.errors import ConfigError, ContractError, StepError
 from batchkv.executor.graphs import (
     AdapterGuard,
@@ -103,7 +103,7 @@ class DecodeGraphRunner:
     ) -> None:
         self.lm = language_model
         self.cache = cache
-        self.device = torch.device(device)
+        self.device = device_arg(device, "DecodeGraphRunner device")
         self.input_ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         self.indexes = torch.zeros(3, 1, dtype=torch.long, device=self.device)
         self._fingerprint = ModuleFingerprint(language_model)

@@ -20,8 +20,10 @@ from batchkv.errors import (
     WorkloadError,
 )
 from batchkv.executor import Engine, Request, SamplingParams, gather
-from batchkv.executor.workload import synthetic
-from batchkv.models import SenseNovaConfig, build_model
+from batchkv.executor.workload import load_jsonl, synthetic
+from batchkv.manifest import dump_manifest, window_pattern
+from batchkv.models import SenseNovaConfig, build_model, load_checkpoint, random_init
+from batchkv.models.hf import HFModel
 from tests.pipeline_lm import PipelineLM
 from tests.test_cache import make_pair
 from tests.test_refusals import assert_same, snapshot
@@ -30,6 +32,7 @@ from tests.toy_model import ToyModel
 CFG = {"num_layers": 1, "kv_heads": 2, "head_dim": 16, "max_seqs": 2, "capacity": 64}
 MANIFEST = "manifests/sensenova-u1-8b-sequence.json"
 NO_CUDA = not torch.cuda.is_available()
+TINY_CFG = SenseNovaConfig(num_layers=1, hidden=16, q_heads=2, kv_heads=1, head_dim=8, intermediate=16, vocab=32)
 
 
 def refused(call, error: type[Exception], names: str) -> Exception:
@@ -85,6 +88,18 @@ CONSTRUCTORS = {
     "n bool": (lambda: SamplingParams(n=True), RequestError, "n"),
     "stop id float": (lambda: SamplingParams(stop_token_ids=[2.0]), RequestError, "stop_token_ids[0]"),
     "synthetic count": (lambda: synthetic(2.5, vocab_size=97), WorkloadError, "num_requests"),
+    "synthetic vocab": (lambda: synthetic(2, vocab_size=97.5), WorkloadError, "vocab_size"),
+    "load_jsonl fd": (lambda: load_jsonl(0), WorkloadError, "int"),
+    "window_pattern": (lambda: window_pattern(4, every=1.5, window=8), ConfigError, "window_every"),
+    "dump_manifest path": (lambda: dump_manifest(load_manifest(MANIFEST), 3), ConfigError, "int"),
+    "random_init seed": (lambda: random_init(build_model(TINY_CFG), seed=0.5), ConfigError, "seed"),
+    "checkpoint prefix": (lambda: load_checkpoint(build_model(TINY_CFG), "x", prefix=3), CheckpointError, "prefix"),
+    "HFModel of a non-model": (lambda: HFModel("Qwen/Qwen3-0.6B"), ConfigError, "str"),
+    "runner device": (
+        lambda: DecodeGraphRunner(None, PagedDecodeCache(1, 2, 16, 8, "cpu", torch.float32), "tpu9"),
+        ConfigError,
+        "tpu9",
+    ),
     "synthetic range": (lambda: synthetic(2, vocab_size=97, prompt_len=(1, 4.5)), WorkloadError, "prompt_len[1]"),
 }
 if NO_CUDA:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from os import PathLike
 from pathlib import Path
 
 import msgspec
@@ -52,6 +53,8 @@ def synthetic(
         if len(values) != 2 or values[0] > values[1]:
             raise WorkloadError(f"{name} range {bounds} must be (min, max) with 1 <= min <= max")
     num_requests = int_arg("num_requests", num_requests, 0, error=WorkloadError)
+    vocab_size = int_arg("vocab_size", vocab_size, 1, error=WorkloadError)
+    seed = int_arg("seed", seed, 0, error=WorkloadError)
     if real_arg("arrival_gap", arrival_gap, error=WorkloadError) < 0:
         raise WorkloadError(f"arrival_gap is {arrival_gap}; it must be >= 0 (0: all at once)")
     base = sampling or SamplingParams()
@@ -102,6 +105,8 @@ class _Line(msgspec.Struct, forbid_unknown_fields=True):
 
 def load_jsonl(path: str | Path) -> list[WorkItem]:
     """Read a JSONL workload; a bad line raises WorkloadError naming the line, field and rule."""
+    if not isinstance(path, (str, PathLike)):  # an int would open that file descriptor
+        raise WorkloadError(f"load_jsonl reads a file path, not {type(path).__name__}")
     decoder = msgspec.json.Decoder(_Line)
     items = []
     with open(path, "rb") as f:

@@ -16,6 +16,7 @@ import os
 import torch
 
 from batchkv.cache import BatchedSequenceCache, CacheConfig, LayerSpec
+from batchkv.checks import int_arg
 from batchkv.dtypes import dtype_named
 from batchkv.errors import ConfigError, UnsupportedLayout
 from batchkv.manifest.codec import load_manifest
@@ -92,6 +93,8 @@ def from_manifest(
 def window_pattern(num_layers: int, every: int = 0, window: int = 0) -> tuple[Layer, ...]:
     """Layers where every `every`-th one (layer ids every-1, 2*every-1, ...) is a ring of `window`
     positions and the rest are flat; `every=0` makes all layers flat."""
+    num_layers = int_arg("num_layers", num_layers, 1)
+    every, window = int_arg("window_every", every), int_arg("window", window)
     if every < 0 or (every > 0) != (window > 0):
         raise ConfigError(
             f"window_every={every} and window={window}: give both (every K-th layer becomes a ring of "

@@ -96,6 +96,8 @@ def dump_manifest(m: Manifest, path: str | os.PathLike[str]) -> Path:
     """
     if not isinstance(m, Manifest):
         raise ConfigError(f"dump_manifest needs a Manifest, got {type(m).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"dump_manifest writes to a file path, not {type(path).__name__}")
     path = Path(path)
     fmt = SUFFIXES.get(path.suffix.lower())
     if fmt is None:

@@ -120,6 +120,8 @@ class HFModel:
     """
 
     def __init__(self, hf_model: torch.nn.Module) -> None:
+        if not isinstance(hf_model, torch.nn.Module) or not hasattr(hf_model, "get_output_embeddings"):
+            raise ConfigError(f"HFModel wraps a transformers causal LM (an nn.Module), not {type(hf_model).__name__}")
         self.hf = hf_model.eval()
         self.config = hf_model.config
         _refuse_unsupported(self.config)

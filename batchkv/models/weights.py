@@ -121,6 +121,7 @@ def random_init(model: SenseNovaLM, seed: int = 0, on: str = "auto") -> None:
     projections N(0, gain^2 / fan_in); the embedding N(0, 1).
     """
     cfg = model.config
+    seed = int_arg("random_init seed", seed)
     if on == "auto":
         on = "cpu" if cfg.num_params <= AUTO_CPU_INIT_LIMIT else "device"
     if on not in ("cpu", "device"):
@@ -171,6 +172,8 @@ def load_checkpoint(model: SenseNovaLM, path: str | os.PathLike, *, prefix: str 
     safetensors file (empty, truncated, another format, an absurd header) is a CheckpointError
     naming it. Tensors are cast to the model's dtype.
     """
+    if not isinstance(prefix, str) or isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
+        raise CheckpointError(f"prefix must be a str and skip a sequence of str; got {prefix!r}, {skip!r}")
     safe_open, unreadable = _safetensors()
     expected = checkpoint_shapes(model.config)
     with contextlib.ExitStack() as stack:
