@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 
+from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
 from batchkv.cli import EXIT_INTERRUPTED, EXIT_REFUSED, Help, bounded, one_line
 from batchkv.errors import ConfigError
 from batchkv.executor.report import TOKENS_HELP
@@ -49,7 +50,7 @@ def add_run(sub: argparse._SubParsersAction) -> None:
         epilog=RUN_EPILOG,
         formatter_class=Help,
     )
-    positions = 2**31 - 1  # int32 positions on the device
+    positions = MAX_POSITIONS  # int32 positions on the device
     m = p.add_argument_group("model")
     m.add_argument("--model", choices=MODELS, default=CPU_MODEL, help="model preset (random weights)")
     m.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available")
@@ -85,7 +86,8 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     e = p.add_argument_group("engine")
     e.add_argument("--max-seqs", type=bounded(int, 1, positions), default=8, help="resident sequences (columns)")
     e.add_argument("--capacity", type=bounded(int, 2, positions), default=256, help="most positions per sequence")
-    e.add_argument("--max-step-tokens", type=bounded(int, 1, 1 << 20), default=64, help="token budget of one step")
+    steps = bounded(int, 1, MAX_STEP_TOKENS)
+    e.add_argument("--max-step-tokens", type=steps, default=64, help="token budget of one step")
     e.add_argument("--prefill-chunk", type=bounded(int, 1), default=32, help="most prompt tokens per sequence per step")
     e.add_argument("--graphs", choices=("auto", "on", "off"), default="auto", help="CUDA graphs (auto: on CUDA)")
     e.add_argument(
@@ -164,13 +166,10 @@ def _read_workload(path: str) -> list:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import json
-
     import torch
 
-    from batchkv.executor import Engine, SamplingParams
-    from batchkv.executor.report import ProgressBar, summary_table, token_lines
-    from batchkv.executor.workload import replay, synthetic
+    from batchkv.executor import Engine
+    from batchkv.executor.workload import replay
 
     for flag, path in (("--json", args.json), ("--output", args.output)):
         if path:
@@ -190,30 +189,54 @@ def cmd_run(args: argparse.Namespace) -> int:
         use_graphs={"auto": "auto", "on": True, "off": False}[args.graphs],
         seed=args.seed,
     )
-    if items is None:
-        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, n=args.n)
-        items = synthetic(
-            args.requests,
-            vocab_size=engine.vocab_size,
-            prompt_len=args.prompt_len,
-            output_len=args.output_len,
-            arrival_gap=args.arrival_gap,
-            seed=args.seed,
-            sampling=sampling,
-        )
-    total = sum(item.request.params.n for item in items)
-    enabled = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
-    bar = ProgressBar(total, sys.stderr, enabled=enabled)
-    done = [0, 0]  # finished samples, tokens
+    items = items if items is not None else _synthetic(args, engine.vocab_size)
+    progress = _Progress(args, sum(item.request.params.n for item in items))
+    result = replay(engine, items, progress.on_step, stop_on_interrupt=True)
+    progress.close(len(result.refusals))
+    return _report(args, engine, device, items, result, progress)
 
-    def on_step(events) -> None:
-        done[0] += sum(1 for ev in events if ev.finish_reason is not None)
-        done[1] += sum(1 for ev in events if ev.token is not None)
-        bar.update(done[0], done[1])
 
-    result = replay(engine, items, on_step, stop_on_interrupt=True)
-    bar.update(done[0] + len(result.refusals), done[1], force=True)
-    bar.close()
+def _synthetic(args: argparse.Namespace, vocab_size: int) -> list:
+    from batchkv.executor import SamplingParams
+    from batchkv.executor.workload import synthetic
+
+    return synthetic(
+        args.requests,
+        vocab_size=vocab_size,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        arrival_gap=args.arrival_gap,
+        seed=args.seed,
+        sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, n=args.n),
+    )
+
+
+class _Progress:
+    """Finished samples and generated tokens so far, drawn as a progress bar on stderr."""
+
+    def __init__(self, args: argparse.Namespace, total: int) -> None:
+        from batchkv.executor.report import ProgressBar
+
+        enabled = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
+        self.total, self.finished, self.tokens = total, 0, 0
+        self.bar = ProgressBar(total, sys.stderr, enabled=enabled)
+
+    def on_step(self, events: list) -> None:
+        self.finished += sum(1 for ev in events if ev.finish_reason is not None)
+        self.tokens += sum(1 for ev in events if ev.token is not None)
+        self.bar.update(self.finished, self.tokens)
+
+    def close(self, refused: int) -> None:
+        self.bar.update(self.finished + refused, self.tokens, force=True)
+        self.bar.close()
+
+
+def _report(args: argparse.Namespace, engine, device: str, items: list, result, progress: _Progress) -> int:
+    """Print the refusals and the summary, write --json and --output; returns the exit status."""
+    import json
+
+    from batchkv.executor.report import summary_table, token_lines
+
     for index, message in result.refusals:
         print(one_line(f"batchkv run: request {index} refused: {message}"), file=sys.stderr)
     summary = engine.metrics.summary()
@@ -229,11 +252,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         with open(args.output, "w") as f:
             f.writelines(line + "\n" for line in token_lines(result, items))
     if result.interrupted:
-        print(f"batchkv run: interrupted; the summary covers the {done[0]} of {total} samples that finished",
-              file=sys.stderr)  # fmt: skip
+        done = f"{progress.finished} of {progress.total} samples had finished"
+        print(f"batchkv run: interrupted; {done} (the summary covers what ran)", file=sys.stderr)
         return EXIT_INTERRUPTED
     if result.refusals and not args.allow_refused:
-        print(f"batchkv run: {len(result.refusals)} of {len(items)} requests were refused; exit status "
-              f"{EXIT_REFUSED} (--allow-refused exits 0)", file=sys.stderr)  # fmt: skip
+        refused = f"{len(result.refusals)} of {len(items)} requests were refused"
+        print(f"batchkv run: {refused}; exit status {EXIT_REFUSED} (--allow-refused exits 0)", file=sys.stderr)
         return EXIT_REFUSED
     return 0
