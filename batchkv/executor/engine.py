@@ -15,6 +15,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from batchkv.cache import BatchedSequenceCache, CacheConfig
+from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
+from batchkv.checks import allocating, device_arg, int_arg, int_args
 from batchkv.errors import ConfigError, RequestError, StepError
 from batchkv.executor.graphs import GraphSet
 from batchkv.executor.metrics import Metrics
@@ -83,29 +85,32 @@ class Engine:
         kv_dtype: torch.dtype | None = None,
         speculative: SpeculativeConfig | None = None,
     ) -> None:
-        for name, value in (("max_seqs", max_seqs), ("max_step_tokens", max_step_tokens)):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"Engine {name} is {value!r}; it must be a positive integer")
-        if not isinstance(capacity, int) or capacity < 2:
-            raise ConfigError(f"Engine capacity is {capacity!r}; it must hold a prompt and a generated token (>= 2)")
-        if not isinstance(prefill_chunk, int) or not 1 <= prefill_chunk <= min(capacity, max_step_tokens):
-            raise ConfigError(
-                f"Engine prefill_chunk is {prefill_chunk!r}; use 1..min(capacity={capacity}, "
-                f"max_step_tokens={max_step_tokens})"
-            )
+        max_seqs = int_arg("Engine max_seqs", max_seqs, 1, MAX_POSITIONS)
+        why = " (one step's tokens: static buffers are sized by it)"
+        max_step_tokens = int_arg("Engine max_step_tokens", max_step_tokens, 1, MAX_STEP_TOKENS, why=why)
+        why = " (a prompt and a generated token; positions are int32)"
+        capacity = int_arg("Engine capacity", capacity, 2, MAX_POSITIONS, why=why)
+        why = f" (at most capacity={capacity} and max_step_tokens={max_step_tokens})"
+        prefill_chunk = int_arg("Engine prefill_chunk", prefill_chunk, 1, min(capacity, max_step_tokens), why=why)
+        seed = int_arg("Engine seed", seed)
+        row_buckets = int_args("Engine row_buckets", row_buckets, 1, MAX_POSITIONS)
+        row_step = int_arg("Engine row_step", row_step, 0, MAX_POSITIONS)
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ConfigError(f"speculative is a {type(speculative).__name__}; pass a SpeculativeConfig or None")
         block = speculative.block_size if speculative is not None else 1
         if block > capacity:
             raise ConfigError(f"speculative block_size {block} exceeds capacity {capacity}; lower block_size")
-        widest = max_step_tokens + min(MAX_SAMPLE_ROWS, max_seqs) * (block - 1)  # type: ignore[operator]
-        buckets = tuple(width_buckets) if width_buckets else default_buckets(widest)
-        if list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] < widest:
+        widest = max_step_tokens + min(MAX_SAMPLE_ROWS, max_seqs) * (block - 1)
+        if width_buckets is not None:
+            buckets = int_args("Engine width_buckets", width_buckets, 1, MAX_STEP_TOKENS)
+        else:
+            buckets = default_buckets(widest)
+        if not buckets or list(buckets) != sorted(set(buckets)) or buckets[-1] < widest:
             raise ConfigError(
                 f"width_buckets {buckets} must be positive, strictly increasing and reach "
                 f"{widest} (max_step_tokens, plus drafts when speculating; add {widest})"
             )
-        if use_graphs not in ("auto", True, False):
+        if use_graphs != "auto" and not isinstance(use_graphs, bool):
             raise ConfigError(f"use_graphs is {use_graphs!r}; use 'auto', True or False")
         spec = model.cache_spec()
         config = CacheConfig(
@@ -122,7 +127,7 @@ class Engine:
             buckets=tuple(row_buckets),
             tail_step=row_step,
         )
-        self.device = torch.device(device if device is not None else model.device)
+        self.device = device_arg(device if device is not None else model.device, "Engine device")
         if torch.device(model.device).type != self.device.type:
             raise ConfigError(f"the model is on {model.device} but the engine's device is {self.device}; move one")
         self.cache = BatchedSequenceCache(config, self.device, attention=attention)
@@ -137,14 +142,16 @@ class Engine:
         self.vocab_size = int(model.vocab_size)
         self.scheduler = Scheduler(self.cache, max_step_tokens, prefill_chunk, buckets)
         self.metrics = Metrics(max_seqs)
-        if speculative is None:
-            self.runner = ModelRunner(
-                model, self.cache, buckets[-1], graphs=graphs, pad_rows=self.device.type == "cuda"
-            )
-            self.speculator: Speculator | NoSpeculation = NoSpeculation()
-        else:
-            self.speculator = build_speculator(speculative, self, model, graphs)
-            self.runner = self.speculator.runner
+        what, nbytes = "the step inputs and logits", ModelRunner.nbytes(buckets[-1], self.vocab_size)
+        with allocating(what, nbytes, "lower max_step_tokens, or free device memory"):
+            if speculative is None:
+                self.runner = ModelRunner(
+                    model, self.cache, buckets[-1], graphs=graphs, pad_rows=self.device.type == "cuda"
+                )
+                self.speculator: Speculator | NoSpeculation = NoSpeculation()
+            else:
+                self.speculator = build_speculator(speculative, self, model, graphs)
+                self.runner = self.speculator.runner
         self._seeds = random.Random(seed)
         self._next_id = 0
         self._generation = self.cache.generation
@@ -207,7 +214,7 @@ class Engine:
 
         Its samples' "cancelled" events come out of the next `step()`.
         """
-        cancelled = self.scheduler.cancel(request_id)
+        cancelled = self.scheduler.cancel(int_arg("cancel: request_id", request_id, error=RequestError))
         self.speculator.release()
         return cancelled
 

@@ -3,8 +3,8 @@ and sampling.
 
 Every per-step input lives in fixed-address device tensors sized at the largest width bucket:
 token ids int64 [W], RoPE indexes int64 [3, W] (contiguous per width), the logits selector int64
-[64], the logits out float32 [64, vocab], and the sampling parameters [64]. The host writes one
-pinned staging buffer per dtype and copies it over asynchronously; nothing else crosses. With a
+[64], the logits out float32 [64, vocab], and the sampling parameters [64]. The host writes them
+through `Staging` (one pinned buffer per dtype, copied over asynchronously); nothing else crosses. With a
 `GraphSet` the forward is captured once per (width bucket, cache generation, module fingerprint)
 and replayed afterwards; a new mix of lengths only changes the contents of the cache's buffers.
 
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from batchkv.cache import BatchedSequenceCache
+from batchkv.cache.staging import Staging
 from batchkv.executor.graphs import AdapterGuard, GraphSet, ModuleFingerprint
 from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform
@@ -88,19 +89,24 @@ class ModelRunner:
     ) -> None:
         self._bind(model, cache, max_width, graphs)
         self.pad_rows = pad_rows or graphs is not None
-        device = cache.device
-        pin = device.type == "cuda"
         w = max_width
         # int64: [input_ids w | indexes 3w | logits_rows R | top_k R]; float32: [temperature | top_p | draws]
-        self._host_i64 = torch.zeros(4 * w + 2 * R, dtype=torch.int64, pin_memory=pin)
-        self._host_f32 = torch.zeros(3 * R, dtype=torch.float32, pin_memory=pin)
-        self._dev_i64 = torch.zeros_like(self._host_i64, device=device)
-        self._dev_f32 = torch.zeros_like(self._host_f32, device=device)
+        self._staging = Staging(self.sizes(w), cache.device)
+        self._dev_i64 = self._staging.device_buffers[torch.int64]
         self.logits_rows = self._dev_i64[4 * w : 4 * w + R]
         self.top_k = self._dev_i64[4 * w + R :]
-        self.temperature, self.top_p, self.draws = self._dev_f32.view(3, R).unbind(0)
-        self.logits = torch.zeros(R, model.vocab_size, dtype=torch.float32, device=device)
-        self._copied = torch.cuda.Event() if pin else None  # staging is reused only after its copy ran
+        self.temperature, self.top_p, self.draws = self._staging.device_buffers[torch.float32].view(3, R).unbind(0)
+        self.logits = torch.zeros(R, model.vocab_size, dtype=torch.float32, device=cache.device)
+
+    @staticmethod
+    def sizes(max_width: int) -> dict[torch.dtype, int]:
+        """Elements per dtype of the staged step inputs."""
+        return {torch.int64: 4 * max_width + 2 * R, torch.float32: 3 * R}
+
+    @staticmethod
+    def nbytes(max_width: int, vocab_size: int) -> int:
+        """Bytes a runner allocates: staged inputs (host and device) and the float32 logits [64, vocab]."""
+        return Staging.nbytes(ModelRunner.sizes(max_width)) + 4 * R * vocab_size
 
     def _bind(self, model: StepModel, cache: BatchedSequenceCache, max_width: int, graphs: GraphSet | None) -> None:
         self.model, self.cache, self.max_width, self.graphs = model, cache, max_width, graphs
@@ -125,10 +131,9 @@ class ModelRunner:
 
     def _stage(self, batch: Batch, width: int) -> bool:
         """Write the step's inputs to the device buffers; True when some row samples (not greedy)."""
-        if self._copied is not None:
-            self._copied.synchronize()
+        staged = self._staging.begin()
         w, n, rows = self.max_width, len(batch.input_ids), len(batch.rows)
-        host = self._host_i64.numpy()
+        host = staged[torch.int64]
         host[:width] = 0  # padding feeds token 0; its K/V go to the scratch column
         host[:n] = batch.input_ids
         index = host[w : w + 3 * width].reshape(3, width)
@@ -137,7 +142,7 @@ class ModelRunner:
         selector, top_k = host[4 * w : 4 * w + R], host[4 * w + R :]
         selector[:] = 0
         selector[:rows] = batch.rows
-        params = self._host_f32.numpy().reshape(3, R)
+        params = staged[torch.float32].reshape(3, R)
         params[:] = ((0.0,), (1.0,), (0.0,))  # greedy rows: temperature 0, top_p 1, draw 0
         top_k[:] = 0
         sampling = False
@@ -148,11 +153,7 @@ class ModelRunner:
             sampling = True
             params[:, i] = (p.temperature, p.top_p, uniform(sample.owner.seed, sample.index, len(sample.tokens)))
             top_k[i] = p.top_k
-        non_blocking = self._copied is not None
-        self._dev_i64.copy_(self._host_i64, non_blocking=non_blocking)
-        self._dev_f32.copy_(self._host_f32, non_blocking=non_blocking)
-        if self._copied is not None:  # on the stream the copies ran on: the cache's device's
-            self._copied.record(torch.cuda.current_stream(self.cache.device))
+        self._staging.upload()
         return sampling
 
     def _forward(self, width: int, rows: int) -> torch.Tensor:
