@@ -12,10 +12,10 @@ import sys
 
 from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
 from batchkv.cli import EXIT_INTERRUPTED, EXIT_REFUSED, Help, bounded, one_line
-from batchkv.dtypes import STORAGE_DTYPES, dtype_named
 from batchkv.errors import ConfigError
 from batchkv.executor.report import TOKENS_HELP
 from batchkv.executor.workload import JSONL_HELP
+from batchkv.frontend import add_engine_options, kv_dtype_option, speculative_option
 from batchkv.presets import KV_PRESETS
 
 MODELS = tuple(KV_PRESETS)  # model presets `batchkv run` can build
@@ -92,34 +92,12 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--prefill-chunk", type=bounded(int, 1), default=32, help="most prompt tokens per sequence per step")
     e.add_argument("--graphs", choices=("auto", "on", "off"), default="auto", help="CUDA graphs (auto: on CUDA)")
     e.add_argument(
-        "--kv-dtype",
-        choices=("model", "fp8", *STORAGE_DTYPES),
-        default="model",
-        help="K/V storage dtype (model: the model's; fp8: float8_e4m3fn, e4m3 with a scale per position and head)",
-    )
-    e.add_argument(
         "--threads",
         type=bounded(int, 0, 4096),
         default=1,
         help="CPU threads for torch; the tiny model's small ops run fastest on one (0: torch's default)",
     )
-    sp = p.add_argument_group("speculative decoding")
-    sp.add_argument(
-        "--speculative",
-        choices=("off", "ngram", "dflash"),
-        default="off",
-        help="ngram: prompt lookup; dflash: a DFlash block drafter (random weights unless --drafter)",
-    )
-    sp.add_argument(
-        "--spec-block",
-        type=bounded(int, 2, 32),
-        metavar="N",
-        help="verify rows per sample per step (default 16; ngram 8)",
-    )
-    sp.add_argument(
-        "--spec-layers", type=bounded(int, 1, 64), default=1, metavar="N", help="dflash: random drafter layers"
-    )
-    sp.add_argument("--drafter", metavar="DIR", help="dflash: drafter checkpoint folder (config.json + safetensors)")
+    add_engine_options(p.add_argument_group("storage and speculative decoding"))
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write the metrics as JSON here (checked before the run)")
     o.add_argument("--output", metavar="PATH", help="write every request's generated tokens here (format below)")
@@ -142,30 +120,6 @@ def _build_model(preset: str, device: str, seed: int):
             f"model {preset!r} is unavailable: batchkv.models.sensenova cannot be imported ({exc})"
         ) from exc
     return build_model(preset, device, seed=seed)
-
-
-def _kv_dtype(name: str):
-    """--kv-dtype: None for "model", else the torch storage dtype ("fp8" is float8_e4m3fn)."""
-    return None if name == "model" else dtype_named("float8_e4m3fn" if name == "fp8" else name)
-
-
-def _speculative_config(args: argparse.Namespace, model):
-    """The engine's SpeculativeConfig from --speculative/--spec-block/--spec-layers/--drafter, or None."""
-    from batchkv.executor import SpeculativeConfig
-
-    if args.speculative == "off":
-        if args.drafter or args.spec_block is not None:
-            raise ConfigError("--drafter and --spec-block need --speculative ngram|dflash")
-        return None
-    if args.speculative == "ngram":
-        return SpeculativeConfig("ngram", block_size=args.spec_block or 8)
-    from batchkv.models.dflash import build_drafter, default_target_layers
-
-    taps = default_target_layers(model.config.num_layers)
-    block, layers = args.spec_block or 16, args.spec_layers
-    drafter = build_drafter(model, num_layers=layers, target_layer_ids=taps, block_size=block, seed=args.seed,
-                            checkpoint=args.drafter)  # fmt: skip
-    return SpeculativeConfig("dflash", block_size=args.spec_block, drafter=drafter)
 
 
 def _check_writable(path: str, flag: str) -> None:
@@ -227,7 +181,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = _build_model(args.model, device, args.seed)
-    speculative = _speculative_config(args, model)
+    speculative = speculative_option(args, model)
     engine = Engine(
         model,
         max_seqs=args.max_seqs,
@@ -237,7 +191,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         device=device,
         use_graphs={"auto": "auto", "on": True, "off": False}[args.graphs],
         seed=args.seed,
-        kv_dtype=_kv_dtype(args.kv_dtype),
+        kv_dtype=kv_dtype_option(args.kv_dtype),
         speculative=speculative,
     )
     items = items if items is not None else _synthetic(args, engine.vocab_size)
