@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: run the named phases in order, each under its own time limit, with
-# results under $OUT. Phases: tests kernels sweep model decode profile compat summary serve fp8 spec
+# results under $OUT. Phases: oomtests tests kernels sweep model decode profile compat summary serve fp8 spec
 # gemv b1 ncu.
 #   OUT=/tmp/out bash bench/gpu_session.sh tests kernels decode summary
 # Limits come from measured runs: tests took 120 s on a cold machine (26 tests, Triton compiles
@@ -29,6 +29,7 @@ phase() {  # name, limit in seconds, command...
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())'
 for p in "$@"; do
   case $p in
+    oomtests) phase oomtests 120 python3 -m pytest -m gpu tests/test_refusals_gpu.py -v --tb=short -p no:cacheprovider ;;
     tests) phase tests "${TESTS_LIMIT:-300}" python3 -m pytest -m gpu tests -v --tb=short -p no:cacheprovider -ra \
       --timeout 150 ${TESTS_ARGS:-} ;;
     kernels) phase kernels 240 python3 bench/kernels.py --check --out "$OUT/kernels-h200.json" \
@@ -40,7 +41,7 @@ for p in "$@"; do
     profile) phase profile 90 python3 bench/step_profile.py --rows 1 64 --context 640 --json "$OUT/step_profile.json" ;;
     compat) phase compat 150 python3 bench/compat_attention.py --out "$OUT/compat-h200.json" ;;
     serve) phase serve 230 python3 bench/serve_http.py --out "$OUT/serve-http-h200.json" ;;
-    fp8) phase fp8 240 python3 bench/kv_fp8.py --out "$OUT/kv-fp8-h200.json" ;;
+    fp8) phase fp8 240 python3 bench/kv_fp8.py --out "$OUT/kv-fp8-h200.json" --kernels-json "$OUT/kernels-h200.json" ;;
     spec) phase spec ${SPEC_LIMIT:-300} python3 bench/spec.py --out "$OUT/spec-h200.json" --budget-s 240 ;;
     gemv) phase gemv 120 python3 bench/gemv.py --out "$OUT/gemv-h200.json" ;;
     b1) phase b1 150 python3 bench/b1_sweep.py --out "$OUT/b1-sweep-h200.json" ;;
