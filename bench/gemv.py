@@ -1,10 +1,10 @@
 """The few-row linear kernel (batchkv.models.gemv) against cuBLAS on the SenseNova-U1-8B shapes.
 
-For each projection (q/k/v fused, o, gate/up fused, down with SiLU*mul fused in, LM head with float32
-output) and 1, 2 and 4 rows: µs per call under CUDA-graph replay (median of 50 replays of a graph
-holding K back-to-back calls, rotating over weight copies so every call reads from HBM), GB/s of
-weights read, % of the read ceiling measured in the same run (a bf16 sum over 4 GiB), for cuBLAS
-(`F.linear`, plus the separate SiLU*mul and float cast where the model needs them) and for every
+For each projection (q/k/v fused, o, gate/up fused, down, LM head with float32 output) and 1, 2
+and 4 rows: µs per call under CUDA-graph replay (median of 50 replays of a graph holding K
+back-to-back calls, rotating over weight copies so every call reads from HBM), GB/s of weights
+read, % of the read ceiling measured in the same run (a bf16 sum over 4 GiB), for cuBLAS
+(`F.linear`, plus the float cast where the model needs it) and for every
 GemvConfig of a small grid at one row (more rows: the default and the one-row winner). The best
 config per shape is printed and kept in the JSON.
 
@@ -31,7 +31,7 @@ SHAPES = {  # name: (N, K, silu_mul, out_dtype)
     "qkv": (6144, 4096, False, torch.bfloat16),
     "o_proj": (4096, 4096, False, torch.bfloat16),
     "gate_up": (24576, 4096, False, torch.bfloat16),
-    "down": (4096, 12288, True, torch.bfloat16),
+    "down": (4096, 12288, False, torch.bfloat16),  # the model feeds it silu_mul's output through cuBLAS
     "lm_head": (151936, 4096, False, torch.float32),
 }
 GRID = [
@@ -87,10 +87,10 @@ def time_shape(n: int, k: int, silu: bool, out_dtype: torch.dtype, rows: list[in
         one_row = entry["rows"].get(rows[0], {}).get("best") if m != rows[0] else None
         grid = GRID if one_row is None else [GemvConfig(**one_row["config"])]
         results = []
-        for cfg in [resolve(None, n, torch.device("cuda")), *grid]:
+        for cfg in [resolve(None, n, torch.device("cuda"), k), *grid]:
             try:
-                us = graph_us(lambda j, x=x, cfg=cfg: gemv(x, ws[j % rot], silu_mul=silu, out_dtype=out_dtype,
-                                                           config=cfg), calls)  # fmt: skip
+                us = graph_us(lambda j, x=x, cfg=cfg: gemv(x, ws[j % rot], out_dtype=out_dtype, config=cfg),
+                              calls)  # fmt: skip
             except Exception as exc:  # a config that does not compile is recorded, not fatal
                 results.append({"config": cfg.__dict__, "error": f"{type(exc).__name__}: {exc}"[:200]})
                 continue

@@ -15,23 +15,20 @@ from tests.model_loop import greedy_through_cache, make_cache, run_step, text_id
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def expected(x: torch.Tensor, w: torch.Tensor, silu: bool) -> torch.Tensor:
-    if silu:
-        x = silu_mul_torch(x)
+def expected(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.double() @ w.double().T).to(x.dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 1, 16), (3, 17, 300), (16, 100, 64), (2, 33, 257)])
-@pytest.mark.parametrize("silu", [False, True])
-def test_gemv_matches_a_double_precision_matmul(dtype, m, n, k, silu):
+def test_gemv_matches_a_double_precision_matmul(dtype, m, n, k):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
-    x = torch.randn(m, 2 * k if silu else k, generator=gen).to(DEVICE, dtype)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEVICE, dtype)
-    got = gemv(x, w, silu_mul=silu, config=GemvConfig(block_n=16, block_k=128))
+    got = gemv(x, w, config=GemvConfig(block_n=16, block_k=128))
     assert got.shape == (m, n) and got.dtype == dtype
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.double(), expected(x, w, silu).double(), atol=tol, rtol=tol)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # fp32: IEEE dots, not tf32
+    torch.testing.assert_close(got.double(), expected(x, w).double(), atol=tol, rtol=tol)
 
 
 def test_gemv_rounds_to_the_input_dtype_before_a_wider_output():
@@ -40,7 +37,7 @@ def test_gemv_rounds_to_the_input_dtype_before_a_wider_output():
     got = gemv(x, w, out_dtype=torch.float32)
     assert got.dtype == torch.float32
     assert torch.equal(got, got.half().float())  # every value is an fp16 value
-    torch.testing.assert_close(got, expected(x, w, False).float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, expected(x, w).float(), atol=2e-2, rtol=2e-2)
 
 
 def test_linear_falls_back_to_torch_off_cuda_or_past_the_row_limit():
@@ -50,13 +47,10 @@ def test_linear_falls_back_to_torch_off_cuda_or_past_the_row_limit():
     torch.testing.assert_close(linear(x[:, :32], w, out_dtype=torch.float64), F.linear(x[:, :32], w).double())
 
 
-@pytest.mark.parametrize(
-    ("x_shape", "w_shape", "silu"),
-    [((17, 32), (8, 32), False), ((2, 32), (8, 31), False), ((2, 32), (8, 32), True), ((0, 32), (8, 32), False)],
-)
-def test_gemv_refuses_shapes_it_cannot_run(x_shape, w_shape, silu):
+@pytest.mark.parametrize(("x_shape", "w_shape"), [((17, 32), (8, 32)), ((2, 32), (8, 31)), ((0, 32), (8, 32))])
+def test_gemv_refuses_shapes_it_cannot_run(x_shape, w_shape):
     with pytest.raises(ContractError):
-        gemv(torch.zeros(x_shape), torch.zeros(w_shape), silu_mul=silu)
+        gemv(torch.zeros(x_shape), torch.zeros(w_shape))
 
 
 def test_gemv_refuses_mixed_dtypes():
@@ -69,11 +63,10 @@ def test_gemv_refuses_mixed_dtypes():
 @pytest.mark.parametrize("m", [1, 3])
 def test_gemv_at_the_8b_shapes_in_bf16(n, k, m):
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
-    silu = k == 12288
-    x = torch.randn(m, 2 * k if silu else k, device="cuda", generator=gen).bfloat16()
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).bfloat16()
-    got = gemv(x, w, silu_mul=silu, out_dtype=torch.float32)
-    want = F.linear(silu_mul_torch(x) if silu else x, w).float()
+    got = gemv(x, w, out_dtype=torch.float32)
+    want = F.linear(x, w).float()
     torch.testing.assert_close(got, want, atol=3e-2, rtol=2e-2)
 
 
@@ -93,8 +86,8 @@ def test_the_tiny_model_decodes_the_same_tokens_through_the_few_row_kernel(monke
     plain_tokens, plain_logits = _decode(model, 6)
 
     def kernel_for_few_rows(x, w, *, silu_mul=False, out_dtype=None):  # the CUDA dispatch, on the CPU
-        if x.shape[0] <= GEMV_MAX_ROWS:
-            return gemv(x, w, silu_mul=silu_mul, out_dtype=out_dtype)
+        if x.shape[0] <= GEMV_MAX_ROWS and not silu_mul:
+            return gemv(x, w, out_dtype=out_dtype)
         return linear(x, w, silu_mul=silu_mul, out_dtype=out_dtype)
 
     monkeypatch.setattr(sensenova, "linear", kernel_for_few_rows)
@@ -103,13 +96,32 @@ def test_the_tiny_model_decodes_the_same_tokens_through_the_few_row_kernel(monke
     torch.testing.assert_close(logits, plain_logits, atol=1e-4, rtol=1e-4)
 
 
+def _teacher_forced(model, tokens: list[int]) -> torch.Tensor:
+    """float32 [len(tokens), vocab]: next-token logits after each token, decoded one row at a time."""
+    cache = make_cache(model, max_seqs=1, capacity=len(tokens) + 8)
+    seq = cache.seq_new()
+    return torch.cat([run_step(model, cache, [(seq, [t], text_idx(i, 1))], 1) for i, t in enumerate(tokens)])
+
+
 @pytest.mark.gpu
-def test_bf16_greedy_decode_agrees_with_cublas_over_256_steps(monkeypatch):
+def test_bf16_decode_agrees_with_cublas_over_256_steps(monkeypatch):
+    """Greedy decode with the kernel, then both paths teacher-forced on its tokens: every step's
+    argmax agrees wherever cuBLAS's top two logits are further apart than the paths differ (bf16
+    sums in another order may swap a near tie; a random tiny model has some), and the logits agree
+    within bf16 tolerance."""
     import batchkv.models.gemv as gemv_module
 
     model = build_model("sensenova-u1-tiny", "cuda", dtype=torch.bfloat16, seed=0)
-    tokens, logits = _decode(model, 256)
+    prompt = [5, 9, 11, 3, 7]
+    tokens = greedy_through_cache(model, [prompt], [256], bucket=1)[0]
+    seq = prompt + tokens[:-1]
+    kernel = _teacher_forced(model, seq)
     monkeypatch.setattr(gemv_module, "GEMV_MAX_ROWS", 0)  # every matmul through cuBLAS
-    cublas_tokens, cublas_logits = _decode(model, 256)
-    assert tokens == cublas_tokens
-    torch.testing.assert_close(logits, cublas_logits, atol=0.1, rtol=0.05)
+    cublas = _teacher_forced(model, seq)
+    torch.testing.assert_close(kernel, cublas, atol=0.1, rtol=0.05)
+    gap = (kernel - cublas).abs().max(-1).values
+    top2 = cublas.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * gap
+    assert clear.sum() >= 0.9 * len(seq)  # near ties are rare
+    assert torch.equal(kernel.argmax(-1)[clear], cublas.argmax(-1)[clear])
+    assert tokens == [int(t) for t in kernel.argmax(-1)[len(prompt) - 1 :]]  # the kernel's own greedy run

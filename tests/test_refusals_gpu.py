@@ -16,7 +16,9 @@ from tests.test_refusals import assert_same, snapshot
 pytestmark = pytest.mark.gpu
 
 # 8 KV heads of 128 in bf16: 4 KiB of K+V per position per column per layer.
-CFG = CacheConfig(num_layers=2, kv_heads=8, head_dim=128, max_seqs=64, capacity=1 << 20, dtype=torch.bfloat16)
+CFG = CacheConfig(
+    num_layers=2, kv_heads=8, head_dim=128, max_seqs=64, capacity=1 << 20, max_write=2, dtype=torch.bfloat16
+)
 
 
 def test_a_cuda_index_past_the_gpus_present_is_a_config_error():

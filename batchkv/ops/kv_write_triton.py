@@ -48,8 +48,10 @@ def _store_rows(flat, scale, x, dst, ok, s_dst, s_ok, QUANT: tl.constexpr):
     if QUANT:
         x = x.to(tl.float32)
         s = tl.maximum(tl.div_rn(tl.max(tl.abs(x), 1), E4M3_MAX), E4M3_FLOOR)  # [H]
-        nan = tl.PropagateNan.ALL  # a NaN element stays NaN (its code is e4m3's NaN), as in bf16 storage
-        y = tl.minimum(tl.maximum(tl.div_rn(x, s[:, None]), -E4M3_MAX, propagate_nan=nan), E4M3_MAX, propagate_nan=nan)
+        # A NaN element stays NaN (its code is e4m3's NaN), as in bf16 storage. (The enum is spelled out
+        # in each call: Triton 3.6 cannot pass it through a local variable.)
+        y = tl.maximum(tl.div_rn(x, s[:, None]), -E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+        y = tl.minimum(y, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
         tl.store(flat + dst, _round_e4m3(y).to(flat.dtype.element_ty), mask=ok)
         tl.store(scale + s_dst, s, mask=s_ok)
     else:

@@ -23,7 +23,8 @@ segment covers. Long segments (prefill) are `long_kernel`'s (`sdpa_varlen_long.p
 - Rows: program P-1-p of a head group zeroes rows t = p, p + P, ... that no segment writes (its
   heads only), so padding rows are exact zeros without another launch.
 
-- e4m3 stores (QUANT): codes convert to q's dtype in registers; per tile one [BLOCK_N] vector
+- e4m3 stores (QUANT): codes convert in registers to fp16 (fp32 for fp32 queries; e4m3 to fp16 is one
+  instruction per pair, to bf16 three), the dots run in it; per tile one [BLOCK_N] vector
   of K scales (times qk_scale) multiplies the score columns and one of V scales multiplies p
   before the PV dot, so l_i sums unscaled p and acc sums p * scale * code. Accumulation is fp32.
 
@@ -257,8 +258,10 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
         head = (h0 + hh) * GROUP + g[None, :, None]  # [HEADS, BLOCK_M, 1] query heads
         q_ptrs = q + token.to(tl.int64)[None, :, None] * stride_qt + head * stride_qh + d
         q_tile = tl.load(q_ptrs, mask=row_ok[None, :, None], other=0.0)
-        if not QUANT:  # the dots run in the store's dtype (e4m3 codes convert to q's instead)
+        if not QUANT:  # the dots run in the store's dtype
             q_tile = q_tile.to(k_store.dtype.element_ty)
+        elif q_tile.dtype != tl.float32:  # e4m3 codes convert to fp16 in one instruction per pair (bf16 takes
+            q_tile = q_tile.to(tl.float16)  # three): 16-bit queries dot in fp16; fp32 ones stay fp32
         row_lo, row_hi = row_bounds(kv_end - q_len + i, row_ok, kv_end, rows, window, CAUSAL)
         i_last = tl.minimum(q_len, qb * BLOCK_Q + BLOCK_Q) - 1
         full_lo, full_hi = full_bounds(q_len, kv_end, rows, window, qb * BLOCK_Q, i_last, CAUSAL)
