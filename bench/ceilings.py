@@ -43,9 +43,8 @@ def read_ceiling(device: torch.device) -> tuple[float, dict[str, float]]:
     rows = x.view(-1, 8192)
     row_out = torch.empty(rows.shape[0], dtype=torch.float32, device=device)
     max_out = torch.empty(rows.shape[0], dtype=torch.bfloat16, device=device)
-    total = torch.empty((), dtype=torch.float32, device=device)
     kinds = {
-        "sum": lambda: torch.sum(x, dtype=torch.float32, out=total),
+        "sum": lambda: torch.sum(x, dtype=torch.float32),  # (sum takes no out= beside dtype=)
         "row_sum": lambda: torch.sum(rows, dim=1, dtype=torch.float32, out=row_out),
         "row_max": lambda: torch.amax(rows, dim=1, out=max_out),
     }
