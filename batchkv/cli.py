@@ -28,6 +28,15 @@ def _length_range(text: str) -> tuple[int, int]:
     return bounds
 
 
+def _int_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor 'auto'") from None
+
+
 def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run",
@@ -69,11 +78,31 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--top-p", type=float, default=1.0, help="synthetic: nucleus mass (1.0: off)")
     w.add_argument("--n", type=int, default=1, help="synthetic: parallel samples per request")
     e = p.add_argument_group("engine")
-    e.add_argument("--max-seqs", type=int, default=8, help="resident sequences (cache columns)")
-    e.add_argument("--capacity", type=int, default=256, help="most positions per sequence")
+    e.add_argument(
+        "--max-seqs", type=_int_or_auto, default=8, help="resident sequences (cache columns); auto: what fits"
+    )
+    e.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.9,
+        metavar="F",
+        help="with --max-seqs auto: share of the device's memory for weights, activations and K/V",
+    )
+    e.add_argument(
+        "--capacity", type=_int_or_auto, default=256, help="most positions per sequence; auto: the model's limit"
+    )
     e.add_argument("--max-step-tokens", type=int, default=64, help="token budget of one step")
     e.add_argument("--prefill-chunk", type=int, default=32, help="most prompt tokens per sequence per step")
+    e.add_argument(
+        "--prefill-budget", type=int, metavar="N", help="most prompt tokens per step, all prompts (default: the rest)"
+    )
     e.add_argument("--graphs", choices=("auto", "on", "off"), default="auto", help="CUDA graphs (auto: on CUDA)")
+    e.add_argument(
+        "--overlap",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="plan step N+1 while the device runs step N (auto: unless speculating)",
+    )
     s = p.add_argument_group("speculative decoding")
     s.add_argument(
         "--speculative",
@@ -162,18 +191,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{args.model} is too large for the CPU; use --device cuda or --model sensenova-u1-tiny")
     model = _build_model(args.model, device, args.seed)
     speculative = _speculative_config(args, model)
+    modes = {"auto": "auto", "on": True, "off": False}
     engine = Engine(
         model,
         max_seqs=args.max_seqs,
-        capacity=args.capacity,
+        memory_fraction=args.memory_fraction,
+        capacity=None if args.capacity == "auto" else args.capacity,
         max_step_tokens=args.max_step_tokens,
         prefill_chunk=args.prefill_chunk,
+        prefill_budget=args.prefill_budget,
         device=device,
-        use_graphs={"auto": "auto", "on": True, "off": False}[args.graphs],
+        use_graphs=modes[args.graphs],
+        overlap=modes[args.overlap],
         seed=args.seed,
         kv_dtype=_kv_dtype(args.kv_dtype),
         speculative=speculative,
     )
+    if engine.sizing is not None:
+        print(f"batchkv run: sized the store: {engine.sizing.describe()}", file=sys.stderr)
     if args.workload:
         items = load_jsonl(args.workload)
     else:
@@ -203,13 +238,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
     for index, message in result.refusals:
         print(f"batchkv run: request {index} refused: {message}", file=sys.stderr)
     summary = engine.metrics.summary()
-    mode = "graphs" if engine.uses_graphs else "eager"
-    title = f"batchkv run: {args.model} on {device} ({mode}), max_seqs {args.max_seqs}, capacity {args.capacity}"
+    mode = ("graphs" if engine.uses_graphs else "eager") + (", overlap" if engine.overlap else "")
+    cache = engine.cache
+    title = f"batchkv run: {args.model} on {device} ({mode}), max_seqs {cache.max_seqs}, capacity {cache.capacity}"
     if args.kv_dtype != "model":
         title += f", kv {args.kv_dtype}"
-    print(summary_table(summary, title, graphs=engine.uses_graphs))
+    sizing = engine.sizing.describe() if engine.sizing is not None else None
+    print(summary_table(summary, title, graphs=engine.uses_graphs, sizing=sizing))
     if args.json:
-        record = {"model": args.model, "device": device, "graphs": engine.uses_graphs, **summary}
+        record = {"model": args.model, "device": device, "graphs": engine.uses_graphs, "overlap": engine.overlap,
+                  "max_seqs": cache.max_seqs, "capacity": cache.capacity, "sizing": sizing, **summary}  # fmt: skip
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)
     return 0
