@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: run the named phases in order, each under its own time limit, with
-# results under $OUT. Phases: tests kernels sweep model decode profile compat serve fp8 spec.
+# results under $OUT. Phases: tests kernels sweep model decode profile compat serve fp8 spec overlap budget.
 #   OUT=/tmp/out bash bench/gpu_session.sh tests kernels model decode
 # The machine has no msgspec: carry its wheel in .whl/ (bash ../shared/device/wheels.sh). The serve
 # phase also needs the server's wheels: see bench/results/README.md.
@@ -33,6 +33,8 @@ for p in "$@"; do
     serve) phase serve 230 python3 bench/serve_http.py --out "$OUT/serve-http-h200.json" ;;
     fp8) phase fp8 240 python3 bench/kv_fp8.py --out "$OUT/kv-fp8-h200.json" ;;
     spec) phase spec ${SPEC_LIMIT:-300} python3 bench/spec.py --out "$OUT/spec-h200.json" --budget-s 240 ;;
+    overlap) phase overlap 170 python3 bench/serve_profile.py --out "$OUT/serve-profile-h200.json" ;;
+    budget) phase budget 580 python3 bench/serve_sweep.py --out "$OUT/serve-sweep-h200.json" --budget-s 420 ;;
     *) echo "unknown phase $p" ;;
   esac
 done
