@@ -1,7 +1,8 @@
 """The `batchkv` command: run | serve | export | inspect (benchmarks live in bench/, run as scripts).
 
-Each subcommand adds its own options (`_add_*`) and runs in its own function (`_cmd_*`); heavy
-imports happen inside them so `batchkv --help` stays fast.
+Each subcommand adds its own options (`_add_*`) and runs in its own function (`_cmd_*`); `run`
+lives in `batchkv.cli_run`. A user error is one line on stderr and exit status 2, never a
+traceback (`main`); heavy imports happen inside the commands.
 """
 
 from __future__ import annotations
@@ -9,248 +10,42 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
+from batchkv import __version__
+from batchkv.dtypes import MODEL_DTYPES, STORAGE_DTYPES, dtype_named
 from batchkv.errors import BatchKVError, ConfigError, ManifestError
 from batchkv.presets import KV_PRESETS
 
-RUN_MODELS = tuple(KV_PRESETS)  # model presets `batchkv run` can build
-KV_DTYPE_NAMES = ("bfloat16", "float16", "float32", "float8_e4m3fn")  # batchkv.ops.support.KV_DTYPES
+EXIT_USER_ERROR, EXIT_REFUSED, EXIT_INTERRUPTED = 2, 1, 130
 
 
-def _length_range(text: str) -> tuple[int, int]:
-    lo, sep, hi = text.partition(":")
-    try:
-        bounds = (int(lo), int(hi if sep else lo))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not MIN:MAX (e.g. 16:96) or one integer") from None
-    if not 1 <= bounds[0] <= bounds[1]:
-        raise argparse.ArgumentTypeError(f"{text!r} needs 1 <= MIN <= MAX")
-    return bounds
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: `batchkv run: error: ... (see batchkv run --help)`."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USER_ERROR, one_line(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n")
 
 
-def _int_or_auto(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor 'auto'") from None
+class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after each option; the epilog (the workload format) printed as written."""
 
 
-def _add_run(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "run",
-        help="replay a workload through the executor and print a summary",
-        description="Replay a workload (synthetic by default, or a JSONL file of token-id prompts) through the "
-        "continuous-batching engine, with a progress bar on stderr and a summary table at the end.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    m = p.add_argument_group("model")
-    m.add_argument("--model", choices=RUN_MODELS, default="sensenova-u1-tiny", help="model preset (random weights)")
-    m.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available")
-    m.add_argument("--seed", type=int, default=0, help="seed of the weights, the workload and the sampling")
-    w = p.add_argument_group("workload")
-    w.add_argument("--workload", metavar="PATH", help="JSONL file, one request per line (replaces the synthetic one)")
-    w.add_argument("--requests", type=int, default=32, help="synthetic: number of requests")
-    w.add_argument(
-        "--prompt-len",
-        type=_length_range,
-        default="8:64",
-        metavar="MIN:MAX",
-        help="synthetic: prompt length range, uniform",
-    )
-    w.add_argument(
-        "--output-len",
-        type=_length_range,
-        default="8:48",
-        metavar="MIN:MAX",
-        help="synthetic: max_new_tokens range, uniform",
-    )
-    w.add_argument(
-        "--arrival-gap",
-        type=float,
-        default=1.0,
-        metavar="STEPS",
-        help="synthetic: mean engine steps between arrivals (0: all at once)",
-    )
-    w.add_argument("--temperature", type=float, default=0.0, help="synthetic: 0 is greedy")
-    w.add_argument("--top-k", type=int, default=0, help="synthetic: keep the k most likely tokens (0: off)")
-    w.add_argument("--top-p", type=float, default=1.0, help="synthetic: nucleus mass (1.0: off)")
-    w.add_argument("--n", type=int, default=1, help="synthetic: parallel samples per request")
-    e = p.add_argument_group("engine")
-    e.add_argument(
-        "--max-seqs", type=_int_or_auto, default=8, help="resident sequences (cache columns); auto: what fits"
-    )
-    e.add_argument(
-        "--memory-fraction",
-        type=float,
-        default=0.9,
-        metavar="F",
-        help="with --max-seqs auto: share of the device's memory for weights, activations and K/V",
-    )
-    e.add_argument(
-        "--capacity", type=_int_or_auto, default=256, help="most positions per sequence; auto: the model's limit"
-    )
-    e.add_argument("--max-step-tokens", type=int, default=64, help="token budget of one step")
-    e.add_argument("--prefill-chunk", type=int, default=32, help="most prompt tokens per sequence per step")
-    e.add_argument(
-        "--prefill-budget", type=int, metavar="N", help="most prompt tokens per step, all prompts (default: the rest)"
-    )
-    e.add_argument("--graphs", choices=("auto", "on", "off"), default="auto", help="CUDA graphs (auto: on CUDA)")
-    e.add_argument(
-        "--overlap",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="plan step N+1 while the device runs step N (auto: unless speculating)",
-    )
-    s = p.add_argument_group("speculative decoding")
-    s.add_argument(
-        "--speculative",
-        choices=("off", "ngram", "dflash"),
-        default="off",
-        help="ngram: prompt lookup; dflash: a DFlash block drafter (random weights unless --drafter)",
-    )
-    s.add_argument("--spec-block", type=int, metavar="N", help="verify rows per sample per step (default 16; ngram 8)")
-    s.add_argument("--spec-layers", type=int, default=1, metavar="N", help="dflash: layers of a random drafter")
-    s.add_argument("--drafter", metavar="DIR", help="dflash: drafter checkpoint folder (config.json + safetensors)")
-    e.add_argument(
-        "--kv-dtype",
-        choices=("model", "fp8", *KV_DTYPE_NAMES),
-        default="model",
-        help="K/V storage dtype (model: the model's; fp8: float8_e4m3fn, e4m3 with a scale per position and head)",
-    )
-    e.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="CPU threads for torch; the tiny model's small ops run fastest on one (0: torch's default)",
-    )
-    o = p.add_argument_group("output")
-    o.add_argument("--json", metavar="PATH", help="write the metrics as JSON here")
-    o.add_argument(
-        "--progress",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="progress bar on stderr (auto: when stderr is a terminal)",
-    )
-    p.set_defaults(func=_cmd_run)
+def bounded(kind: type, lo: float, hi: float | None = None, *, open_lo: bool = False):
+    """An argparse type: `kind` (int or float) in [lo, hi] ((lo, hi] when open_lo)."""
 
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if value != value or (value <= lo if open_lo else value < lo) or (hi is not None and value > hi):
+            bounds = f"{'(' if open_lo else '['}{lo}, {hi if hi is not None else 'inf'}]"
+            raise argparse.ArgumentTypeError(f"{text} is outside {bounds}")
+        return value
 
-def _build_model(preset: str, device: str, seed: int):
-    """The SenseNova-U1 language model with random weights (imported lazily: heavy, and optional)."""
-    try:
-        from batchkv.models import build_model
-    except ImportError as exc:
-        raise ConfigError(
-            f"model {preset!r} is unavailable: batchkv.models.sensenova cannot be imported ({exc})"
-        ) from exc
-    return build_model(preset, device, seed=seed)
-
-
-def _kv_dtype(name: str):
-    """--kv-dtype: None for "model", else the torch storage dtype ("fp8" is float8_e4m3fn)."""
-    from batchkv.ops.support import KV_DTYPES
-
-    return None if name == "model" else KV_DTYPES["float8_e4m3fn" if name == "fp8" else name]
-
-
-def _speculative_config(args: argparse.Namespace, model):
-    """The engine's SpeculativeConfig from --speculative/--spec-block/--spec-layers/--drafter, or None."""
-    from batchkv.executor import SpeculativeConfig
-
-    if args.speculative == "off":
-        if args.drafter or args.spec_block is not None:
-            raise ConfigError("--drafter and --spec-block need --speculative ngram|dflash")
-        return None
-    if args.speculative == "ngram":
-        return SpeculativeConfig("ngram", block_size=args.spec_block or 8)
-    from batchkv.models.dflash import build_drafter, default_target_layers
-
-    taps = default_target_layers(model.config.num_layers)
-    block, layers = args.spec_block or 16, args.spec_layers
-    drafter = build_drafter(model, num_layers=layers, target_layer_ids=taps, block_size=block, seed=args.seed,
-                            checkpoint=args.drafter)  # fmt: skip
-    return SpeculativeConfig("dflash", block_size=args.spec_block, drafter=drafter)
-
-
-def _cmd_run(args: argparse.Namespace) -> int:
-    import json
-
-    import torch
-
-    from batchkv.executor import Engine, SamplingParams
-    from batchkv.executor.report import ProgressBar, summary_table
-    from batchkv.executor.workload import load_jsonl, replay, synthetic
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda but CUDA is not available here; use --device cpu")
-    if device == "cpu" and args.model != "sensenova-u1-tiny":
-        raise ConfigError(f"{args.model} is too large for the CPU; use --device cuda or --model sensenova-u1-tiny")
-    model = _build_model(args.model, device, args.seed)
-    speculative = _speculative_config(args, model)
-    modes = {"auto": "auto", "on": True, "off": False}
-    engine = Engine(
-        model,
-        max_seqs=args.max_seqs,
-        memory_fraction=args.memory_fraction,
-        capacity=None if args.capacity == "auto" else args.capacity,
-        max_step_tokens=args.max_step_tokens,
-        prefill_chunk=args.prefill_chunk,
-        prefill_budget=args.prefill_budget,
-        device=device,
-        use_graphs=modes[args.graphs],
-        overlap=modes[args.overlap],
-        seed=args.seed,
-        kv_dtype=_kv_dtype(args.kv_dtype),
-        speculative=speculative,
-    )
-    if engine.sizing is not None:
-        print(f"batchkv run: sized the store: {engine.sizing.describe()}", file=sys.stderr)
-    if args.workload:
-        items = load_jsonl(args.workload)
-    else:
-        sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, n=args.n)
-        items = synthetic(
-            args.requests,
-            vocab_size=engine.vocab_size,
-            prompt_len=args.prompt_len,
-            output_len=args.output_len,
-            arrival_gap=args.arrival_gap,
-            seed=args.seed,
-            sampling=sampling,
-        )
-    total = sum(item.request.params.n for item in items)
-    enabled = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
-    bar = ProgressBar(total, sys.stderr, enabled=enabled)
-    done = [0, 0]  # finished samples, tokens
-
-    def on_step(events) -> None:
-        done[0] += sum(1 for ev in events if ev.finish_reason is not None)
-        done[1] += sum(1 for ev in events if ev.token is not None)
-        bar.update(done[0], done[1])
-
-    result = replay(engine, items, on_step)
-    bar.update(done[0] + len(result.refusals), done[1], force=True)
-    bar.close()
-    for index, message in result.refusals:
-        print(f"batchkv run: request {index} refused: {message}", file=sys.stderr)
-    summary = engine.metrics.summary()
-    mode = ("graphs" if engine.uses_graphs else "eager") + (", overlap" if engine.overlap else "")
-    cache = engine.cache
-    title = f"batchkv run: {args.model} on {device} ({mode}), max_seqs {cache.max_seqs}, capacity {cache.capacity}"
-    if args.kv_dtype != "model":
-        title += f", kv {args.kv_dtype}"
-    sizing = engine.sizing.describe() if engine.sizing is not None else None
-    print(summary_table(summary, title, graphs=engine.uses_graphs, sizing=sizing))
-    if args.json:
-        record = {"model": args.model, "device": device, "graphs": engine.uses_graphs, "overlap": engine.overlap,
-                  "max_seqs": cache.max_seqs, "capacity": cache.capacity, "sizing": sizing, **summary}  # fmt: skip
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=2)
-    return 0
+    parse.__name__ = kind.__name__  # argparse names the type in its fallback message
+    return parse
 
 
 # Manifest fields and the export flags that set them, for error messages.
@@ -279,21 +74,34 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     """Control characters escaped, so an error is exactly one line whatever the file held."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="write a manifest: the KV cache geometry an exported model needs")
+    p = sub.add_parser(
+        "export",
+        help="write a manifest: the KV cache geometry an exported model needs",
+        description="Write a manifest (JSON or msgpack): the KV cache an exported model needs -- its layout, "
+        "sequences, capacity, per-layer flat/ring storage and KV geometry -- for `batchkv inspect` to check and "
+        "`batchkv.from_manifest` to build. The geometry comes from --preset or from --num-layers, --kv-heads, "
+        "--head-dim and --dtype (which also override the preset); head_dim must be one the kernels run.",
+    )
     p.add_argument("--preset", choices=sorted(KV_PRESETS), help="model KV geometry (layers, kv heads, head_dim, dtype)")
     p.add_argument("--num-layers", type=int, help="layers (overrides the preset)")
     p.add_argument("--kv-heads", type=int, help="KV heads per layer (overrides the preset)")
     p.add_argument("--head-dim", type=int, help="head dimension (overrides the preset)")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="the model's K/V dtype")
-    p.add_argument("--kv-dtype", choices=KV_DTYPE_NAMES, help="K/V storage dtype (default --dtype)")
+    p.add_argument("--dtype", choices=tuple(MODEL_DTYPES), help="the model's K/V dtype")
+    p.add_argument("--kv-dtype", choices=tuple(STORAGE_DTYPES), help="K/V storage dtype (default --dtype)")
     p.add_argument("--model", help="model name recorded in the manifest (default: the preset's name)")
-    p.add_argument("--kv-layout", required=True, choices=("sequence", "batched-sequence", "cell"))
+    p.add_argument(
+        "--kv-layout",
+        required=True,
+        choices=("sequence", "batched-sequence", "cell"),
+        help="sequence: one sequence per cache (single-request decode); batched-sequence: --max-kv-seqs sequences, "
+        "one column each, in one store (continuous batching); cell: a shared cell pool (described, not built)",
+    )
     p.add_argument("--max-kv-seqs", type=int, default=1, metavar="N", help="resident sequences (default 1)")
     p.add_argument("--capacity", type=int, required=True, metavar="N", help="most positions per sequence")
     p.add_argument(
@@ -315,6 +123,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    from batchkv import ops
     from batchkv.manifest import dump_manifest, make_manifest
     from batchkv.manifest.report import human_bytes
 
@@ -325,6 +134,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
         if value is None:
             raise ConfigError(f"export needs --preset or {_EXPORT_FLAGS[name]} (the model's KV geometry)")
         geometry[name] = value
+    problem = ops.kernel_problem(geometry["head_dim"], dtype_named(args.kv_dtype or geometry["dtype"]))
+    if problem:
+        print(one_line(f"batchkv export: $.head_dim (--head-dim): {problem}"), file=sys.stderr)
+        return EXIT_USER_ERROR
     try:
         manifest = make_manifest(
             layout=args.kv_layout,
@@ -345,14 +158,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
     except ManifestError as exc:
         field = exc.path[2:].split("[")[0].split(".")[0]
         flag = f" ({_EXPORT_FLAGS[field]})" if field in _EXPORT_FLAGS else ""
-        print(f"batchkv export: {exc.path}{flag}: {_one_line(exc.rule)}", file=sys.stderr)
+        print(f"batchkv export: {exc.path}{flag}: {one_line(exc.rule)}", file=sys.stderr)
         return 2
     if args.draft_layers is not None:
         return _export_pair(args, manifest)
     try:
         dump_manifest(manifest, args.output)
     except OSError as exc:
-        print(_one_line(f"batchkv export: cannot write {args.output}: {exc.strerror or exc}"), file=sys.stderr)
+        print(one_line(f"batchkv export: cannot write {args.output}: {exc.strerror or exc}"), file=sys.stderr)
         return 2
     print(f"wrote {args.output}: {manifest.layout}, {human_bytes(manifest.kv_bytes)} of K/V at full capacity")
     return 0
@@ -369,11 +182,11 @@ def _export_pair(args: argparse.Namespace, manifest) -> int:
         pair = make_pair(manifest, draft_layers=args.draft_layers, block_size=args.spec_block)
         dump_pair(pair, args.output)
     except ManifestError as exc:
-        print(f"batchkv export: {exc.path}: {_one_line(exc.rule)}", file=sys.stderr)
-        return 2
+        print(f"batchkv export: {exc.path}: {one_line(exc.rule)}", file=sys.stderr)
+        return EXIT_USER_ERROR
     except OSError as exc:
-        print(_one_line(f"batchkv export: cannot write {args.output}: {exc.strerror or exc}"), file=sys.stderr)
-        return 2
+        print(one_line(f"batchkv export: cannot write {args.output}: {exc.strerror or exc}"), file=sys.stderr)
+        return EXIT_USER_ERROR
     total = human_bytes(pair.target.kv_bytes + pair.drafter.kv_bytes)
     print(f"wrote {args.output}: DFlash pair (block {pair.block_size}), {total} of K/V at full capacity")
     return 0
@@ -386,6 +199,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from batchkv import ops
     from batchkv.manifest import load_manifest
     from batchkv.manifest.pair import decode_pair, is_pair, read_source
     from batchkv.manifest.report import describe
@@ -393,22 +207,27 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     try:
         data = read_source(args.file)
         pair = decode_pair(data) if is_pair(data) else None
-        manifest = load_manifest(args.file) if pair is None else None  # the suffix picks the format
+        parts = [load_manifest(args.file)] if pair is None else [pair.target, pair.drafter]  # suffix picks format
     except ManifestError as exc:
         problem = str(exc)
     except OSError as exc:
         problem = f"cannot read: {exc.strerror or exc}"
     else:
-        print(f"{'file':<16} {args.file}")
-        if pair is None:
-            print(describe(manifest))  # type: ignore[arg-type]
-            return 0
-        print(f"{'pair':<16} DFlash target + drafter, block_size {pair.block_size}")
-        for name, part in (("target", pair.target), ("drafter", pair.drafter)):
-            print(f"\n[{name}]\n{describe(part)}")
+        problem = next(
+            filter(None, (ops.kernel_problem(m.head_dim, dtype_named(m.storage_dtype)) for m in parts)), None
+        )
+        problem = problem and f"$.head_dim: {problem}"
+    if problem:
+        print(one_line(f"batchkv inspect: {args.file}: {problem}"), file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(f"{'file':<16} {args.file}")
+    if pair is None:
+        print(describe(parts[0]))
         return 0
-    print(_one_line(f"batchkv inspect: {args.file}: {problem}"), file=sys.stderr)
-    return 2
+    print(f"{'pair':<16} DFlash target + drafter, block_size {pair.block_size}")
+    for name, part in (("target", pair.target), ("drafter", pair.drafter)):
+        print(f"\n[{name}]\n{describe(part)}")
+    return 0
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -431,9 +250,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="batchkv", description=__doc__.splitlines()[0])
+    """Entry point of `batchkv` and `python -m batchkv`; returns the exit status.
+
+    A user error (a bad option, an unreadable or unwritable file, a refused configuration) prints
+    one line on stderr and returns 2, never a traceback; Ctrl-C returns 130.
+    """
+    from batchkv.cli_run import add_run  # imports this module: here, not at the top
+
+    parser = Parser(prog="batchkv", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"batchkv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_run(sub)
+    add_run(sub)
     _add_serve(sub)
     _add_export(sub)
     _add_inspect(sub)
@@ -441,8 +268,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except BatchKVError as exc:
-        print(f"batchkv {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 2
+        message = f"batchkv {args.command}: {type(exc).__name__}: {exc}"
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        message = f"batchkv {args.command}: {where}{exc.strerror or exc}"
+    except KeyboardInterrupt:
+        print(f"batchkv {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(one_line(message), file=sys.stderr)
+    return EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

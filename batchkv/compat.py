@@ -28,7 +28,8 @@ from torch import nn
 
 from batchkv import ops
 from batchkv.cache.single import BUCKETS, TAIL_STEP, PagedDecodeCache
-from batchkv.errors import ConfigError, StepError
+from batchkv.checks import device_arg, int_arg
+from batchkv.errors import ConfigError, ContractError, StepError
 from batchkv.executor.graphs import (
     AdapterGuard,
     GraphSet,
@@ -57,7 +58,10 @@ def paged_decode_supported(device: torch.device | str, head_dim: int) -> bool:
     Needs CUDA, Triton importable with batchkv's kernel built, and head_dim a power of two in
     [16, 256] (the kernel's tile contract). Elsewhere the pipeline keeps its ordinary cache.
     """
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"paged_decode_supported: {device!r} is not a device torch knows") from None
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
     if refusal(torch.bfloat16, head_dim, "triton"):
@@ -100,7 +104,7 @@ class DecodeGraphRunner:
     ) -> None:
         self.lm = language_model
         self.cache = cache
-        self.device = torch.device(device)
+        self.device = device_arg(device, "DecodeGraphRunner device")
         self.input_ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
         self.indexes = torch.zeros(3, 1, dtype=torch.long, device=self.device)
         self._fingerprint = ModuleFingerprint(language_model)
@@ -152,6 +156,9 @@ class DecodeGraphRunner:
                 f"DecodeGraphRunner.step: the cache is not staged for a step (length {self.cache.length}); "
                 "call cache.set_length(n) with n >= 1 first"
             )
+        for name, value in (("token", token), ("t_index", t_index)):
+            if not isinstance(value, torch.Tensor):
+                int_arg(f"DecodeGraphRunner.step: {name}", value, 0, error=ContractError)
         self.input_ids[0, 0] = token
         self.indexes[0, 0] = t_index
         if not self.uses_graphs():

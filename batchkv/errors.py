@@ -70,5 +70,9 @@ class RequestError(BatchKVError, ValueError):
     parameters); it is refused at submit and the engine is unchanged."""
 
 
+class DependencyError(BatchKVError, ImportError):
+    """An optional dependency is missing or too old; the message names the extra to install."""
+
+
 class WorkloadError(BatchKVError, ValueError):
     """A workload file breaks its schema (the message names the line, the field and the rule)."""

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from batchkv.dtypes import dtype_name
 from batchkv.models.config import MODEL_PRESETS
-
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 @dataclass(frozen=True)
@@ -27,6 +24,6 @@ class KVPreset:
 
 
 KV_PRESETS: dict[str, KVPreset] = {
-    name: KVPreset(name, cfg.num_layers, cfg.kv_heads, cfg.head_dim, _DTYPE_NAMES[cfg.dtype])
+    name: KVPreset(name, cfg.num_layers, cfg.kv_heads, cfg.head_dim, dtype_name(cfg.dtype))
     for name, cfg in MODEL_PRESETS.items()
 }

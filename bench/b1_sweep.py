@@ -1,8 +1,8 @@
 """sdpa_varlen for one decoding sequence (T = 1): a grid of SdpaConfig choices beside SDPA exact prefix.
 
 One sequence is latency-bound, not bandwidth-bound: the launch, the prologue, a short pipelined loop
-and the merge of the partials set its time. This times every config of GRID at 1,024 / 4,096 / 9,100
-/ 16,384 keys (Hq 32, Hkv 8, D 128, bf16, a 2-column store of 16,384 rows, so the shapes are the
+and the merge of the partials set its time. This times every config of GRID at 16, 256, 1,024, 4,096,
+9,100 and 16,384 keys (Hq 32, Hkv 8, D 128, bf16, a 2-column store of 16,384 rows, so the shapes are the
 single-sequence facade's), each the median of 100 CUDA-graph replays of 16 back-to-back calls, one
 per copy of the store, so the data comes from HBM, not the L2. SDPA over the exact prefix with
 enable_gqa (its flash and efficient backends, the faster kept) is timed the same way. Each config is
@@ -29,8 +29,8 @@ from batchkv.ops import sdpa_varlen_reference
 from batchkv.ops.sdpa_varlen_triton import SdpaConfig, sdpa_varlen
 
 HQ, HKV, D, ROWS, COPIES = 32, 8, 128, 16384, 16
-LENGTHS = (1024, 4096, 9100, 16384)
-GRID = [{}] + [
+LENGTHS = (16, 256, 1024, 4096, 9100, 16384)  # 16 and 256: the fixed cost (launch, prologue, merge)
+GRID = [{}, {"min_blocks": 1 << 20}] + [  # min_blocks 2^20: one program per head, no merge
     {"occupancy": occ, "block_n": bn, "num_stages": st, "min_blocks": mb}
     for occ, bn, st, mb in itertools.product((1, 2, 4), (32, 64), (2, 3), (1, 2))
 ]

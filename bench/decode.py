@@ -1,20 +1,23 @@
-"""End-to-end decode at SenseNova-U1-8B shape: batchkv (graphs / eager) against transformers, and the
-weight-read roofline measured in the same run.
+"""End-to-end decode at SenseNova-U1-8B shape: batchkv against transformers, offline and online, and
+the fair serving roofline measured in the same run.
 
-1. Single sequence: prompt 512, 256 new tokens, greedy; ms/token (median inter-token latency of a
-   second, warmed-up request) for batchkv with CUDA graphs and eager; a transformers
-   Qwen3ForCausalLM of the same shape, eager with DynamicCache and StaticCache +
-   torch.compile(mode="reduce-overhead"). Roofline: bytes of weights (and KV) one step reads over
-   the device-to-device copy bandwidth measured here.
-2. Serving: 256 requests, prompts U[64, 2048], outputs U[64, 1024], seed 0, up to 64 sequences:
-   output tokens/s, p50/p99 inter-token latency, captures; transformers eager `generate` over
-   left-padded batches of 64 (--hf-serve-requests of them, default one batch: the rate of the
-   same distribution); and the roofline tokens/s: an ideal machine decoding 64 sequences at a
-   time reads the weights once per step and each token's own KV prefix once.
+Parts, in order, each under the run's budget (`--budget-s`), each written to the JSON when it ends:
+1. ceilings: read bandwidth, copy bandwidth, bf16 GEMM peak (bench/ceilings.py);
+2. b1: one sequence, prompt 512, 256 new tokens, greedy, ms/token (median inter-token latency of
+   a second, warmed-up request), batchkv with CUDA graphs and eager;
+3. serve: 256 requests, prompts U[64, 2048], outputs U[64, 1024], seed 0, at most 64 sequences,
+   all submitted at once: output tokens/s; the fair roofline over the steps the engine ran and the
+   bytes-only roofline (bench/roofline.py);
+4. online: three Poisson arrival rates (0.25, 0.5 and 0.9 of the offline run's requests/s), each
+   over the first `rate * --online-window-s` requests of the same list, on the engine the offline
+   run warmed (bench/online.py): tokens/s, TTFT (from arrival) and inter-token p50/p99;
+5. the transformers peers (bench/decode_hf.py): continuous batching calibrated, offline on a
+   prefix of the list, online at the same rates and arrivals; batchkv on the same prefix; and one
+   sequence eager and StaticCache + compile.
+--resume FILE runs only the parts that FILE lacks (a part skipped for budget or failed runs again).
 
-Writes JSON as it goes (--out), so a crash keeps the finished parts. Run on the H200:
-    python3 bench/decode.py --out bench/results/decode-h200.json
-Smoke test on CPU: python bench/decode.py --preset sensenova-u1-tiny --small --skip-hf --out /tmp/d.json
+    python3 bench/decode.py --out bench/results/decode-h200.json                 # on the H200
+    python bench/decode.py --small --out /tmp/d.json                             # CPU smoke run
 """
 
 from __future__ import annotations
@@ -24,43 +27,23 @@ import gc
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from ceilings import copy_ceiling, matmul_peak, read_ceiling
+from online import poisson_arrivals, run_online
+from roofline import StepLog, bytes_only_tokens_per_s, fair_seconds, model_cost
+from timing import Deadline
 
 from batchkv.executor import Engine, Request, SamplingParams
 from batchkv.models import build_model, preset_config
 
-
-def copy_gbps(device: torch.device, nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth, bytes read + written per second / 1e9 (median of 20)."""
-    if device.type != "cuda":
-        return float("nan")
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).normal_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(25):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    return 2 * nbytes / float(np.median(times[5:])) / 1e9
-
-
-def weight_bytes_per_step(model) -> int:
-    """Bytes of parameters one decode step reads: everything but the embedding table (one row)."""
-    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed" not in name)
-
-
-def kv_bytes_per_position(model) -> int:
-    spec = model.cache_spec()
-    return 2 * spec["num_layers"] * spec["kv_heads"] * spec["head_dim"] * torch.finfo(spec["dtype"]).bits // 8
+RATE_FRACTIONS = {"light": 0.25, "medium": 0.5, "near_saturation": 0.9}
 
 
 def sync(device: torch.device) -> None:
@@ -68,180 +51,211 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, vocab, rng.integers(prompt[0], prompt[1] + 1)).tolist() for _ in range(n)]
+    return prompts, rng.integers(output[0], output[1] + 1, n).tolist()
+
+
 def single_sequence(model, device, prompt_len: int, new_tokens: int, graphs: bool) -> dict:
     """ms/token of one greedy sequence: the second of two identical requests (the first warms up)."""
-    engine = Engine(
-        model,
-        max_seqs=1,
-        capacity=prompt_len + new_tokens + 1,
-        max_step_tokens=prompt_len,
-        prefill_chunk=prompt_len,
-        width_buckets=(1, prompt_len),
-        use_graphs=graphs,
-        device=device,
-    )
-    engine.cache.reserve(prompt_len + new_tokens + 1)
-    gen = np.random.default_rng(0)
-    prompt = gen.integers(0, model.vocab_size, prompt_len).tolist()
-    params = SamplingParams(max_new_tokens=new_tokens)
+    length = prompt_len + new_tokens + 1
+    engine = Engine(model, max_seqs=1, capacity=length, max_step_tokens=prompt_len, prefill_chunk=prompt_len,
+                    width_buckets=(1, prompt_len), use_graphs=graphs, device=device)  # fmt: skip
+    engine.cache.reserve(length)
+    prompt = np.random.default_rng(0).integers(0, model.vocab_size, prompt_len).tolist()
     for _ in range(2):
         engine.metrics.inter_token.clear()
-        engine.submit(Request(prompt, params))
+        engine.submit(Request(prompt, SamplingParams(max_new_tokens=new_tokens)))
         sync(device)
         start = time.perf_counter()
         events = engine.run_until_done()
         sync(device)
         wall = time.perf_counter() - start
     itl = np.asarray(engine.metrics.inter_token) * 1e3
-    return {
-        "ms_per_token_p50": float(np.median(itl)),
-        "ms_per_token_mean": float(itl.mean()),
-        "wall_s": wall,
-        "tokens": sum(e.token is not None for e in events),
-        "captures": engine.metrics.captures,
-    }
+    return {"ms_per_token_p50": float(np.median(itl)), "ms_per_token_mean": float(itl.mean()), "wall_s": wall,
+            "tokens": sum(e.token is not None for e in events), "captures": engine.metrics.captures}  # fmt: skip
 
 
-def serve_workload(n: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, vocab, rng.integers(prompt[0], prompt[1] + 1)).tolist() for _ in range(n)]
-    outputs = rng.integers(output[0], output[1] + 1, n).tolist()
-    return prompts, outputs
-
-
-def serve(model, device, prompts, outputs, max_seqs: int, chunk: int, budget: int, graphs: bool) -> dict:
+def serving_engine(model, device, prompts, outputs, max_seqs: int = 64) -> Engine:
+    """The serving configuration: 64 sequences, 1024-token steps, 512-token prompt chunks, storage reserved."""
     capacity = max(map(len, prompts)) + max(outputs) + 1
-    engine = Engine(
-        model,
-        max_seqs=max_seqs,
-        capacity=capacity,
-        max_step_tokens=budget,
-        prefill_chunk=min(chunk, capacity),
-        use_graphs=graphs,
-        device=device,
-    )
-    engine.cache.reserve(capacity)  # serving reserves up front: no growth (and recapture) mid-run
+    engine = Engine(model, max_seqs=max_seqs, capacity=capacity, max_step_tokens=1024,
+                    prefill_chunk=min(512, capacity), use_graphs=device.type == "cuda", device=device)  # fmt: skip
+    engine.cache.reserve(capacity)  # no growth (and recapture) mid-run
+    return engine
+
+
+def serve_offline(engine: Engine, device, prompts, outputs) -> dict:
+    """Every request submitted at once, run to the end; the engine's summary and the wall time."""
     for p, o in zip(prompts, outputs, strict=True):
         engine.submit(Request(p, SamplingParams(max_new_tokens=o)))
     sync(device)
     start = time.perf_counter()
     engine.run_until_done()
     sync(device)
-    wall = time.perf_counter() - start
     summary = engine.metrics.summary()
-    summary["wall_s"] = wall
+    summary["wall_s"] = wall = time.perf_counter() - start
     summary["output_tokens_per_s_wall"] = summary["generated_tokens"] / wall
     return summary
 
 
-def roofline_tokens_per_s(prompts, outputs, weight_bytes: int, kv_per_pos: int, gbps: float, batch: int) -> float:
-    """Output tokens/s of an ideal machine: weights once per step of `batch` tokens, each token's KV once."""
-    tokens = sum(outputs)
-    kv = sum(kv_per_pos * (len(p) * o + o * (o + 1) // 2) for p, o in zip(prompts, outputs, strict=True))
-    seconds = (tokens / batch * weight_bytes + kv) / (gbps * 1e9)
-    return tokens / seconds
+class Parts:
+    """Runs named parts once each, under a deadline, saving the result after every part."""
+
+    def __init__(self, result: dict, out: Path, deadline: Deadline) -> None:
+        self.result, self.out, self.deadline = result, out, deadline
+        self.status = result.setdefault("parts", {})
+
+    def save(self) -> None:
+        self.out.write_text(json.dumps(self.result, indent=2) + "\n")
+
+    def run(self, name: str, fn, need_s: float = 1.0) -> None:
+        if self.status.get(name, {}).get("status") == "done":
+            return
+        left = self.deadline.left()
+        if left < need_s:
+            self.status[name] = {"status": f"skipped: {left:.0f} s of the budget left, needs about {need_s:.0f}"}
+        else:
+            start = time.perf_counter()
+            try:
+                fn()
+                self.status[name] = {"status": "done"}
+            except Exception as exc:  # a part that fails is recorded, and the others still run
+                traceback.print_exc()
+                self.status[name] = {"status": f"failed: {type(exc).__name__}: {exc}"[:500]}
+            self.status[name]["s"] = round(time.perf_counter() - start, 1)
+        print(f"== part {name}: {self.status[name]}", flush=True)
+        self.save()
 
 
-def batchkv_parts(result: dict, preset: str, device, prompt_len: int, new_tokens: int, prompts, outputs, save) -> None:
-    """batchkv's single-sequence (graphs and eager) and serving numbers, and the rooflines."""
-    graphs = device.type == "cuda"
-    result["copy_gbps"] = gbps = copy_gbps(device)
-    model = build_model(preset, device, seed=0)
-    wbytes, kvpos = weight_bytes_per_step(model), kv_bytes_per_position(model)
-    kv_b1 = kvpos * (prompt_len + new_tokens // 2)
-    result["weight_bytes_per_step"] = wbytes
-    result["roofline_ms_b1"] = (wbytes + kv_b1) / (gbps * 1e9) * 1e3
-    result["b1"] = b1 = {"prompt": prompt_len, "new_tokens": new_tokens}
-    b1_detail = {}
-    for name, use in (("batchkv_graph", True), ("batchkv_eager", False)):
-        if use and not graphs:
-            continue
-        b1_detail[name] = single_sequence(model, device, prompt_len, new_tokens, use)
-        b1[f"{name}_ms"] = b1_detail[name]["ms_per_token_p50"]
-        print(f"b1 {name}: {b1[f'{name}_ms']:.3f} ms/token", flush=True)
-        save()
-    result["b1_detail"] = b1_detail
-    result["serve"] = s = {"requests": len(prompts), "max_seqs": 64}
-    detail = serve(model, device, prompts, outputs, 64, chunk=512, budget=1024, graphs=graphs)
-    s.update(
-        tokens_per_s=detail["output_tokens_per_s_wall"],
-        roofline_tokens_per_s=roofline_tokens_per_s(prompts, outputs, wbytes, kvpos, gbps, 64),
-        p50_itl_ms=detail["itl_ms_p50"],
-        p99_itl_ms=detail["itl_ms_p99"],
-        captures=detail["captures"],
-        width_buckets_used=detail["width_buckets_used"],
-        growths=detail["growths"],
-    )
-    result["serve_detail"] = detail
-    print(f"serve: {s['tokens_per_s']:.0f} tok/s (roofline {s['roofline_tokens_per_s']:.0f})", flush=True)
-    save()
-    del model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
+    r, dev = parts.result, ctx.device
+
+    def ceilings():
+        r["read_gbps"], r["read_variants_gbps"] = read_ceiling(dev)
+        r["copy_gbps"], r["copy_variants_gbps"] = copy_ceiling(dev)
+        r["matmul_tflops"], r["matmul_variants_tflops"] = matmul_peak(dev)
+
+    def b1():
+        cost = ctx.cost()
+        kv = cost.kv_bytes_per_pos * (ctx.prompt_len + ctx.new_tokens // 2)
+        r["weight_bytes_per_step"] = cost.weight_bytes
+        r["roofline_ms_b1"] = (cost.weight_bytes + kv) / (r["read_gbps"] * 1e9) * 1e3  # weights + mean KV, read
+        r["b1"] = {"prompt": ctx.prompt_len, "new_tokens": ctx.new_tokens}
+        r["b1_detail"] = {}
+        for name, graphs in (("batchkv_graph", True), ("batchkv_eager", False)):
+            if graphs and dev.type != "cuda":
+                continue
+            r["b1_detail"][name] = d = single_sequence(ctx.model(), dev, ctx.prompt_len, ctx.new_tokens, graphs)
+            r["b1"][f"{name}_ms"] = d["ms_per_token_p50"]
+            print(f"b1 {name}: {d['ms_per_token_p50']:.3f} ms/token", flush=True)
+
+    def serve():
+        ctx.engine = engine = serving_engine(ctx.model(), dev, ctx.prompts, ctx.outputs)
+        log = StepLog(engine)
+        r["serve_detail"] = d = serve_offline(engine, dev, ctx.prompts, ctx.outputs)
+        cost = ctx.cost()
+        fair_s = fair_seconds(log.steps, cost, r["read_gbps"], r["matmul_tflops"])
+        bytes_only = bytes_only_tokens_per_s(ctx.prompts, ctx.outputs, cost, r["read_gbps"], 64)
+        r["serve"] = {
+            "requests": len(ctx.prompts), "max_seqs": 64, "tokens_per_s": d["output_tokens_per_s_wall"],
+            "requests_per_s": len(ctx.prompts) / d["wall_s"],
+            "fair_roofline_tokens_per_s": d["generated_tokens"] / fair_s,
+            "bytes_only_roofline_tokens_per_s": bytes_only,
+            "p50_itl_ms": d["itl_ms_p50"], "p99_itl_ms": d["itl_ms_p99"], "captures": d["captures"],
+            "steps": len(log.steps), "fair_roofline_s": fair_s, "wall_s": d["wall_s"],
+        }  # fmt: skip
+        print(f"serve: {d['output_tokens_per_s_wall']:.0f} tok/s (fair roofline {d['generated_tokens'] / fair_s:.0f})")
+
+    def online():
+        if ctx.engine is None:  # resumed without the offline run: warm a new engine on a short pass
+            ctx.engine = serving_engine(ctx.model(), dev, ctx.prompts, ctx.outputs)
+            serve_offline(ctx.engine, dev, ctx.prompts[:64], [min(o, 16) for o in ctx.outputs[:64]])
+        engine = ctx.engine
+        base = r["serve"]["requests_per_s"]
+        rows = r["serve"].setdefault("online", [])
+        for i, (label, fraction) in enumerate(RATE_FRACTIONS.items()):
+            if any(row["label"] == label for row in rows):
+                continue
+            rate = fraction * base
+            n = int(min(len(ctx.prompts), max(4, round(rate * args.online_window_s))))
+            arrivals = poisson_arrivals(n, rate, seed=i)
+            row = {"label": label, "fraction_of_offline": fraction, "arrival_seed": i}
+            row.update(run_online(engine, ctx.prompts[:n], ctx.outputs[:n], arrivals))
+            row["arrival_rate"], row["rate"] = row["rate"], rate  # what arrived; the Poisson rate asked
+            rows.append(row)
+            parts.save()
+            print(f"online {label} {rate:.2f} req/s: {row['tokens_per_s']:.0f} tok/s, TTFT p50 "
+                  f"{row['ttft_p50_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.1f} ms", flush=True)  # fmt: skip
+
+    parts.run("ceilings", ceilings)
+    parts.run("b1_batchkv", b1, need_s=20)
+    parts.run("serve_batchkv", serve, need_s=60)
+    parts.run("online_batchkv", online, need_s=3 * args.online_window_s + 20)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench/results/decode-h200.json")
-    ap.add_argument("--preset", default="sensenova-u1-8b")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/decode-h200.json"))
+    ap.add_argument("--preset", default=None, help="batchkv model preset (default sensenova-u1-8b, tiny with --small)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--small", action="store_true", help="tiny sizes for a smoke test")
-    ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--skip-compile", action="store_true", help="skip transformers StaticCache + compile")
+    ap.add_argument("--small", action="store_true", help="tiny model and workload: a smoke run")
+    ap.add_argument("--skip-hf", action="store_true", help="no transformers parts")
     ap.add_argument("--serve-requests", type=int, default=256)
-    ap.add_argument("--hf-serve-requests", type=int, default=64)
-    ap.add_argument("--hf-serve-max-new", type=int, default=0, help="cap transformers' outputs (0: as drawn)")
-    ap.add_argument("--resume", type=Path, default=None, help="a result JSON to complete: run only the missing parts")
+    ap.add_argument("--budget-s", type=float, default=390.0, help="wall-clock budget of the whole run")
+    ap.add_argument("--online-window-s", type=float, default=None, help="seconds of arrivals per rate (12; 3 small)")
+    ap.add_argument("--hf-calibrate-s", type=float, default=None, help="transformers calibration budget (45; 10)")
+    ap.add_argument("--hf-box-s", type=float, default=None, help="time box of the transformers offline run (45; 10)")
+    ap.add_argument("--hf-online-box-s", type=float, default=None, help="box past the last arrival per rate (10; 5)")
+    ap.add_argument("--resume", type=Path, default=None, help="a result JSON to complete: only missing parts run")
     args = ap.parse_args()
+    for name, full, small in (("online_window_s", 12, 3), ("hf_calibrate_s", 45, 10), ("hf_box_s", 45, 10),
+                              ("hf_online_box_s", 10, 5)):  # fmt: skip
+        if getattr(args, name) is None:
+            setattr(args, name, float(small if args.small else full))
+    deadline = Deadline(args.budget_s)
     device = torch.device(args.device)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result: dict = {
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-    }
-
-    def save() -> None:
-        out.write_text(json.dumps(result, indent=2) + "\n")
-
-    if args.resume is not None:  # finish a run that stopped early: only the parts it lacks
-        result = json.loads(args.resume.read_text())
-    prompt_len, new_tokens = (32, 16) if args.small else (512, 256)
+    preset = args.preset or ("sensenova-u1-tiny" if args.small else "sensenova-u1-8b")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = json.loads(args.resume.read_text()) if args.resume else {}
+    result.update(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+                  preset=preset, budget_s=args.budget_s)  # fmt: skip
     n = 8 if args.small else args.serve_requests
-    prompt_range, output_range = ((8, 64), (4, 32)) if args.small else ((64, 2048), (64, 1024))
-    prompts, outputs = serve_workload(n, prompt_range, output_range, preset_config(args.preset).vocab)
-    if "serve" not in result:
-        batchkv_parts(result, args.preset, device, prompt_len, new_tokens, prompts, outputs, save)
-    b1, s = result["b1"], result["serve"]
-    if args.skip_hf or device.type != "cuda":
-        return
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from hf_baselines import decode_ms_per_token, generate_padded, qwen3_like
+    ranges = ((8, 64), (4, 32)) if args.small else ((64, 2048), (64, 1024))
+    prompts, outputs = workload(n, *ranges, preset_config(preset).vocab)
+    ctx = SimpleNamespace(device=device, prompts=prompts, outputs=outputs, engine=None, small=args.small,
+                          prompt_len=32 if args.small else 512, new_tokens=16 if args.small else 256)  # fmt: skip
+    built: dict = {}
 
-    hf = qwen3_like(device)
-    for key, static in (("hf_eager_ms", False), ("hf_static_compile_ms", True)):
-        if (static and args.skip_compile) or b1.get(key) is not None:
-            continue
-        try:
-            b1[key] = decode_ms_per_token(hf, prompt_len, new_tokens, static_compile=static)
-            print(f"b1 {key}: {b1[key]:.3f} ms/token", flush=True)
-        except Exception as exc:  # a peer that fails is recorded, not fatal
-            b1[key] = None
-            result.setdefault("errors", {})[key] = repr(exc)[:500]
-        save()
-    k = args.hf_serve_requests
-    try:
-        capped = [min(o, args.hf_serve_max_new or o) for o in outputs[:k]]
-        hf_serve = generate_padded(hf, prompts[:k], capped, batch=64)
-        s["hf_eager_outputs_capped_at"] = args.hf_serve_max_new or None
-        s["hf_eager_tokens_per_s"] = hf_serve["tokens_per_s"]
-        s["hf_eager_requests_measured"] = hf_serve["requests"]
-        print(f"serve hf eager: {s['hf_eager_tokens_per_s']:.0f} tok/s over {k} requests", flush=True)
-    except Exception as exc:
-        s["hf_eager_tokens_per_s"] = None
-        result.setdefault("errors", {})["hf_serve"] = repr(exc)[:500]
-    save()
+    def model():
+        if "model" not in built:
+            built["model"] = build_model(preset, device, seed=0)
+        return built["model"]
+
+    ctx.model = model
+    engines: dict = {}
+
+    def serve_batchkv(p, o):  # one engine per prefix, kept: a second call runs warm (graphs captured)
+        if len(p) not in engines:
+            engines[len(p)] = serving_engine(model(), device, p, o)
+        engine = engines[len(p)]
+        engine.metrics = type(engine.metrics)(engine.metrics.max_seqs)
+        return serve_offline(engine, device, p, o)
+
+    ctx.serve_batchkv = serve_batchkv
+    ctx.cost = lambda: model_cost(model(), preset_config(preset).q_heads)
+    parts = Parts(result, args.out, deadline)
+    batchkv_parts(parts, ctx, args)
+    if not args.skip_hf:
+        from decode_hf import hf_parts
+
+        ctx.engine = None  # the peer gets the memory of batchkv's serving cache
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        hf_parts(parts, ctx, args)
+    parts.save()
 
 
 if __name__ == "__main__":

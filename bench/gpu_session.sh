@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: run the named phases in order, each under its own time limit, with
-# results under $OUT. Phases: tests kernels sweep model decode profile compat serve fp8 spec overlap budget.
-#   OUT=/tmp/out bash bench/gpu_session.sh tests kernels model decode
+# results under $OUT. Phases: oomtests tests kernels sweep model decode profile compat summary serve fp8 spec
+# gemv b1 ncu overlap budget.
+#   OUT=/tmp/out bash bench/gpu_session.sh tests kernels decode summary
+# Limits come from measured runs: tests took 120 s on a cold machine (26 tests, Triton compiles
+# first), so 300; kernels and decode carry their own wall-clock budgets (--budget-s) a little under
+# their limits, write JSON after every part, and finish with what fit. A run that stopped early is
+# completed on a later machine by copying its JSON into the tree and passing it back, e.g.
+#   DECODE_ARGS="--resume bench/results/decode-h200.json" OUT=/tmp/out bash bench/gpu_session.sh decode
 # The machine has no msgspec: carry its wheel in .whl/ (bash ../shared/device/wheels.sh). The serve
 # phase also needs the server's wheels: see bench/results/README.md.
 set -uo pipefail
@@ -17,22 +23,32 @@ phase() {  # name, limit in seconds, command...
   local name=$1 limit=$2
   shift 2
   echo "== $name (limit ${limit}s, at $((SECONDS - start))s)"
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 40
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v '^USDT' | tail -n 40
   echo "== $name done: rc ${PIPESTATUS[0]} at $((SECONDS - start))s"
 }
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())'
 for p in "$@"; do
   case $p in
-    tests) phase tests 120 python3 -m pytest -m gpu tests -q -x -p no:cacheprovider -ra ;;
-    kernels) phase kernels 240 python3 bench/kernels.py --check --out "$OUT/kernels-h200.json" --flex-budget-s 60 ;;
+    oomtests) phase oomtests 120 python3 -m pytest -m gpu tests/test_refusals_gpu.py -v --tb=short -p no:cacheprovider ;;
+    tests) phase tests "${TESTS_LIMIT:-300}" python3 -m pytest -m gpu tests -v --tb=short -p no:cacheprovider -ra \
+      --timeout 150 ${TESTS_ARGS:-} ;;
+    kernels) phase kernels 240 python3 bench/kernels.py --check --out "$OUT/kernels-h200.json" \
+      --budget-s "${KERNELS_BUDGET:-215}" ${KERNELS_ARGS:-} ;;
     sweep) phase sweep 220 python3 bench/kernels.py --sweep --sweep-out "$OUT/kernels-sweep.json" ;;
     model) phase model 90 python3 bench/model_step.py --preset sensenova-u1-8b --rows 1 8 32 64 --json "$OUT/model_step.json" ;;
-    decode) phase decode ${DECODE_LIMIT:-420} python3 bench/decode.py --out "$OUT/decode-h200.json" ${DECODE_ARGS:-} ;;
+    decode) phase decode "${DECODE_LIMIT:-420}" python3 bench/decode.py --out "$OUT/decode-h200.json" \
+      --budget-s "${DECODE_BUDGET:-390}" ${DECODE_ARGS:-} ;;
     profile) phase profile 90 python3 bench/step_profile.py --rows 1 64 --context 640 --json "$OUT/step_profile.json" ;;
     compat) phase compat 150 python3 bench/compat_attention.py --out "$OUT/compat-h200.json" ;;
     serve) phase serve 230 python3 bench/serve_http.py --out "$OUT/serve-http-h200.json" ;;
-    fp8) phase fp8 240 python3 bench/kv_fp8.py --out "$OUT/kv-fp8-h200.json" ;;
+    fp8) phase fp8 240 python3 bench/kv_fp8.py --out "$OUT/kv-fp8-h200.json" --kernels-json "$OUT/kernels-h200.json" ;;
     spec) phase spec ${SPEC_LIMIT:-300} python3 bench/spec.py --out "$OUT/spec-h200.json" --budget-s 240 ;;
+    gemv) phase gemv 120 python3 bench/gemv.py --out "$OUT/gemv-h200.json" ;;
+    b1) phase b1 150 python3 bench/b1_sweep.py --out "$OUT/b1-sweep-h200.json" ;;
+    ncu) phase ncu 90 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section LaunchStats \
+      --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --csv --page details \
+      python3 bench/b1_ncu.py ;;
+    summary) phase summary 60 python3 bench/summary.py "$OUT" ;;
     overlap) phase overlap 170 python3 bench/serve_profile.py --out "$OUT/serve-profile-h200.json" ;;
     budget) phase budget 580 python3 bench/serve_sweep.py --out "$OUT/serve-sweep-h200.json" --budget-s 420 ;;
     *) echo "unknown phase $p" ;;

@@ -1,396 +1,176 @@
-"""sdpa_varlen on SenseNova decode shapes: time, GB/s and % of the copy ceiling, beside its peers.
+"""sdpa_varlen on SenseNova decode shapes: time, GB/s, % of the copy and read ceilings, beside its peers.
 
-Shapes: Hq 32, Hkv 8, D 128, bf16, a 65-column store of 9216 rows (9100 positions fit), a 128-row
-seq_info (the cache's default max_segments for 64 sequences), random distinct columns, seed 0.
-Decode cases report GB/s of the valid K/V prefixes; prefill cases (chunks after histories, all
-through the long kernel) also report TFLOP/s (4 * D * Hq per attended (query, key) pair).
-Every time is the median over >= 100 CUDA-graph replays of a graph holding K back-to-back calls,
-divided by K. Calls rotate over R copies of their data (other columns for batchkv, other gathered
-buffers for the peers) so that a case smaller than the L2 cache is still read from HBM.
-Peers, timed the same way where they capture: SDPA over each sequence's exact prefix (a loop over
-prefixes gathered once outside timing), SDPA over a batch padded to its longest with a boolean
-length mask, and compiled flex_attention with a length block mask. The SDPA peers fold the GQA
-group into the query axis (q [B, Hkv, G*q_len, D]), the fastest honest way to hand GQA to SDPA.
+Cases and geometry: bench/kernel_cases.py. Decode cases report GB/s of the valid K/V prefixes;
+prefill cases also TFLOP/s (4 * D * Hq per attended (query, key) pair). Every time is the median
+over CUDA-graph replays of a graph holding K back-to-back calls, divided by K (bench/timing.py).
+Ceilings (bench/ceilings.py): device copy and read-only streaming; attention only reads K/V, so
+`pct_of_read` is the honest figure, `pct_of_copy` is kept for comparison with earlier runs.
 
-    python3 bench/kernels.py [--check] [--sweep] [--out bench/results/kernels-h200.json]
+Peers, each tried every way it runs and the fastest that matches the reference kept (all tries
+are in `peer_candidates`): SDPA over exact prefixes and SDPA padded + mask, in the enable_gqa and
+the folded layouts under every SDPA backend (bench/kernel_peers.py); torch's own varlen attention
+when this torch ships it; flex_attention compiled per case shape with its knobs (bench/flex_peer.py,
+last, since compiles are the slow part; defaults for every case first, then the other knobs while
+the budget lasts). Recompiles are logged (TORCH_LOGS=recompiles) while flex runs.
 
---check first compares every case against the torch reference (a mismatch is recorded and
-printed, not fatal); --sweep times a grid of SdpaConfig choices on SWEEP_CASES and writes
---sweep-out instead of the full benchmark. Results are written after every case and every sweep
-row, and each case and config runs under its own try, so a failure midway loses nothing.
+    python3 bench/kernels.py [--check] [--sweep] [--out bench/results/kernels-h200.json] [--budget-s 215]
+    python bench/kernels.py --small --check --out /tmp/k.json     # CPU smoke run (Triton interpreter)
+
+--check first compares batchkv with the torch reference on every case (a mismatch is recorded and
+printed, not fatal); --sweep times a grid of SdpaConfig choices instead (bench/kernel_sweep.py).
+Results are written after every case and every peer; --resume FILE completes a run that stopped
+early (only the parts it lacks run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+if not torch.cuda.is_available():  # without a GPU the Triton kernels run under the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from batchkv.ops import sdpa_varlen_reference
-from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config, sdpa_varlen
+from ceilings import copy_ceiling, read_ceiling
+from flex_peer import flex, knob_sets
+from kernel_cases import CASES, SMALL_CASES, TOLERANCE, Case, build_cases
+from kernel_peers import PEERS, varlen_api
+from kernel_sweep import batchkv_calls, sweep
+from timing import Deadline, time_calls
 
-HQ, HKV, D, COLUMNS, ROWS, SEGMENTS = 32, 8, 128, 65, 9216, 128
-G = HQ // HKV
-DTYPE, DEV = torch.bfloat16, "cuda"
-MIXED = (64, 8192)  # mixed cases draw lengths uniformly from this range
-CASES = {  # name: (batch, q_len, kv_end of each sequence, or None for U[64, 8192])
-    "b1-l1024": (1, 1, [1024]),
-    "b1-l4096": (1, 1, [4096]),
-    "b1-l9100": (1, 1, [9100]),
-    "b8-mixed": (8, 1, None),
-    "b32-mixed": (32, 1, None),
-    "b64-mixed": (64, 1, None),
-    "b32-verify4": (32, 4, None),
-    "prefill-4x512": (4, 512, [1536] * 4),  # 512 new tokens after 1024-token histories
-    "prefill-1x2048": (1, 2048, [2048]),
-}
-SWEEP_CASES = ("b1-l1024", "b1-l9100", "b8-mixed", "b64-mixed", "b32-verify4", "prefill-4x512")
-SWEEP = [  # SdpaConfig overrides; the first is the default (heads 1 below 16 tokens, else 4)
-    {},
-    {"heads": 1},  # one KV head per program at every width (the previous layout)
-    {"heads": 4},  # four at every width, b1 and b8 too
-    {"heads": 8, "occupancy": 1},  # 2 KiB key rows, 8 warps, one 160 KiB program per SM
-    {"heads": 2, "occupancy": 4},  # 2 warps per program
-    {"min_blocks": 2},  # fewer partials for short totals (b1)
-    {"occupancy": 1},
-    {"occupancy": 3},  # registers capped at 168
-    {"num_stages": 4},
-    {"skip_masks": False},
-    {"heads": 4, "merge_tile": 16384},  # 2x the partials per merge round trip
-    {"block_m_long": 64, "num_warps_long": 4, "num_stages_long": 2},  # the previous prefill tiles
-]
+from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config
+
+FLEX_FIRST = ("b64-mixed", "b1-l1024", "b32-mixed", "b8-mixed", "b1-l9100", "b32-verify4", "b64-l512")
 
 
-class Case:
-    """One benchmark case: lengths, R rotated column sets and their seq_info tables, q."""
-
-    def __init__(self, name: str, l2_bytes: int, gen: torch.Generator) -> None:
-        batch, q_len, lengths = CASES[name]
-        self.name, self.batch, self.q_len = name, batch, q_len
-        self.lengths = lengths or torch.randint(MIXED[0], MIXED[1] + 1, (batch,), generator=gen).tolist()
-        self.bytes = sum(self.lengths) * HKV * D * 2 * 2  # K and V of the valid prefixes
-        # causal (query, key) pairs: query i of a segment attends kv_end - q_len + i + 1 keys
-        pairs = sum(q_len * (n - q_len) + q_len * (q_len + 1) // 2 for n in self.lengths)
-        self.flops = 4 * D * HQ * pairs
-        self.rot = min(64, max(1, math.ceil(4 * l2_bytes / self.bytes)))
-        est_us = max(self.bytes / 3e6, self.flops / 3e8) + 5
-        self.calls = max(self.rot, min(64, math.ceil(200 / est_us)))
-        perm = torch.randperm(64, generator=gen).tolist()  # rotation j takes the next `batch` columns
-        self.cols = [[perm[(j * batch + b) % 64] for b in range(batch)] for j in range(self.rot)]
-        self.tables = [self._table(cols) for cols in self.cols]
-        self.q = torch.randn(batch * q_len, HQ, D, generator=gen).to(DEV, DTYPE)
-
-    def _table(self, cols: list[int]) -> torch.Tensor:
-        info = torch.zeros(SEGMENTS, 4, dtype=torch.int32)
-        for b, (col, kv_end) in enumerate(zip(cols, self.lengths, strict=True)):
-            info[b] = torch.tensor([b * self.q_len, self.q_len, col, kv_end])
-        return info.to(DEV)
-
-
-# ---- timing --------------------------------------------------------------------------------------
-def capture(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def median_us(run, replays: int) -> float:
-    run()
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-    for start, end in pairs:
-        start.record()
-        run()
-        end.record()
-    torch.cuda.synchronize()
-    return 1000 * statistics.median(s.elapsed_time(e) for s, e in pairs)
-
-
-def time_calls(calls: list, replays: int = 100) -> tuple[float, str]:
-    """Median µs per call of `calls` run back to back: graph replay, or CUDA events if capture fails."""
-
-    def run_all():
-        for call in calls:
-            call()
-
-    try:
-        graph = capture(run_all)
-        return median_us(graph.replay, replays) / len(calls), "graph"
-    except Exception as exc:  # a peer that cannot be captured is timed eagerly, and says so
-        torch.cuda.synchronize()
-        return median_us(run_all, replays) / len(calls), f"events ({type(exc).__name__})"
-
-
-COPY_VARIANTS: dict[str, float] = {}
-
-
-def copy_gbps() -> float:
-    """Device-to-device copy ceiling, bytes read + written per second / 1e9: the best of a memcpy of
-    1 and 4 GiB and an elementwise copy kernel (`mul(src, 1, out=dst)`), each a median of replays."""
-    for gib in (1, 4):
-        src = torch.empty(gib << 29, dtype=torch.bfloat16, device=DEV).normal_()
-        dst = torch.empty_like(src)
-        us, _ = time_calls([lambda src=src, dst=dst: dst.copy_(src)], replays=20)
-        COPY_VARIANTS[f"copy_{gib}gib"] = round(2 * (gib << 30) / us / 1e3, 1)
-        if gib == 4:
-            us, _ = time_calls([lambda src=src, dst=dst: torch.mul(src, 1, out=dst)], replays=20)
-            COPY_VARIANTS["elementwise_4gib"] = round(2 * (gib << 30) / us / 1e3, 1)
-        del src, dst
-    return max(COPY_VARIANTS.values())
-
-
-# ---- batchkv and its peers ----------------------------------------------------------------------
-def batchkv_calls(case: Case, k, v, config: SdpaConfig | None):
-    out = torch.empty_like(case.q)
-    tables = case.tables
-    return [
-        lambda j=j: sdpa_varlen(case.q, k, v, tables[j % case.rot], out=out, config=config) for j in range(case.calls)
-    ]
-
-
-def fold(q_seq: torch.Tensor) -> torch.Tensor:
-    """[q_len, Hq, D] -> [Hkv, G*q_len, D], row g*q_len + i (the GQA group on the query axis)."""
-    q_len = q_seq.shape[0]
-    return q_seq.view(q_len, HKV, G, D).permute(1, 2, 0, 3).reshape(HKV, G * q_len, D)
-
-
-def unfold(o: torch.Tensor, q_len: int) -> torch.Tensor:
-    return o.reshape(HKV, G, q_len, D).permute(2, 0, 1, 3).reshape(q_len, HQ, D)
-
-
-def causal_rows(q_len: int, length: int, width: int) -> torch.Tensor:
-    """Boolean [G*q_len, width]: row g*q_len + i sees keys t <= length - q_len + i."""
-    i = torch.arange(G * q_len, device=DEV) % q_len
-    return torch.arange(width, device=DEV)[None, :] <= (length - q_len + i)[:, None]
-
-
-def gather(k, col, length, width=None):
-    """[Hkv, width, D] copy of one column's first `length` keys (zero padded to width)."""
-    width = width or length
-    buf = torch.zeros(HKV, width, D, dtype=DTYPE, device=DEV)
-    buf[:, :length] = k[:length, col].permute(1, 0, 2)
-    return buf
-
-
-def exact_loop(case: Case, k, v):
-    """SDPA per sequence over its exact prefix; returns (calls, output of rotation 0).
-
-    A chunk without history (kv_end == q_len > 1) is plain causal attention: it gets SDPA's
-    is_causal with enable_gqa (the flash path) instead of a mask."""
-    plain = case.q_len > 1 and all(n == case.q_len for n in case.lengths)
-    rots = []
-    for cols in case.cols:
-        seqs = []
-        for b, (col, n) in enumerate(zip(cols, case.lengths, strict=True)):
-            q_seq = case.q[b * case.q_len : (b + 1) * case.q_len]
-            q_b = q_seq.transpose(0, 1)[None] if plain else fold(q_seq)[None]
-            mask = None if case.q_len == 1 or plain else causal_rows(case.q_len, n, n)
-            seqs.append((q_b, gather(k, col, n)[None], gather(v, col, n)[None], mask))
-        rots.append(seqs)
-
-    def call(j):
-        if plain:
-            return [F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=True)
-                    for q, kk, vv, _ in rots[j % case.rot]]  # fmt: skip
-        return [F.scaled_dot_product_attention(q, kk, vv, attn_mask=m) for q, kk, vv, m in rots[j % case.rot]]
-
-    def output():
-        if plain:
-            return torch.cat([o[0].transpose(0, 1) for o in call(0)])
-        return torch.cat([unfold(o[0], case.q_len) for o in call(0)])
-
-    return [lambda j=j: call(j) for j in range(case.calls)], output
-
-
-def padded_inputs(case: Case, k, v, multiple: int):
-    width = -(-max(case.lengths) // multiple) * multiple
-    rots = []
-    for cols in case.cols:
-        kk = torch.stack([gather(k, c, n, width) for c, n in zip(cols, case.lengths, strict=True)])
-        vv = torch.stack([gather(v, c, n, width) for c, n in zip(cols, case.lengths, strict=True)])
-        rots.append((kk, vv))
-    return width, rots
-
-
-def padded_mask(case: Case, k, v):
-    width, rots = padded_inputs(case, k, v, 64)
-    q = torch.stack([fold(case.q[b * case.q_len : (b + 1) * case.q_len]) for b in range(case.batch)])
-    mask = torch.stack([causal_rows(case.q_len, n, width) for n in case.lengths])[:, None]  # [B, 1, G*q, W]
-
-    def call(j):
-        return F.scaled_dot_product_attention(q, *rots[j % case.rot], attn_mask=mask)
-
-    return [lambda j=j: call(j) for j in range(case.calls)], lambda: torch.cat([unfold(o, case.q_len) for o in call(0)])
-
-
-_flex_compiled = None
-
-
-def flex(case: Case, k, v):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    width, rots = padded_inputs(case, k, v, 128)
-    q = case.q.view(case.batch, case.q_len, HQ, D).transpose(1, 2).contiguous()  # [B, Hq, q_len, D]
-    lens = torch.tensor(case.lengths, device=DEV)
-    q_len = case.q_len
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return kv_idx <= lens[b] - q_len + q_idx
-
-    block_mask = create_block_mask(mask_mod, case.batch, None, q_len, width, device=DEV)
-    global _flex_compiled
-    if _flex_compiled is None:
-        for knob in ("cache_size_limit", "recompile_limit"):  # one compile per case shape
-            if hasattr(torch._dynamo.config, knob):
-                setattr(torch._dynamo.config, knob, 64)
-        _flex_compiled = torch.compile(flex_attention)
-    compiled = _flex_compiled
-
-    def call(j):
-        return compiled(q, *rots[j % case.rot], block_mask=block_mask, enable_gqa=True)
-
-    return [lambda j=j: call(j) for j in range(case.calls)], lambda: call(0).transpose(1, 2).reshape(-1, HQ, D)
-
-
-PEERS = {"sdpa_exact_loop_us": exact_loop, "sdpa_padded_mask_us": padded_mask, "flex_us": flex}
-
-
-# ---- modes --------------------------------------------------------------------------------------
 def write(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 
-def reference(case: Case, k, v) -> torch.Tensor:
-    return sdpa_varlen_reference(case.q, k, v, case.tables[0]).float()
-
-
 def check(cases: dict, k, v, report: dict) -> None:
-    """batchkv against the reference on rotation 0 of every case (max abs error; peers: in bench).
-
-    A mismatch or a failure is recorded and printed loudly, and the benchmark goes on."""
+    """batchkv against the reference on rotation 0 of every case (max abs error); loud, not fatal."""
     for name, case in cases.items():
         try:
-            err = (batchkv_calls(case, k, v, None)[0]().float() - reference(case, k, v)).abs().max().item()
+            err = case.error(batchkv_calls(case, k, v, None)[0](), k, v)
             report[name] = err
-            verdict = "ok" if err < 3e-2 else "MISMATCH: batchkv disagrees with the reference"
+            verdict = "ok" if err < TOLERANCE else "MISMATCH: batchkv disagrees with the reference"
             print(f"check {name}: batchkv max abs error {err:.2e} vs the torch reference: {verdict}")
         except Exception as exc:
             report[name] = f"failed: {type(exc).__name__}: {exc}"[:300]
             print(f"check {name}: FAILED {report[name]}")
 
 
-def sweep(cases: dict, k, v, ceiling: float, path: Path) -> None:
-    names = [n for n in SWEEP_CASES if n in cases]
-    refs = {n: reference(cases[n], k, v) for n in names}
-    results = []
-    for overrides in SWEEP:
-        row = {"config": overrides, "us": {}, "pct_of_copy": {}, "tflops": {}, "errors": {}}
-        for n in names:
-            case = cases[n]
-            try:
-                calls = batchkv_calls(case, k, v, SdpaConfig(**overrides))
-                err = (calls[0]() - refs[n]).abs().max().item()
-                if not err < 3e-2:
-                    raise RuntimeError(f"max error {err} against the reference")
-                us, _ = time_calls(calls)
-                row["us"][n] = round(us, 2)
-                row["pct_of_copy"][n] = round(100 * case.bytes / us / 1e3 / ceiling, 1)
-                row["tflops"][n] = round(case.flops / us / 1e6, 1)
-            except Exception as exc:
-                row["errors"][n] = f"{type(exc).__name__}: {exc}"[:300]
-                torch.cuda.synchronize()
-        results.append(row)
-        base = results[0]["us"]
-        ratio = [base[n] / row["us"][n] for n in names if n in row["us"] and n in base]
-        row["speedup_vs_default"] = round(math.prod(ratio) ** (1 / len(ratio)), 3) if ratio else None
-        print(f"{json.dumps(overrides):58s} " + " ".join(f"{row['us'].get(n, float('nan')):9.2f}" for n in names)
-              + f"  x{row['speedup_vs_default']}" + (f"  {row['errors']}" if row["errors"] else ""))  # fmt: skip
-        write(path, {"copy_gbps": ceiling, "cases": names, "results": results})
-    ranked = sorted((r for r in results if r.get("speedup_vs_default")), key=lambda r: -r["speedup_vs_default"])
-    write(path, {"copy_gbps": ceiling, "cases": names, "results": results, "best": ranked[0] if ranked else None})
-    print("best:", json.dumps(ranked[0]) if ranked else None)
-
-
-def bench(cases: dict, k, v, ceiling: float, cfg: SdpaConfig | None, path: Path, flex_budget_s: float) -> dict:
-    import triton
-
-    resolved = resolve_config(cfg, D, DTYPE, HKV, torch.device(DEV))
-    report = {
-        "copy_gbps": round(ceiling, 1),
-        "copy_variants_gbps": COPY_VARIANTS,
-        "cases": [],
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "config": resolved.__dict__,
-        "shapes": {
-            "Hq": HQ,
-            "Hkv": HKV,
-            "D": D,
-            "dtype": "bfloat16",
-            "columns": COLUMNS,
-            "rows": ROWS,
-            "seq_info_rows": SEGMENTS,
-        },
-        "method": "median of 100 CUDA-graph replays / calls per graph; calls rotate over `rotations` data copies",
+def rates(case: Case, us: float, report: dict) -> dict:
+    """GB/s of the valid prefixes, % of the copy and read ceilings, TFLOP/s."""
+    gbps = case.bytes / us / 1e3
+    return {
+        "us": round(us, 2),
+        "gbps": round(gbps, 1),
+        "pct_of_copy": round(100 * gbps / report["copy_gbps"], 1),
+        "pct_of_read": round(100 * gbps / report["read_gbps"], 1),
+        "tflops": round(case.flops / us / 1e6, 1),
     }
-    for name, case in cases.items():
-        entry = {"name": name, "peers": {}, "peer_timing": {}, "bytes": case.bytes, "flops": case.flops,
-                 "rotations": case.rot, "calls_per_graph": case.calls,
-                 "config": resolve_config(cfg, D, DTYPE, HKV, torch.device(DEV)).__dict__}  # fmt: skip
-        report["cases"].append(entry)
-        try:
-            us, entry["timing"] = time_calls(batchkv_calls(case, k, v, cfg))
-            gbps = case.bytes / us / 1e3
-            entry.update(batchkv_us=round(us, 2), gbps=round(gbps, 1), pct_of_copy=round(100 * gbps / ceiling, 1),
-                         tflops=round(case.flops / us / 1e6, 1))  # fmt: skip
-        except Exception as exc:
-            entry.update(batchkv_us=None, gbps=None, pct_of_copy=None, tflops=None)
-            entry["timing"] = f"failed: {type(exc).__name__}: {exc}"[:300]
-            torch.cuda.synchronize()
-        for peer in ("sdpa_exact_loop_us", "sdpa_padded_mask_us"):
-            run_peer(entry, peer, case, k, v)
-        write(path, report)
-        print(f"{name:14s} batchkv {entry['batchkv_us']} us {entry['gbps']} GB/s {entry['pct_of_copy']}% "
-              f"{entry['tflops']} TFLOP/s | {entry['peers']}")  # fmt: skip
-    started = time.time()
-    for entry in report["cases"]:  # flex last: its compiles are the slow part
-        if time.time() - started > flex_budget_s:
-            entry["peers"]["flex_us"] = None
-            entry["peer_timing"]["flex_us"] = f"skipped: flex budget of {flex_budget_s:.0f} s spent"
-        else:
-            run_peer(entry, "flex_us", cases[entry["name"]], k, v)
-        write(path, report)
-        print(f"{entry['name']:12s} flex {entry['peers']['flex_us']} ({entry['peer_timing']['flex_us']})")
-    return report
 
 
-def run_peer(entry: dict, peer: str, case: Case, k, v) -> None:
-    """Time one peer into `entry`, and record its max abs error against the reference."""
+def run_peer(entry: dict, peer: str, candidates, case: Case, k, v, deadline: Deadline, report: dict) -> None:
+    """Time every candidate of `peer` into entry["peer_candidates"], keep the fastest correct one."""
+    tried = entry["peer_candidates"].setdefault(peer, [])
     try:
-        calls, output = PEERS[peer](case, k, v)
-        us, how = time_calls(calls)
-        entry["peers"][peer], entry["peer_timing"][peer] = round(us, 2), how
-        err = (output().float() - reference(case, k, v)).abs().max().item()
-        entry.setdefault("peer_max_abs_err", {})[peer] = float(f"{err:.3g}")
-    except Exception as exc:
-        entry["peers"][peer], entry["peer_timing"][peer] = None, f"failed: {type(exc).__name__}: {exc}"[:300]
-    torch.cuda.empty_cache()
+        for cand in candidates:
+            if deadline.left() <= 0:
+                tried.append({"skipped": "kernels budget spent"})
+                break
+            row: dict = {"config": cand.config}
+            tried.append(row)
+            try:
+                row["max_abs_err"] = float(f"{case.error(cand.output(), k, v):.3g}")
+                if not row["max_abs_err"] < TOLERANCE:
+                    row["refused"] = "disagrees with the reference"
+                    continue
+                us, row["timing"] = time_calls(cand.calls, budget_s=0.25)
+                row["us"] = round(us, 2)
+            except Exception as exc:  # a backend or knob that refuses the call is recorded as refused
+                row["refused"] = f"{type(exc).__name__}: {exc}"[:240]
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+    except Exception as exc:  # the peer could not even set up (no such API, out of memory)
+        tried.append({"refused": f"{type(exc).__name__}: {exc}"[:300]})
+    timed = [r for r in tried if "us" in r]
+    best = min(timed, key=lambda r: r["us"]) if timed else None
+    if best is not None:
+        config = {**best["config"], "timing": best["timing"], "max_abs_err": best["max_abs_err"]}
+        entry["peers"][peer] = {"us": best["us"], "gbps": rates(case, best["us"], report)["gbps"], "config": config}
+    else:
+        entry["peers"].setdefault(peer, None)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def new_entry(case: Case, cfg: SdpaConfig | None) -> dict:
+    geo = case.geo
+    return {
+        "name": case.name,
+        "lengths": case.lengths if len(case.lengths) <= 8 else None,
+        "bytes": case.bytes,
+        "flops": case.flops,
+        "rotations": case.rot,
+        "calls_per_graph": case.calls,
+        "peers": {},
+        "peer_candidates": {},
+        "config": resolve_config(cfg, geo.d, geo.dtype, geo.hkv, torch.device(geo.device)).__dict__,
+    }
+
+
+def bench(cases: dict, k, v, cfg: SdpaConfig | None, report: dict, path: Path, deadline: Deadline, flex_s: float):
+    """batchkv and every peer on every case (flex last, with `flex_s` of the budget kept for it)."""
+    peers_deadline = Deadline(deadline.left() - flex_s)
+    entries = {e["name"]: e for e in report["cases"]}
+    for name, case in cases.items():
+        entry = entries.get(name) or new_entry(case, cfg)
+        if name not in entries:
+            report["cases"].append(entry)
+            entries[name] = entry
+        if entry.get("batchkv_us") is None:
+            try:
+                us, entry["timing"] = time_calls(batchkv_calls(case, k, v, cfg))
+                r = rates(case, us, report)
+                entry.update(batchkv_us=r.pop("us"), **r)
+            except Exception as exc:
+                entry.update(batchkv_us=None, timing=f"failed: {type(exc).__name__}: {exc}"[:300])
+        for peer, build in PEERS.items():
+            if entry["peers"].get(peer) is None:
+                entry["peer_candidates"].pop(peer, None)
+                run_peer(entry, peer, build(case, k, v), case, k, v, peers_deadline, report)
+            write(path, report)
+        shown = {p: (b or {}).get("us") for p, b in entry["peers"].items()}
+        print(f"{name:15s} batchkv {entry['batchkv_us']} us {entry.get('gbps')} GB/s "
+              f"{entry.get('pct_of_read')}% of read | {shown}", flush=True)  # fmt: skip
+    torch._logging.set_logs(recompiles=True)
+    order = [n for n in FLEX_FIRST if n in cases] + [n for n in cases if n not in FLEX_FIRST]
+    for first_pass in (True, False):  # defaults for every case, then the other knobs while time lasts
+        for name in order:
+            entry, case = entries[name], cases[name]
+            done = entry["peer_candidates"].get("flex", [])
+            if first_pass and entry["peers"].get("flex") is not None:
+                continue
+            knobs = [o for o in knob_sets(case) if (not o) == first_pass
+                     and all(r.get("config", {}).get("kernel_options") != o for r in done)]  # fmt: skip
+            if not knobs:
+                continue
+            entry["peer_candidates"]["flex"] = done
+            run_peer(entry, "flex", flex(case, k, v, knobs), case, k, v, deadline, report)
+            write(path, report)
+            best = entry["peers"].get("flex") or {}
+            print(f"{name:15s} flex {best.get('us')} us {best.get('config', {}).get('path')} "
+                  f"{best.get('config', {}).get('kernel_options')}", flush=True)  # fmt: skip
+    torch._logging.set_logs(recompiles=False)
+    return report
 
 
 def plot(report: dict, path: Path) -> None:
@@ -399,31 +179,56 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [c["name"] for c in report["cases"]]
-    series = {"batchkv": [c.get("batchkv_us") or float("nan") for c in report["cases"]]}
-    for peer in PEERS:
-        series[peer.removesuffix("_us")] = [c["peers"].get(peer) or float("nan") for c in report["cases"]]
-    fig, ax = plt.subplots(figsize=(13, 5))
+    cases = report["cases"]
+    names = [c["name"] for c in cases]
+    series = {"batchkv": [c.get("batchkv_us") or float("nan") for c in cases]}
+    for peer in (*PEERS, "flex"):
+        series[peer] = [(c["peers"].get(peer) or {}).get("us") or float("nan") for c in cases]
+    fig, ax = plt.subplots(figsize=(15, 5))
     width = 0.8 / len(series)
     for i, (label, values) in enumerate(series.items()):
         bars = ax.bar([x + i * width for x in range(len(names))], values, width, label=label)
-        if label == "batchkv":
-            for bar, case in zip(bars, report["cases"], strict=True):
-                if case.get("pct_of_copy") is None:
-                    continue
+        if label != "batchkv":
+            continue
+        for bar, case in zip(bars, cases, strict=True):
+            if case.get("pct_of_read") is not None:
                 prefill = case["name"].startswith("prefill")
-                text = f"{case['tflops']:.0f} TF/s" if prefill else f"{case['pct_of_copy']:.0f}%"
+                text = f"{case['tflops']:.0f} TF/s" if prefill else f"{case['pct_of_read']:.0f}%"
                 ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                             fontsize=8)  # fmt: skip
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names, fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("µs per call (graph replay; lower is better)")
     ax.set_title(
-        f"sdpa_varlen, Hq 32 / Hkv 8 / D 128 bf16 — {report['device']}; % = of copy {report['copy_gbps']:.0f} GB/s"
+        f"sdpa_varlen vs peers at their best — {report['device']}; % = of read ceiling {report['read_gbps']:.0f} GB/s"
     )
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def header(geo, cfg: SdpaConfig | None, device: torch.device) -> dict:
+    """Ceilings, versions, shapes and method: the report's fields that do not depend on a case."""
+    import triton
+
+    copy, copy_variants = copy_ceiling(device)
+    read, read_variants = read_ceiling(device)
+    shapes = {"Hq": geo.hq, "Hkv": geo.hkv, "D": geo.d, "dtype": str(geo.dtype).removeprefix("torch."),
+              "columns": geo.columns, "rows": geo.rows, "seq_info_rows": geo.segments}  # fmt: skip
+    return {
+        "copy_gbps": copy,
+        "copy_variants_gbps": copy_variants,
+        "read_gbps": read,
+        "read_variants_gbps": read_variants,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "config": resolve_config(cfg, geo.d, geo.dtype, geo.hkv, device).__dict__,
+        "shapes": shapes,
+        "method": "median of CUDA-graph replays / calls per graph; calls rotate over `rotations` data copies; "
+        f"peers: the fastest candidate within max abs error {TOLERANCE} of the torch reference",
+        "varlen": varlen_api()[1],
+    }
 
 
 def main() -> None:
@@ -433,26 +238,34 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="compare with the reference first")
     parser.add_argument("--sweep", action="store_true", help="time a grid of SdpaConfig instead of the benchmark")
     parser.add_argument("--config", default="{}", help="SdpaConfig overrides as JSON, e.g. '{\"occupancy\": 4}'")
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
-    parser.add_argument("--flex-budget-s", type=float, default=240.0, help="stop timing flex after this long")
+    parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    parser.add_argument("--small", action="store_true", help="tiny geometry and cases (a CPU smoke run)")
+    parser.add_argument("--budget-s", type=float, default=215.0, help="wall-clock budget of the whole run")
+    parser.add_argument("--flex-budget-s", type=float, default=110.0, help="part of the budget kept for flex")
+    parser.add_argument("--resume", type=Path, default=None, help="a result JSON to complete")
     args = parser.parse_args()
+    deadline = Deadline(args.budget_s)
     torch.manual_seed(0)
-    gen = torch.Generator().manual_seed(0)
-    k = torch.randn(ROWS, COLUMNS, HKV, D, device=DEV, dtype=DTYPE)
+    names = args.cases.split(",") if args.cases else list(SMALL_CASES if args.small else CASES)
+    cuda = torch.cuda.is_available()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size if cuda else 1 << 16
+    geo, cases = build_cases(names, args.small, l2)
+    k = torch.randn(geo.rows, geo.columns, geo.hkv, geo.d, device=geo.device, dtype=geo.dtype)
     v = torch.randn_like(k)
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    cases = {n: Case(n, l2, gen) for n in args.cases.split(",")}
-    ceiling = copy_gbps()
-    print(f"{torch.cuda.get_device_name()}: copy {ceiling:.0f} GB/s, L2 {l2 / 2**20:.0f} MiB")
-    checks: dict = {}
-    if args.check:
-        check(cases, k, v, checks)
-    if args.sweep:
-        sweep(cases, k, v, ceiling, args.sweep_out)
-        return
     overrides = json.loads(args.config)
-    report = bench(cases, k, v, ceiling, SdpaConfig(**overrides) if overrides else None, args.out, args.flex_budget_s)
-    report["check_max_abs_err"] = checks
+    cfg = SdpaConfig(**overrides) if overrides else None
+    if args.sweep:
+        sweep(cases, k, v, copy_ceiling(k.device)[0], args.sweep_out)
+        return
+    report = json.loads(args.resume.read_text()) if args.resume else {"cases": []}
+    if "read_gbps" not in report:
+        report.update(header(geo, cfg, k.device))
+    print(f"{report['device']}: copy {report['copy_gbps']:.0f} GB/s, read {report['read_gbps']:.0f} GB/s", flush=True)
+    if args.check:
+        check(cases, k, v, report.setdefault("check_max_abs_err", {}))
+    started = time.perf_counter()
+    bench(cases, k, v, cfg, report, args.out, deadline, args.flex_budget_s)
+    report["wall_s"] = round(time.perf_counter() - started, 1)
     write(args.out, report)
     try:
         plot(report, args.out.with_suffix(".png"))

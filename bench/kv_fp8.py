@@ -353,7 +353,7 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     report["kernels_s"] = round(time.time() - started, 1)
-    if args.kernels_json and not args.smoke:
+    if args.kernels_json and args.kernels_json.exists() and not args.smoke:
         merge_into(args.kernels_json, report)
     save()
     preset, device = ("sensenova-u1-tiny", "cpu") if args.smoke else ("sensenova-u1-8b", "cuda")

@@ -36,11 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batchkv.executor import Engine, Request, SamplingParams
 from batchkv.models import build_model
-
-try:
-    from bench.online import poisson_arrivals, run_online
-except ImportError:  # bench/online.py lands with the online benchmark; until then, the same API here
-    from bench.online_fallback import poisson_arrivals, run_online  # type: ignore[no-redef]
+from bench.online import poisson_arrivals, run_online
 
 FULL = {"preset": "sensenova-u1-8b", "prompt": (64, 2048), "output": (64, 1024), "rates": (1.0, 2.0, 4.0),
         "window_s": 10.0, "rate_timeout_s": 40.0, "max_seqs": 64, "budget": 1024, "chunk": 512}  # fmt: skip

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from batchkv import cli
+from batchkv import cli, cli_run
 from batchkv.errors import WorkloadError
 from batchkv.executor.workload import load_jsonl, synthetic
 from tests.toy_model import ToyModel
@@ -21,7 +21,7 @@ def tiny_model(monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     if not hasattr(importlib.import_module("batchkv.models"), "build_model"):
-        monkeypatch.setattr(cli, "_build_model", lambda preset, device, seed: ToyModel(seed=seed, device=device))
+        monkeypatch.setattr(cli_run, "_build_model", lambda preset, device, seed: ToyModel(seed=seed, device=device))
     yield
     torch.set_num_threads(threads)
 
@@ -48,9 +48,13 @@ def test_run_replays_a_jsonl_workload_and_reports_refusals(tmp_path, capsys):
         {"prompt_ids": [5, 6], "max_new_tokens": 3, "temperature": 0.8, "seed": 1, "n": 2, "arrival_step": 2},
     ]
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    assert cli.main(["run", "--device", "cpu", "--workload", str(path), "--capacity", "32", "--json", str(out)]) == 0
+    argv = ["run", "--device", "cpu", "--workload", str(path), "--capacity", "32", "--json", str(out)]
+    assert cli.main(argv) == 1  # a refused request makes the run fail, so scripts notice
     captured = capsys.readouterr()
     assert "request 1 refused" in captured.err and "capacity is 32" in captured.err
+    assert "1 of 3 requests were refused" in captured.err and "--allow-refused" in captured.err
+    assert cli.main([*argv, "--allow-refused"]) == 0
+    assert "were refused" not in capsys.readouterr().err
     metrics = json.loads(out.read_text())
     assert metrics["requests_submitted"] == 2 and metrics["requests_refused"] == 1
     assert metrics["generated_tokens"] == 4 + 2 * 3
@@ -69,7 +73,7 @@ def test_a_bad_workload_line_names_the_line_and_the_field(tmp_path, capsys):
 
 def test_run_help_documents_every_option():
     parser = argparse.ArgumentParser()
-    cli._add_run(parser.add_subparsers())
+    cli_run.add_run(parser.add_subparsers())
     run = parser._subparsers._group_actions[0].choices["run"]
     options = [a for a in run._actions if a.option_strings and a.dest != "help"]
     assert len(options) >= 15
@@ -109,4 +113,4 @@ def test_run_sizes_the_store_to_memory_and_reports_what_it_chose(tmp_path, capsy
 def test_run_refuses_a_max_seqs_that_is_neither_a_number_nor_auto(capsys):
     with pytest.raises(SystemExit):
         cli.main(["run", "--device", "cpu", "--max-seqs", "many"])
-    assert "neither an integer nor 'auto'" in capsys.readouterr().err
+    assert "'many' is not an integer, nor auto" in capsys.readouterr().err

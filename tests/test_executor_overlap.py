@@ -285,7 +285,7 @@ def test_speculating_engines_run_without_overlap(model):
     with pytest.raises(ConfigError, match="overlap is 'yes'"):
         engine_for(model, "yes")
     spec = engine_for(model, "auto", speculative=SpeculativeConfig("ngram", block_size=4))
-    assert not spec.overlap and engine_for(model, "auto").overlap
+    assert not spec.overlap and not engine_for(model, "auto").overlap  # auto: on CUDA only
     schedule = mixed_schedule(model, 5)
     expected, plain_ids = drive(engine_for(model, True), schedule)
     got, spec_ids = drive(spec, schedule)

@@ -23,3 +23,11 @@ def test_a_readme_example_runs(index, capsys):
 def test_the_ci_runs_the_readme_test_command():
     command = re.search(r"Install and run the tests.*?```bash\n(.*?)\n```", README.read_text(), flags=re.S).group(1)
     assert command in (README.parent / ".ci" / "run").read_text()
+
+
+def test_the_readme_states_the_package_line_count_as_it_is_counted():
+    stated = int(re.search(r"about ([\d,]+) lines of Python", README.read_text()).group(1).replace(",", ""))
+    package = README.parent / "batchkv"
+    files = sorted(package.rglob("*.py"))
+    counted = sum(len(f.read_bytes().splitlines()) for f in files)
+    assert abs(stated - counted) <= 0.05 * counted, f"README says about {stated} lines; the package has {counted}"

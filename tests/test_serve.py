@@ -345,15 +345,23 @@ def test_a_preset_serves_token_ids_as_the_engine_does_refuses_text_and_shuts_dow
     from batchkv.models import build_model
 
     args = ("--max-seqs", "2", "--capacity", "2048")
-    draining, cutting = Server("sensenova-u1-tiny", *args), Server("sensenova-u1-tiny", *args, "--drain-timeout", "0.3")
+    # One server speculates (n-gram drafts: lossless, so the plain engine's tokens), the other stores e4m3 K/V.
+    draining = Server("sensenova-u1-tiny", *args, "--speculative", "ngram", "--spec-block", "4")
+    cutting = Server("sensenova-u1-tiny", *args, "--drain-timeout", "0.3", "--kv-dtype", "fp8")
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    engine = Engine(build_model("sensenova-u1-tiny", "cpu", seed=0), max_seqs=2, capacity=64)
-    rid = engine.submit(Request(prompt, SamplingParams(max_new_tokens=10)))
-    expected = gather(engine.run_until_done())[rid].tokens[0]
+    expected = {}
+    for kv_dtype in (None, torch.float8_e4m3fn):
+        engine = Engine(build_model("sensenova-u1-tiny", "cpu", seed=0), max_seqs=2, capacity=64, kv_dtype=kv_dtype)
+        rid = engine.submit(Request(prompt, SamplingParams(max_new_tokens=10)))
+        expected[kv_dtype] = gather(engine.run_until_done())[rid].tokens[0]
     try:
         url = draining.wait().url + "/v1/completions"
         r = httpx.post(url, json={"prompt": prompt, "max_tokens": 10, "temperature": 0})
-        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected[None]
+        r = httpx.post(
+            cutting.wait().url + "/v1/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0}
+        )
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected[torch.float8_e4m3fn]
         r = httpx.post(url, json={"prompt": "text", "max_tokens": 3})
         assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
         # SIGTERM with a request in flight: it finishes, then the server exits 0.
@@ -378,6 +386,7 @@ def test_a_preset_serves_token_ids_as_the_engine_does_refuses_text_and_shuts_dow
     for code, out in results:
         assert code == 0, out
         assert "Traceback" not in out, out
+    assert "speculative ngram (block 4)" in results[0][1] and "kv fp8" in results[1][1]
 
 
 def test_the_readmes_openai_client_example_runs_against_the_server(server, capsys):

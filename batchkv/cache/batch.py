@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from batchkv import ops
 from batchkv.cache.config import CacheConfig
+from batchkv.cache.contract import check_attend_args
+from batchkv.cache.staging import Staging
 from batchkv.cache.step import StepBuffers, StepPlan
 from batchkv.cache.store import Allocator, ColumnStore
+from batchkv.checks import allocating, device_arg, int_arg, is_int
 from batchkv.errors import (
     CapacityError,
     ConfigError,
@@ -31,11 +33,6 @@ from batchkv.errors import (
     UnknownSequenceError,
 )
 from batchkv.ops.support import refusal
-
-
-def _is_int(value: object) -> bool:
-    """An integer (Python or numpy), not a bool or a float that happens to equal one."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 class BatchedSequenceCache:
@@ -53,8 +50,11 @@ class BatchedSequenceCache:
         cache.commit_step()                          # cache.pos(a) == 3
 
     `attention` picks the kernels: "auto" (Triton on CUDA when available, else the torch
-    reference), "triton" or "reference".
+    reference), "triton" or "reference". An unknown or unavailable `device` is a ConfigError; a
+    store the device cannot hold is a CapacityError with the bytes asked for.
     """
+
+    _FIX = "lower max_seqs or capacity, or free device memory"  # what a failed allocation advises
 
     def __init__(
         self,
@@ -64,25 +64,25 @@ class BatchedSequenceCache:
         attention: str = "auto",
         alloc: Allocator = torch.empty,
     ) -> None:
+        if not isinstance(config, CacheConfig):
+            raise ConfigError(f"config is a {type(config).__name__}; pass a CacheConfig")
         self.config = config
-        self.device = torch.device(device)
+        self.device = device_arg(device, "BatchedSequenceCache device")
         self.attention = ops.resolve_backend(attention, self.device)
         # Refused here, not at the first attend inside a forward (or a graph capture).
         problem = refusal(config.kv_dtype, config.head_dim, self.attention)
         if problem:
-            raise ConfigError(problem)
+            raise ConfigError(f"{problem}; use attention='reference'" if self.attention == "triton" else problem)
         self._write, self._attend = ops.backend_functions(self.attention)
-        try:
+        rows = config.rows_for(1)
+        with allocating(f"the first {rows} rows of K/V", config.store_bytes(rows), self._FIX):
             self._store = ColumnStore(config, self.device, alloc)
-        except torch.OutOfMemoryError as exc:
-            raise CapacityError(
-                f"allocating the first {config.rows_for(1)} rows ({self._gib(config.rows_for(1)):.2f} GiB) "
-                f"failed: {exc}. Lower max_seqs or capacity, or free device memory"
-            ) from exc
         group_keys = sorted({config.ring_rows(layer) for layer in range(config.num_layers)})
         self._group_of = [group_keys.index(config.ring_rows(layer)) for layer in range(config.num_layers)]
         self._group_layer = [self._group_of.index(g) for g in range(len(group_keys))]  # a layer per group
-        self._buffers = StepBuffers(config.max_width, len(group_keys), config.max_segments, self.device)
+        sizes = (config.max_width, len(group_keys), config.max_segments)
+        with allocating("the step buffers", Staging.nbytes(StepBuffers.sizes(*sizes)), "lower max_width or max_seqs"):
+            self._buffers = StepBuffers(*sizes, self.device)
         self._lengths: dict[int, int] = {}  # id -> positions held
         self._high_water: dict[int, int] = {}  # id -> most positions ever written (ring floor)
         self._plan: StepPlan | None = None
@@ -134,11 +134,14 @@ class BatchedSequenceCache:
 
     def k_store(self, layer: int) -> torch.Tensor:
         """Layer's K storage [rows, config.columns, Hkv, D]. Its address changes when `generation` does."""
-        return self._store.k[layer]
+        return self._store.k[self._layer(layer)]
 
     def v_store(self, layer: int) -> torch.Tensor:
         """Layer's V storage [rows, config.columns, Hkv, D]. Its address changes when `generation` does."""
-        return self._store.v[layer]
+        return self._store.v[self._layer(layer)]
+
+    def _layer(self, layer: int) -> int:
+        return int_arg("layer", layer, 0, self.config.num_layers - 1, error=ContractError)
 
     def planes(self, layer: int) -> dict[str, torch.Tensor]:
         """Every storage plane of `layer` by name: k, v [rows, columns, Hkv, D] in `config.kv_dtype`
@@ -147,9 +150,9 @@ class BatchedSequenceCache:
 
     # ---- sequence verbs (host) ----------------------------------------------------------------
     def _known(self, seq: int) -> int:
-        if not _is_int(seq) or seq not in self._lengths:
+        if not is_int(seq) or seq not in self._lengths:
             held = self.sequences
-            raise UnknownSequenceError(f"sequence {seq} is not held (held: {held}); create it with seq_new()")
+            raise UnknownSequenceError(f"sequence {seq!r} is not held (held: {held}); create it with seq_new()")
         return self._lengths[seq]
 
     def pos(self, seq: int) -> int:
@@ -158,7 +161,8 @@ class BatchedSequenceCache:
 
     def can_admit(self, seq: int, n: int = 1) -> bool:
         """Whether `seq` may still grow by `n` positions (reach, not room). False for unknown ids."""
-        return seq in self._lengths and self._lengths[seq] + n <= self.capacity
+        n = int_arg("can_admit: n", n, 0, error=PositionError)
+        return is_int(seq) and seq in self._lengths and self._lengths[seq] + n <= self.capacity
 
     def _free_column(self) -> int:
         for col in range(self.max_seqs):
@@ -185,7 +189,7 @@ class BatchedSequenceCache:
         """A new sequence holding a device copy of `src`'s first `upto` positions (default all)."""
         length = self._known(src)
         upto = length if upto is None else upto
-        if not _is_int(upto) or not 0 <= upto <= length:
+        if not is_int(upto) or not 0 <= upto <= length:
             raise PositionError(f"seq_clone: upto={upto} is outside [0, {length}] for sequence {src}")
         floor = self.ring_floor(src)
         if upto < floor:
@@ -210,7 +214,7 @@ class BatchedSequenceCache:
     def rewind(self, seq: int, new_len: int) -> None:
         """Move `seq`'s length back to `new_len` (speculative rejection, retries)."""
         length = self._known(seq)
-        if not _is_int(new_len) or not 0 <= new_len <= length:
+        if not is_int(new_len) or not 0 <= new_len <= length:
             raise PositionError(
                 f"rewind: sequence {seq} holds {length} positions; new_len={new_len} is outside [0, {length}]"
             )
@@ -229,22 +233,20 @@ class BatchedSequenceCache:
             self._width = None  # staged positions are stale
 
     def reserve(self, length: int) -> bool:
-        """Grow storage now so sequences can reach `length` positions without growing mid-run."""
+        """Grow storage now so sequences can reach `length` positions without growing mid-run.
+
+        Returns False when storage already held them. Out of memory is a CapacityError (bytes
+        asked for in the message) and changes nothing.
+        """
+        int_arg("reserve: length", length, error=PositionError)
         if not 0 < length <= self.capacity:
             raise CapacityError(f"reserve: length {length} is outside [1, capacity={self.capacity}]")
         return self._grow(self.config.rows_for(length))
 
-    def _gib(self, rows: int) -> float:
-        return rows * self.config.bytes_per_row() / 2**30
-
     def _grow(self, rows: int) -> bool:
-        try:
+        what = f"growing the store to {rows} rows (the cache is unchanged)"
+        with allocating(what, self.config.store_bytes(rows), self._FIX):
             return self._store.grow_to(rows)
-        except torch.OutOfMemoryError as exc:
-            raise CapacityError(
-                f"growing the store to {rows} rows ({self._gib(rows):.2f} GiB) failed: {exc}; the cache is unchanged. "
-                "Lower capacity or max_seqs, or free device memory"
-            ) from exc
 
     # ---- package-internal hooks of the single-sequence facade (batchkv.cache.single) ----------
     def _set_length(self, seq: int, new_len: int) -> None:
@@ -338,6 +340,7 @@ class BatchedSequenceCache:
         `width` >= declared tokens is the forward's packed width; rows past the declared tokens are
         padding (they write to the scratch column and come out of attention as zeros).
         """
+        width = int_arg("prepare_step: width", width, error=StepError)
         plan = self._plan
         if plan is None:
             raise StepError("prepare_step: no step is declared; call declare_step(seq_ids) first")
@@ -376,21 +379,19 @@ class BatchedSequenceCache:
     ) -> torch.Tensor:
         """Write this step's K/V for `layer`, then attend over each sequence's history.
 
-        q: [W, Hq, D]; k, v: [W, Hkv, D] with W the prepared width. Returns [W, Hq, D] in q's
-        dtype; padding rows are exact zeros. e4m3 storage quantises K/V in the write and
-        dequantises in the attention kernel (fp32 accumulation). Capturable: reads only device
-        buffers staged by `prepare_step`, whose addresses are fixed for a given `generation`.
+        q: [W, Hq, D] float16/bfloat16/float32 (the output's dtype), Hq a multiple of Hkv; k, v:
+        [W, Hkv, D] of any floating dtype (cast to the store's on write); W the prepared width, all
+        on the cache's device with a contiguous last dim. Returns [W, Hq, D] in q's dtype; padding
+        rows are exact zeros. e4m3 storage quantises K/V in the write and dequantises in the
+        attention kernel (fp32 accumulation). Every argument is checked (shapes, dtypes, devices:
+        attributes only, no tensor reads) before anything is written, so a refusal leaves the store
+        as it was. Capturable: reads only device buffers staged by `prepare_step`, whose addresses
+        are fixed for a given `generation`.
         """
         if self._width is None:
             raise StepError("update_and_attend: no prepared step; call declare_step and prepare_step first")
-        if not 0 <= layer < self.config.num_layers:
-            raise ContractError(f"layer {layer} is outside [0, {self.config.num_layers})")
+        check_attend_args(self.config, self._width, self._buffers.seq_info.device, layer, q, k, v, scale, causal)
         width, cfg = self._width, self.config
-        if q.shape[0] != width or k.shape != v.shape or k.shape != (width, cfg.kv_heads, cfg.head_dim):
-            raise ContractError(
-                f"update_and_attend: expected q [{width}, Hq, {cfg.head_dim}] and k, v "
-                f"[{width}, {cfg.kv_heads}, {cfg.head_dim}]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-            )
         if not causal and self._plan is not None and self._plan.split:
             raise StepError("a non-causal step needs each sequence's tokens in one run (a draft block is one segment)")
         flat, store = self._store.flat_views(layer), self._store.layer(layer)

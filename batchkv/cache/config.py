@@ -12,11 +12,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchkv.checks import int_arg, int_args
 from batchkv.errors import ConfigError
 from batchkv.ops.support import COMPUTE_DTYPES, SCALE_DTYPE, quantized, refusal
 
 POLICIES = ("flat", "ring")
 FIRST_ROWS = 256  # first flat allocation when no bucket schedule is given; doubles from here
+MAX_POSITIONS = 2**31 - 1  # kv_end and positions travel as int32 in seq_info
+MAX_STEP_TOKENS = 1 << 20  # packed tokens of one step: sizes the static step buffers
 
 
 @dataclass(frozen=True)
@@ -33,10 +36,10 @@ class LayerSpec:
     window: int = 0
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
+        if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise ConfigError(f"LayerSpec.policy is {self.policy!r}; use one of {POLICIES}")
-        if self.window < 0:
-            raise ConfigError(f"LayerSpec.window is {self.window}; use 0 (no window) or a positive size")
+        why = " (0: no window, else a size in positions)"
+        object.__setattr__(self, "window", int_arg("LayerSpec.window", self.window, 0, MAX_POSITIONS, why=why))
         if self.policy == "ring" and self.window == 0:
             raise ConfigError("LayerSpec(policy='ring') needs window > 0 (the ring holds a window)")
 
@@ -48,7 +51,7 @@ class CacheConfig:
     num_layers, kv_heads, head_dim: the KV geometry of the model.
     max_seqs: resident sequences (columns); one more column is scratch for padding, unless
         `max_width` is 1 (a one-token step never pads, so a decode-only store has no scratch).
-    capacity: most positions one sequence may hold.
+    capacity: most positions one sequence may hold (at most 2**31 - 1: positions are int32 on the device).
     max_write: most tokens one sequence writes in one step (sizes ring layers).
     layers: one `LayerSpec` per layer; default all flat, no window.
     dtype: the K/V dtype of the model (fp16, bf16 or fp32): what the write takes and a read-back
@@ -57,7 +60,8 @@ class CacheConfig:
         stores e4m3 codes plus an fp32 scale per (position, KV head) beside them (see
         `batchkv.ops.support`): half the bytes of bf16 per position, and 3% for the scales.
     max_segments: most runs in one step; default `2 * max_seqs`.
-    max_width: most packed tokens in one step (static buffer size); default `max_seqs * max_write`.
+    max_width: most packed tokens in one step (static buffer size); default `max_seqs * max_write`,
+        at most MAX_STEP_TOKENS.
     buckets, tail_step: flat row schedule. Empty `buckets` doubles from 256; otherwise the first
         bucket that fits, then steps of `tail_step` past the last (0: the last bucket is final).
         Rows never exceed `capacity`.
@@ -80,14 +84,18 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim", "max_seqs", "capacity", "max_write"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"CacheConfig.{name} is {value!r}; it must be a positive integer")
+            object.__setattr__(self, name, int_arg(f"CacheConfig.{name}", getattr(self, name), 1, MAX_POSITIONS))
+        for name in ("max_segments", "max_width", "tail_step"):  # 0: the default
+            object.__setattr__(self, name, int_arg(f"CacheConfig.{name}", getattr(self, name), 0, MAX_POSITIONS))
+        buckets = int_args("CacheConfig.buckets", self.buckets, 1, MAX_POSITIONS)
+        object.__setattr__(self, "buckets", buckets)
         if self.max_write > self.capacity:
             raise ConfigError(
                 f"CacheConfig.max_write is {self.max_write} but capacity is {self.capacity}; "
                 "one step cannot write more positions than a sequence holds"
             )
+        if isinstance(self.layers, LayerSpec) or not hasattr(self.layers, "__iter__"):
+            raise ConfigError(f"CacheConfig.layers is {self.layers!r}; give a tuple of LayerSpec, one per layer")
         layers = tuple(self.layers) or tuple(LayerSpec() for _ in range(self.num_layers))
         if len(layers) != self.num_layers:
             raise ConfigError(f"CacheConfig.layers has {len(layers)} entries for num_layers={self.num_layers}")
@@ -102,13 +110,11 @@ class CacheConfig:
         max_segments = self.max_segments or 2 * self.max_seqs
         if max_segments < self.max_seqs:
             raise ConfigError(f"CacheConfig.max_segments is {max_segments}; it must be >= max_seqs ({self.max_seqs})")
-        max_width = self.max_width or self.max_seqs * self.max_write
-        if max_width < 1:
-            raise ConfigError(f"CacheConfig.max_width is {max_width}; it must be positive")
-        if any(b < 1 for b in self.buckets) or list(self.buckets) != sorted(set(self.buckets)):
-            raise ConfigError(f"CacheConfig.buckets {self.buckets} must be positive and strictly increasing")
-        if self.tail_step < 0:
-            raise ConfigError(f"CacheConfig.tail_step is {self.tail_step}; use 0 or a positive step")
+        max_width = self.max_width or min(self.max_seqs * self.max_write, MAX_STEP_TOKENS)
+        if max_width > MAX_STEP_TOKENS:
+            raise ConfigError(f"CacheConfig.max_width is {max_width}; one step packs at most {MAX_STEP_TOKENS} tokens")
+        if list(buckets) != sorted(set(buckets)):
+            raise ConfigError(f"CacheConfig.buckets {buckets} must be strictly increasing")
         ring_rows = tuple(
             min(self.capacity, spec.window + self.max_write - 1) if spec.policy == "ring" else 0 for spec in layers
         )
@@ -177,4 +183,12 @@ class CacheConfig:
 
     def bytes_per_row(self) -> int:
         """Bytes one row of every layer's planes (K, V and any scales) takes, across all columns."""
-        return self.num_layers * sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.planes.values())
+        return self.num_layers * self._layer_row_bytes()
+
+    def store_bytes(self, flat_rows: int) -> int:
+        """Bytes of every layer's planes while the flat layers hold `flat_rows` rows."""
+        rows = sum(self.layer_rows(layer, flat_rows) for layer in range(self.num_layers))
+        return rows * self._layer_row_bytes()
+
+    def _layer_row_bytes(self) -> int:
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.planes.values())

@@ -32,6 +32,7 @@ import torch
 from batchkv.cache.batch import BatchedSequenceCache
 from batchkv.cache.config import CacheConfig
 from batchkv.cache.store import Allocator
+from batchkv.checks import device_arg, int_arg
 from batchkv.errors import ContractError, PositionError
 
 # Growth schedule, as the original. Each new bucket moves storage and costs one capture, so the
@@ -101,8 +102,8 @@ class PagedDecodeCache:
         alloc: Allocator = torch.empty,
         kv_dtype: torch.dtype | None = None,
     ) -> None:
-        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
-        self.device, self.dtype = torch.device(device), dtype
+        length = int_arg("PagedDecodeCache length", length, 0, _UNBOUNDED)
+        self.device, self.dtype = device_arg(device, "PagedDecodeCache device"), dtype
         self.schedule = CacheConfig(
             num_layers, kv_heads, head_dim, max_seqs=1, capacity=_UNBOUNDED, max_write=1, dtype=dtype,
             kv_dtype=kv_dtype, max_width=1, buckets=tuple(buckets), tail_step=tail_step,
@@ -115,13 +116,14 @@ class PagedDecodeCache:
             start = tuple(b for b in config.buckets if b >= first) or (first,)
             config = dataclasses.replace(config, buckets=start)
         self._cache = BatchedSequenceCache(config, self.device, attention=attention, alloc=alloc)
+        self.num_layers, self.kv_heads, self.head_dim = config.num_layers, config.kv_heads, config.head_dim
         self._seq = self._cache.seq_new()
         self._length = 0
 
     # ---- geometry -----------------------------------------------------------------------------
     def bucket_for(self, length: int) -> int:
         """Rows the schedule allocates to hold `length` positions."""
-        return self.schedule.rows_for(length)
+        return self.schedule.rows_for(int_arg("bucket_for: length", length, 0, error=PositionError))
 
     @property
     def inner(self) -> BatchedSequenceCache:
@@ -180,8 +182,7 @@ class PagedDecodeCache:
         forward jump keeps whatever the rows already hold, as in the original; n = 0 stages
         nothing. Past the bucket, storage grows first (as `grow(n)` would). Host side.
         """
-        if n < 0:
-            raise PositionError(f"set_length: n={n} is negative")
+        n = int_arg("set_length: n", n, 0, error=PositionError)
         if n > self.bucket:
             self._cache.reserve(n)  # a refusal here leaves everything as it was
         self._cache._set_length(self._seq, max(n - 1, 0))
@@ -198,7 +199,7 @@ class PagedDecodeCache:
         cache, its generation and every graph keyed on it as they were. False when the bucket
         already fits.
         """
-        if self.bucket_for(length) <= self.bucket:
+        if self.bucket_for(length) <= self.bucket:  # bucket_for refuses a non-integer length
             return False
         self._cache.reserve(length)
         self.set_length(self._length)  # re-stage over the new storage
@@ -244,6 +245,7 @@ class PagedDecodeCache:
         if keys is None:
             return None
         _, kv_heads, prefix, head_dim = keys.shape
+        min_length = int_arg("from_dynamic_cache: min_length", min_length, 0, _UNBOUNDED)
         obj = cls(num_layers, kv_heads, head_dim, max(prefix + 1, min_length), device, dtype, **options)
         obj.load_prefix(cache)
         return obj
@@ -288,6 +290,13 @@ class PagedDecodeCache:
         query's dtype. The slot and the attended length are read from device tensors staged by
         `set_length`, so a captured graph reads what they hold at replay, not at capture.
         """
+        kv = (1, self.kv_heads, 1, self.head_dim)
+        shapes = [tuple(getattr(t, "shape", ())) for t in (query_bhsd, key_bhsd, value_bhsd)]
+        if len(shapes[0]) != 4 or shapes[0][0::2] != (1, 1) or shapes[1:] != [kv, kv]:
+            raise ContractError(
+                f"attend: query must be [1, Hq, 1, D] and key, value {list(kv)} (one token of one sequence); "
+                f"got {', '.join(str(list(s)) for s in shapes)}"
+            )
         heads, dim = query_bhsd.shape[1], query_bhsd.shape[3]
         q = query_bhsd.reshape(1, heads, dim).contiguous()  # [W=1, Hq, D]
         k = key_bhsd.reshape(1, self.kv_heads, dim).contiguous()

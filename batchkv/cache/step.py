@@ -1,8 +1,8 @@
 """Host planning of one step: segments from a declaration, and the static device buffers it fills.
 
 `StepPlan` is pure bookkeeping (no tensors). `StepBuffers` owns the fixed-address device tensors a
-captured graph reads (positions, write slots, `seq_info`) and fills them with one host-to-device
-copy per dtype, from pinned memory on CUDA.
+captured graph reads (positions, write slots, `seq_info`) and fills them through `Staging`: one
+host-to-device copy per dtype, from pinned memory on CUDA.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from batchkv.cache.staging import Staging
 from batchkv.errors import UnknownSequenceError
 
 
@@ -84,16 +85,16 @@ class StepBuffers:
 
     def __init__(self, max_width: int, groups: int, max_segments: int, device: torch.device) -> None:
         self.max_width = max_width
-        pin = device.type == "cuda"
-        self._host_i64 = torch.zeros((1 + groups) * max_width, dtype=torch.int64, pin_memory=pin)
-        self._host_i32 = torch.zeros(max_segments, 4, dtype=torch.int32, pin_memory=pin)
-        self._dev_i64 = torch.zeros_like(self._host_i64, device=device)
-        self.seq_info = torch.zeros_like(self._host_i32, device=device)
-        self.positions = self._dev_i64[:max_width]
-        self.slots = self._dev_i64[max_width:].view(groups, max_width)
-        # The previous step's async copy must finish before the pinned buffer is rewritten.
-        self._copied = torch.cuda.Event() if pin else None
-        self._device = device
+        self._staging = Staging(self.sizes(max_width, groups, max_segments), device)
+        i64 = self._staging.device_buffers[torch.int64]  # [positions w | slots groups * w]
+        self.seq_info = self._staging.device_buffers[torch.int32].view(max_segments, 4)
+        self.positions = i64[:max_width]
+        self.slots = i64[max_width:].view(groups, max_width)
+
+    @staticmethod
+    def sizes(max_width: int, groups: int, max_segments: int) -> dict[torch.dtype, int]:
+        """Elements per dtype of the staged buffers."""
+        return {torch.int64: (1 + groups) * max_width, torch.int32: 4 * max_segments}
 
     def fill(
         self,
@@ -103,15 +104,13 @@ class StepBuffers:
         scratch: int,
     ) -> None:
         """Fill positions, slots (unplanned tokens -> scratch column) and seq_info for one step."""
-        if self._copied is not None:
-            self._copied.synchronize()
-        w = self.max_width
-        host = self._host_i64.numpy()
+        staged = self._staging.begin()
+        w, host = self.max_width, staged[torch.int64]
         pos = host[:w]
         cols = np.full(w, scratch, dtype=np.int64)
         pos[:] = 0
         pad_rows = np.arange(w, dtype=np.int64)  # padded tokens spread over scratch rows; nothing reads them
-        info = self._host_i32.numpy()
+        info = staged[torch.int32].reshape(-1, 4)
         info[:] = 0
         for s, (q_start, q_len, col, kv_end) in enumerate(layout):
             pos[q_start : q_start + q_len] = np.arange(kv_end - q_len, kv_end)
@@ -121,8 +120,4 @@ class StepBuffers:
         for g, rows in enumerate(group_rows):
             row = np.where(real, pos % rows, pad_rows % rows)
             host[w * (1 + g) : w * (2 + g)] = row * columns + cols
-        non_blocking = self._copied is not None
-        self._dev_i64.copy_(self._host_i64, non_blocking=non_blocking)
-        self.seq_info.copy_(self._host_i32, non_blocking=non_blocking)
-        if self._copied is not None:  # on the stream the copies ran on: the cache's device's
-            self._copied.record(torch.cuda.current_stream(self._device))
+        self._staging.upload()

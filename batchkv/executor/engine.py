@@ -17,6 +17,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from batchkv.cache import BatchedSequenceCache, CacheConfig
+from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
+from batchkv.checks import allocating, device_arg, int_arg, int_args
 from batchkv.errors import ConfigError, RequestError, StepError
 from batchkv.executor.graphs import GraphSet
 from batchkv.executor.metrics import Metrics
@@ -57,8 +59,9 @@ class Engine:
     prefill_budget: most prompt tokens one step carries, all prompts together (None: whatever the
         step budget leaves after decode). Lower keeps steps short while prompts arrive (inter-token
         latency); higher finishes prompts in fewer steps (time to first token, throughput).
-    overlap: plan and queue step N+1 while the device runs step N ("auto": on unless speculating;
-        True is refused with `speculative`, whose plans need the last step's accepted counts).
+    overlap: plan and queue step N+1 while the device runs step N ("auto": on CUDA unless
+        speculating; True is refused with `speculative`, whose plans need the last step's accepted
+        counts; on the CPU, True runs the same pipeline, which only hands tokens out a step later).
     width_buckets: packed widths a step is padded up to (default `default_buckets`: 1, 2, 4, ..., 32,
         48, 64, then every 64 to 512 and every 128 to the budget).
     use_graphs: "auto" (CUDA graphs when on CUDA with capturable attention), True or False.
@@ -103,30 +106,32 @@ class Engine:
         auto = max_seqs == "auto"
         max_seqs = MAX_SAMPLE_ROWS if auto else max_seqs  # auto: sizes the widths; the store takes what fits
         capacity = model_capacity(model) if capacity is None else capacity
-        pipeline = Pipeline.for_engine(overlap, speculating=speculative is not None)
-        for name, value in (("max_seqs", max_seqs), ("max_step_tokens", max_step_tokens)):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"Engine {name} is {value!r}; it must be a positive integer (or max_seqs='auto')")
-        if not isinstance(capacity, int) or capacity < 2:
-            raise ConfigError(f"Engine capacity is {capacity!r}; it must hold a prompt and a generated token (>= 2)")
-        if not isinstance(prefill_chunk, int) or not 1 <= prefill_chunk <= min(capacity, max_step_tokens):
-            raise ConfigError(
-                f"Engine prefill_chunk is {prefill_chunk!r}; use 1..min(capacity={capacity}, "
-                f"max_step_tokens={max_step_tokens})"
-            )
+        max_seqs = int_arg("Engine max_seqs", max_seqs, 1, MAX_POSITIONS, why=" (or 'auto')")
+        why = " (one step's tokens: static buffers are sized by it)"
+        max_step_tokens = int_arg("Engine max_step_tokens", max_step_tokens, 1, MAX_STEP_TOKENS, why=why)
+        why = " (a prompt and a generated token; positions are int32)"
+        capacity = int_arg("Engine capacity", capacity, 2, MAX_POSITIONS, why=why)
+        why = f" (at most capacity={capacity} and max_step_tokens={max_step_tokens})"
+        prefill_chunk = int_arg("Engine prefill_chunk", prefill_chunk, 1, min(capacity, max_step_tokens), why=why)
+        seed = int_arg("Engine seed", seed)
+        row_buckets = int_args("Engine row_buckets", row_buckets, 1, MAX_POSITIONS)
+        row_step = int_arg("Engine row_step", row_step, 0, MAX_POSITIONS)
         if speculative is not None and not isinstance(speculative, SpeculativeConfig):
             raise ConfigError(f"speculative is a {type(speculative).__name__}; pass a SpeculativeConfig or None")
         block = speculative.block_size if speculative is not None else 1
         if block > capacity:
             raise ConfigError(f"speculative block_size {block} exceeds capacity {capacity}; lower block_size")
-        widest = max_step_tokens + min(MAX_SAMPLE_ROWS, max_seqs) * (block - 1)  # type: ignore[operator]
-        buckets = tuple(width_buckets) if width_buckets else default_buckets(widest)
-        if list(buckets) != sorted(set(buckets)) or buckets[0] < 1 or buckets[-1] < widest:
+        widest = max_step_tokens + min(MAX_SAMPLE_ROWS, max_seqs) * (block - 1)
+        if width_buckets is not None:
+            buckets = int_args("Engine width_buckets", width_buckets, 1, MAX_STEP_TOKENS)
+        else:
+            buckets = default_buckets(widest)
+        if not buckets or list(buckets) != sorted(set(buckets)) or buckets[-1] < widest:
             raise ConfigError(
                 f"width_buckets {buckets} must be positive, strictly increasing and reach "
                 f"{widest} (max_step_tokens, plus drafts when speculating; add {widest})"
             )
-        if use_graphs not in ("auto", True, False):
+        if use_graphs != "auto" and not isinstance(use_graphs, bool):
             raise ConfigError(f"use_graphs is {use_graphs!r}; use 'auto', True or False")
         spec = model.cache_spec()
         config = CacheConfig(
@@ -143,9 +148,10 @@ class Engine:
             buckets=tuple(row_buckets),
             tail_step=row_step,
         )
-        self.device = torch.device(device if device is not None else model.device)
+        self.device = device_arg(device if device is not None else model.device, "Engine device")
         if torch.device(model.device).type != self.device.type:
             raise ConfigError(f"the model is on {model.device} but the engine's device is {self.device}; move one")
+        self.pipeline = Pipeline.for_engine(overlap, speculating=speculative is not None, device=self.device)
         check_fraction(memory_fraction)
         self.sizing: Sizing | None = None
         if auto:  # as many columns as fit, allocated whole now: no growth (or recapture) while serving
@@ -165,15 +171,16 @@ class Engine:
         self.vocab_size = int(model.vocab_size)
         self.scheduler = Scheduler(self.cache, max_step_tokens, prefill_chunk, buckets, prefill_budget)
         self.metrics = Metrics(max_seqs, generation=self.cache.generation)
-        if speculative is None:
-            self.runner = ModelRunner(
-                model, self.cache, buckets[-1], graphs=graphs, pad_rows=self.device.type == "cuda"
-            )
-            self.speculator: Speculator | NoSpeculation = NoSpeculation()
-        else:
-            self.speculator = build_speculator(speculative, self, model, graphs)
-            self.runner = self.speculator.runner
-        self.pipeline = pipeline
+        what, nbytes = "the step inputs and logits", ModelRunner.nbytes(buckets[-1], self.vocab_size)
+        with allocating(what, nbytes, "lower max_step_tokens, or free device memory"):
+            if speculative is None:
+                self.runner = ModelRunner(
+                    model, self.cache, buckets[-1], graphs=graphs, pad_rows=self.device.type == "cuda"
+                )
+                self.speculator: Speculator | NoSpeculation = NoSpeculation()
+            else:
+                self.speculator = build_speculator(speculative, self, model, graphs)
+                self.runner = self.speculator.runner
         self._seeds = random.Random(seed)
         self._next_id = 0
         self._idle = False
@@ -240,7 +247,7 @@ class Engine:
 
         Its samples' "cancelled" events come out of the next `step()`.
         """
-        cancelled = self.scheduler.cancel(request_id)
+        cancelled = self.scheduler.cancel(int_arg("cancel: request_id", request_id, error=RequestError))
         self.speculator.release()
         return cancelled
 

@@ -45,6 +45,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from batchkv.errors import ConfigError
 from batchkv.executor.scheduler import Batch
 
@@ -77,8 +79,9 @@ class Pipeline:
         self.in_flight: InFlight | None = None
 
     @classmethod
-    def for_engine(cls, overlap: bool | str, *, speculating: bool) -> Pipeline:
-        """`Engine(overlap=...)`: "auto" overlaps unless speculating; True with speculation is refused."""
+    def for_engine(cls, overlap: bool | str, *, speculating: bool, device: torch.device) -> Pipeline:
+        """`Engine(overlap=...)`: "auto" overlaps on CUDA unless speculating (CPU ops are synchronous:
+        there overlap would only hand each token out a step later); True with speculation is refused."""
         if overlap not in ("auto", True, False):
             raise ConfigError(f"overlap is {overlap!r}; use 'auto', True or False")
         if overlap is True and speculating:
@@ -86,7 +89,7 @@ class Pipeline:
                 "overlap=True with speculative decoding: a speculating engine plans each step from the "
                 "accepted counts of the last one, so it cannot queue a step ahead; use overlap='auto' or False"
             )
-        return cls(overlap is True or (overlap == "auto" and not speculating))
+        return cls(overlap is True or (overlap == "auto" and device.type == "cuda" and not speculating))
 
     def swap(self, launched: InFlight | None) -> InFlight | None:
         """Hand in this call's launch (None if nothing was planned); get back the step to finish."""

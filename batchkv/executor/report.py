@@ -1,10 +1,15 @@
-"""What `batchkv run` shows: a progress bar while it runs and a summary table at the end."""
+"""What `batchkv run` shows and writes: a progress bar while it runs, a summary table at the end,
+and the generated tokens of every request (`--output`)."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from collections.abc import Iterator
 from typing import TextIO
+
+from batchkv.executor.workload import ReplayResult, WorkItem
 
 
 class ProgressBar:
@@ -85,3 +90,31 @@ def summary_table(summary: dict, title: str, *, graphs: bool, sizing: str | None
     label = max(len(name) for name, _ in rows)
     lines = [title, "-" * len(title)] + [f"{name.ljust(label)}  {value}" for name, value in rows]
     return "\n".join(lines)
+
+
+TOKENS_HELP = """\
+tokens file (--output PATH): JSON Lines, one line per request and sample, in workload order
+  {"request_id": 0, "sample": 0, "tokens": [17, 4, 9], "finish_reason": "length"}
+request_id is the request's index in the workload; finish_reason is stop | length | capacity,
+null for a sample cut short by Ctrl-C, and "refused" (with "error") for a refused request."""
+
+
+def token_lines(result: ReplayResult, items: list[WorkItem]) -> Iterator[str]:
+    """What `batchkv run --output` writes: one JSON line per request and sample, in workload order.
+
+    `{"request_id": i, "sample": s, "tokens": [...], "finish_reason": r}` where i is the request's
+    index in the workload; r is stop | length | capacity | cancelled, null for a sample that had
+    not finished when the run was interrupted, and "refused" (with "error", the message, and no
+    tokens) for a request the engine refused.
+    """
+    refused = dict(result.refusals)
+    for index, output in result.outputs(items):
+        if index in refused:
+            line = {"request_id": index, "sample": 0, "tokens": [], "finish_reason": "refused", "error": refused[index]}
+            yield json.dumps(line)
+            continue
+        n = items[index].request.params.n
+        tokens = output.tokens if output is not None else [[] for _ in range(n)]
+        reasons = output.finish_reasons if output is not None else [None] * n
+        for sample, (ids, reason) in enumerate(zip(tokens, reasons, strict=True)):
+            yield json.dumps({"request_id": index, "sample": sample, "tokens": ids, "finish_reason": reason})

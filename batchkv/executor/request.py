@@ -10,17 +10,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from batchkv.checks import int_arg, int_args, real_arg
 from batchkv.errors import RequestError
 
 FINISH_REASONS = ("stop", "length", "capacity", "cancelled")
 MAX_SAMPLE_ROWS = 64  # most rows one step sends through the LM head
+MAX_SEED = 2**64 - 1  # seeds feed splitmix64
 
 
 def _int_tuple(values: Iterable[int], what: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in values)
-    except (TypeError, ValueError) as exc:
-        raise RequestError(f"{what} must be a sequence of integer token ids ({exc})") from exc
+    """Token ids as Python ints; a float (1.5, even 2.0), bool or str id is refused, not truncated."""
+    return int_args(what, values, 0, error=RequestError)
 
 
 @dataclass(frozen=True)
@@ -46,19 +46,21 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", _int_tuple(self.stop_token_ids, "stop_token_ids"))
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens is {self.max_new_tokens!r}; it must be an integer >= 1")
-        if not self.temperature >= 0.0:
-            raise RequestError(f"temperature is {self.temperature!r}; use 0 (greedy) or a positive value")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise RequestError(f"top_k is {self.top_k!r}; use 0 (off) or a positive integer")
+        def put(name: str, value: object) -> None:
+            object.__setattr__(self, name, value)
+
+        put("stop_token_ids", _int_tuple(self.stop_token_ids, "stop_token_ids"))
+        put("max_new_tokens", int_arg("max_new_tokens", self.max_new_tokens, 1, error=RequestError))
+        put("temperature", real_arg("temperature", self.temperature, error=RequestError))
+        if self.temperature < 0.0:
+            raise RequestError(f"temperature is {self.temperature}; use 0 (greedy) or a positive value")
+        put("top_k", int_arg("top_k", self.top_k, 0, error=RequestError, why=" (0: off)"))
+        put("top_p", real_arg("top_p", self.top_p, error=RequestError))
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p is {self.top_p!r}; it must lie in (0, 1] (1.0 turns it off)")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise RequestError(f"seed is {self.seed!r}; use None or a non-negative integer")
-        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_SAMPLE_ROWS:
-            raise RequestError(f"n is {self.n!r}; use 1..{MAX_SAMPLE_ROWS} parallel samples")
+        if self.seed is not None:
+            put("seed", int_arg("seed", self.seed, 0, MAX_SEED, error=RequestError, why=" (or None)"))
+        put("n", int_arg("n", self.n, 1, MAX_SAMPLE_ROWS, error=RequestError, why=" parallel samples"))
 
     @property
     def greedy(self) -> bool:
@@ -84,8 +86,7 @@ class Request:
         object.__setattr__(self, "prompt_ids", _int_tuple(self.prompt_ids, "prompt_ids"))
         if not isinstance(self.params, SamplingParams):
             raise RequestError(f"params is a {type(self.params).__name__}; pass a SamplingParams")
-        if not isinstance(self.rope_offset, int) or self.rope_offset < 0:
-            raise RequestError(f"rope_offset is {self.rope_offset!r}; use a non-negative integer")
+        object.__setattr__(self, "rope_offset", int_arg("rope_offset", self.rope_offset, 0, error=RequestError))
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,12 @@ and sampling, queued without waiting for the device.
 Every per-step input lives in fixed-address device tensors sized at the largest width bucket:
 token ids int64 [W], RoPE indexes int64 [3, W] (contiguous per width), the logits selector int64
 [64], the sampling parameters [64], the token sources int64 [W], and the logits out float32 [64,
-vocab]. The host writes one pinned staging buffer per dtype and copies it over asynchronously;
-nothing else crosses. With a `GraphSet` the forward is captured once per (width bucket, cache
-generation, module fingerprint) and replayed afterwards; a new mix of lengths only changes the
-contents of the cache's buffers.
+vocab]. The host writes them through `Staging` (one pinned buffer per dtype, copied over
+asynchronously); nothing else crosses. With a `GraphSet` the forward is captured once per (width
+bucket, cache generation, module fingerprint) and replayed afterwards; a new mix of lengths only
+changes the contents of the cache's buffers.
 
-Sampled tokens stay on the device: `sampled` int64 [2, 64] holds two steps' tokens (slots
+Sampled tokens stay on the device: `sampled` int64 [2, 64] holds two launches' tokens (slots
 alternate between consecutive launches), and a row whose token source is r >= 0 takes its id from
 the previous launch's slot, row r, gathered inside the captured forward. Each launch also queues a
 copy of its tokens into a pinned host slot and records an event; `SampledTokens.read()` waits on
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from batchkv.cache import BatchedSequenceCache
+from batchkv.cache.staging import Staging
 from batchkv.errors import StepError
 from batchkv.executor.graphs import AdapterGuard, GraphSet, ModuleFingerprint
 from batchkv.executor.request import MAX_SAMPLE_ROWS
@@ -95,24 +96,31 @@ class ModelRunner:
     ) -> None:
         self._bind(model, cache, max_width, graphs)
         self.pad_rows = pad_rows or graphs is not None
-        device = cache.device
-        pin = device.type == "cuda"
-        w = max_width
+        w, device = max_width, cache.device
         # int64: [input_ids w | indexes 3w | logits_rows R | top_k R | token_src w];
         # float32: [temperature | top_p | draws]
-        self._host_i64 = torch.zeros(5 * w + 2 * R, dtype=torch.int64, pin_memory=pin)
-        self._host_f32 = torch.zeros(3 * R, dtype=torch.float32, pin_memory=pin)
-        self._dev_i64 = torch.zeros_like(self._host_i64, device=device)
-        self._dev_f32 = torch.zeros_like(self._host_f32, device=device)
+        self._staging = Staging(self.sizes(w), device)
+        self._dev_i64 = self._staging.device_buffers[torch.int64]
         self.logits_rows = self._dev_i64[4 * w : 4 * w + R]
         self.top_k = self._dev_i64[4 * w + R : 4 * w + 2 * R]
         self.token_src = self._dev_i64[4 * w + 2 * R :]  # -1: the staged id; else a row of `sampled`
-        self.temperature, self.top_p, self.draws = self._dev_f32.view(3, R).unbind(0)
+        self.temperature, self.top_p, self.draws = self._staging.device_buffers[torch.float32].view(3, R).unbind(0)
         self.logits = torch.zeros(R, model.vocab_size, dtype=torch.float32, device=device)
-        self._copied = torch.cuda.Event() if pin else None  # staging is reused only after its copy ran
+        pin = device.type == "cuda"
         self.sampled = torch.zeros(2, R, dtype=torch.int64, device=device)  # two launches' tokens
         self._host_tokens = torch.zeros(2, R, dtype=torch.int64, pin_memory=pin)
         self._read = [torch.cuda.Event() for _ in range(2)] if pin else [None, None]
+
+    @staticmethod
+    def sizes(max_width: int) -> dict[torch.dtype, int]:
+        """Elements per dtype of the staged step inputs."""
+        return {torch.int64: 5 * max_width + 2 * R, torch.float32: 3 * R}
+
+    @staticmethod
+    def nbytes(max_width: int, vocab_size: int) -> int:
+        """Bytes a runner allocates: staged inputs (host and device), the float32 logits [64, vocab],
+        and the sampled tokens (two slots, device and host)."""
+        return Staging.nbytes(ModelRunner.sizes(max_width)) + 4 * R * vocab_size + 4 * 8 * R
 
     def _bind(self, model: StepModel, cache: BatchedSequenceCache, max_width: int, graphs: GraphSet | None) -> None:
         self.model, self.cache, self.max_width, self.graphs = model, cache, max_width, graphs
@@ -137,10 +145,9 @@ class ModelRunner:
 
     def _stage(self, batch: Batch, width: int, previous: SampledTokens | None) -> bool:
         """Write the step's inputs to the device buffers; True when some row samples (not greedy)."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous staging copy (queued before the last forward)
+        staged = self._staging.begin()  # waits for the previous upload (queued before the last forward)
         w, n, rows = self.max_width, len(batch.input_ids), len(batch.rows)
-        host = self._host_i64.numpy()
+        host = staged[torch.int64]
         host[:width] = 0  # padding feeds token 0; its K/V go to the scratch column
         host[:n] = batch.input_ids
         index = host[w : w + 3 * width].reshape(3, width)
@@ -156,7 +163,7 @@ class ModelRunner:
         selector, top_k = host[4 * w : 4 * w + R], host[4 * w + R : 4 * w + 2 * R]
         selector[:] = 0
         selector[:rows] = batch.rows
-        params = self._host_f32.numpy().reshape(3, R)
+        params = staged[torch.float32].reshape(3, R)
         params[:] = ((0.0,), (1.0,), (0.0,))  # greedy rows: temperature 0, top_p 1, draw 0
         top_k[:] = 0
         sampling = False
@@ -167,11 +174,7 @@ class ModelRunner:
             sampling = True
             params[:, i] = (p.temperature, p.top_p, uniform(sample.owner.seed, sample.index, sample.count))
             top_k[i] = p.top_k
-        non_blocking = self._copied is not None
-        self._dev_i64.copy_(self._host_i64, non_blocking=non_blocking)
-        self._dev_f32.copy_(self._host_f32, non_blocking=non_blocking)
-        if self._copied is not None:  # on the stream the copies ran on: the cache's device's
-            self._copied.record(torch.cuda.current_stream(self.cache.device))
+        self._staging.upload()
         return sampling
 
     def _forward(self, width: int, rows: int) -> torch.Tensor:
@@ -219,9 +222,9 @@ class ModelRunner:
             tokens = greedy_tokens(logits)
         self.sampled[slot, :real].copy_(tokens)
         host = self._host_tokens[slot, :real]
-        host.copy_(self.sampled[slot, :real], non_blocking=self._copied is not None)
+        host.copy_(self.sampled[slot, :real], non_blocking=self._read[slot] is not None)
         event = self._read[slot]
-        if event is not None:
+        if event is not None:  # on the stream the copy ran on: the cache's device's
             event.record(torch.cuda.current_stream(self.cache.device))
         return SampledTokens(host, slot, event)
 

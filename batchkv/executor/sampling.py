@@ -7,8 +7,11 @@ requests share the step, how many rows the step samples, or how many steps ran b
 
 The device side is inverse-CDF sampling over the filtered distribution: sort the row's logits
 (stable, so ties break by token id), mask past top-k and top-p, and take the first token whose
-cumulative probability reaches `u * total`. Greedy rows (temperature 0) take the argmax. No host
-reads and no data-dependent shapes, so it could run inside a captured graph; it does not need to.
+cumulative probability reaches `u * total`. At exact ties the filters keep what transformers'
+warpers keep: top-k keeps every token tied with the k-th largest logit (vLLM does the same), and
+top-p keeps as many tokens as transformers does, the lowest ids among tied ones. Greedy rows
+(temperature 0) take the argmax. No host reads and no data-dependent shapes, so it could run
+inside a captured graph; it does not need to.
 """
 
 from __future__ import annotations
@@ -79,9 +82,9 @@ def filtered_probs(
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
-    rank = torch.arange(vocab, device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab))
-    keep = rank < k[:, None]  # [R, V], a prefix of the sorted order
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
+    kth = sorted_logits.gather(1, (k - 1)[:, None])  # [R, 1]: the k-th largest scaled logit
+    keep = sorted_logits >= kth  # [R, V], a prefix of the sorted order: top k and every tie of the k-th
     probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
     before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
     keep &= (before < top_p[:, None]) | (top_p >= 1.0)[:, None]  # still a prefix; rank 0 always kept

@@ -4,11 +4,8 @@ A workload is a list of `WorkItem(arrival_step, request)`: the request is submit
 engine's step number `arrival_step` (steps the engine actually ran; an idle engine jumps to the next
 arrival instead of spinning).
 
-JSONL: one object per line,
-    {"prompt_ids": [1, 2, 3], "max_new_tokens": 32, "temperature": 0.7, "top_k": 50, "top_p": 0.9,
-     "seed": 1, "stop_token_ids": [2], "n": 1, "rope_offset": 0, "arrival_step": 0}
-where only "prompt_ids" is required; the others default to `SamplingParams`' defaults
-(max_new_tokens 16, greedy) and arrival step 0. Unknown fields are refused.
+JSONL: one request object per line; `JSONL_HELP` (also printed by `batchkv run --help`) lists the
+fields, their defaults and an example. Only "prompt_ids" is required; unknown fields are refused.
 """
 
 from __future__ import annotations
@@ -16,14 +13,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from os import PathLike
 from pathlib import Path
 
 import msgspec
 import numpy as np
 
+from batchkv.checks import int_arg, int_args, real_arg
 from batchkv.errors import BatchKVError, WorkloadError
 from batchkv.executor.engine import Engine
-from batchkv.executor.request import Event, Request, SamplingParams
+from batchkv.executor.request import Event, Output, Request, SamplingParams, gather
 
 
 @dataclass(frozen=True)
@@ -49,11 +48,15 @@ def synthetic(
     `arrival_gap` steps (0: all at step 0). `sampling` gives every other parameter; each request
     gets seed `seed + i` when `sampling.seed` is None, so the run is reproducible.
     """
-    for name, (lo, hi) in (("prompt_len", prompt_len), ("output_len", output_len)):
-        if not 1 <= lo <= hi:
-            raise WorkloadError(f"{name} range {lo}:{hi} must satisfy 1 <= min <= max")
-    if num_requests < 0 or arrival_gap < 0:
-        raise WorkloadError(f"num_requests ({num_requests}) and arrival_gap ({arrival_gap}) must be >= 0")
+    for name, bounds in (("prompt_len", prompt_len), ("output_len", output_len)):
+        values = int_args(name, bounds, 1, error=WorkloadError)
+        if len(values) != 2 or values[0] > values[1]:
+            raise WorkloadError(f"{name} range {bounds} must be (min, max) with 1 <= min <= max")
+    num_requests = int_arg("num_requests", num_requests, 0, error=WorkloadError)
+    vocab_size = int_arg("vocab_size", vocab_size, 1, error=WorkloadError)
+    seed = int_arg("seed", seed, 0, error=WorkloadError)
+    if real_arg("arrival_gap", arrival_gap, error=WorkloadError) < 0:
+        raise WorkloadError(f"arrival_gap is {arrival_gap}; it must be >= 0 (0: all at once)")
     base = sampling or SamplingParams()
     rng = np.random.default_rng(seed)
     items, step = [], 0
@@ -68,6 +71,23 @@ def synthetic(
             step += int(rng.geometric(1.0 / (1.0 + arrival_gap))) - 1
         items.append(WorkItem(step, Request(prompt, params)))
     return items
+
+
+JSONL_HELP = """\
+workload file (--workload PATH): JSON Lines, one request per line (blank lines are skipped)
+  field           type        default   meaning
+  prompt_ids      [int]       required  prompt token ids, each in [0, vocab)
+  max_new_tokens  int         16        most tokens generated per sample
+  temperature     float       0.0       0 is greedy; > 0 samples from softmax(logits / temperature)
+  top_k           int         0         keep the k most likely tokens (0: off)
+  top_p           float       1.0       keep the smallest set of tokens holding this mass (1.0: off)
+  seed            int | null  null      sampling seed (null: drawn from --seed)
+  stop_token_ids  [int]       []        generating one of these ends the sample (it is emitted)
+  n               int         1         parallel samples of the request
+  rope_offset     int         0         RoPE index t of the first prompt token
+  arrival_step    int         0         engine step before which the request is submitted
+unknown fields are refused; an example line:
+  {"prompt_ids": [151644, 872, 198], "max_new_tokens": 32, "temperature": 0.7, "seed": 1}"""
 
 
 class _Line(msgspec.Struct, forbid_unknown_fields=True):
@@ -85,6 +105,8 @@ class _Line(msgspec.Struct, forbid_unknown_fields=True):
 
 def load_jsonl(path: str | Path) -> list[WorkItem]:
     """Read a JSONL workload; a bad line raises WorkloadError naming the line, field and rule."""
+    if not isinstance(path, (str, PathLike)):  # an int would open that file descriptor
+        raise WorkloadError(f"load_jsonl reads a file path, not {type(path).__name__}")
     decoder = msgspec.json.Decoder(_Line)
     items = []
     with open(path, "rb") as f:
@@ -116,21 +138,48 @@ class ReplayResult:
     """What a replay produced: every event, the id of each submitted item, and the refusals."""
 
     events: list[Event]
-    request_ids: list[int | None]  # per work item; None when refused
+    request_ids: list[int | None]  # per work item; None when refused (or not yet submitted)
     refusals: list[tuple[int, str]]  # (item index, message)
+    interrupted: bool = False  # stopped by Ctrl-C before every request finished
+
+    def outputs(self, items: list[WorkItem]) -> list[tuple[int, Output | None]]:
+        """(item index, its gathered Output, or None when it was never submitted), in workload order."""
+        n = {rid: item.request.params.n for rid, item in zip(self.request_ids, items, strict=True) if rid is not None}
+        gathered = gather(self.events, n)
+        empty = {rid: Output([[] for _ in range(k)], [None] * k) for rid, k in n.items()}
+        return [(i, None if rid is None else gathered.get(rid, empty[rid])) for i, rid in enumerate(self.request_ids)]
 
 
 def replay(
     engine: Engine,
     items: Iterable[WorkItem],
     on_step: Callable[[list[Event]], None] | None = None,
+    *,
+    stop_on_interrupt: bool = False,
 ) -> ReplayResult:
     """Submit each item at its arrival step and step the engine until everything has finished.
 
-    A request the engine refuses is recorded and skipped; the others keep running.
+    A request the engine refuses is recorded and skipped; the others keep running. With
+    `stop_on_interrupt`, Ctrl-C (KeyboardInterrupt) ends the replay early: the result holds what
+    came out until then and `interrupted` is True.
     """
     order = sorted(enumerate(items), key=lambda pair: pair[1].arrival_step)
     result = ReplayResult([], [None] * len(order), [])
+    try:
+        _replay(engine, order, on_step, result)
+    except KeyboardInterrupt:
+        if not stop_on_interrupt:
+            raise
+        result.interrupted = True
+    return result
+
+
+def _replay(
+    engine: Engine,
+    order: list[tuple[int, WorkItem]],
+    on_step: Callable[[list[Event]], None] | None,
+    result: ReplayResult,
+) -> None:
     step, cursor = 0, 0
     while cursor < len(order) or engine.has_work:
         while cursor < len(order) and order[cursor][1].arrival_step <= step:
@@ -149,4 +198,3 @@ def replay(
         result.events += events
         if on_step is not None:
             on_step(events)
-    return result

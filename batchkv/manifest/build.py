@@ -16,11 +16,12 @@ import os
 import torch
 
 from batchkv.cache import BatchedSequenceCache, CacheConfig, LayerSpec
+from batchkv.checks import int_arg
+from batchkv.dtypes import dtype_named
 from batchkv.errors import ConfigError, UnsupportedLayout
 from batchkv.manifest.codec import load_manifest
 from batchkv.manifest.pair import CachePair, ManifestPair, decode_pair, is_pair, read_source
 from batchkv.manifest.schema import MAX_LAYERS, Layer, Manifest
-from batchkv.ops.support import KV_DTYPES
 
 OVERRIDES = (
     "capacity",
@@ -65,15 +66,15 @@ def cache_config(manifest: Manifest, **overrides: object) -> CacheConfig:
         "capacity": manifest.maximum_capacity,
         "max_write": manifest.max_write,
         "layers": tuple(LayerSpec(e.policy, e.window) for e in sorted(manifest.layers, key=lambda e: e.layer_id)),
-        "dtype": KV_DTYPES[manifest.dtype],
-        "kv_dtype": KV_DTYPES[manifest.storage_dtype],
+        "dtype": dtype_named(manifest.dtype),
+        "kv_dtype": dtype_named(manifest.storage_dtype),
         "max_segments": manifest.segments,
     }
     if "max_seqs" in overrides and "max_segments" not in overrides:
         fields["max_segments"] = 0  # CacheConfig's default: 2 * max_seqs
     for name in ("dtype", "kv_dtype"):
         if isinstance(overrides.get(name), str):
-            overrides[name] = KV_DTYPES.get(overrides[name], overrides[name])  # type: ignore[arg-type]
+            overrides[name] = dtype_named(overrides[name])  # type: ignore[arg-type]
     fields.update(overrides)
     return CacheConfig(**fields)  # type: ignore[arg-type]
 
@@ -118,6 +119,8 @@ def from_manifest(
 def window_pattern(num_layers: int, every: int = 0, window: int = 0) -> tuple[Layer, ...]:
     """Layers where every `every`-th one (layer ids every-1, 2*every-1, ...) is a ring of `window`
     positions and the rest are flat; `every=0` makes all layers flat."""
+    num_layers = int_arg("num_layers", num_layers, 1)
+    every, window = int_arg("window_every", every), int_arg("window", window)
     if every < 0 or (every > 0) != (window > 0):
         raise ConfigError(
             f"window_every={every} and window={window}: give both (every K-th layer becomes a ring of "

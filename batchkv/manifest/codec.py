@@ -49,12 +49,17 @@ def decode_manifest(data: bytes, fmt: str | None = None) -> Manifest:
     if len(data) > MAX_FILE_BYTES:
         raise ManifestError("$", f"input is {len(data)} bytes or more; a manifest is at most {MAX_FILE_BYTES} bytes")
     fmt = fmt or _sniff(data)
+    if fmt == "msgpack" and not _is_map_header(data[:1]):
+        what = "it is empty" if not data else f"it starts with byte 0x{data[0]:02x}"
+        raise ManifestError("$", f"not valid msgpack: {what}, not a msgpack map (a JSON file is named .json)")
     try:
         if fmt == "json":
             manifest = msgspec.json.decode(data, type=Manifest)
         else:
             manifest = msgspec.msgpack.decode(data, type=Manifest)
     except msgspec.ValidationError as exc:
+        if fmt == "msgpack" and "got `unknown`" in str(exc):  # a byte no msgpack type uses (0xc1)
+            raise ManifestError("$", f"not valid msgpack: {exc}") from None
         raise _refusal(exc) from None
     except msgspec.DecodeError as exc:
         raise ManifestError("$", f"not valid {'JSON' if fmt == 'json' else 'msgpack'}: {exc}") from None
@@ -66,8 +71,9 @@ def decode_manifest(data: bytes, fmt: str | None = None) -> Manifest:
 def load_manifest(source: str | os.PathLike[str] | bytes | bytearray | memoryview) -> Manifest:
     """A validated `Manifest` from a file path or from the file's bytes.
 
-    A `str` is always a path. Raises `ManifestError` for anything wrong with the content and
-    `OSError` when the file cannot be read.
+    A `str` is always a path. Raises `ManifestError` for anything wrong with the content,
+    `ConfigError` for a source that is neither a path nor bytes, and `OSError` when the file
+    cannot be read.
 
     Example:
         m = load_manifest("manifests/sensenova-u1-8b-batched-16.json")
@@ -75,6 +81,8 @@ def load_manifest(source: str | os.PathLike[str] | bytes | bytearray | memoryvie
     """
     if isinstance(source, (bytes, bytearray, memoryview)):
         return decode_manifest(bytes(source))
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(f"load_manifest takes a file path or the file's bytes, not {type(source).__name__}")
     path = Path(source)
     with path.open("rb") as f:
         data = f.read(MAX_FILE_BYTES + 1)  # never more, whatever the file claims to be
@@ -88,14 +96,20 @@ def dump_manifest(m: Manifest, path: str | os.PathLike[str]) -> Path:
     """
     if not isinstance(m, Manifest):
         raise ConfigError(f"dump_manifest needs a Manifest, got {type(m).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"dump_manifest writes to a file path, not {type(path).__name__}")
     path = Path(path)
     fmt = SUFFIXES.get(path.suffix.lower())
     if fmt is None:
         raise ConfigError(f"cannot tell the format of {str(path)!r}; name it .json, .msgpack or .mpk")
     data = encode_json(m) if fmt == "json" else encode_msgpack(m)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a refused write leaves nothing behind
+        raise
     return path
 
 
@@ -104,10 +118,15 @@ def _sniff(data: bytes) -> str:
     head = data.lstrip(b" \t\r\n")[:1]
     if head in (b"{", b"["):
         return "json"
-    if head and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF)):  # fixmap, map16, map32
+    if _is_map_header(head):
         return "msgpack"
     what = "it is empty" if not head else f"it starts with byte 0x{head[0]:02x}"
     raise ManifestError("$", f"not a manifest: {what}; expected a JSON object or a msgpack map")
+
+
+def _is_map_header(head: bytes) -> bool:
+    """Whether a first byte opens a msgpack map: fixmap, map16 or map32."""
+    return bool(head) and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
 
 
 def _refusal(exc: msgspec.ValidationError) -> ManifestError:

@@ -20,7 +20,7 @@ from typing import Literal, NamedTuple
 import msgspec
 from msgspec import Struct
 
-from batchkv.errors import ManifestError
+from batchkv.errors import ConfigError, ManifestError
 from batchkv.manifest.codec import MAX_FILE_BYTES, decode_manifest
 from batchkv.manifest.schema import Layer, Manifest
 
@@ -127,5 +127,7 @@ def read_source(source: str | os.PathLike[str] | bytes) -> bytes:
     """The bytes of a manifest file or of the bytes given."""
     if isinstance(source, (bytes, bytearray, memoryview)):
         return bytes(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise ConfigError(f"a manifest source is a file path or the file's bytes, not {type(source).__name__}")
     with Path(source).open("rb") as f:
         return f.read(MAX_FILE_BYTES + 1)

@@ -23,13 +23,15 @@ from typing import Literal
 
 from msgspec import UNSET, Struct, UnsetType
 
+from batchkv.cache.config import MAX_STEP_TOKENS as CACHE_MAX_STEP_TOKENS
+from batchkv.dtypes import MODEL_DTYPES, STORAGE_DTYPES, dtype_bytes
 from batchkv.errors import ManifestError
 
 VERSION = 1
 LAYOUTS = ("sequence", "cell", "batched-sequence")
 POLICIES = ("flat", "ring")
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}  # model K/V dtypes (`dtype`)
-KV_DTYPE_BYTES = {**DTYPE_BYTES, "float8_e4m3fn": 1}  # storage dtypes (`kv_dtype`)
+DTYPE_BYTES = {name: dtype_bytes(name) for name in MODEL_DTYPES}  # model K/V dtypes (`dtype`)
+KV_DTYPE_BYTES = {name: dtype_bytes(name) for name in STORAGE_DTYPES}  # storage dtypes (`kv_dtype`)
 SCALE_BYTES = {"float8_e4m3fn": 4}  # an fp32 scale per (position, KV head) beside e4m3 K and V
 
 # Ceilings: far above any model or accelerator in use, far below what would exhaust a host.
@@ -40,7 +42,7 @@ MAX_CAPACITY = 1 << 24  # positions per sequence (16 Mi)
 MAX_SEQS = 4096
 MAX_SEGMENTS = 1 << 16
 MAX_CELLS = 1 << 26
-MAX_STEP_TOKENS = 1 << 20  # max_seqs * max_write: sizes the static step buffers
+MAX_STEP_TOKENS = CACHE_MAX_STEP_TOKENS  # max_seqs * max_write: sizes the static step buffers
 MAX_SAMPLE_ROWS = 4096
 MAX_WIDTHS = 256
 MAX_MODEL_NAME = 128

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from batchkv.checks import int_arg
 from batchkv.errors import ConfigError
 
 
@@ -44,9 +45,7 @@ class SenseNovaConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "q_heads", "kv_heads", "head_dim", "intermediate", "vocab"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"SenseNovaConfig.{name} is {value!r}; it must be a positive integer")
+            object.__setattr__(self, name, int_arg(f"SenseNovaConfig.{name}", getattr(self, name), 1))
         if self.q_heads % self.kv_heads:
             raise ConfigError(
                 f"SenseNovaConfig: q_heads {self.q_heads} is not a multiple of kv_heads {self.kv_heads} (GQA groups)"

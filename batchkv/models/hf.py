@@ -20,19 +20,34 @@ the query's own included).
 Graph safety: with the mask skipped and position ids given, the Qwen3/Llama forwards do no host
 reads, so the call is capturable when the cache's attention is. Models with attention logit
 soft-capping, attention sinks or non-causal layers are refused (the cache does not do them).
-Uses only APIs present in transformers 5.17 through 5.24.
+Uses only APIs present in transformers 5.17 through 5.24 (`TRANSFORMERS_RANGE`, the `batchkv[hf]`
+extra); importing this module without a transformers in that range is a DependencyError.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 
 import torch
-from transformers import AttentionInterface
 
 from batchkv.cache.config import LayerSpec
-from batchkv.errors import ConfigError, ContractError
+from batchkv.errors import ConfigError, ContractError, DependencyError
+
+TRANSFORMERS_RANGE = ">=5.17,<6"  # as pyproject's `hf` extra; tested with 5.17 through 5.24
+_INSTALL = "pip install 'batchkv[hf]'"
+
+try:
+    import transformers
+    from transformers import AttentionInterface
+except ImportError as exc:
+    raise DependencyError(f"HFModel needs transformers{TRANSFORMERS_RANGE} ({exc}); {_INSTALL}") from exc
+_VERSION = tuple(int(part) for part in re.findall(r"\d+", transformers.__version__)[:2])
+if not (5, 17) <= _VERSION < (6, 0):
+    raise DependencyError(
+        f"HFModel needs transformers{TRANSFORMERS_RANGE}; this is transformers {transformers.__version__}: {_INSTALL}"
+    )
 
 ATTN_NAME = "batchkv"
 CACHE_KWARG = "batchkv_cache"
@@ -116,6 +131,8 @@ class HFModel:
     """
 
     def __init__(self, hf_model: torch.nn.Module, *, kv_dtype: torch.dtype | None = None) -> None:
+        if not isinstance(hf_model, torch.nn.Module) or not hasattr(hf_model, "get_output_embeddings"):
+            raise ConfigError(f"HFModel wraps a transformers causal LM (an nn.Module), not {type(hf_model).__name__}")
         self.hf = hf_model.eval()
         self.kv_dtype = kv_dtype
         self.config = hf_model.config

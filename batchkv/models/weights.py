@@ -32,12 +32,14 @@ import contextlib
 import math
 import os
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from batchkv.errors import CheckpointError, ConfigError
+from batchkv.checks import device_arg, int_arg
+from batchkv.errors import CheckpointError, ConfigError, DependencyError
 from batchkv.models.config import SenseNovaConfig, preset_config
 from batchkv.models.sensenova import SenseNovaLM
 
@@ -119,6 +121,7 @@ def random_init(model: SenseNovaLM, seed: int = 0, on: str = "auto") -> None:
     projections N(0, gain^2 / fan_in); the embedding N(0, 1).
     """
     cfg = model.config
+    seed = int_arg("random_init seed", seed)
     if on == "auto":
         on = "cpu" if cfg.num_params <= AUTO_CPU_INIT_LIMIT else "device"
     if on not in ("cpu", "device"):
@@ -135,11 +138,22 @@ def random_init(model: SenseNovaLM, seed: int = 0, on: str = "auto") -> None:
 
 
 def _checkpoint_files(path: str | os.PathLike) -> list[Path]:
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointError(f"checkpoint is {path!r}; give the path of a .safetensors file or a folder of them")
     path = Path(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
     if not files or not all(f.is_file() for f in files):
         raise CheckpointError(f"no safetensors checkpoint at {path} (give a .safetensors file or a folder of them)")
     return files
+
+
+def _safetensors() -> tuple[Callable[..., Any], type[Exception]]:
+    """safetensors' `safe_open` and the error it raises for a bad file (a DependencyError when missing)."""
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError as exc:
+        raise DependencyError(f"checkpoints need safetensors ({exc}); pip install safetensors") from exc
+    return safe_open, SafetensorError
 
 
 def _listing(title: str, items: Sequence[str], limit: int = 8) -> str:
@@ -154,18 +168,24 @@ def load_checkpoint(model: SenseNovaLM, path: str | os.PathLike, *, prefix: str 
     Names are those listed in the module docstring, each preceded by `prefix`. Tensors whose name
     does not start with `prefix`, or contains any substring in `skip`, are ignored. Every name and
     shape is checked before any tensor is read: a missing, unexpected or misshapen tensor raises
-    CheckpointError listing them, and the model is left unchanged. Tensors are cast to the
-    model's dtype.
+    CheckpointError listing them, and the model is left unchanged. A file that is not a whole
+    safetensors file (empty, truncated, another format, an absurd header) is a CheckpointError
+    naming it. Tensors are cast to the model's dtype.
     """
-    from safetensors import safe_open
-
+    if not isinstance(prefix, str) or isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
+        raise CheckpointError(f"prefix must be a str and skip a sequence of str; got {prefix!r}, {skip!r}")
+    safe_open, unreadable = _safetensors()
     expected = checkpoint_shapes(model.config)
     with contextlib.ExitStack() as stack:
         where: dict[str, object] = {}
         found: dict[str, tuple[int, ...]] = {}
         for file in _checkpoint_files(path):
-            handle = stack.enter_context(safe_open(str(file), framework="pt", device=str(model.device)))
-            for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+            try:
+                handle = stack.enter_context(safe_open(str(file), framework="pt", device=str(model.device)))
+                keys = list(handle.keys())
+            except (unreadable, OSError) as exc:
+                raise CheckpointError(f"{file} is not a readable safetensors file: {exc}") from exc
+            for key in keys:
                 if not key.startswith(prefix) or any(s in key for s in skip):
                     continue
                 name = key[len(prefix) :]
@@ -220,7 +240,13 @@ def build_model(
 
     >>> model = build_model("sensenova-u1-tiny", "cpu", seed=0)
     """
+    if not isinstance(preset, (str, SenseNovaConfig)):
+        raise ConfigError(f"build_model preset is {preset!r}; give a preset name or a SenseNovaConfig")
     cfg = preset_config(preset) if isinstance(preset, str) else preset
+    device = device_arg(device, "build_model device")
+    seed = int_arg("build_model seed", seed)
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ConfigError(f"build_model dtype is {dtype!r}; use None (the preset's) or a floating torch dtype")
     model = SenseNovaLM(cfg, device, dtype)
     if checkpoint is None:
         random_init(model, seed, on=init_on)

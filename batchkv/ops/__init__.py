@@ -7,7 +7,9 @@
   `sdpa_varlen_triton` and `kv_write_triton`: a submodule named like the function it exports
   would shadow the function on this package once imported.
 
-`resolve_backend` / `backend_functions` pick the pair a cache uses.
+`resolve_backend` / `backend_functions` pick the pair a cache uses. `batchkv.ops.support.refusal`
+is the one owner of the rule on which head_dim and storage dtype each backend takes (every
+validator, from the cache to `batchkv export`, asks it; `kernel_problem` is its Triton question).
 """
 
 from __future__ import annotations
@@ -16,10 +18,18 @@ from collections.abc import Callable
 
 import torch
 
-from batchkv.errors import ConfigError
+from batchkv.errors import ConfigError, DependencyError
 from batchkv.ops.reference import kv_write_reference, sdpa_varlen_reference
+from batchkv.ops.support import refusal
 
 BACKENDS = ("auto", "triton", "reference")
+
+
+def kernel_problem(head_dim: int, dtype: torch.dtype | None = None) -> str | None:
+    """Why the Triton kernels cannot run K/V of this head_dim stored as `dtype` (default bf16), or
+    None if they can. The rule itself is `batchkv.ops.support.refusal`'s; the torch reference
+    backend takes any head_dim."""
+    return refusal(torch.bfloat16 if dtype is None else dtype, head_dim, "triton")
 
 
 def triton_available(device: torch.device) -> bool:
@@ -47,9 +57,13 @@ def backend_functions(name: str) -> tuple[Callable[..., None], Callable[..., tor
     if name == "reference":
         return kv_write_reference, sdpa_varlen_reference
     if name == "triton":
-        from batchkv.ops.kv_write_triton import kv_write
-        from batchkv.ops.sdpa_varlen_triton import sdpa_varlen
-
+        try:
+            from batchkv.ops.kv_write_triton import kv_write
+            from batchkv.ops.sdpa_varlen_triton import sdpa_varlen
+        except ImportError as exc:
+            raise DependencyError(
+                f"attention 'triton' needs Triton ({exc}); pip install 'batchkv[triton]', or use attention='reference'"
+            ) from exc
         return kv_write, sdpa_varlen
     raise ConfigError(f"attention backend {name!r} is unknown; use one of {BACKENDS[1:]}")
 
@@ -70,6 +84,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "BACKENDS",
     "backend_functions",
+    "kernel_problem",
     "kv_write",
     "kv_write_reference",
     "resolve_backend",

@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
+from batchkv.checks import int_arg
 from batchkv.errors import ContractError
 from batchkv.ops.sdpa_varlen_kernels import split_kernel
 from batchkv.ops.sdpa_varlen_long import long_kernel
@@ -212,8 +213,7 @@ def _check(q, k_store, v_store, seq_info, window, out, k_scale, v_scale) -> None
         raise ContractError(f"seq_info must be int32 [S, 4], rows contiguous; got {seq_info.dtype} {seq_info.shape}")
     if seq_info.shape[0] > 1 and seq_info.stride(0) != 4:
         raise ContractError("seq_info rows must be packed (stride 4); pass seq_info.contiguous()")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-        raise ContractError(f"window is {window!r}; use 0 (none) or a positive int")
+    int_arg("sdpa_varlen: window", window, 0, error=ContractError, why=" (0: none)")
     if out is not None and (
         out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1
     ):

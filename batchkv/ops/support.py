@@ -17,17 +17,13 @@ from __future__ import annotations
 
 import torch
 
+from batchkv.dtypes import MODEL_DTYPES, STORAGE_DTYPES
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 SCALE_FLOOR = 2.0**-126  # smallest normal fp32: the scale of an all-zero row
 SCALE_DTYPE = torch.float32
-KV_DTYPES = {  # manifest / CLI name -> storage dtype
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float8_e4m3fn": FP8,
-}
-COMPUTE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # q, and K/V handed to the write
+COMPUTE_DTYPES = tuple(MODEL_DTYPES.values())  # q, and K/V handed to the write
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the Triton kernels' tiles: powers of two
 
 
@@ -36,24 +32,19 @@ def quantized(kv_dtype: torch.dtype) -> bool:
     return kv_dtype == FP8
 
 
-def kv_dtype_name(kv_dtype: torch.dtype) -> str:
-    """The manifest name of a storage dtype ("bfloat16", ..., "float8_e4m3fn")."""
-    return next(name for name, dtype in KV_DTYPES.items() if dtype == kv_dtype)
-
-
 def refusal(kv_dtype: torch.dtype, head_dim: int, backend: str = "triton") -> str | None:
     """Why `backend` ("triton" or "reference") cannot store and attend this geometry; None when it can.
 
     Both backends store bf16, fp16, fp32 or e4m3 (`torch.float8_e4m3fn`) K/V; the Triton kernels
     also need head_dim a power of two from 16 to 256 (the torch reference takes any).
     """
-    if kv_dtype not in KV_DTYPES.values():
+    if kv_dtype not in STORAGE_DTYPES.values():
         return (
             f"kv_dtype {kv_dtype} is not a K/V storage dtype batchkv takes; use one of "
-            f"{', '.join(f'torch.{name}' for name in KV_DTYPES)}"
+            f"{', '.join(f'torch.{name}' for name in STORAGE_DTYPES)}"
         )
     if backend == "triton" and head_dim not in HEAD_DIMS:
-        return f"head_dim {head_dim}: the Triton kernels take a power of two from 16 to 256; use attention='reference'"
+        return f"head_dim {head_dim!r}: the Triton kernels take one of {', '.join(map(str, HEAD_DIMS))}"
     return None
 
 

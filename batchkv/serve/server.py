@@ -14,6 +14,7 @@ import signal
 import sys
 
 from batchkv.errors import ConfigError
+from batchkv.frontend import add_engine_options, kv_dtype_option, speculative_option
 
 DEFAULT_CAPACITY = 4096
 
@@ -83,6 +84,8 @@ def serve(args: argparse.Namespace) -> int:
         device=device,
         use_graphs={"auto": "auto", "on": True, "off": False}[args.graphs],
         seed=args.seed,
+        kv_dtype=kv_dtype_option(args.kv_dtype),
+        speculative=speculative_option(args, served.model),
     )
     metrics = ServerMetrics(args.max_seqs)
     worker = EngineWorker(engine, metrics, max_waiting=args.max_waiting)
@@ -91,9 +94,12 @@ def serve(args: argparse.Namespace) -> int:
     app = build_app(worker, info, metrics)
     mode = "graphs" if engine.uses_graphs else "eager"
     text = "text and token ids" if served.tokenizer is not None else "token ids only (no tokenizer)"
+    extras = f", kv {args.kv_dtype}" if args.kv_dtype != "model" else ""
+    if args.speculative != "off":
+        extras += f", speculative {args.speculative} (block {engine.speculator.block_size})"
     print(
         f"batchkv serve: {name} ({served.kind}, {text}) on {device} ({mode}), max_seqs {args.max_seqs}, "
-        f"capacity {capacity}; http://{args.host}:{args.port}/v1",
+        f"capacity {capacity}{extras}; http://{args.host}:{args.port}/v1",
         file=sys.stderr,
         flush=True,
     )
@@ -152,6 +158,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--graphs", choices=("auto", "on", "off"), default="auto", help="CUDA graphs (auto, the default: on CUDA)"
     )
     e.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    add_engine_options(p.add_argument_group("storage and speculative decoding"))
     h = p.add_argument_group("http")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
     h.add_argument("--port", type=int, default=8000, help="(%(default)s)")

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from batchkv.cache import BatchedSequenceCache, CacheConfig
+from batchkv.cache.staging import NamedStaging
 from batchkv.errors import ConfigError, StepError
 from batchkv.executor.graphs import GraphSet
 from batchkv.executor.request import MAX_SAMPLE_ROWS
@@ -97,13 +98,10 @@ class DFlashProposer:
         )
         self.target_cache = cache
         self.taps = drafter.make_taps(engine.buckets[-1])  # type: ignore[attr-defined]
-        device, pin = cache.device, cache.device.type == "cuda"
+        device = cache.device
         names = ("ids", "t", "is_ctx", "gather", "rows")
-        self._host = torch.zeros(len(names) * width, dtype=torch.int64, pin_memory=pin)
-        self._dev = torch.zeros_like(self._host, device=device)
-        self.buf = {name: self._dev[i * width : (i + 1) * width] for i, name in enumerate(names)}
-        self._hbuf = {name: self._host.numpy()[i * width : (i + 1) * width] for i, name in enumerate(names)}
-        self._copied = torch.cuda.Event() if pin else None
+        self._staging = NamedStaging({name: (torch.int64, width) for name in names}, device)
+        self.buf = self._staging.buf
         self.drafts = torch.zeros(width, dtype=torch.int64, device=device)  # device draft buffer
         own_graphs = GraphSet(device) if graphs is not None else None  # keyed by the drafter's widths
         self.runner = DraftRunner(_Modules(drafter, target), self.cache, width, own_graphs)  # type: ignore[arg-type]
@@ -127,7 +125,7 @@ class DFlashProposer:
         return Drafts(tokens, [src.get(s, []) for s in samples])
 
     def _draft(self, segments: list[tuple[SampleState, DraftState, int]]) -> dict[SampleState, list[int]]:
-        h = self._hbuf
+        h = self._staging.begin_named()  # waits until the last upload has left the pinned buffers
         mask = self.drafter.config.mask_token_id  # type: ignore[attr-defined]
         seq_ids: list[int] = []
         n = r = 0
@@ -159,11 +157,7 @@ class DFlashProposer:
         h["gather"][n:width] = 0
         h["t"][n:width] = 0
         h["rows"][r:rows] = 0
-        if self._copied is not None:
-            self._copied.synchronize()
-        self._dev.copy_(self._host, non_blocking=self._copied is not None)
-        if self._copied is not None:
-            self._copied.record(torch.cuda.current_stream(self.cache.device))
+        self._staging.upload()
         if self.cache.rows < self.target_cache.rows:  # grow with the target (admission), not mid-decode
             self.cache.reserve(self.target_cache.rows)
         self.cache.declare_step(seq_ids)

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 
 from batchkv.cache import BatchedSequenceCache
+from batchkv.cache.staging import NamedStaging
 from batchkv.errors import StepError
 from batchkv.executor.graphs import GraphSet
 from batchkv.executor.runner import ModelRunner, StepModel
@@ -66,25 +67,10 @@ class VerifyRunner(ModelRunner):
         self._bind(model, cache, w, graphs)
         self.buckets, self.block_size, self.drafts, self.taps = buckets, block_size, drafts, taps
         self.pad_rows = True
-        device = cache.device
-        pin = device.type == "cuda"
-        size = sum(n for _, n in _I64) * w
-        self._host_i64 = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
-        self._host_f32 = torch.zeros(len(_F32) * w, dtype=torch.float32, pin_memory=pin)
-        self._dev_i64 = torch.zeros_like(self._host_i64, device=device)
-        self._dev_f32 = torch.zeros_like(self._host_f32, device=device)
-        self._host: dict[str, object] = {}
-        self.buf: dict[str, torch.Tensor] = {}
-        offset = 0
-        for name, n in _I64:
-            self._host[name] = self._host_i64.numpy()[offset : offset + n * w]
-            self.buf[name] = self._dev_i64[offset : offset + n * w]
-            offset += n * w
-        for i, name in enumerate(_F32):
-            self._host[name] = self._host_f32.numpy()[i * w : (i + 1) * w]
-            self.buf[name] = self._dev_f32[i * w : (i + 1) * w]
-        self.result = torch.zeros(w, block_size + 1, dtype=torch.int64, device=device)
-        self._copied = torch.cuda.Event() if pin else None
+        layout = {name: (torch.int64, n * w) for name, n in _I64} | {name: (torch.float32, w) for name in _F32}
+        self._staging = NamedStaging(layout, cache.device)
+        self.buf: dict[str, torch.Tensor] = self._staging.buf
+        self.result = torch.zeros(w, block_size + 1, dtype=torch.int64, device=cache.device)
 
     def input_ids(self, width: int) -> torch.Tensor:
         return self.buf["ids"][:width]
@@ -97,9 +83,7 @@ class VerifyRunner(ModelRunner):
 
     def _stage(self, batch: Batch, width: int, rows: int) -> bool:  # type: ignore[override]
         """Write the step's inputs to the device buffers; True when some row samples (not greedy)."""
-        if self._copied is not None:
-            self._copied.synchronize()
-        host = self._host
+        host = self._staging.begin_named()
         n = len(batch.input_ids)
         ids, index = host["ids"], host["indexes"][: 3 * width].reshape(3, width)
         ids[:width] = 0  # padding feeds token 0; its K/V go to the scratch column
@@ -131,11 +115,7 @@ class VerifyRunner(ModelRunner):
                     host["u_draw"][r + j] = uniform(seed, index, emitted + j)
                     host["u_accept"][r + j] = uniform(seed, index, emitted + j, ACCEPT_STREAM)
             r += span
-        non_blocking = self._copied is not None
-        self._dev_i64.copy_(self._host_i64, non_blocking=non_blocking)
-        self._dev_f32.copy_(self._host_f32, non_blocking=non_blocking)
-        if self._copied is not None:
-            self._copied.record(torch.cuda.current_stream(self.cache.device))
+        self._staging.upload()
         return sampling
 
     def _forward(self, width: int, rows: int, sampling: bool) -> torch.Tensor:  # type: ignore[override]

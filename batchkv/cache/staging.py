@@ -1,0 +1,72 @@
+"""Pinned host staging: one host buffer per dtype, mirrored by a fixed-address device buffer.
+
+A step's small inputs (positions, write slots, `seq_info`; token ids, RoPE indexes, sampling
+parameters) are written on the host and cross with one host-to-device copy per dtype. On CUDA the
+host side is pinned and the copy asynchronous, so the host buffer may be rewritten only once the
+previous copy ran: `begin` waits for it, `upload` copies and records when it ran. The device
+buffers are only ever written by `copy_`, so their addresses never change and a captured graph
+that reads them stays valid.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class Staging:
+    """Host and device buffers of `sizes[dtype]` elements each, zero-filled, on `device`."""
+
+    def __init__(self, sizes: dict[torch.dtype, int], device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self._host = {dtype: torch.zeros(n, dtype=dtype, pin_memory=pin) for dtype, n in sizes.items()}
+        self.device_buffers = {dtype: torch.zeros_like(h, device=device) for dtype, h in self._host.items()}
+        self._copied = torch.cuda.Event() if pin else None
+        self._device = device
+
+    @staticmethod
+    def nbytes(sizes: dict[torch.dtype, int]) -> int:
+        """Bytes of host plus device buffers for `sizes` (what construction allocates)."""
+        return 2 * sum(n * torch.empty((), dtype=dtype).element_size() for dtype, n in sizes.items())
+
+    def begin(self) -> dict[torch.dtype, np.ndarray]:
+        """Wait until the previous upload has left the host buffers; numpy views of them to write."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        return {dtype: h.numpy() for dtype, h in self._host.items()}
+
+    def upload(self) -> None:
+        """Copy every host buffer to its device buffer (asynchronous from pinned memory on CUDA)."""
+        non_blocking = self._copied is not None
+        for dtype, host in self._host.items():
+            self.device_buffers[dtype].copy_(host, non_blocking=non_blocking)
+        if self._copied is not None:  # on the stream the copies ran on: the device's current one
+            self._copied.record(torch.cuda.current_stream(self._device))
+
+
+class NamedStaging(Staging):
+    """`Staging` carved once into named slices (STYLE 18): `layout` maps each name to (dtype, elements),
+    laid out one after another within its dtype's buffer. `buf[name]` is the device slice a graph
+    reads; `begin_named()` waits like `begin` and returns the host slices by name."""
+
+    def __init__(self, layout: dict[str, tuple[torch.dtype, int]], device: torch.device) -> None:
+        sizes: dict[torch.dtype, int] = {}
+        for dtype, n in layout.values():
+            sizes[dtype] = sizes.get(dtype, 0) + n
+        super().__init__(sizes, device)
+        self.layout = layout
+        self.buf: dict[str, torch.Tensor] = self._carve(self.device_buffers)
+        self._named: dict[str, np.ndarray] = self._carve({d: h.numpy() for d, h in self._host.items()})
+
+    def _carve(self, buffers: dict) -> dict:
+        offsets: dict[torch.dtype, int] = dict.fromkeys(buffers, 0)
+        out = {}
+        for name, (dtype, n) in self.layout.items():
+            out[name] = buffers[dtype][offsets[dtype] : offsets[dtype] + n]
+            offsets[dtype] += n
+        return out
+
+    def begin_named(self) -> dict[str, np.ndarray]:
+        """`begin`, then the host slices by name."""
+        self.begin()
+        return self._named

@@ -1,0 +1,64 @@
+"""Options the front ends share (`batchkv run` and `batchkv serve`): K/V storage dtype and speculation.
+
+Each turns command-line values into what the `Engine` takes; both commands add the same flags with
+`add_engine_options`, so the two stay in step.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from batchkv.dtypes import STORAGE_DTYPES, dtype_named
+from batchkv.errors import ConfigError
+
+
+def add_engine_options(group: argparse._ArgumentGroup) -> None:
+    """--kv-dtype, --speculative, --spec-block, --spec-layers, --drafter."""
+    group.add_argument(
+        "--kv-dtype",
+        choices=("model", "fp8", *STORAGE_DTYPES),
+        default="model",
+        help="K/V storage dtype (model: the model's; fp8: float8_e4m3fn, e4m3 with a scale per position and head)",
+    )
+    group.add_argument(
+        "--speculative",
+        choices=("off", "ngram", "dflash"),
+        default="off",
+        help="ngram: prompt lookup; dflash: a DFlash block drafter (random weights unless --drafter)",
+    )
+    group.add_argument(
+        "--spec-block", type=int, metavar="N", help="verify rows per sample per step (default 16; ngram 8)"
+    )
+    group.add_argument("--spec-layers", type=int, default=1, metavar="N", help="dflash: layers of a random drafter")
+    group.add_argument("--drafter", metavar="DIR", help="dflash: drafter checkpoint folder (config.json + safetensors)")
+
+
+def kv_dtype_option(name: str) -> torch.dtype | None:
+    """--kv-dtype: None for "model" (the model's dtype), else the storage dtype ("fp8" is e4m3)."""
+    return None if name == "model" else dtype_named("float8_e4m3fn" if name == "fp8" else name)
+
+
+def speculative_option(args: argparse.Namespace, model) -> object | None:
+    """The engine's `SpeculativeConfig` from --speculative/--spec-block/--spec-layers/--drafter, or None."""
+    from batchkv.executor import SpeculativeConfig
+
+    if args.speculative == "off":
+        if args.drafter or args.spec_block is not None:
+            raise ConfigError("--drafter and --spec-block need --speculative ngram|dflash")
+        return None
+    if args.speculative == "ngram":
+        return SpeculativeConfig("ngram", block_size=args.spec_block or 8)
+    from batchkv.models.dflash import build_drafter, default_target_layers
+
+    layers = model.cache_spec()["num_layers"]
+    drafter = build_drafter(
+        model,
+        num_layers=args.spec_layers,
+        target_layer_ids=default_target_layers(layers),
+        block_size=args.spec_block or 16,
+        seed=getattr(args, "seed", 0),
+        checkpoint=args.drafter,
+    )
+    return SpeculativeConfig("dflash", block_size=args.spec_block, drafter=drafter)

@@ -1,0 +1,121 @@
+"""Serving rooflines for bench/decode.py: the time an ideal machine needs for the steps that ran.
+
+Fair roofline: for each step the engine actually ran, max(bytes the step must read / read
+bandwidth, FLOPs it must do / matmul peak), summed over steps; tokens/s = generated tokens / that
+sum. A step must read every weight once (not the embedding table: one row per token) and, for
+each segment, the K and V of its whole prefix (kv_end positions, every layer). It must do
+2 FLOPs per weight-matrix element per real token for the body (every projection and MLP matrix),
+2 per LM-head element per row that samples (only those rows need logits), and 4 * D * Hq FLOPs per
+attended (query, key) pair per layer; norms, RoPE and softmax are left out (well under 0.1%).
+Bandwidth and peak are measured in the same run (bench/ceilings.py).
+
+Bytes-only roofline (the earlier figure): weights once per step of `batch` decode tokens and each
+output token's KV prefix once, over a bandwidth; it ignores the prompts' compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What one token, one sampled row and one attended pair cost a model."""
+
+    body_params: int  # weight-matrix elements every real token multiplies: all but the embedding and the LM head
+    head_params: int  # LM head parameters, multiplied by sampling rows only
+    weight_bytes: int  # bytes one step reads: body and LM head (the embedding table excluded)
+    kv_bytes_per_pos: int  # K and V of one position over every layer
+    attn_flops_per_pair: int  # 4 * head_dim * q_heads * layers
+
+
+@dataclass
+class Step:
+    """One step as the engine ran it: (q_len, kv_end) per segment, and its sampling rows."""
+
+    segments: list[tuple[int, int]] = field(default_factory=list)
+    sampled: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(q for q, _ in self.segments)
+
+
+def segments(seq_ids: Sequence[int], pos: Callable[[int], int]) -> list[tuple[int, int]]:
+    """Run-length segments of a packed step: (q_len, kv_end) per run of one sequence id.
+
+    `pos(seq)` is the committed length before the step; a sequence's second run in the same step
+    continues after its first (kv_end is one past the run's last position, as in seq_info).
+    """
+    out: list[tuple[int, int]] = []
+    written: dict[int, int] = {}
+    for i, seq in enumerate(seq_ids):
+        if i and seq_ids[i - 1] == seq:
+            continue
+        q_len = 1
+        while i + q_len < len(seq_ids) and seq_ids[i + q_len] == seq:
+            q_len += 1
+        written[seq] = written.get(seq, 0) + q_len
+        out.append((q_len, pos(seq) + written[seq]))
+    return out
+
+
+def causal_pairs(q_len: int, kv_end: int) -> int:
+    """(query, key) pairs of one causal segment: query i attends kv_end - q_len + i + 1 keys."""
+    return q_len * (kv_end - q_len) + q_len * (q_len + 1) // 2
+
+
+def step_bytes(step: Step, cost: ModelCost) -> int:
+    return cost.weight_bytes + cost.kv_bytes_per_pos * sum(kv_end for _, kv_end in step.segments)
+
+
+def step_flops(step: Step, cost: ModelCost) -> int:
+    pairs = sum(causal_pairs(q, kv_end) for q, kv_end in step.segments)
+    return 2 * cost.body_params * step.tokens + 2 * cost.head_params * step.sampled + cost.attn_flops_per_pair * pairs
+
+
+def fair_seconds(steps: Sequence[Step], cost: ModelCost, read_gbps: float, matmul_tflops: float) -> float:
+    """Sum over steps of max(bytes / read bandwidth, FLOPs / matmul peak), in seconds."""
+    bandwidth, peak = read_gbps * 1e9, matmul_tflops * 1e12  # bytes/s, FLOP/s
+    return sum(max(step_bytes(s, cost) / bandwidth, step_flops(s, cost) / peak) for s in steps)
+
+
+def bytes_only_tokens_per_s(
+    prompts: Sequence[Sequence[int]], outputs: Sequence[int], cost: ModelCost, gbps: float, batch: int
+) -> float:
+    """Output tokens/s reading weights once per `batch` output tokens and each output token's KV prefix once."""
+    tokens = sum(outputs)
+    kv = sum(cost.kv_bytes_per_pos * (len(p) * o + o * (o + 1) // 2) for p, o in zip(prompts, outputs, strict=True))
+    return tokens / ((tokens / batch * cost.weight_bytes + kv) / (gbps * 1e9))
+
+
+def model_cost(model, q_heads: int) -> ModelCost:
+    """ModelCost of a batchkv model (parameters `embed_tokens` and `lm_head`, `cache_spec()`)."""
+    params = dict(model.named_parameters())
+    head = params["lm_head"]
+    matrices = {name: p for name, p in params.items() if p.dim() >= 2 and "norm" not in name}  # norms scale
+    body = sum(p.numel() for name, p in matrices.items() if name not in ("embed_tokens", "lm_head"))
+    weights = sum(p.numel() * p.element_size() for name, p in params.items() if name != "embed_tokens")
+    spec = model.cache_spec()
+    kv = 2 * spec["num_layers"] * spec["kv_heads"] * spec["head_dim"] * spec["dtype"].itemsize
+    return ModelCost(body, head.numel(), weights, kv, 4 * spec["head_dim"] * q_heads * spec["num_layers"])
+
+
+class StepLog:
+    """Records every step an engine runs, by wrapping its runner's `launch(batch, width, previous)`.
+
+    The cache has been given the step's declaration but not its commit when `launch` is called, so
+    `cache.pos(seq)` is each sequence's length before the step. Host only; nothing is synchronised.
+    """
+
+    def __init__(self, engine) -> None:
+        self.steps: list[Step] = []
+        runner, cache = engine.runner, engine.cache
+        launch = runner.launch
+
+        def logged(batch, width, previous=None):
+            self.steps.append(Step(segments(batch.seq_ids, cache.pos), len(batch.rows)))
+            return launch(batch, width, previous)
+
+        runner.launch = logged

@@ -1,0 +1,63 @@
+"""What the package promises about its dependencies: the CPU path needs neither Triton nor
+transformers, a missing optional dependency is a DependencyError naming the extra, and the ranges
+in pyproject.toml are the ones the code states."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import batchkv
+from batchkv.models import hf
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = (ROOT / "pyproject.toml").read_text()
+
+WITHOUT_OPTIONALS = """
+import sys
+sys.modules["triton"] = sys.modules["transformers"] = None  # as if neither were installed
+from batchkv import BatchedSequenceCache, CacheConfig
+from batchkv.errors import DependencyError
+from batchkv.executor import Engine, Request, SamplingParams
+from batchkv.models import build_model
+
+engine = Engine(build_model("sensenova-u1-tiny"), max_seqs=2, capacity=64, max_step_tokens=16, prefill_chunk=8)
+engine.submit(Request([1, 2, 3], SamplingParams(max_new_tokens=3)))
+assert len(engine.run_until_done()) == 3
+for attempt in (
+    lambda: BatchedSequenceCache(CacheConfig(1, 1, 16, max_seqs=1, capacity=8), attention="triton"),
+    lambda: __import__("batchkv.models.hf"),
+):
+    try:
+        attempt()
+    except DependencyError as exc:
+        print(exc)
+    else:
+        raise AssertionError("no DependencyError")
+"""
+
+
+def test_the_cpu_path_runs_without_triton_or_transformers_and_says_which_extra_is_missing():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", WITHOUT_OPTIONALS], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    triton, transformers = done.stdout.splitlines()
+    assert "pip install 'batchkv[triton]'" in triton and "attention='reference'" in triton
+    assert "pip install 'batchkv[hf]'" in transformers and hf.TRANSFORMERS_RANGE in transformers
+
+
+def extra(name: str) -> str:
+    return re.search(rf"^{name} = \[(.*?)\]$", PYPROJECT, flags=re.M | re.S).group(1)
+
+
+def test_pyproject_states_the_ranges_the_code_supports():
+    assert f'"transformers{hf.TRANSFORMERS_RANGE}"' in extra("hf")
+    assert "triton>=3.6,<3.10" in extra("triton")  # 3.6 on the H200, 3.9 in CI
+    dependencies = re.search(r"^dependencies = \[(.*?)\]$", PYPROJECT, flags=re.M | re.S).group(1)
+    assert "triton" not in dependencies and "transformers" not in dependencies
+    assert re.search(r'^version = "(.*)"$', PYPROJECT, flags=re.M).group(1) == batchkv.__version__
+    assert re.search(r'license = \{ text = "(.*)" \}', PYPROJECT).group(1) == "Apache-2.0"
+    assert "Apache License" in (ROOT / "LICENSE").read_text() and "Version 2.0" in (ROOT / "LICENSE").read_text()
