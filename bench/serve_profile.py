@@ -149,8 +149,9 @@ def profile_mode(model, device, requests, args, overlap: bool) -> dict:
         "captures_during_profile": engine.metrics.captures - captures,
         **split(device_intervals(prof, device), args.steps),
     }
-    for _ in engine.stream():  # drain, so the next mode starts from free memory
-        pass
+    for request_id in list(engine.scheduler.live):  # the rest of the workload is not measured
+        engine.cancel(request_id)
+    engine.run_until_done()  # finishes the step in flight
     del engine
     gc.collect()
     if device.type == "cuda":
@@ -169,7 +170,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk per sequence")
     ap.add_argument("--budget", type=int, default=1024, help="max_step_tokens")
     ap.add_argument("--prefill-budget", type=int, default=None, help="prompt tokens per step (default: the rest)")
-    ap.add_argument("--warmup", type=int, default=250, help="steps before timing (graphs captured, columns busy)")
+    ap.add_argument("--warmup", type=int, default=200, help="steps before timing (graphs captured, columns busy)")
     ap.add_argument("--steps", type=int, default=60, help="steps timed, then as many profiled")
     ap.add_argument("--modes", default="on,off", help="overlap modes to run, in order")
     args = ap.parse_args()
