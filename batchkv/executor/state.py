@@ -14,13 +14,16 @@ from batchkv.executor.request import Request
 
 @dataclass(eq=False)
 class SampleState:
-    """One of a request's n samples: its column, tokens so far, and the next RoPE t."""
+    """One of a request's n samples: its column, its tokens so far, and those still on the device."""
 
     owner: RequestState
     index: int
     seq: int = -1  # column; -1 until the prompt is written (sample 0) or forked (others), and once freed
     tokens: list[int] = field(default_factory=list)  # read by the host
-    pending: int = 0  # sampled by launched steps, not yet read (0 or 1 at planning time)
+    # Launched steps that sampled for it and were not read yet (0 or 1 at planning time); each
+    # counts as one token. A verify step may emit more, known only once read: speculating engines
+    # finish every step before planning the next, so they never plan with one pending.
+    pending: int = 0
     finish: str | None = None
     last_emit: float = 0.0  # host time of the last token (inter-token latency)
 
