@@ -309,3 +309,29 @@ def test_the_prefill_budget_caps_prompt_tokens_per_step(model):
     assert steps[3] > steps[None]
     with pytest.raises(ConfigError, match="prefill_budget"):
         engine_for(model, True, prefill_budget=0)
+
+
+def test_storage_growth_with_a_step_in_flight_keeps_every_history(model):
+    rng = random.Random(6)
+    schedule = [(rng.randint(0, 8), Request(random_prompt(rng, 3, 8), greedy(rng.randint(2, 8)))) for _ in range(8)]
+    schedule.append((5, Request(random_prompt(rng, 20, 20), greedy(10))))  # 29 positions: past 16 rows
+    schedule.append((12, Request(random_prompt(rng, 30, 30), greedy(18))))  # 47: past 32 rows
+    rows = {"row_buckets": (16, 32), "row_step": 16}
+    expected, plain_ids = drive(engine_for(model, False, **rows), schedule)
+    fast = engine_for(model, True, **rows)
+    grew_in_flight = []
+
+    def watch(verb):  # growth happens at admission (reserve) or in prepare_step
+        def watched(*args):
+            generation = fast.cache.generation
+            verb(*args)
+            if fast.cache.generation != generation:
+                grew_in_flight.append(fast.pipeline.in_flight is not None)
+
+        return watched
+
+    fast.cache.reserve, fast.cache.prepare_step = watch(fast.cache.reserve), watch(fast.cache.prepare_step)
+    got, ids = drive(fast, schedule)
+    assert [got[i] for i in ids] == [expected[i] for i in plain_ids]
+    assert fast.metrics.growths == 2 and grew_in_flight == [True, True]  # each with a step in flight
+    fast.assert_idle()
