@@ -33,6 +33,21 @@ def _length_range(text: str) -> tuple[int, int]:
     return bounds
 
 
+def _or_auto(parse):
+    """An argparse type: "auto", or what `parse` accepts."""
+
+    def parse_or_auto(text: str):
+        if text == "auto":
+            return text
+        try:
+            return parse(text)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{exc}, nor auto") from None
+
+    parse_or_auto.__name__ = parse.__name__
+    return parse_or_auto
+
+
 RUN_EPILOG = f"""\
 {JSONL_HELP}
 
@@ -85,12 +100,38 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--top-p", type=bounded(float, 0.0, 1.0, open_lo=True), default=1.0, help="synthetic: nucleus mass")
     w.add_argument("--n", type=bounded(int, 1, 64), default=1, help="synthetic: parallel samples per request")
     e = p.add_argument_group("engine")
-    e.add_argument("--max-seqs", type=bounded(int, 1, positions), default=8, help="resident sequences (columns)")
-    e.add_argument("--capacity", type=bounded(int, 2, positions), default=256, help="most positions per sequence")
+    e.add_argument(
+        "--max-seqs",
+        type=_or_auto(bounded(int, 1, positions)),
+        default=8,
+        help="resident sequences (columns); auto: as many as fit in --memory-fraction, at most 64",
+    )
+    e.add_argument(
+        "--memory-fraction",
+        type=bounded(float, 0.0, 1.0, open_lo=True),
+        default=0.9,
+        metavar="F",
+        help="with --max-seqs auto: share of the device's memory for weights, activations, graphs and K/V",
+    )
+    e.add_argument(
+        "--capacity",
+        type=_or_auto(bounded(int, 2, positions)),
+        default=256,
+        help="most positions per sequence; auto: the model's limit, else 4096",
+    )
     steps = bounded(int, 1, MAX_STEP_TOKENS)
     e.add_argument("--max-step-tokens", type=steps, default=64, help="token budget of one step")
     e.add_argument("--prefill-chunk", type=bounded(int, 1), default=32, help="most prompt tokens per sequence per step")
+    e.add_argument(
+        "--prefill-budget", type=steps, metavar="N", help="most prompt tokens per step, all prompts (default: the rest)"
+    )
     e.add_argument("--graphs", choices=("auto", "on", "off"), default="auto", help="CUDA graphs (auto: on CUDA)")
+    e.add_argument(
+        "--overlap",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="plan step N+1 while the device runs step N (auto: on CUDA unless speculating)",
+    )
     e.add_argument(
         "--threads",
         type=bounded(int, 0, 4096),
@@ -182,18 +223,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     model = _build_model(args.model, device, args.seed)
     speculative = speculative_option(args, model)
+    modes = {"auto": "auto", "on": True, "off": False}
     engine = Engine(
         model,
         max_seqs=args.max_seqs,
-        capacity=args.capacity,
+        memory_fraction=args.memory_fraction,
+        capacity=None if args.capacity == "auto" else args.capacity,
         max_step_tokens=args.max_step_tokens,
         prefill_chunk=args.prefill_chunk,
+        prefill_budget=args.prefill_budget,
         device=device,
-        use_graphs={"auto": "auto", "on": True, "off": False}[args.graphs],
+        use_graphs=modes[args.graphs],
+        overlap=modes[args.overlap],
         seed=args.seed,
         kv_dtype=kv_dtype_option(args.kv_dtype),
         speculative=speculative,
     )
+    if engine.sizing is not None:
+        print(f"batchkv run: sized the store: {engine.sizing.describe()}", file=sys.stderr)
     items = items if items is not None else _synthetic(args, engine.vocab_size)
     progress = _Progress(args, sum(item.request.params.n for item in items))
     result = replay(engine, items, progress.on_step, stop_on_interrupt=True)
@@ -245,13 +292,16 @@ def _report(args: argparse.Namespace, engine, device: str, items: list, result, 
     for index, message in result.refusals:
         print(one_line(f"batchkv run: request {index} refused: {message}"), file=sys.stderr)
     summary = engine.metrics.summary()
-    mode = "graphs" if engine.uses_graphs else "eager"
-    title = f"batchkv run: {args.model} on {device} ({mode}), max_seqs {args.max_seqs}, capacity {args.capacity}"
+    mode = ("graphs" if engine.uses_graphs else "eager") + (", overlap" if engine.overlap else "")
+    cache = engine.cache
+    title = f"batchkv run: {args.model} on {device} ({mode}), max_seqs {cache.max_seqs}, capacity {cache.capacity}"
     if args.kv_dtype != "model":
         title += f", kv {args.kv_dtype}"
-    print(summary_table(summary, title, graphs=engine.uses_graphs))
+    sizing = engine.sizing.describe() if engine.sizing is not None else None
+    print(summary_table(summary, title, graphs=engine.uses_graphs, sizing=sizing))
     if args.json:
-        record = {"model": args.model, "device": device, "graphs": engine.uses_graphs, **summary}
+        record = {"model": args.model, "device": device, "graphs": engine.uses_graphs, "overlap": engine.overlap,
+                  "max_seqs": cache.max_seqs, "capacity": cache.capacity, "sizing": sizing, **summary}  # fmt: skip
         record["interrupted"] = result.interrupted
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: run the named phases in order, each under its own time limit, with
 # results under $OUT. Phases: oomtests tests kernels sweep model decode profile compat summary serve fp8 spec
-# gemv b1 ncu.
+# gemv b1 ncu overlap budget.
 #   OUT=/tmp/out bash bench/gpu_session.sh tests kernels decode summary
 # Limits come from measured runs: tests took 120 s on a cold machine (26 tests, Triton compiles
 # first), so 300; kernels and decode carry their own wall-clock budgets (--budget-s) a little under
@@ -49,6 +49,8 @@ for p in "$@"; do
       --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --csv --page details \
       python3 bench/b1_ncu.py ;;
     summary) phase summary 60 python3 bench/summary.py "$OUT" ;;
+    overlap) phase overlap 170 python3 bench/serve_profile.py --out "$OUT/serve-profile-h200.json" ;;
+    budget) phase budget 580 python3 bench/serve_sweep.py --out "$OUT/serve-sweep-h200.json" --budget-s 420 ;;
     *) echo "unknown phase $p" ;;
   esac
 done

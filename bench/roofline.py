@@ -103,19 +103,19 @@ def model_cost(model, q_heads: int) -> ModelCost:
 
 
 class StepLog:
-    """Records every step an engine runs, by wrapping its runner's `run(batch, width)`.
+    """Records every step an engine runs, by wrapping its runner's `launch(batch, width, previous)`.
 
-    The cache has been given the step's declaration but not its commit when `run` is called, so
+    The cache has been given the step's declaration but not its commit when `launch` is called, so
     `cache.pos(seq)` is each sequence's length before the step. Host only; nothing is synchronised.
     """
 
     def __init__(self, engine) -> None:
         self.steps: list[Step] = []
         runner, cache = engine.runner, engine.cache
-        run = runner.run
+        launch = runner.launch
 
-        def logged(batch, width):
+        def logged(batch, width, previous=None):
             self.steps.append(Step(segments(batch.seq_ids, cache.pos), len(batch.rows)))
-            return run(batch, width)
+            return launch(batch, width, previous)
 
-        runner.run = logged
+        runner.launch = logged

@@ -154,13 +154,13 @@ def test_steps_respect_the_token_budget_chunk_size_and_64_sampling_rows(model):
     rng = random.Random(6)
     schedule = [(0, Request(random_prompt(rng, 2, 6), greedy(rng.randint(2, 4)))) for _ in range(72)]
     seen = []
-    run = engine.runner.run
+    launch = engine.runner.launch
 
-    def spy(batch, width):
+    def spy(batch, width, previous=None):
         seen.append((len(batch.seq_ids), len(batch.rows), width, max(batch.seq_ids.count(s) for s in batch.seq_ids)))
-        return run(batch, width)
+        return launch(batch, width, previous)
 
-    engine.runner.run = spy
+    engine.runner.launch = spy
     outputs, ids = drive(engine, schedule)
     assert_matches_oracle(model, outputs, ids, schedule, capacity=16)
     assert max(rows for _, rows, _, _ in seen) == MAX_SAMPLE_ROWS  # the cap was reached and held
@@ -238,15 +238,15 @@ def test_cancellation_events_survive_a_step_that_raises(model):
     second = engine.submit(request)
     events = engine.step()
     engine.cancel(first)
-    run = engine.runner.run
+    launch = engine.runner.launch
 
-    def broken(batch, width):
+    def broken(batch, width, previous=None):
         raise RuntimeError("injected forward failure")
 
-    engine.runner.run = broken
+    engine.runner.launch = broken
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
-    engine.runner.run = run
+    engine.runner.launch = launch
     events += engine.run_until_done()
     assert [e.request_id for e in events if e.finish_reason == "cancelled"] == [first]
     assert engine.metrics.finished["cancelled"] == 1

@@ -91,3 +91,26 @@ def test_synthetic_workloads_are_seeded_and_stay_in_their_ranges():
     assert len({i.request.params.seed for i in items}) == 50
     with pytest.raises(WorkloadError, match="prompt_len"):
         synthetic(3, vocab_size=97, prompt_len=(5, 2))
+
+
+def test_run_sizes_the_store_to_memory_and_reports_what_it_chose(tmp_path, capsys, monkeypatch):
+    from batchkv.executor import sizing
+
+    monkeypatch.setattr(sizing, "device_memory", lambda device: (64 << 30, 1 << 30))  # not this machine's load
+    out = tmp_path / "m.json"
+    argv = ["run", "--device", "cpu", "--requests", "4", "--prompt-len", "4:12", "--output-len", "2:6"]
+    argv += ["--max-seqs", "auto", "--memory-fraction", "0.5", "--capacity", "64", "--prefill-budget", "8"]
+    assert cli.main([*argv, "--overlap", "off", "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "sized the store: 64 sequences x 64 positions" in captured.err
+    for label in ("first token p99", "step time", "store", "max_seqs 64, capacity 64"):
+        assert label in captured.out
+    metrics = json.loads(out.read_text())
+    assert metrics["max_seqs"] == 64 and metrics["overlap"] is False and metrics["sizing"].startswith("64 sequences")
+    assert metrics["generated_tokens"] >= 4 * 2
+
+
+def test_run_refuses_a_max_seqs_that_is_neither_a_number_nor_auto(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--device", "cpu", "--max-seqs", "many"])
+    assert "'many' is not an integer, nor auto" in capsys.readouterr().err

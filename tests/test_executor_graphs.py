@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from batchkv.executor import Engine, Request
@@ -49,9 +50,10 @@ def graph_engine(model, **kwargs) -> tuple[Engine, RecordingGraphs]:
     return engine, graphs
 
 
-def test_one_key_per_width_bucket_and_generation_whatever_the_length_mix():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_one_key_per_width_bucket_and_generation_whatever_the_length_mix(overlap):
     model = ToyModel(seed=1)
-    engine, graphs = graph_engine(model, row_buckets=(16, 32), row_step=32)
+    engine, graphs = graph_engine(model, row_buckets=(16, 32), row_step=32, overlap=overlap)
     rng = random.Random(11)
     schedule = [(rng.randint(0, 25), Request(random_prompt(rng, 1, 30), greedy(rng.randint(1, 20)))) for _ in range(10)]
     schedule.append((12, Request(random_prompt(rng, 40, 40), greedy(30))))  # grows the store mid-run

@@ -61,3 +61,61 @@ def test_plan_refuses_a_fraction_outside_0_1(fraction):
 def test_the_cpu_reports_its_physical_memory():
     total, in_use = device_memory(torch.device("cpu"))
     assert 0 <= in_use <= total and total > 2**28
+
+
+# ---- Engine(max_seqs="auto") ------------------------------------------------------------------
+def _toy():
+    from tests.toy_model import ToyModel
+
+    return ToyModel(seed=0)
+
+
+def _template(model, capacity: int) -> CacheConfig:
+    return CacheConfig(**model.cache_spec(), max_seqs=1, capacity=capacity, max_write=8, max_width=16)
+
+
+def test_auto_max_seqs_takes_the_columns_that_fit_and_allocates_them_up_front(monkeypatch):
+    from batchkv.executor import Engine, Request, SamplingParams, gather
+    from batchkv.executor import sizing as sizing_module
+    from tests.executor_helpers import oracle
+
+    model = _toy()
+    per = column_bytes(_template(model, 48))
+    monkeypatch.setattr(sizing_module, "device_memory", lambda device: (100 * per, 90 * per))
+    engine = Engine(model, max_seqs="auto", memory_fraction=0.95, capacity=48, max_step_tokens=16, prefill_chunk=8)
+    # budget 95 columns' worth, 90 in use: 5 left, one of them the scratch column
+    assert engine.sizing.max_seqs == engine.cache.max_seqs == 4 == engine.metrics.max_seqs
+    assert engine.cache.rows == 48 and engine.cache.nbytes == engine.sizing.store_bytes  # allocated whole
+    assert "4 sequences x 48 positions" in engine.sizing.describe()
+    request = Request([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=6))
+    rid = engine.submit(request)
+    out = gather(engine.run_until_done())[rid]
+    assert (out.tokens[0], out.finish_reasons[0]) == oracle(model, request, 48)
+    assert engine.metrics.growths == 0
+
+
+def test_auto_max_seqs_stops_at_64_columns_and_refuses_when_none_fits(monkeypatch):
+    from batchkv.executor import MAX_SAMPLE_ROWS, Engine
+    from batchkv.executor import sizing as sizing_module
+
+    model = _toy()
+    per = column_bytes(_template(model, 32))
+    monkeypatch.setattr(sizing_module, "device_memory", lambda device: (1000 * per, 0))
+    engine = Engine(model, max_seqs="auto", capacity=32, max_step_tokens=16, prefill_chunk=8)
+    assert engine.cache.max_seqs == MAX_SAMPLE_ROWS  # a step samples at most 64 rows
+    monkeypatch.setattr(sizing_module, "device_memory", lambda device: (10 * per, 9 * per))
+    with pytest.raises(CapacityError, match="lower capacity"):
+        Engine(model, max_seqs="auto", capacity=32, max_step_tokens=16, prefill_chunk=8)
+    with pytest.raises(ConfigError, match="memory_fraction"):
+        Engine(model, max_seqs="auto", capacity=32, max_step_tokens=16, prefill_chunk=8, memory_fraction=1.5)
+
+
+def test_capacity_none_is_the_models_max_positions_else_the_default():
+    from batchkv.executor import Engine
+    from batchkv.executor.sizing import DEFAULT_CAPACITY
+
+    model = _toy()
+    assert Engine(model, max_step_tokens=16, prefill_chunk=8).cache.capacity == DEFAULT_CAPACITY
+    model.max_positions = 640
+    assert Engine(model, max_step_tokens=16, prefill_chunk=8).cache.capacity == 640
+    assert Engine(model, capacity=100, max_step_tokens=16, prefill_chunk=8).cache.capacity == 100

@@ -127,3 +127,11 @@ def test_a_model_with_attention_sinks_is_refused():
     x = torch.zeros(1, 2, 3, 8)
     with pytest.raises(ContractError, match="sinks"):
         batchkv_attention(hf.model.layers[0].self_attn, x, x, x, None, batchkv_cache=object(), s_aux=torch.zeros(2))
+
+
+def test_an_engine_without_a_capacity_takes_the_configs_max_position_embeddings():
+    from batchkv.executor import Engine
+
+    model = HFModel(_qwen3())
+    assert model.max_positions == GEOMETRY["max_position_embeddings"]
+    assert Engine(model, max_step_tokens=16, prefill_chunk=8).cache.capacity == 256

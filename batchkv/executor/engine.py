@@ -1,9 +1,11 @@
 """The engine: requests in, tokens streamed out, many sequences decoding together.
 
-One `step()` is: admit waiting requests while columns are free, pack a step (decode tokens first,
-then prompt chunks), declare and prepare it on the cache, run the forward and sample (eager, or a
-replayed CUDA graph), commit, then record tokens, fork n > 1 requests after their prompt, and free
-the columns of finished samples. Everything but the forward and sampling is host bookkeeping.
+One `step()` launches a step and finishes one. Launching: admit waiting requests while columns are
+free, pack a step (decode tokens first, then prompt chunks), declare and prepare it on the cache,
+queue the forward and sampling on the device (eager, or a replayed CUDA graph), commit, fork n > 1
+requests after their prompt. Finishing: read the step's tokens, record them, and free the columns of
+finished samples. With overlap (`batchkv.executor.pipeline`) a call finishes the step the previous
+call launched, so the host plans step N+1 while the device runs step N.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from batchkv.checks import allocating, device_arg, int_arg, int_args
 from batchkv.errors import ConfigError, RequestError, StepError
 from batchkv.executor.graphs import GraphSet
 from batchkv.executor.metrics import Metrics
+from batchkv.executor.pipeline import InFlight, Pipeline
 from batchkv.executor.request import MAX_SAMPLE_ROWS, Event, Request
 from batchkv.executor.runner import ModelRunner, StepModel
 from batchkv.executor.scheduler import RequestState, Scheduler
+from batchkv.executor.sizing import Sizing, check_fraction, model_capacity, size_store
 from batchkv.executor.speculative import NoSpeculation, SpeculativeConfig, Speculator, build_speculator
 
 
@@ -42,11 +46,22 @@ class Engine:
 
     model: callable as model(input_ids [W] int64, indexes [3, W] int64, cache, logits_rows [R]
         int64) -> float32 [R, vocab]; exposes cache_spec() -> dict(num_layers, kv_heads, head_dim,
-        layers, dtype), vocab_size and device.
-    max_seqs: resident sequences (columns); a request with n samples holds n of them.
-    capacity: most positions (prompt + generated) one sequence may hold.
+        layers, dtype), vocab_size and device (and optionally max_positions).
+    max_seqs: resident sequences (columns); a request with n samples holds n of them. "auto": as
+        many as fit in `memory_fraction` of the device at full capacity, at most 64 (a step samples
+        at most 64 rows); the store is then allocated whole up front (`Engine.sizing` says how).
+    memory_fraction: with max_seqs="auto", the share of the device's total memory this process may
+        use for everything (weights, activations, graphs, K/V), like vLLM's gpu_memory_utilization.
+    capacity: most positions (prompt + generated) one sequence may hold; None: the model's
+        `max_positions` when it has one, else `DEFAULT_CAPACITY` (4096).
     max_step_tokens: token budget of one step (decode tokens + prompt chunks).
     prefill_chunk: most prompt tokens one sequence writes in one step (the cache's max_write).
+    prefill_budget: most prompt tokens one step carries, all prompts together (None: whatever the
+        step budget leaves after decode). Lower keeps steps short while prompts arrive (inter-token
+        latency); higher finishes prompts in fewer steps (time to first token, throughput).
+    overlap: plan and queue step N+1 while the device runs step N ("auto": on CUDA unless
+        speculating; True is refused with `speculative`, whose plans need the last step's accepted
+        counts; on the CPU, True runs the same pipeline, which only hands tokens out a step later).
     width_buckets: packed widths a step is padded up to (default `default_buckets`: 1, 2, 4, ..., 32,
         48, 64, then every 64 to 512 and every 128 to the budget).
     use_graphs: "auto" (CUDA graphs when on CUDA with capturable attention), True or False.
@@ -71,8 +86,8 @@ class Engine:
         self,
         model: StepModel,
         *,
-        max_seqs: int = 8,
-        capacity: int = 1024,
+        max_seqs: int | str = 8,
+        capacity: int | None = None,
         max_step_tokens: int = 128,
         prefill_chunk: int = 64,
         width_buckets: Sequence[int] | None = None,
@@ -84,8 +99,14 @@ class Engine:
         seed: int = 0,
         kv_dtype: torch.dtype | None = None,
         speculative: SpeculativeConfig | None = None,
+        overlap: bool | str = "auto",
+        prefill_budget: int | None = None,
+        memory_fraction: float = 0.9,
     ) -> None:
-        max_seqs = int_arg("Engine max_seqs", max_seqs, 1, MAX_POSITIONS)
+        auto = max_seqs == "auto"
+        max_seqs = MAX_SAMPLE_ROWS if auto else max_seqs  # auto: sizes the widths; the store takes what fits
+        capacity = model_capacity(model) if capacity is None else capacity
+        max_seqs = int_arg("Engine max_seqs", max_seqs, 1, MAX_POSITIONS, why=" (or 'auto')")
         why = " (one step's tokens: static buffers are sized by it)"
         max_step_tokens = int_arg("Engine max_step_tokens", max_step_tokens, 1, MAX_STEP_TOKENS, why=why)
         why = " (a prompt and a generated token; positions are int32)"
@@ -130,7 +151,15 @@ class Engine:
         self.device = device_arg(device if device is not None else model.device, "Engine device")
         if torch.device(model.device).type != self.device.type:
             raise ConfigError(f"the model is on {model.device} but the engine's device is {self.device}; move one")
+        self.pipeline = Pipeline.for_engine(overlap, speculating=speculative is not None, device=self.device)
+        check_fraction(memory_fraction)
+        self.sizing: Sizing | None = None
+        if auto:  # as many columns as fit, allocated whole now: no growth (or recapture) while serving
+            config, self.sizing = size_store(model, config, memory_fraction, limit=MAX_SAMPLE_ROWS)
+            max_seqs = config.max_seqs
         self.cache = BatchedSequenceCache(config, self.device, attention=attention)
+        if self.sizing is not None:
+            self.cache.reserve(capacity)
         capturable = self.device.type == "cuda" and self.cache.attention != "reference"
         if use_graphs is True and not capturable:
             raise ConfigError(
@@ -140,8 +169,8 @@ class Engine:
         graphs = GraphSet(self.device) if use_graphs is not False and capturable else None
         self.buckets = buckets
         self.vocab_size = int(model.vocab_size)
-        self.scheduler = Scheduler(self.cache, max_step_tokens, prefill_chunk, buckets)
-        self.metrics = Metrics(max_seqs)
+        self.scheduler = Scheduler(self.cache, max_step_tokens, prefill_chunk, buckets, prefill_budget)
+        self.metrics = Metrics(max_seqs, generation=self.cache.generation)
         what, nbytes = "the step inputs and logits", ModelRunner.nbytes(buckets[-1], self.vocab_size)
         with allocating(what, nbytes, "lower max_step_tokens, or free device memory"):
             if speculative is None:
@@ -154,7 +183,6 @@ class Engine:
                 self.runner = self.speculator.runner
         self._seeds = random.Random(seed)
         self._next_id = 0
-        self._generation = self.cache.generation
         self._idle = False
 
     @property
@@ -162,9 +190,14 @@ class Engine:
         return self.runner.graphs is not None
 
     @property
+    def overlap(self) -> bool:
+        """True when a step is planned and queued while the previous one runs on the device."""
+        return self.pipeline.overlap
+
+    @property
     def has_work(self) -> bool:
-        """True while a request is waiting, prefilling or decoding, or events are pending."""
-        return self.scheduler.has_work
+        """True while a request is waiting, prefilling or decoding, a step is in flight, or events are pending."""
+        return self.scheduler.has_work or self.pipeline.in_flight is not None
 
     @property
     def num_waiting(self) -> int:
@@ -222,50 +255,49 @@ class Engine:
     def _bucket(self, tokens: int) -> int:
         return next(b for b in self.buckets if b >= tokens)
 
-    def _note_growth(self) -> None:
-        if self.cache.generation != self._generation:
-            self.metrics.growths += self.cache.generation - self._generation
-            self._generation = self.cache.generation
-
     def step(self) -> list[Event]:
-        """Run one step; returns its events (tokens, finishes, cancellations), possibly none."""
+        """Launch one step and finish one (the previous with overlap, else this one); returns the
+        cancellations since the last call, then the finished step's tokens and finishes."""
         start = time.perf_counter()
+        launched = self._launch()
+        done = self.pipeline.swap(launched)
+        events = self._finish(done) if done is not None else []
+        self.metrics.record_call(start, time.perf_counter(), launched, self.runner)
+        self._idle = launched is None and done is None
+        return self._take_cancelled() + events
+
+    def _launch(self) -> InFlight | None:
+        """Admit, plan, and queue the next step on the device; commit it on the host. None: no step."""
         self.scheduler.admit()
         batch = self.scheduler.plan()
-        self._note_growth()
-        self._idle = batch is None
+        self.metrics.note_generation(self.cache.generation)
         if batch is None:
-            return self._take_cancelled()
+            return None
         self.speculator.extend(batch)  # decode rows become verify segments [anchor, drafts...]
         # At least as wide as its sampling rows: the LM head runs on min(width, 64) rows.
         width = self._bucket(max(len(batch.seq_ids), len(batch.rows)))
         self.cache.declare_step(batch.seq_ids)
         self.cache.prepare_step(width)
-        self._note_growth()
+        self.metrics.note_generation(self.cache.generation)
         held = len(self.cache.sequences)
-        runs = self.runner.run(batch, width)  # tokens per sample; the step's one host synchronisation
+        previous = self.pipeline.in_flight
+        tokens = self.runner.launch(batch, width, previous.tokens if previous is not None else None)
         self.cache.commit_step()
+        self.scheduler.launched(batch)
+        return InFlight(batch, tokens, width, held)
+
+    def _finish(self, step: InFlight) -> list[Event]:
+        """Read a launched step's tokens (the wait for the device), accept drafts, record tokens,
+        finish and free."""
+        batch = step.batch
+        runs = step.tokens.read()
         self.speculator.accept(batch, runs)  # rewind verify segments to their accepted end
         now = time.perf_counter()
-        previous = [(s.last_emit if s.tokens else None, len(s.tokens)) for s in batch.samples]
+        before = [(s.last_emit if s.tokens else None, len(s.tokens)) for s in batch.samples]
         new = self.scheduler.complete(batch, runs, now)
         self.speculator.release()
-        for sample, (before, count) in zip(batch.samples, previous, strict=True):
-            self.metrics.record_tokens(now, before, sample.owner.submitted, len(sample.tokens) - count)
-        for event in new:
-            if event.finish_reason is not None:
-                self.metrics.finished[event.finish_reason] += 1
-        m = self.metrics
-        m.captures, m.replays = self.runner.captures, self.runner.replays
-        m.record_step(
-            start,
-            time.perf_counter(),
-            width=width,
-            prefill=batch.prefill_tokens,
-            decode=batch.decode_tokens,
-            held_columns=held,
-        )
-        return self._take_cancelled() + new
+        self.metrics.record_finished(now, batch.samples, before, new)
+        return new
 
     def _take_cancelled(self) -> list[Event]:
         # Taken only once the step succeeded: if it raised, they come out of a later step.
@@ -288,5 +320,8 @@ class Engine:
     def assert_idle(self) -> None:
         """Raise StepError unless no request is live and every column is free (a leak check)."""
         held = self.cache.sequences + self.speculator.sequences()
-        if self.scheduler.live or held:
-            raise StepError(f"engine not idle: live requests {sorted(self.scheduler.live)}, held columns {held}")
+        if self.scheduler.live or held or self.pipeline.in_flight is not None:
+            raise StepError(
+                f"engine not idle: live requests {sorted(self.scheduler.live)}, held columns {held}, "
+                f"a step in flight: {self.pipeline.in_flight is not None}"
+            )

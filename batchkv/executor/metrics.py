@@ -1,16 +1,23 @@
 """Engine counters and latencies: what `batchkv run` prints and `--json` writes.
 
-Times are host wall-clock seconds taken after each step's one synchronisation, so a step's time
-covers planning, the forward, sampling and bookkeeping. Inter-token latency is the gap between two
-consecutive tokens of one sample; time to first token runs from submit to the first token.
+Times are host wall-clock seconds. A step's time is one `Engine.step()` call that launched a step:
+planning and queueing it, and finishing a step (reading its tokens, bookkeeping). With overlap the
+call finishes the previous step, so in steady state its time is the device's time per step (or the
+host's, whichever is longer); without, it is the whole step end to end. A token's time is when the
+host read it. Inter-token latency is the gap between two consecutive tokens of one sample; time to
+first token runs from submit to the first token.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from batchkv.executor.pipeline import InFlight
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -43,6 +50,33 @@ class Metrics:
     spec_accepted: int = 0  # drafts accepted
     first_start: float | None = None
     last_end: float = 0.0
+    generation: int = 0  # the cache's storage generation last seen (set by the engine)
+
+    def note_generation(self, generation: int) -> None:
+        """Count storage reallocations: the cache's generation moved to `generation`."""
+        self.growths += generation - self.generation
+        self.generation = generation
+
+    def record_call(self, start: float, end: float, launched: InFlight | None, runner: object) -> None:
+        """One `Engine.step()` call from `start` to `end`; `launched` is the step it queued (None:
+        it only finished one, whose tokens extend the elapsed time)."""
+        self.captures, self.replays = runner.captures, runner.replays  # type: ignore[attr-defined]
+        if launched is None:
+            if self.first_start is not None:
+                self.last_end = end
+            return
+        batch = launched.batch
+        self.record_step(start, end, width=launched.width, prefill=batch.prefill_tokens,
+                         decode=batch.decode_tokens, held_columns=launched.held)  # fmt: skip
+
+    def record_finished(self, now: float, samples: list, before: list[tuple[float | None, int]], events: list) -> None:
+        """A finished step: each sample's new tokens (its last token time and token count before
+        the step in `before`), and the finish reasons among `events`."""
+        for sample, (previous, count) in zip(samples, before, strict=True):
+            self.record_tokens(now, previous, sample.owner.submitted, len(sample.tokens) - count)
+        for event in events:
+            if event.finish_reason is not None:
+                self.finished[event.finish_reason] += 1
 
     def record_step(
         self, start: float, end: float, *, width: int, prefill: int, decode: int, held_columns: int

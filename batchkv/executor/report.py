@@ -47,8 +47,10 @@ class ProgressBar:
             self.stream.flush()
 
 
-def summary_table(summary: dict, title: str, *, graphs: bool) -> str:
-    """A two-column table of the headline numbers of `Metrics.summary()`."""
+def summary_table(summary: dict, title: str, *, graphs: bool, sizing: str | None = None) -> str:
+    """A two-column table of the headline numbers of `Metrics.summary()` (those bench/decode.py's
+    serving part reports: tokens/s, inter-token and first-token p50/p99, step time, occupancy,
+    graph captures); `sizing` is `Sizing.describe()` when the store was sized to the device."""
     finished = summary.get("finished", {})
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(finished.items()) if v)
     rows = [
@@ -63,9 +65,13 @@ def summary_table(summary: dict, title: str, *, graphs: bool) -> str:
         ("inter-token p50", f"{summary['itl_ms_p50']:.2f} ms"),
         ("inter-token p99", f"{summary['itl_ms_p99']:.2f} ms"),
         ("first token p50", f"{summary['ttft_ms_p50']:.1f} ms"),
+        ("first token p99", f"{summary['ttft_ms_p99']:.1f} ms"),
+        ("step time", "{step_ms_mean:.2f} ms mean, {step_ms_p50:.2f} p50, {step_ms_p99:.2f} p99".format(**summary)),
         ("occupancy", f"{100 * summary['occupancy']:.1f}% of columns held"),
         ("width buckets", f"{summary['width_buckets_used']} used"),
     ]
+    if sizing is not None:
+        rows.append(("store", sizing))
     if summary.get("spec_proposed"):
         rows.append(
             (

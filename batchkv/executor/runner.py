@@ -1,14 +1,20 @@
 """The model runner: static step inputs on the device, one forward (eager or a replayed CUDA graph),
-and sampling.
+and sampling, queued without waiting for the device.
 
 Every per-step input lives in fixed-address device tensors sized at the largest width bucket:
 token ids int64 [W], RoPE indexes int64 [3, W] (contiguous per width), the logits selector int64
-[64], the logits out float32 [64, vocab], and the sampling parameters [64]. The host writes them
-through `Staging` (one pinned buffer per dtype, copied over asynchronously); nothing else crosses. With a
-`GraphSet` the forward is captured once per (width bucket, cache generation, module fingerprint)
-and replayed afterwards; a new mix of lengths only changes the contents of the cache's buffers.
+[64], the sampling parameters [64], the token sources int64 [W], and the logits out float32 [64,
+vocab]. The host writes them through `Staging` (one pinned buffer per dtype, copied over
+asynchronously); nothing else crosses. With a `GraphSet` the forward is captured once per (width
+bucket, cache generation, module fingerprint) and replayed afterwards; a new mix of lengths only
+changes the contents of the cache's buffers.
 
-Host synchronisations per step: one, `tolist()` on the sampled tokens.
+Sampled tokens stay on the device: `sampled` int64 [2, 64] holds two launches' tokens (slots
+alternate between consecutive launches), and a row whose token source is r >= 0 takes its id from
+the previous launch's slot, row r, gathered inside the captured forward. Each launch also queues a
+copy of its tokens into a pinned host slot and records an event; `SampledTokens.read()` waits on
+that event: the step's one host synchronisation, which the engine defers until the next step is
+queued (see `batchkv.executor.pipeline`).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from torch import nn
 
 from batchkv.cache import BatchedSequenceCache
 from batchkv.cache.staging import Staging
+from batchkv.errors import StepError
 from batchkv.executor.graphs import AdapterGuard, GraphSet, ModuleFingerprint
 from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform
@@ -89,24 +96,31 @@ class ModelRunner:
     ) -> None:
         self._bind(model, cache, max_width, graphs)
         self.pad_rows = pad_rows or graphs is not None
-        w = max_width
-        # int64: [input_ids w | indexes 3w | logits_rows R | top_k R]; float32: [temperature | top_p | draws]
-        self._staging = Staging(self.sizes(w), cache.device)
+        w, device = max_width, cache.device
+        # int64: [input_ids w | indexes 3w | logits_rows R | top_k R | token_src w];
+        # float32: [temperature | top_p | draws]
+        self._staging = Staging(self.sizes(w), device)
         self._dev_i64 = self._staging.device_buffers[torch.int64]
         self.logits_rows = self._dev_i64[4 * w : 4 * w + R]
-        self.top_k = self._dev_i64[4 * w + R :]
+        self.top_k = self._dev_i64[4 * w + R : 4 * w + 2 * R]
+        self.token_src = self._dev_i64[4 * w + 2 * R :]  # -1: the staged id; else a row of `sampled`
         self.temperature, self.top_p, self.draws = self._staging.device_buffers[torch.float32].view(3, R).unbind(0)
-        self.logits = torch.zeros(R, model.vocab_size, dtype=torch.float32, device=cache.device)
+        self.logits = torch.zeros(R, model.vocab_size, dtype=torch.float32, device=device)
+        pin = device.type == "cuda"
+        self.sampled = torch.zeros(2, R, dtype=torch.int64, device=device)  # two launches' tokens
+        self._host_tokens = torch.zeros(2, R, dtype=torch.int64, pin_memory=pin)
+        self._read = [torch.cuda.Event() for _ in range(2)] if pin else [None, None]
 
     @staticmethod
     def sizes(max_width: int) -> dict[torch.dtype, int]:
         """Elements per dtype of the staged step inputs."""
-        return {torch.int64: 4 * max_width + 2 * R, torch.float32: 3 * R}
+        return {torch.int64: 5 * max_width + 2 * R, torch.float32: 3 * R}
 
     @staticmethod
     def nbytes(max_width: int, vocab_size: int) -> int:
-        """Bytes a runner allocates: staged inputs (host and device) and the float32 logits [64, vocab]."""
-        return Staging.nbytes(ModelRunner.sizes(max_width)) + 4 * R * vocab_size
+        """Bytes a runner allocates: staged inputs (host and device), the float32 logits [64, vocab],
+        and the sampled tokens (two slots, device and host)."""
+        return Staging.nbytes(ModelRunner.sizes(max_width)) + 4 * R * vocab_size + 4 * 8 * R
 
     def _bind(self, model: StepModel, cache: BatchedSequenceCache, max_width: int, graphs: GraphSet | None) -> None:
         self.model, self.cache, self.max_width, self.graphs = model, cache, max_width, graphs
@@ -129,9 +143,9 @@ class ModelRunner:
     def replays(self) -> int:
         return self.graphs.replays if self.graphs is not None else 0
 
-    def _stage(self, batch: Batch, width: int) -> bool:
+    def _stage(self, batch: Batch, width: int, previous: SampledTokens | None) -> bool:
         """Write the step's inputs to the device buffers; True when some row samples (not greedy)."""
-        staged = self._staging.begin()
+        staged = self._staging.begin()  # waits for the previous upload (queued before the last forward)
         w, n, rows = self.max_width, len(batch.input_ids), len(batch.rows)
         host = staged[torch.int64]
         host[:width] = 0  # padding feeds token 0; its K/V go to the scratch column
@@ -139,7 +153,14 @@ class ModelRunner:
         index = host[w : w + 3 * width].reshape(3, width)
         index[:] = 0  # text tokens: (t, 0, 0)
         index[0, :n] = batch.t_index
-        selector, top_k = host[4 * w : 4 * w + R], host[4 * w + R :]
+        src = host[4 * w + 2 * R : 4 * w + 2 * R + width]
+        src[:] = -1
+        if batch.token_src:
+            if previous is None:
+                raise StepError("a planned row feeds a pending token, but no launched step holds it")
+            src[:n] = batch.token_src
+            src[:n][src[:n] >= 0] += previous.slot * R  # rows of the previous launch's slot
+        selector, top_k = host[4 * w : 4 * w + R], host[4 * w + R : 4 * w + 2 * R]
         selector[:] = 0
         selector[:rows] = batch.rows
         params = staged[torch.float32].reshape(3, R)
@@ -151,14 +172,17 @@ class ModelRunner:
             if p.greedy:
                 continue
             sampling = True
-            params[:, i] = (p.temperature, p.top_p, uniform(sample.owner.seed, sample.index, len(sample.tokens)))
+            params[:, i] = (p.temperature, p.top_p, uniform(sample.owner.seed, sample.index, sample.count))
             top_k[i] = p.top_k
         self._staging.upload()
         return sampling
 
     def _forward(self, width: int, rows: int) -> torch.Tensor:
-        """The captured region: model forward over the static buffers, logits into `self.logits`."""
-        out = self.model(self.input_ids(width), self.indexes(width), self.cache, self.logits_rows[:rows])
+        """The captured region: ids (staged, or gathered from the previous launch's sampled tokens),
+        model forward over the static buffers, logits into `self.logits`."""
+        src = self.token_src[:width]
+        ids = torch.where(src >= 0, self.sampled.view(-1).index_select(0, src.clamp(min=0)), self.input_ids(width))
+        out = self.model(ids, self.indexes(width), self.cache, self.logits_rows[:rows])
         self.logits[:rows].copy_(out)
         return self.logits
 
@@ -175,13 +199,17 @@ class ModelRunner:
             self._bound = bound
         return self.graphs.run((head, *bound), fn)  # type: ignore[return-value]
 
-    def run(self, batch: Batch, width: int) -> list[list[int]]:
-        """Forward the declared-and-prepared step at `width`, sample, and return each row's token
-        (as a one-token list, the shape a verify step's accepted runs take).
+    def launch(self, batch: Batch, width: int, previous: SampledTokens | None = None) -> SampledTokens:
+        """Queue the declared-and-prepared step at `width`: forward, sampling into a slot of
+        `sampled`, and the copy of its tokens to the host. Returns the handle that reads them.
 
         The cache must have been given `declare_step(batch.seq_ids)` and `prepare_step(width)`.
+        `previous`: the launch whose tokens `batch.token_src` rows feed (it must not have been
+        followed by another launch); this one takes the other slot, so a launch that raises
+        leaves `previous`'s tokens in place for a retry. No host synchronisation on CUDA.
         """
-        sampling = self._stage(batch, width)
+        slot = 1 - previous.slot if previous is not None else 0
+        sampling = self._stage(batch, width, previous)
         rows = min(R, width) if self.pad_rows else len(batch.rows)
         logits = self.execute(width, lambda: self._forward(width, rows))
         real = len(batch.rows)
@@ -192,4 +220,29 @@ class ModelRunner:
             )
         else:
             tokens = greedy_tokens(logits)
-        return [[token] for token in tokens.tolist()]
+        self.sampled[slot, :real].copy_(tokens)
+        host = self._host_tokens[slot, :real]
+        host.copy_(self.sampled[slot, :real], non_blocking=self._read[slot] is not None)
+        event = self._read[slot]
+        if event is not None:  # on the stream the copy ran on: the cache's device's
+            event.record(torch.cuda.current_stream(self.cache.device))
+        return SampledTokens(host, slot, event)
+
+    def run(self, batch: Batch, width: int) -> list[list[int]]:
+        """`launch` and read at once: each row's token as a one-token list (the shape a verify
+        step's accepted runs take)."""
+        return self.launch(batch, width).read()
+
+
+class SampledTokens:
+    """A launched step's sampled tokens on their way to the host: a pinned slot and the event
+    recorded after the copy into it (None on the CPU, where the copy has already happened)."""
+
+    def __init__(self, host: torch.Tensor, slot: int, event: torch.cuda.Event | None) -> None:
+        self.host, self.slot, self.event = host, slot, event
+
+    def read(self) -> list[list[int]]:
+        """Each sampling row's token as a one-token list; waits for the step on CUDA."""
+        if self.event is not None:
+            self.event.synchronize()
+        return [[token] for token in self.host.tolist()]

@@ -2,9 +2,17 @@
 
 Pure bookkeeping over `BatchedSequenceCache`'s BatchControl verbs; no tensors. Each step packs, in
 order: one decode token per running sample (round-robin when a step cannot take them all), then
-chunks of admitted prompts (FIFO) within the token budget. A prompt may take several steps; the
-step that writes its last token samples its first token(s), and a request with n > 1 then forks
-with `seq_clone` into n sequences that decode independently.
+chunks of admitted prompts (FIFO) within the token budget and the prefill budget. A prompt may take
+several steps; the step that writes its last token samples its first token(s), and a request with
+n > 1 then forks with `seq_clone` into n sequences that decode independently.
+
+A step is applied in two halves, so the host can plan the next step before this one's tokens are
+read (`batchkv.executor.pipeline`): `launched(batch)` right after the step is queued and committed
+(prompt progress, forks, one pending token per sampling row, and the columns of samples that just
+sampled their last possible token under max_new_tokens or capacity), and `complete(batch, runs)`
+once its tokens are on the host (tokens, stop finishes, events). A sample whose newest token is
+still pending decodes from the device: its row's id is gathered from the launched step's sampled
+tokens (`Batch.token_src`).
 
 Columns: admission takes one column per request and holds back n - 1 more for its forks, so a
 fork can never find the store full. Storage is reserved at admission for the request's longest
@@ -15,89 +23,34 @@ the middle of its decode.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from batchkv.cache import BatchedSequenceCache
-from batchkv.executor.request import MAX_SAMPLE_ROWS, Event, Request
+from batchkv.errors import ConfigError
+from batchkv.executor.request import MAX_SAMPLE_ROWS, Event
+from batchkv.executor.state import Batch, RequestState, SampleState
 
-
-@dataclass(eq=False)
-class SampleState:
-    """One of a request's n samples: its column, tokens so far, and the next RoPE t."""
-
-    owner: RequestState
-    index: int
-    seq: int = -1  # column; -1 until the prompt is written (sample 0) or forked (others)
-    tokens: list[int] = field(default_factory=list)
-    next_t: int = 0  # RoPE t of the next token fed back
-    finish: str | None = None
-    last_emit: float = 0.0  # host time of the last token (inter-token latency)
-
-
-@dataclass(eq=False)
-class RequestState:
-    """A submitted request: prompt progress and its samples."""
-
-    id: int
-    request: Request
-    seed: int
-    submitted: float
-    prefilled: int = 0  # prompt tokens written to the cache
-    spare: int = 0  # columns held back for forks
-    samples: list[SampleState] = field(default_factory=list)
-
-    @property
-    def prompt(self) -> tuple[int, ...]:
-        return self.request.prompt_ids  # type: ignore[return-value]
-
-    @property
-    def remaining(self) -> int:
-        return len(self.prompt) - self.prefilled
-
-    def live(self) -> list[SampleState]:
-        return [s for s in self.samples if s.finish is None]
-
-
-@dataclass
-class Batch:
-    """One planned step: per packed token its sequence, token id and RoPE t; the sampling rows."""
-
-    seq_ids: list[int] = field(default_factory=list)
-    input_ids: list[int] = field(default_factory=list)
-    t_index: list[int] = field(default_factory=list)
-    rows: list[int] = field(default_factory=list)  # packed row whose logits each sample row reads
-    samples: list[SampleState] = field(default_factory=list)  # who samples at each row (segment)
-    # Logits rows of each sample's segment, in `rows` order: 1 for plain decode and prompt rows,
-    # 1 + drafts for a verify segment [anchor, d1 .. dk] (set by the speculator).
-    spans: list[int] = field(default_factory=list)
-    # Per packed row: index into the proposer's device draft buffer, or -1 for `input_ids` (empty: all -1).
-    draft_src: list[int] = field(default_factory=list)
-    decode_tokens: int = 0
-    prefill: list[tuple[RequestState, int]] = field(default_factory=list)  # prompt chunks written
-    completed: list[RequestState] = field(default_factory=list)  # prompts finished this step
-
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(chunk for _, chunk in self.prefill)
-
-    def add(self, seq: int, tokens: list[int], t_index: list[int]) -> int:
-        """Append one segment; returns the packed row of its last token."""
-        self.seq_ids += [seq] * len(tokens)
-        self.input_ids += tokens
-        self.t_index += t_index
-        return len(self.seq_ids) - 1
+__all__ = ["Batch", "RequestState", "SampleState", "Scheduler"]
 
 
 class Scheduler:
     """FIFO admission and step packing over one cache. Host only."""
 
     def __init__(
-        self, cache: BatchedSequenceCache, max_step_tokens: int, prefill_chunk: int, buckets: tuple[int, ...] = ()
+        self,
+        cache: BatchedSequenceCache,
+        max_step_tokens: int,
+        prefill_chunk: int,
+        buckets: tuple[int, ...] = (),
+        prefill_budget: int | None = None,
     ) -> None:
+        if prefill_budget is not None and (not isinstance(prefill_budget, int) or prefill_budget < 1):
+            raise ConfigError(f"prefill_budget is {prefill_budget!r}; use None (the step budget) or a positive integer")
         self.cache = cache
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
+        self.prefill_budget = prefill_budget or max_step_tokens  # prompt tokens per step, all prompts
         self.buckets = buckets  # step widths; prompt chunks are trimmed to land on one
+        self.sources: dict[SampleState, int] = {}  # sampling row of each sample in the last launched step
         self.waiting: deque[RequestState] = deque()
         self.prefilling: list[RequestState] = []
         self.running: deque[SampleState] = deque()
@@ -147,14 +100,17 @@ class Scheduler:
             if head.remaining <= self.prefill_chunk:
                 decode_rows = rows - head.request.params.n
         take = min(len(self.running), decode_tokens, decode_rows)
+        sources = []
         for _ in range(take):
             sample = self.running.popleft()
             self.running.append(sample)  # round-robin: the deferred go first next step
-            row = batch.add(sample.seq, [sample.tokens[-1]], [sample.next_t])
+            # A pending newest token is still on the device: the row gathers it from there.
+            sources.append(self.sources[sample] if sample.pending else -1)
+            row = batch.add(sample.seq, [0 if sample.pending else sample.tokens[-1]], [sample.next_t])
             batch.rows.append(row)
             batch.samples.append(sample)
         batch.decode_tokens = take
-        budget, rows = budget - take, rows - take
+        budget, rows = min(budget - take, self.prefill_budget), rows - take
         chunks = self._chunks(budget, rows)
         # Trim the prompt chunks so the step lands on a width bucket: padding rows cost a full
         # forward's compute, while trimmed prompt tokens simply go in the next step.
@@ -173,6 +129,8 @@ class Scheduler:
                 batch.rows += [row] * n
                 batch.samples += state.samples
         batch.spans = [1] * len(batch.samples)
+        if any(src >= 0 for src in sources):
+            batch.token_src = sources + [-1] * (len(batch.seq_ids) - take)
         return batch if batch.seq_ids else None
 
     def _chunks(self, budget: int, rows: int) -> list[tuple[RequestState, int]]:
@@ -192,20 +150,39 @@ class Scheduler:
         return chunks
 
     # ---- completion ----------------------------------------------------------------------------
-    def complete(self, batch: Batch, tokens: list[list[int]], now: float) -> list[Event]:
-        """Apply a committed step: record each sample's new tokens (one, or a verify segment's
-        accepted run), fork, finish and free. A finish truncates the run. Returns events."""
-        capacity = self.cache.capacity
+    def launched(self, batch: Batch) -> None:
+        """Apply what a queued and committed step changes before its tokens are read: prompt
+        progress, one pending token per sampling row, forks after a finished prompt, and the
+        columns of samples that cannot be fed again (max_new_tokens or capacity reached: their
+        last token is never written), so the next plan can admit into them."""
         for state, chunk in batch.prefill:
             state.prefilled += chunk
+        self.sources = {}
+        for row, sample in enumerate(batch.samples):
+            sample.pending += 1
+            self.sources[sample] = row
+        capacity = self.cache.capacity
+        for state in batch.completed:
+            self._fork(state)
+            self.running += [s for s in state.samples if s.finish is None]
+        for sample in batch.samples:
+            if sample.seq >= 0 and sample.exhausted(capacity):
+                self._release(sample)
+        self.running = deque(s for s in self.running if s.seq >= 0)
+
+    def complete(self, batch: Batch, tokens: list[list[int]], now: float) -> list[Event]:
+        """Apply a launched step's tokens, read on the host: record each sample's new tokens (one,
+        or a verify segment's accepted run), finish, free. A finish truncates the run; a sample that
+        finished or was cancelled since the step was launched has its token discarded (its column
+        is already free, or freed here: the K/V the step wrote there is never read). Returns events."""
+        capacity = self.cache.capacity
         events = []
         for sample, run in zip(batch.samples, tokens, strict=True):
+            sample.pending -= 1
+            if sample.finish is not None:
+                continue
             state, params = sample.owner, sample.owner.request.params
             for token in run:
-                if not sample.tokens:
-                    sample.next_t = state.request.rope_offset + len(state.prompt)
-                else:
-                    sample.next_t += 1
                 sample.tokens.append(token)
                 sample.last_emit = now
                 if token in params.stop_token_ids:
@@ -217,27 +194,26 @@ class Scheduler:
                 events.append(Event(state.id, token, sample.finish, sample.index))
                 if sample.finish is not None:
                     break
-        for state in batch.completed:
-            self._fork(state)
         for sample in batch.samples:
             if sample.finish is not None and sample.seq >= 0:
-                self.cache.seq_rm(sample.seq)
-                sample.seq = -1
+                self._release(sample)
         self.running = deque(s for s in self.running if s.finish is None)
-        for sample in batch.samples:
-            if sample.finish is None and sample.owner in batch.completed:
-                self.running.append(sample)
         for sample in batch.samples:
             if not sample.owner.live():
                 self.live.pop(sample.owner.id, None)
         return events
 
+    def _release(self, sample: SampleState) -> None:
+        self.cache.seq_rm(sample.seq)
+        sample.seq = -1
+
     def _fork(self, state: RequestState) -> None:
-        """After the prompt: clone its column for every other live sample; release the spares."""
+        """After the prompt is queued: clone its column for every other sample that will decode
+        (the clone is a device copy queued after the prompt's K/V writes); release the spares."""
         self.prefilling.remove(state)
         parent = state.samples[0].seq
         for sample in state.samples[1:]:
-            if sample.finish is None:
+            if sample.finish is None and not sample.exhausted(self.cache.capacity):
                 sample.seq = self.cache.seq_clone(parent)
         state.spare = 0
 
@@ -254,8 +230,7 @@ class Scheduler:
             state.spare = 0
         for sample in state.live():
             if sample.seq >= 0:
-                self.cache.seq_rm(sample.seq)
-                sample.seq = -1
+                self._release(sample)
             sample.finish = "cancelled"
             self.cancelled.append(Event(state.id, None, "cancelled", sample.index))
         self.running = deque(s for s in self.running if s.owner is not state)

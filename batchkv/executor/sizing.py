@@ -24,6 +24,7 @@ from batchkv.cache import CacheConfig
 from batchkv.errors import CapacityError, ConfigError
 
 ACTIVATION_COPIES = 2  # widest step's intermediates: the graph pool's and an eager warm-up's
+DEFAULT_CAPACITY = 4096  # positions per sequence when neither the caller nor the model says
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,7 @@ def plan(
     `config` is a template: its max_seqs is ignored. Refuses (CapacityError) when not even one
     sequence fits, naming what to lower. Pure arithmetic: no device is touched.
     """
-    if not 0.0 < memory_fraction <= 1.0:
-        raise ConfigError(f"memory_fraction is {memory_fraction!r}; use a fraction in (0, 1], e.g. 0.9")
+    check_fraction(memory_fraction)
     budget = int(total * memory_fraction)
     per_column = column_bytes(replace(config, max_seqs=1))
     scratch = per_column if config.max_width > 1 else 0
@@ -91,6 +91,33 @@ def plan(
         )
     return Sizing(max_seqs, config.capacity, budget, in_use, ACTIVATION_COPIES * activations, per_column,
                   max_seqs * per_column + scratch)  # fmt: skip
+
+
+def check_fraction(memory_fraction: float) -> None:
+    """Refuse (ConfigError) a memory fraction outside (0, 1]."""
+    number = isinstance(memory_fraction, (int, float)) and not isinstance(memory_fraction, bool)
+    if not number or not 0 < memory_fraction <= 1:
+        raise ConfigError(f"memory_fraction is {memory_fraction!r}; use a fraction in (0, 1], e.g. 0.9")
+
+
+def model_capacity(model: object) -> int:
+    """Positions per sequence when the caller gives none: the model's `max_positions` (e.g. a
+    transformers config's max_position_embeddings) when it has one, else `DEFAULT_CAPACITY`."""
+    return getattr(model, "max_positions", None) or DEFAULT_CAPACITY
+
+
+def size_store(model, config: CacheConfig, memory_fraction: float, limit: int) -> tuple[CacheConfig, Sizing]:
+    """`config` with as many columns as fit on its model's device (at most `limit`), and the
+    `Sizing` that chose them: the device's memory in use now (weights loaded, store not yet
+    allocated) and the activations of one forward at `config.max_width` are measured first."""
+    device = torch.device(model.device)
+    total, in_use = device_memory(device)
+    rows = min(limit, config.max_width)
+    activations = measure_activation_bytes(model, config, config.max_width, rows)
+    fit = plan(config, total=total, in_use=in_use, activations=activations, memory_fraction=memory_fraction)
+    chosen = plan(config, total=total, in_use=in_use, activations=activations, memory_fraction=memory_fraction,
+                  max_seqs=min(fit.max_seqs, limit))  # fmt: skip
+    return replace(config, max_seqs=chosen.max_seqs, max_segments=0), chosen
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:

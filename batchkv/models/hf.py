@@ -156,6 +156,11 @@ class HFModel:
     def dtype(self) -> torch.dtype:
         return self._head.weight.dtype
 
+    @property
+    def max_positions(self) -> int | None:
+        """The config's max_position_embeddings (an engine's capacity when none is given), or None."""
+        return getattr(self.config, "max_position_embeddings", None)
+
     def _layer_specs(self) -> tuple[LayerSpec, ...]:
         cfg = self.config
         n, window = cfg.num_hidden_layers, getattr(cfg, "sliding_window", None) or 0

@@ -24,6 +24,7 @@ import torch
 
 from batchkv.cache import BatchedSequenceCache
 from batchkv.cache.staging import NamedStaging
+from batchkv.errors import StepError
 from batchkv.executor.graphs import GraphSet
 from batchkv.executor.runner import ModelRunner, StepModel
 from batchkv.executor.sampling import uniform
@@ -145,12 +146,29 @@ class VerifyRunner(ModelRunner):
         self.result[:rows].copy_(out)
         return self.result
 
-    def run(self, batch: Batch, width: int) -> list[list[int]]:
-        """Forward the declared-and-prepared step at `width`, accept on the device, and return each
-        segment's emitted tokens (one host read). The cache must be declared and prepared."""
+    def launch(self, batch: Batch, width: int, previous: object | None = None) -> AcceptedRuns:  # type: ignore[override]
+        """Queue the declared-and-prepared step at `width` with acceptance on the device; the
+        returned handle reads each segment's emitted tokens. The cache must be declared and
+        prepared. Speculating engines plan from accepted counts, so they never overlap steps:
+        every id is staged from the host (`previous` must be None)."""
+        if previous is not None or batch.token_src:
+            raise StepError("a verify step reads its tokens on the host before the next plan; run it without overlap")
         rows = self._rows_bucket(len(batch.rows))
         sampling = self._stage(batch, width, rows)
         fn: Callable[[], torch.Tensor] = lambda: self._forward(width, rows, sampling)  # noqa: E731
         result = self.execute((width, rows, sampling), fn)
-        table = result[: len(batch.samples)].tolist()  # the step's one host synchronisation
+        return AcceptedRuns(result[: len(batch.samples)])
+
+
+class AcceptedRuns:
+    """A launched verify step's result table on the device, int64 [segments, block + 1]."""
+
+    slot = 0
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+
+    def read(self) -> list[list[int]]:
+        """Each segment's emitted tokens (accepted drafts, then the correction or bonus)."""
+        table = self.table.tolist()  # the step's one host synchronisation
         return [row[1 : 1 + row[0]] for row in table]

@@ -1,0 +1,100 @@
+"""What the scheduler plans with: a request's state, its samples' states, and one planned step.
+
+Host-only dataclasses. `SampleState.pending` counts tokens sampled by launched steps that the host
+has not read yet (see `batchkv.executor.pipeline`); `count` includes them, so a plan never waits
+for a read to know a sample's next output index, RoPE t or whether it may be fed again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchkv.executor.request import Request
+
+
+@dataclass(eq=False)
+class SampleState:
+    """One of a request's n samples: its column, its tokens so far, and those still on the device."""
+
+    owner: RequestState
+    index: int
+    seq: int = -1  # column; -1 until the prompt is written (sample 0) or forked (others), and once freed
+    tokens: list[int] = field(default_factory=list)  # read by the host
+    # Launched steps that sampled for it and were not read yet (0 or 1 at planning time); each
+    # counts as one token. A verify step may emit more, known only once read: speculating engines
+    # finish every step before planning the next, so they never plan with one pending.
+    pending: int = 0
+    finish: str | None = None
+    last_emit: float = 0.0  # host time of the last token (inter-token latency)
+
+    @property
+    def count(self) -> int:
+        """Tokens sampled so far, read or pending: the output index of the next one."""
+        return len(self.tokens) + self.pending
+
+    @property
+    def next_t(self) -> int:
+        """RoPE t of the newest token, the one the next decode row feeds back."""
+        return self.owner.request.rope_offset + len(self.owner.prompt) + self.count - 1
+
+    def exhausted(self, capacity: int) -> bool:
+        """True once its sampled tokens reach max_new_tokens, or the newest has no position left
+        (capacity): no step may feed it again, whatever the pending tokens turn out to be."""
+        return self.count >= self.owner.request.params.max_new_tokens or len(self.owner.prompt) + self.count > capacity
+
+
+@dataclass(eq=False)
+class RequestState:
+    """A submitted request: prompt progress and its samples."""
+
+    id: int
+    request: Request
+    seed: int
+    submitted: float
+    prefilled: int = 0  # prompt tokens written to the cache
+    spare: int = 0  # columns held back for forks
+    samples: list[SampleState] = field(default_factory=list)
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt_ids  # type: ignore[return-value]
+
+    @property
+    def remaining(self) -> int:
+        return len(self.prompt) - self.prefilled
+
+    def live(self) -> list[SampleState]:
+        return [s for s in self.samples if s.finish is None]
+
+
+@dataclass
+class Batch:
+    """One planned step: per packed token its sequence, token id and RoPE t; the sampling rows."""
+
+    seq_ids: list[int] = field(default_factory=list)
+    input_ids: list[int] = field(default_factory=list)
+    t_index: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)  # packed row whose logits each sample row reads
+    samples: list[SampleState] = field(default_factory=list)  # who samples at each row (segment)
+    # Logits rows of each sample's segment, in `rows` order: 1 for plain decode and prompt rows,
+    # 1 + drafts for a verify segment [anchor, d1 .. dk] (set by the speculator).
+    spans: list[int] = field(default_factory=list)
+    # Per packed row: index into the proposer's device draft buffer, or -1 for `input_ids` (empty: all -1).
+    draft_src: list[int] = field(default_factory=list)
+    # Per packed row: the sampling row of the launched step whose token this row feeds (its id is
+    # gathered on the device; `input_ids` holds 0 there), or -1 for `input_ids` (empty: all -1).
+    token_src: list[int] = field(default_factory=list)
+    decode_tokens: int = 0
+    prefill: list[tuple[RequestState, int]] = field(default_factory=list)  # prompt chunks written
+    completed: list[RequestState] = field(default_factory=list)  # prompts finished this step
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(chunk for _, chunk in self.prefill)
+
+    def add(self, seq: int, tokens: list[int], t_index: list[int]) -> int:
+        """Append one segment; returns the packed row of its last token."""
+        self.seq_ids += [seq] * len(tokens)
+        self.input_ids += tokens
+        self.t_index += t_index
+        return len(self.seq_ids) - 1

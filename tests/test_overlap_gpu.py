@@ -1,0 +1,93 @@
+"""Overlap on the H200: replayed graphs with step N+1 queued behind step N decode what eager decodes
+without overlap, capture nothing more, never block the host except on the token read, and a store
+sized to the device stays inside its memory budget."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from batchkv.executor import Engine, Request, SamplingParams
+from tests.executor_helpers import drive, random_prompt
+from tests.toy_model import ToyModel
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ToyModel(vocab=512, hidden=256, heads=8, kv_heads=2, head_dim=64, window=32,
+                    dtype=torch.bfloat16, device="cuda", seed=0)  # fmt: skip
+
+
+def engine(model, use_graphs, overlap, **kwargs) -> Engine:
+    opts = {"max_seqs": 8, "capacity": 320, "max_step_tokens": 64, "prefill_chunk": 32, "device": "cuda"}
+    return Engine(model, use_graphs=use_graphs, overlap=overlap, **(opts | kwargs))
+
+
+def schedule_for(seed: int, *, stops: bool) -> list[tuple[int, Request]]:
+    rng = random.Random(seed)
+    schedule = []
+    for i in range(24):
+        params = SamplingParams(
+            max_new_tokens=rng.randint(1, 60), temperature=rng.choice([0.0, 0.0, 0.8]), top_k=rng.choice([0, 20]),
+            seed=i, n=rng.choice([1, 1, 2, 3]), stop_token_ids=(rng.randrange(512),) if stops else (),
+        )  # fmt: skip
+        schedule.append((rng.randint(0, 40), Request(random_prompt(rng, 1, 100, vocab=512), params)))
+    schedule.append((30, Request(random_prompt(rng, 150, 150, vocab=512), SamplingParams(max_new_tokens=100))))
+    return schedule
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_graphs_with_overlap_decode_what_eager_decodes_without_it(model, seed):
+    schedule = schedule_for(seed, stops=True)
+    cancels = {12: [1, 5], 25: [9]}
+    rows = {"row_buckets": (64, 128), "row_step": 64}  # storage grows mid-run, with a step in flight
+    expected, eager_ids = drive(engine(model, False, False, **rows), schedule, cancels)
+    fast = engine(model, True, True, **rows)
+    got, ids = drive(fast, schedule, cancels)
+    assert fast.uses_graphs and fast.overlap and fast.metrics.growths >= 2
+    for index in range(len(schedule)):
+        assert got[ids[index]] == expected[eager_ids[index]], f"request {index}"
+    fast.assert_idle()
+
+
+def test_overlap_captures_no_graph_beyond_the_width_buckets(model):
+    schedule = schedule_for(2, stops=False)  # no stops: both modes plan the same steps
+    engines = {overlap: engine(model, True, overlap) for overlap in (False, True)}
+    for e in engines.values():
+        drive(e, schedule)
+        e.assert_idle()
+    plain, fast = (engines[False].metrics, engines[True].metrics)
+    assert fast.captures == plain.captures and fast.widths == plain.widths
+    assert fast.captures <= len(fast.widths) * (1 + fast.growths)
+
+
+def test_an_overlapped_step_never_blocks_the_host_but_on_the_token_read(model):
+    schedule = schedule_for(3, stops=True)
+    served = engine(model, True, True, capacity=320)
+    served.cache.reserve(320)
+    drive(served, schedule)  # captures every width this schedule uses; storage is final
+    captures = served.metrics.captures
+    torch.cuda.set_sync_debug_mode("error")  # any synchronising CUDA call raises (event waits do not)
+    try:
+        drive(served, schedule)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert served.metrics.captures == captures
+    served.assert_idle()
+
+
+def test_a_store_sized_to_the_device_stays_inside_its_budget(model):
+    torch.cuda.empty_cache()
+    sized = Engine(model, max_seqs="auto", memory_fraction=0.5, capacity=4096, max_step_tokens=64,
+                   prefill_chunk=32, device="cuda")  # fmt: skip
+    s = sized.sizing
+    assert sized.cache.max_seqs == s.max_seqs and sized.cache.rows == 4096
+    assert sized.cache.nbytes == s.store_bytes
+    drive(sized, schedule_for(4, stops=False))
+    free, total = torch.cuda.mem_get_info()
+    assert total - free <= s.budget, (total - free, s)
+    sized.assert_idle()
