@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,6 +24,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import time_calls
+
 from batchkv.ops import sdpa_varlen_reference
 from batchkv.ops.sdpa_varlen_triton import SdpaConfig, sdpa_varlen
 
@@ -37,27 +38,8 @@ GRID = [{}, {"min_blocks": 1 << 20}] + [  # min_blocks 2^20: one program per hea
 
 
 def graph_us(calls, replays: int = 100) -> float:
-    def run():
-        for call in calls:
-            call()
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-    for start, end in pairs:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return 1000 * statistics.median(s.elapsed_time(e) for s, e in pairs) / len(calls)
+    """Median µs per call of `calls` captured in one graph (bench/timing.py)."""
+    return time_calls(calls, replays=replays)[0]
 
 
 def main() -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +23,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import time_calls
+
 from batchkv.models.fused import silu_mul
 from batchkv.models.gemv import GemvConfig, gemv, resolve
 
@@ -41,24 +42,8 @@ GRID = [
 
 
 def graph_us(fn, calls: int, replays: int = 50) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for j in range(2):
-            fn(j)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for j in range(calls):
-            fn(j)
-    graph.replay()
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-    for start, end in pairs:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return 1000 * statistics.median(s.elapsed_time(e) for s, e in pairs) / calls
+    """Median µs per call of fn(0), fn(1), ... fn(calls - 1) captured in one graph (bench/timing.py)."""
+    return time_calls([lambda j=j: fn(j) for j in range(calls)], replays=replays)[0]
 
 
 def read_gbps() -> float:

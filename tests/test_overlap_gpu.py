@@ -40,17 +40,32 @@ def schedule_for(seed: int, *, stops: bool) -> list[tuple[int, Request]]:
     return schedule
 
 
+def arrived_by(schedule: list[tuple[int, Request]], step: int, count: int) -> list[int]:
+    """The first `count` requests (schedule indexes) that have arrived by `step`."""
+    return sorted((i for i, (arrival, _) in enumerate(schedule) if arrival <= step), key=lambda i: schedule[i][0])[
+        :count
+    ]
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_graphs_with_overlap_decode_what_eager_decodes_without_it(model, seed):
+    """Every request's tokens are the same, except that a cancel may land while a cancelled
+    request's last token is still in flight: overlap then drops that one token (design notes)."""
     schedule = schedule_for(seed, stops=True)
-    cancels = {12: [1, 5], 25: [9]}
+    cancels = {12: arrived_by(schedule, 12, 2), 25: arrived_by(schedule, 25, 3)[2:]}
+    cancelled = {i for indexes in cancels.values() for i in indexes}
     rows = {"row_buckets": (64, 128), "row_step": 64}  # storage grows mid-run, with a step in flight
     expected, eager_ids = drive(engine(model, False, False, **rows), schedule, cancels)
     fast = engine(model, True, True, **rows)
     got, ids = drive(fast, schedule, cancels)
     assert fast.uses_graphs and fast.overlap and fast.metrics.growths >= 2
     for index in range(len(schedule)):
-        assert got[ids[index]] == expected[eager_ids[index]], f"request {index}"
+        want, have = expected[eager_ids[index]], got[ids[index]]
+        if index not in cancelled:
+            assert have == want, f"request {index}"
+            continue
+        for mine, theirs in zip(have.tokens, want.tokens, strict=True):
+            assert theirs[: len(mine)] == mine and len(theirs) - len(mine) <= 1, f"cancelled request {index}"
     fast.assert_idle()
 
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from batchkv.errors import ContractError
 from batchkv.models.fused import silu_mul as silu_mul_rows
+from batchkv.ops.support import sm_count
 
 try:
     import triton
@@ -53,18 +54,6 @@ class GemvConfig:
     num_stages: int = 4
 
 
-_SMS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
-
-
 # (N, K) -> (block_n, block_k, num_stages), the fastest of bench/gemv.py's grid at one row on the H200.
 TUNED: dict[tuple[int, int], tuple[int, int, int]] = {
     (6144, 4096): (64, 256, 5),  # SenseNova-U1-8B q/k/v
@@ -83,7 +72,7 @@ def resolve(config: GemvConfig | None, n: int, device: torch.device, k: int = 0)
     cfg = config or GemvConfig()
     if cfg.block_n:
         return cfg
-    sms = _sm_count(device)
+    sms = sm_count(device)
     block_n = next((b for b in (64, 32) if n // b >= 2 * sms), 16)
     return GemvConfig(block_n, cfg.block_k, cfg.num_warps, cfg.num_stages)
 

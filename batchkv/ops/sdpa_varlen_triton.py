@@ -43,7 +43,7 @@ from batchkv.checks import int_arg
 from batchkv.errors import ContractError
 from batchkv.ops.sdpa_varlen_kernels import split_kernel
 from batchkv.ops.sdpa_varlen_long import long_kernel
-from batchkv.ops.support import COMPUTE_DTYPES, quantized, refusal, scales_refusal
+from batchkv.ops.support import COMPUTE_DTYPES, quantized, refusal, scales_refusal, sm_count
 
 LOG2E = 1.4426950408889634  # 1/ln(2)
 REGISTERS = 65536  # 32-bit registers per SM (every CUDA GPU since sm_50)
@@ -91,18 +91,6 @@ class SdpaConfig:
     num_stages_long: int = 0
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: few programs keep CPU tests quick
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
 def _pow2_floor(x: int) -> int:
     return 1 << (max(1, x).bit_length() - 1)
 
@@ -129,7 +117,7 @@ def resolve_config(
     wide_rows = head_dim * max(esize, 2) > 256  # e4m3 tiles are converted to 16 bits for the dots
     block_n_long = cfg.block_n_long or (32 if wide_rows else 64)
     block_m_long = cfg.block_m_long or (64 if wide_rows else 128)
-    programs = cfg.programs or max(1, -(-cfg.occupancy * _sm_count(device) // (num_kv_heads // heads)))
+    programs = cfg.programs or max(1, -(-cfg.occupancy * sm_count(device) // (num_kv_heads // heads)))
     if min(block_n, block_n_long, cfg.block_m, block_m_long) < 16 or min(block_n, block_n_long) & 15:
         raise ContractError(f"{cfg}: tiles need at least 16 rows and keys (keys a multiple of 16)")
     max_regs = cfg.max_regs

@@ -66,3 +66,17 @@ def scales_refusal(store: torch.Tensor, k_scale: torch.Tensor | None, v_scale: t
     if k_scale.stride() != v_scale.stride() or k_scale.stride(-1) != 1:
         return "k_scale and v_scale need the same strides and contiguous heads"
     return None
+
+
+_SMS: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); 4 elsewhere, where kernels run under the
+    interpreter and few programs keep tests quick. Grids sized from it stay fixed per device."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
