@@ -3,6 +3,7 @@ the argument, and nothing observable changes (positions, live sequences, storage
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +20,7 @@ from batchkv.errors import (
     UnknownSequenceError,
     WorkloadError,
 )
-from batchkv.executor import Engine, Request, SamplingParams, gather
+from batchkv.executor import Engine, Request, SamplingParams, SpeculativeConfig, gather
 from batchkv.executor.workload import load_jsonl, synthetic
 from batchkv.manifest import dump_manifest, window_pattern
 from batchkv.models import SenseNovaConfig, build_model, load_checkpoint, random_init
@@ -79,14 +80,19 @@ CONSTRUCTORS = {
     "Request bool id": (lambda: Request([True]), RequestError, "prompt_ids[0]"),
     "Request str prompt": (lambda: Request("hello"), RequestError, "prompt_ids"),
     "Request rope_offset": (lambda: Request([1], rope_offset=1.0), RequestError, "rope_offset"),
+    # Staged as int64 every step: past the bound a submitted request would fail every later step.
+    "Request rope_offset past int32": (lambda: Request([1], rope_offset=2**31), RequestError, "rope_offset"),
     "max_new_tokens": (lambda: SamplingParams(max_new_tokens=2.0), RequestError, "max_new_tokens"),
     "temperature str": (lambda: SamplingParams(temperature="hot"), RequestError, "temperature"),
     "temperature inf": (lambda: SamplingParams(temperature=float("inf")), RequestError, "temperature"),
     "top_p bool": (lambda: SamplingParams(top_p=True), RequestError, "top_p"),
     "top_k float": (lambda: SamplingParams(top_k=1.5), RequestError, "top_k"),
+    "top_k past int32": (lambda: SamplingParams(top_k=2**63), RequestError, "top_k"),
     "seed float": (lambda: SamplingParams(seed=1.0), RequestError, "seed"),
     "n bool": (lambda: SamplingParams(n=True), RequestError, "n"),
     "stop id float": (lambda: SamplingParams(stop_token_ids=[2.0]), RequestError, "stop_token_ids[0]"),
+    "ngram_max bool": (lambda: SpeculativeConfig("ngram", ngram_max=True), ConfigError, "ngram_max"),
+    "block_size float": (lambda: SpeculativeConfig("ngram", block_size=4.0), ConfigError, "block_size"),
     "synthetic count": (lambda: synthetic(2.5, vocab_size=97), WorkloadError, "num_requests"),
     "synthetic vocab": (lambda: synthetic(2, vocab_size=97.5), WorkloadError, "vocab_size"),
     "load_jsonl fd": (lambda: load_jsonl(0), WorkloadError, "int"),
@@ -240,7 +246,33 @@ ENGINE = {
     "seed float": ({"seed": 0.5}, "seed"),
     "row_buckets entry": ({"row_buckets": [8.0]}, "row_buckets[0]"),
     "row_step negative": ({"row_step": -1}, "row_step"),
+    "overlap int": ({"overlap": 1}, "overlap"),  # 1 == True, but it used to turn overlap off
+    "overlap float": ({"overlap": 0.0}, "overlap"),
+    "prefill_budget bool": ({"prefill_budget": True}, "prefill_budget"),
+    "prefill_budget float": ({"prefill_budget": 4.0}, "prefill_budget"),
 }
+
+
+def test_numpy_integers_pass_wherever_a_count_is_taken():
+    engine = _engine(prefill_budget=np.int64(3))
+    assert engine.scheduler.prefill_budget == 3 and type(engine.scheduler.prefill_budget) is int
+    spec = SpeculativeConfig("ngram", block_size=np.int64(4), ngram_max=np.int32(2))
+    assert (spec.block_size, spec.ngram_max) == (4, 2) and type(spec.block_size) is int
+
+
+def test_the_largest_top_k_and_rope_offset_are_served_like_their_meaning():
+    """top_k 2^31 - 1 keeps every token (as 0 does) and rope_offset 2^31 - 1 decodes: both stage
+    into the step's int64 inputs without overflowing."""
+    prompt, draw = [5, 6, 7], {"max_new_tokens": 5, "temperature": 0.9, "seed": 3}
+    outputs = []
+    for top_k in (0, 2**31 - 1):
+        engine = _engine()
+        rid = engine.submit(Request(prompt, SamplingParams(top_k=top_k, **draw)))
+        outputs.append(gather(engine.run_until_done())[rid].tokens)
+    assert outputs[0] == outputs[1]
+    engine = _engine()
+    rid = engine.submit(Request(prompt, SamplingParams(max_new_tokens=5), rope_offset=2**31 - 1))
+    assert gather(engine.run_until_done())[rid].finish_reasons == ["length"]
 
 
 @pytest.mark.parametrize("case", list(ENGINE))

@@ -82,7 +82,7 @@ class Pipeline:
     def for_engine(cls, overlap: bool | str, *, speculating: bool, device: torch.device) -> Pipeline:
         """`Engine(overlap=...)`: "auto" overlaps on CUDA unless speculating (CPU ops are synchronous:
         there overlap would only hand each token out a step later); True with speculation is refused."""
-        if overlap not in ("auto", True, False):
+        if not isinstance(overlap, bool) and overlap != "auto":  # 1 or 0.0 would pass an `in` test
             raise ConfigError(f"overlap is {overlap!r}; use 'auto', True or False")
         if overlap is True and speculating:
             raise ConfigError(

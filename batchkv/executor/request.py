@@ -10,12 +10,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from batchkv.cache.config import MAX_POSITIONS
 from batchkv.checks import int_arg, int_args, real_arg
 from batchkv.errors import RequestError
 
 FINISH_REASONS = ("stop", "length", "capacity", "cancelled")
 MAX_SAMPLE_ROWS = 64  # most rows one step sends through the LM head
 MAX_SEED = 2**64 - 1  # seeds feed splitmix64
+MAX_TOP_K = 2**31 - 1  # staged as int64 each step; any k at or past the vocabulary keeps every token
 
 
 def _int_tuple(values: Iterable[int], what: str) -> tuple[int, ...]:
@@ -54,7 +56,8 @@ class SamplingParams:
         put("temperature", real_arg("temperature", self.temperature, error=RequestError))
         if self.temperature < 0.0:
             raise RequestError(f"temperature is {self.temperature}; use 0 (greedy) or a positive value")
-        put("top_k", int_arg("top_k", self.top_k, 0, error=RequestError, why=" (0: off)"))
+        why = " (0: off; any k at or past the vocabulary keeps every token)"
+        put("top_k", int_arg("top_k", self.top_k, 0, MAX_TOP_K, error=RequestError, why=why))
         put("top_p", real_arg("top_p", self.top_p, error=RequestError))
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p is {self.top_p!r}; it must lie in (0, 1] (1.0 turns it off)")
@@ -86,7 +89,9 @@ class Request:
         object.__setattr__(self, "prompt_ids", _int_tuple(self.prompt_ids, "prompt_ids"))
         if not isinstance(self.params, SamplingParams):
             raise RequestError(f"params is a {type(self.params).__name__}; pass a SamplingParams")
-        object.__setattr__(self, "rope_offset", int_arg("rope_offset", self.rope_offset, 0, error=RequestError))
+        why = " (a RoPE index, bounded like positions)"
+        rope_offset = int_arg("rope_offset", self.rope_offset, 0, MAX_POSITIONS, error=RequestError, why=why)
+        object.__setattr__(self, "rope_offset", rope_offset)
 
 
 @dataclass(frozen=True)

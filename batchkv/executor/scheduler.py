@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 
 from batchkv.cache import BatchedSequenceCache
-from batchkv.errors import ConfigError
+from batchkv.checks import int_arg
 from batchkv.executor.request import MAX_SAMPLE_ROWS, Event
 from batchkv.executor.state import Batch, RequestState, SampleState
 
@@ -43,8 +43,8 @@ class Scheduler:
         buckets: tuple[int, ...] = (),
         prefill_budget: int | None = None,
     ) -> None:
-        if prefill_budget is not None and (not isinstance(prefill_budget, int) or prefill_budget < 1):
-            raise ConfigError(f"prefill_budget is {prefill_budget!r}; use None (the step budget) or a positive integer")
+        if prefill_budget is not None:
+            prefill_budget = int_arg("prefill_budget", prefill_budget, 1, why=" (or None: the step budget)")
         self.cache = cache
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from batchkv.checks import int_arg
 from batchkv.errors import ConfigError
 
 METHODS = ("dflash", "ngram")
@@ -41,11 +42,7 @@ class SpeculativeConfig:
         block = self.block_size
         if block is None:
             block = getattr(getattr(self.drafter, "config", None), "block_size", 8)
-            object.__setattr__(self, "block_size", block)
-        if not isinstance(block, int) or not 2 <= block <= MAX_BLOCK_SIZE:
-            raise ConfigError(
-                f"SpeculativeConfig.block_size is {block!r}; use 2..{MAX_BLOCK_SIZE} "
-                "(an anchor plus at least one draft; the bound caps a step's verify rows)"
-            )
-        if not isinstance(self.ngram_max, int) or not 1 <= self.ngram_max <= 8:
-            raise ConfigError(f"SpeculativeConfig.ngram_max is {self.ngram_max!r}; use 1..8")
+        why = " (an anchor plus at least one draft; the bound caps a step's verify rows)"
+        block = int_arg("SpeculativeConfig.block_size", block, 2, MAX_BLOCK_SIZE, why=why)
+        object.__setattr__(self, "block_size", block)
+        object.__setattr__(self, "ngram_max", int_arg("SpeculativeConfig.ngram_max", self.ngram_max, 1, 8))
