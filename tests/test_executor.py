@@ -194,6 +194,18 @@ def test_metrics_add_up(model):
     assert sum(s["finished"].values()) == len(schedule) and s["captures"] == 0
 
 
+def test_time_to_first_token_counts_each_request_once_whatever_its_samples(model):
+    requests = [Request([3, 1, 4], greedy(4, n=3)), Request([2, 7], greedy(3)), Request([5], greedy(2, n=2))]
+    schedule = list(enumerate(requests))
+    engine = engine_for(model)
+    outputs, _ = drive(engine, schedule)
+    m = engine.metrics
+    generated = sum(len(t) for out in outputs.values() for t in out.tokens)
+    samples = sum(request.params.n for _, request in schedule)
+    assert len(m.first_token) == len(schedule)  # a request's samples take their first tokens from one step
+    assert len(m.inter_token) == generated - samples  # every later token of every sample
+
+
 def test_bad_engine_configs_are_refused_with_the_rule(model):
     with pytest.raises(ConfigError, match="prefill_chunk"):
         Engine(model, max_step_tokens=8, prefill_chunk=16)

@@ -5,7 +5,8 @@ planning and queueing it, and finishing a step (reading its tokens, bookkeeping)
 call finishes the previous step, so in steady state its time is the device's time per step (or the
 host's, whichever is longer); without, it is the whole step end to end. A token's time is when the
 host read it. Inter-token latency is the gap between two consecutive tokens of one sample; time to
-first token runs from submit to the first token.
+first token runs from submit to a request's first token, once per request (its n samples take their
+first tokens from the same step: counting each would weigh a request by its n).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class Metrics:
         """A finished step: each sample's new tokens (its last token time and token count before
         the step in `before`), and the finish reasons among `events`."""
         for sample, (previous, count) in zip(samples, before, strict=True):
-            self.record_tokens(now, previous, sample.owner.submitted, len(sample.tokens) - count)
+            submitted = sample.owner.submitted if sample.index == 0 else None  # one first token per request
+            self.record_tokens(now, previous, submitted, len(sample.tokens) - count)
         for event in events:
             if event.finish_reason is not None:
                 self.finished[event.finish_reason] += 1
@@ -93,14 +95,16 @@ class Metrics:
         self.widths[width] += 1
         self.occupancy_sum += held_columns / self.max_seqs
 
-    def record_tokens(self, now: float, previous: float | None, submitted: float, count: int = 1) -> None:
+    def record_tokens(self, now: float, previous: float | None, submitted: float | None, count: int = 1) -> None:
         """`count` tokens of one sample arriving together (a verify segment's accepted run);
-        `previous` is the sample's last token time (None before its first). The tokens after the
-        first of a run arrive with it: their inter-token latency is 0."""
+        `previous` is the sample's last token time (None before its first); `submitted` the request's
+        submit time when this sample's first token counts as the request's (None: it does not). The
+        tokens after the first of a run arrive with it: their inter-token latency is 0."""
         for _ in range(count):
             self.generated_tokens += 1
             if previous is None:
-                self.first_token.append(now - submitted)
+                if submitted is not None:
+                    self.first_token.append(now - submitted)
             else:
                 self.inter_token.append(now - previous)
             previous = now
