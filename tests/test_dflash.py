@@ -14,7 +14,13 @@ import torch.nn.functional as F
 from batchkv.cache import BatchedSequenceCache, CacheConfig
 from batchkv.errors import CheckpointError, ConfigError
 from batchkv.models import build_model
-from batchkv.models.dflash import DFlashDrafter, build_drafter, checkpoint_names, save_drafter
+from batchkv.models.dflash import (
+    DFlashDrafter,
+    build_drafter,
+    checkpoint_names,
+    load_drafter_weights,
+    save_drafter,
+)
 from tests.model_loop import make_cache, text_idx
 
 
@@ -135,6 +141,23 @@ def test_checkpoint_round_trip_by_the_published_names(target, tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="up_proj"):
         build_drafter(target, checkpoint=tmp_path)
+
+
+def test_an_unreadable_or_ill_typed_drafter_checkpoint_is_a_typed_refusal(target, tmp_path):
+    drafter = build_drafter(target, num_layers=1, target_layer_ids=(1, 3), block_size=4, seed=9)
+    save_drafter(drafter, tmp_path)
+    before = {name: t.clone() for name, t in drafter.state_dict().items()}
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])  # a download cut short
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is not a readable"):
+        load_drafter_weights(drafter, tmp_path)
+    assert all(torch.equal(t, before[name]) for name, t in drafter.state_dict().items())
+    config = json.loads((tmp_path / "config.json").read_text())
+    for bad in (["1", "x"], [1.5, 3]):  # a layer id is an integer, never parsed or truncated into one
+        config["dflash_config"]["target_layer_ids"] = bad
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ConfigError, match="target_layer_ids"):
+            build_drafter(target, checkpoint=tmp_path)
 
 
 def test_build_drafter_refuses_layers_the_target_does_not_have(target):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from batchkv.checks import int_arg, int_args
 from batchkv.errors import CheckpointError, ConfigError
 
 
@@ -27,22 +28,20 @@ class DFlashConfig:
     extra: dict = field(default_factory=dict, compare=False)  # other config.json keys, kept on save
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        ids = int_args("DFlashConfig.target_layer_ids", self.target_layer_ids, 0)  # "1" or 1.5 are refused
+        object.__setattr__(self, "target_layer_ids", ids)
         for name in ("hidden", "num_layers", "q_heads", "kv_heads", "head_dim", "intermediate", "vocab"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"DFlashConfig.{name} is {value!r}; it must be a positive integer")
+            object.__setattr__(self, name, int_arg(f"DFlashConfig.{name}", getattr(self, name), 1))
         if self.q_heads % self.kv_heads or self.head_dim % 2:
             raise ConfigError(f"DFlashConfig: q_heads {self.q_heads} must be a multiple of kv_heads "
                               f"{self.kv_heads} and head_dim {self.head_dim} even")  # fmt: skip
         if not self.target_layer_ids or min(self.target_layer_ids) < 0:
             raise ConfigError(f"DFlashConfig.target_layer_ids {self.target_layer_ids}: give the tapped target layers")
-        if not isinstance(self.block_size, int) or self.block_size < 2:
-            raise ConfigError(f"DFlashConfig.block_size is {self.block_size!r}; a block is an anchor and >= 1 mask")
-        if not 0 <= self.mask_token_id < self.vocab:
-            raise ConfigError(
-                f"DFlashConfig.mask_token_id {self.mask_token_id} is outside the vocabulary [0, {self.vocab})"
-            )
+        why = " (a block is an anchor and at least one mask)"
+        object.__setattr__(self, "block_size", int_arg("DFlashConfig.block_size", self.block_size, 2, why=why))
+        why = " (an id of the target's vocabulary)"
+        mask = int_arg("DFlashConfig.mask_token_id", self.mask_token_id, 0, self.vocab - 1, why=why)
+        object.__setattr__(self, "mask_token_id", mask)
 
     @property
     def features(self) -> int:

@@ -13,6 +13,7 @@ import torch
 from batchkv.errors import CheckpointError, ConfigError
 from batchkv.models.dflash.config import DFlashConfig
 from batchkv.models.dflash.model import DFlashDrafter
+from batchkv.models.weights import _safetensors
 
 _LAYER_NAMES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_norm",
                 "self_attn.k_norm", "input_layernorm", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
@@ -78,18 +79,23 @@ def save_drafter(drafter: DFlashDrafter, path: str | os.PathLike) -> None:
 @torch.no_grad()
 def load_drafter_weights(drafter: DFlashDrafter, path: str | os.PathLike) -> None:
     """Load the safetensors of folder `path` by name; every name and shape is checked before any
-    tensor is copied (CheckpointError, drafter unchanged)."""
-    from safetensors import safe_open
-
+    tensor is copied (CheckpointError, drafter unchanged). A file that is not a whole safetensors
+    file is a CheckpointError naming it."""
+    safe_open, unreadable = _safetensors()
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointError(f"checkpoint is {path!r}; give the path of a folder holding config.json and safetensors")
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors in {path}")
     params = _named(drafter)
     found: dict[str, tuple[str, tuple[int, ...]]] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
-                found[key] = (str(file), tuple(handle.get_slice(key).get_shape()))
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
+                    found[key] = (str(file), tuple(handle.get_slice(key).get_shape()))
+        except (unreadable, OSError) as exc:
+            raise CheckpointError(f"{file} is not a readable safetensors file: {exc}") from exc
     missing = [n for n in params if n not in found]
     unexpected = sorted(n for n in found if n not in params)
     misshapen = [f"{n} {found[n][1]} != {tuple(p.shape)}" for n, p in params.items()
