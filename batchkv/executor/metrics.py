@@ -48,7 +48,7 @@ class Metrics:
     occupancy_sum: float = 0.0  # sum over steps of held columns / max_seqs
     spec_segments: int = 0  # verify segments that carried drafts
     spec_proposed: int = 0  # drafts verified
-    spec_accepted: int = 0  # drafts accepted
+    spec_accepted: int = 0  # drafts the acceptance rule took (a stop id inside the run may cut what is emitted)
     first_start: float | None = None
     last_end: float = 0.0
     generation: int = 0  # the cache's storage generation last seen (set by the engine)
@@ -146,7 +146,7 @@ class Metrics:
             "spec_proposed": self.spec_proposed,
             "spec_accepted": self.spec_accepted,
             "spec_acceptance_rate": self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0,
-            # Tokens a verify segment emits on average (accepted drafts + the bonus): tau.
+            # Accepted drafts + the bonus per verify segment with drafts (tau; a stop id may emit fewer).
             "spec_accept_len_mean": (
                 (self.spec_accepted + self.spec_segments) / self.spec_segments if self.spec_segments else 0.0
             ),
