@@ -203,12 +203,15 @@ def test_a_stop_string_spanning_tokens_ends_the_text_before_it_streamed_and_not(
     assert wait_idle(server)["batchkv_kv_columns_in_use"] == 0  # the stopped sample's column is free
 
 
-def test_stop_token_ids_end_a_choice_at_that_token(server, client, hf):
-    ids, _ = oracle(hf, hf[1].encode("How are you"), 20)
-    stop_id = ids[5]
+def test_stop_token_ids_end_a_choice_at_that_token_whose_text_is_not_output(server, client, hf):
+    tokenizer = hf[1]
+    ids, _ = oracle(hf, tokenizer.encode("How are you"), 20)
+    # An ordinary (not special) token with text of its own, first seen at k: vLLM drops a stop id's text.
+    k = next(k for k in range(3, 20) if ids[k] not in ids[:k] and tokenizer.decode([ids[k]]).strip())
     out = client.completions.create(model="tiny", prompt="How are you", max_tokens=20, temperature=0,
-                                    extra_body={"stop_token_ids": [stop_id], "return_token_ids": True})  # fmt: skip
-    assert out.choices[0].token_ids == ids[: ids.index(stop_id) + 1] and out.choices[0].finish_reason == "stop"
+                                    extra_body={"stop_token_ids": [ids[k]], "return_token_ids": True})  # fmt: skip
+    assert out.choices[0].token_ids == ids[: k + 1] and out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == tokenizer.decode(ids[:k], skip_special_tokens=True)
 
 
 def test_sixteen_concurrent_streams_each_equal_their_own_generate(server, hf):
@@ -305,6 +308,8 @@ BAD = [
     ("mixed prompt batch", {"prompt": ["x", [1, 2]], "max_tokens": 3}, 400, "prompt"),
     ("top_p out of range", {"prompt": "x", "max_tokens": 3, "top_p": 1.5}, 400, "top_p"),
     ("max_tokens 0", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("a negative token id", {"prompt": [1, -2], "max_tokens": 3}, 400, "prompt"),
+    ("logprobs 0", {"prompt": "x", "max_tokens": 3, "logprobs": 0}, 400, "logprobs"),
 ]
 
 
