@@ -349,14 +349,17 @@ def test_a_preset_serves_token_ids_as_the_engine_does_refuses_text_and_shuts_dow
     from batchkv.executor import Engine, Request, SamplingParams, gather
     from batchkv.models import build_model
 
-    args = ("--max-seqs", "2", "--capacity", "2048")
-    # One server speculates (n-gram drafts: lossless, so the plain engine's tokens), the other stores e4m3 K/V.
-    draining = Server("sensenova-u1-tiny", *args, "--speculative", "ngram", "--spec-block", "4")
-    cutting = Server("sensenova-u1-tiny", *args, "--drain-timeout", "0.3", "--kv-dtype", "fp8")
+    # One server speculates (n-gram drafts: lossless, so the plain engine's tokens); the other stores e4m3
+    # K/V in a store sized to this machine's memory, overlaps planning with the forward and caps prefill.
+    draining = Server("sensenova-u1-tiny", "--max-seqs", "2", "--capacity", "2048", "--speculative", "ngram",
+                      "--spec-block", "4")  # fmt: skip
+    cutting = Server("sensenova-u1-tiny", "--max-seqs", "auto", "--capacity", "2048", "--drain-timeout", "0.3",
+                     "--kv-dtype", "fp8", "--overlap", "on", "--prefill-budget", "3")  # fmt: skip
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     expected = {}
-    for kv_dtype in (None, torch.float8_e4m3fn):
-        engine = Engine(build_model("sensenova-u1-tiny", "cpu", seed=0), max_seqs=2, capacity=64, kv_dtype=kv_dtype)
+    for kv_dtype, options in ((None, {}), (torch.float8_e4m3fn, {"overlap": True, "prefill_budget": 3})):
+        model = build_model("sensenova-u1-tiny", "cpu", seed=0)
+        engine = Engine(model, max_seqs=2, capacity=64, kv_dtype=kv_dtype, **options)
         rid = engine.submit(Request(prompt, SamplingParams(max_new_tokens=10)))
         expected[kv_dtype] = gather(engine.run_until_done())[rid].tokens[0]
     try:
@@ -367,6 +370,8 @@ def test_a_preset_serves_token_ids_as_the_engine_does_refuses_text_and_shuts_dow
             cutting.wait().url + "/v1/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0}
         )
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected[torch.float8_e4m3fn]
+        sized = re.search(r"sized the store: (\d+) sequences x 2048 positions", cutting.output())
+        assert sized and metrics(cutting)["batchkv_kv_columns_total"] == int(sized[1]) >= 2
         r = httpx.post(url, json={"prompt": "text", "max_tokens": 3})
         assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
         # SIGTERM with a request in flight: it finishes, then the server exits 0.
@@ -391,7 +396,9 @@ def test_a_preset_serves_token_ids_as_the_engine_does_refuses_text_and_shuts_dow
     for code, out in results:
         assert code == 0, out
         assert "Traceback" not in out, out
-    assert "speculative ngram (block 4)" in results[0][1] and "kv fp8" in results[1][1]
+    assert "speculative ngram (block 4)" in results[0][1]
+    assert f"max_seqs {sized[1]}, capacity 2048, kv fp8, prefill budget 3" in results[1][1]
+    assert "(eager, overlap)" in results[1][1]
 
 
 def test_the_readmes_openai_client_example_runs_against_the_server(server, capsys):
