@@ -136,6 +136,9 @@ VERBS = {
     "prepare bool width": (lambda c, a: c.prepare_step(True), StepError, "width"),
     "reserve float": (lambda c, a: c.reserve(16.5), PositionError, "length"),
     "k_store bool layer": (lambda c, a: c.k_store(True), ContractError, "layer"),
+    "planes past layers": (lambda c, a: c.planes(2), ContractError, "layer"),  # was an IndexError
+    "planes negative layer": (lambda c, a: c.planes(-1), ContractError, "layer"),  # was the last layer's
+    "planes bool layer": (lambda c, a: c.planes(True), ContractError, "layer"),
     "attend bool layer": (lambda c, a: c.update_and_attend(True, **_qkv()), ContractError, "layer"),
     "attend float layer": (lambda c, a: c.update_and_attend(0.0, **_qkv()), ContractError, "layer"),
     "attend past layers": (lambda c, a: c.update_and_attend(2, **_qkv()), ContractError, "layer"),

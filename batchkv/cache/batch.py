@@ -146,7 +146,7 @@ class BatchedSequenceCache:
     def planes(self, layer: int) -> dict[str, torch.Tensor]:
         """Every storage plane of `layer` by name: k, v [rows, columns, Hkv, D] in `config.kv_dtype`
         and, for e4m3 storage, k_scale, v_scale fp32 [rows, columns, Hkv] (value = code * scale)."""
-        return self._store.layer(layer)
+        return self._store.layer(self._layer(layer))
 
     # ---- sequence verbs (host) ----------------------------------------------------------------
     def _known(self, seq: int) -> int:
