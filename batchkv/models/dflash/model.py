@@ -129,12 +129,12 @@ class DFlashDrafter(nn.Module):
         for width W. The cache's one entry point writes and attends; its output is not used (the
         queries are the keys, repeated over each GQA group). Capturable.
         """
-        c = self.config
+        c, w = self.config, features.shape[0]
         ctx = _rms(self.fc(features.to(self.dtype)), self.hidden_norm, c.rms_eps)  # [W, H]
         cos, sin = self._rope_tables(t_index)
         for i, layer in enumerate(self.layers):
             k, v = self._kv(layer.self_attn, ctx, cos, sin)
-            q = k.repeat_interleave(c.q_heads // c.kv_heads, dim=1)  # [W, Hq, D]
+            q = k[:, :, None].expand(w, c.kv_heads, c.q_heads // c.kv_heads, c.head_dim).reshape(w, c.q_heads, -1)
             cache.update_and_attend(i, q, k, v, scale=self.scale, causal=False)
 
     def _rope_tables(self, t_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
