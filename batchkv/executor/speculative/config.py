@@ -22,6 +22,9 @@ class SpeculativeConfig:
     drafter: the `batchkv.models.dflash.DFlashDrafter` for method "dflash" (its own block size is
         the default when block_size is None).
     ngram_max: the longest suffix the n-gram proposer matches (1..8).
+    adaptive: each sample's draft count follows its acceptance (`policy.py`: halved toward what
+        was accepted, doubled when all were, none while nothing is, with probes); False: always
+        block_size - 1. Either way drafts stop short of capacity and max_new_tokens.
 
     >>> Engine(model, speculative=SpeculativeConfig("ngram", block_size=8))
     """
@@ -30,6 +33,7 @@ class SpeculativeConfig:
     block_size: int | None = None
     drafter: object | None = None
     ngram_max: int = 3
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -49,3 +53,5 @@ class SpeculativeConfig:
             )
         if not isinstance(self.ngram_max, int) or not 1 <= self.ngram_max <= 8:
             raise ConfigError(f"SpeculativeConfig.ngram_max is {self.ngram_max!r}; use 1..8")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"SpeculativeConfig.adaptive is {self.adaptive!r}; use True or False")
