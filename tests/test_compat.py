@@ -192,7 +192,8 @@ def test_load_prefix_checks_every_layer_not_only_the_first_and_a_refusal_changes
     for second, why in ((wide, r"layer 1 keys .*\[2, 2, 4, 16\]"), (lazy, "layer 1 keys .*None")):
         with pytest.raises(ContractError, match=why):  # was: batch row 0 taken silently, or a TypeError
             paged.load_prefix(types.SimpleNamespace(layers=[good, second]))
-        assert paged.length == 3 and torch.equal(paged.k[0], k0)
+        assert paged.length == 3 and torch.equal(paged.k[0].view(torch.int32), k0.view(torch.int32))  # bits: rows
+        # past the history hold whatever the allocator gave, NaN patterns included
 
 
 def test_to_dynamic_cache_fills_a_fresh_lazy_cache_that_then_grows_as_usual():

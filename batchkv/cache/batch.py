@@ -353,7 +353,7 @@ class BatchedSequenceCache:
         # Grow before staging, so a failed allocation leaves the cache as it was.
         self._grow(self.config.rows_for(max(kv_end for *_, kv_end in layout)))
         group_rows = [self._store.rows(layer) for layer in self._group_layer]
-        self._buffers.fill(layout, group_rows, self.config.columns, self.config.scratch)
+        self._buffers.fill(layout, group_rows, self.config.columns, self.config.scratch, width)
         for _, _, seq, kv_end in layout:
             # Written on the device from now on, whether or not the step commits.
             self._high_water[seq] = max(self._high_water[seq], kv_end)
