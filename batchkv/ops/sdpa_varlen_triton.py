@@ -68,6 +68,11 @@ class SdpaConfig:
     tile rows per head merged at once (0: next power of two >= G); merge_tile: fp32 elements a
     merge round loads (sets how many programs' partials one round trip brings); max_regs: register
     cap per thread (0: what `occupancy` programs per SM need, else none).
+    Few-row variants (defaults off; bench/b1_sweep.py times them): warp_split: key sub-tiles per
+    tile, one per warp, each with its own softmax state, merged once per piece (a power of two,
+    one head per program, block_n / warp_split >= 16; num_warps 0 means warp_split;
+    `sdpa_varlen_warp_split.py`); prefetch: key blocks each program asks the L2 for ahead of its
+    loads, the first ones before q is read (sm_90 and later; 0: none).
     Long path (*_long): tile rows (0: 128 when a key row is <= 256 bytes, else 64), keys (0: 64,
     else 32), warps, stages (0: 3, else 2).
     """
@@ -85,6 +90,8 @@ class SdpaConfig:
     merge_rows: int = 0
     merge_tile: int = 8192
     max_regs: int = 0
+    warp_split: int = 1
+    prefetch: int = 0
     block_n_long: int = 0
     block_m_long: int = 0
     num_warps_long: int = 8
@@ -109,11 +116,17 @@ def resolve_config(
     cfg = config or SdpaConfig()
     if cfg.heads < 0 or cfg.heads & (cfg.heads - 1) or cfg.q_short < 1 or cfg.min_blocks < 1:
         raise ContractError(f"{cfg}: heads must be 0 or a power of two, q_short and min_blocks >= 1")
+    if cfg.warp_split < 1 or cfg.warp_split & (cfg.warp_split - 1) or cfg.prefetch < 0:
+        raise ContractError(f"{cfg}: warp_split must be a power of two and prefetch >= 0")
     esize = dtype.itemsize
     heads = math.gcd(cfg.heads or 1, num_kv_heads)
-    num_warps = cfg.num_warps or (4 if heads == 1 else heads)
+    num_warps = cfg.num_warps or (cfg.warp_split if cfg.warp_split > 1 else 4 if heads == 1 else heads)
     stage_keys = 32768 // (2 * head_dim * esize * heads)  # key positions whose K+V fill 32 KiB
     block_n = cfg.block_n or max(16, min(128, _pow2_floor(stage_keys)))
+    if cfg.warp_split > 1 and (heads > 1 or block_n < 16 * cfg.warp_split):
+        raise ContractError(f"{cfg}: warp_split needs one KV head per program and block_n >= 16 * warp_split")
+    if cfg.prefetch and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        raise ContractError(f"{cfg}: prefetch uses cp.async.bulk.prefetch (sm_90 and later); set prefetch=0")
     wide_rows = head_dim * max(esize, 2) > 256  # e4m3 tiles are converted to 16 bits for the dots
     block_n_long = cfg.block_n_long or (32 if wide_rows else 64)
     block_m_long = cfg.block_m_long or (64 if wide_rows else 128)
@@ -293,7 +306,9 @@ def sdpa_varlen(
         HEADS=heads, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, MIN_BLOCKS=cfg.min_blocks, LONG=long,
         SKIP_MASKS=cfg.skip_masks, MERGE_ROWS=merge_rows,
         MERGE_SLOTS=min(64, _pow2_floor(cfg.merge_tile // (heads * merge_rows * head_dim))), HG_POW2=hg_pow2,
-        ZERO_ROWS=_pow2_floor(2048 // (hg_pow2 * head_dim)), AXIS64=axis_bound * slots >= AXIS32_LIMIT, **common,
+        ZERO_ROWS=_pow2_floor(2048 // (hg_pow2 * head_dim)), AXIS64=axis_bound * slots >= AXIS32_LIMIT,
+        WARP_SPLIT=cfg.warp_split, PREFETCH=cfg.prefetch, ROW_BYTES=head_dim * k_store.dtype.itemsize,
+        PREFETCH_CHECK=cfg.prefetch > 0 and q.device.type != "cuda", **common,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device),
     )  # fmt: skip
     if long:

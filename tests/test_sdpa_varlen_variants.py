@@ -1,0 +1,80 @@
+"""The split path's few-row variants (SdpaConfig.warp_split, .prefetch) against the torch reference.
+
+Each variant runs the contract's awkward cases under the interpreter on NaN-poisoned stores: GQA,
+decode, verify and prefill segments in one table, a window over a wrapped ring, non-causal draft
+blocks, uncovered rows, items shared by several programs (merged) and e4m3 storage. Under the
+interpreter `prefetch` loads the rows it would prefetch and folds 0 * row into q, so a prefetch of
+a row outside the resident keys turns the output into NaN.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from batchkv.errors import ContractError
+from batchkv.ops import sdpa_varlen_reference
+from batchkv.ops.reference import quantize_fp8
+from batchkv.ops.sdpa_varlen_common import prefetch_keys
+from batchkv.ops.sdpa_varlen_triton import SdpaConfig, sdpa_varlen
+from tests.test_sdpa_varlen import check, make_case
+
+VARIANTS = {
+    "warp_split 2": SdpaConfig(warp_split=2, block_n=32, programs=3),
+    "warp_split 4, prefetch 2": SdpaConfig(warp_split=4, block_n=64, prefetch=2, programs=5),
+    "prefetch 1": SdpaConfig(prefetch=1, block_n=16, programs=3),
+    "prefetch 3, 2 heads": SdpaConfig(prefetch=3, heads=2, block_n=16, programs=4),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_mixed_table_over_a_windowed_ring_matches_reference(variant):
+    # decode, verify and prefill segments (one sequence in two runs), a gap before each, padding after;
+    # rows = window + max_write - 1 for window 24 and 17-token writes, so the long histories wrap
+    segments = [(1, 3, 200), (4, 0, 63), (0, 4, 0), (17, 1, 40), (2, 0, 65), (1, 2, 1), (16, 5, 90)]
+    check(segments, rows=40, window=24, group=4, kv_heads=2, head_dim=16, gap=1, config=VARIANTS[variant])
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_non_causal_draft_blocks_and_long_decodes_match_reference(variant):
+    segments = [(4, 0, 70), (16, 1, 33), (1, 2, 150), (1, 3, 9), (3, 4, 129)]
+    check(segments, rows=160, causal=False, group=2, kv_heads=2, head_dim=16, config=VARIANTS[variant])
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_e4m3_stores_match_reference_on_their_codes(variant):
+    (q, k, v), info = make_case([(1, 0, 200), (3, 1, 57), (1, 2, 5)], rows=210, head_dim=16, kv_heads=2)
+    (k_codes, k_scale), (v_codes, v_scale) = quantize_fp8(k), quantize_fp8(v)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    out = sdpa_varlen(q, k_codes, v_codes, info, config=VARIANTS[variant], out=torch.full_like(q, float("nan")), **scales)
+    ref = sdpa_varlen_reference(q, k_codes, v_codes, info, **scales)
+    torch.testing.assert_close(out[:5], ref[:5], atol=2e-5, rtol=1e-4)
+    assert torch.equal(out[5:], torch.zeros_like(out[5:]))
+
+
+@triton.jit
+def _prefetch_probe(k, v, out, rows, a, b, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    tl.store(out, prefetch_keys(k, v, HEAD_DIM, 0, rows, 0, a, b, BLOCK_N, 1, HEAD_DIM * 4, True))
+
+
+def test_the_interpreter_prefetch_turns_a_row_outside_the_resident_keys_into_nan():
+    # The check behind the tests above: rows [0, 20) resident, NaN from 20 on.
+    k = torch.randn(32, 16)
+    k[20:] = float("nan")
+    out = torch.full((1,), 7.0)
+    _prefetch_probe[(1,)](k, k.clone(), out, 32, 4, 20, BLOCK_N=16, HEAD_DIM=16)
+    assert out.item() == 0.0  # keys 4..19: all resident
+    _prefetch_probe[(1,)](k, k.clone(), out, 32, 8, 21, BLOCK_N=16, HEAD_DIM=16)
+    assert out.isnan().all()  # key 20 is not
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [dict(warp_split=3), dict(warp_split=4, block_n=32), dict(warp_split=2, heads=2), dict(prefetch=-1)],
+)
+def test_variant_fields_outside_their_rules_raise_contract_error(fields):
+    (q, k, v), info = make_case([(1, 0, 40)], rows=64, head_dim=16, kv_heads=2)
+    with pytest.raises(ContractError):
+        sdpa_varlen(q, k, v, info, config=SdpaConfig(**fields))
