@@ -48,7 +48,8 @@ def test_e4m3_stores_match_reference_on_their_codes(variant):
     (q, k, v), info = make_case([(1, 0, 200), (3, 1, 57), (1, 2, 5)], rows=210, head_dim=16, kv_heads=2)
     (k_codes, k_scale), (v_codes, v_scale) = quantize_fp8(k), quantize_fp8(v)
     scales = dict(k_scale=k_scale, v_scale=v_scale)
-    out = sdpa_varlen(q, k_codes, v_codes, info, config=VARIANTS[variant], out=torch.full_like(q, float("nan")), **scales)
+    out = torch.full_like(q, float("nan"))
+    sdpa_varlen(q, k_codes, v_codes, info, config=VARIANTS[variant], out=out, **scales)
     ref = sdpa_varlen_reference(q, k_codes, v_codes, info, **scales)
     torch.testing.assert_close(out[:5], ref[:5], atol=2e-5, rtol=1e-4)
     assert torch.equal(out[5:], torch.zeros_like(out[5:]))
@@ -56,7 +57,7 @@ def test_e4m3_stores_match_reference_on_their_codes(variant):
 
 @triton.jit
 def _prefetch_probe(k, v, out, rows, a, b, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    tl.store(out, prefetch_keys(k, v, HEAD_DIM, 0, rows, 0, a, b, BLOCK_N, 1, HEAD_DIM * 4, True))
+    tl.store(out, prefetch_keys(k, v, HEAD_DIM, 0, rows, 0, a, b, BLOCK_N, 1, HEAD_DIM, 8, True))
 
 
 def test_the_interpreter_prefetch_turns_a_row_outside_the_resident_keys_into_nan():

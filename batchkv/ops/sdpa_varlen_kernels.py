@@ -70,7 +70,7 @@ def _locate_combine(a0, a1, a2, b0, b1, b2):
 def _attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_sr, rows, k0, k1, row_lo, row_hi,
             full_lo, full_hi, qk_scale, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             HEAD_DIM: tl.constexpr, SKIP_MASKS: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr,
-            PREFETCH: tl.constexpr, ROW_BYTES: tl.constexpr, CHECK: tl.constexpr):  # fmt: skip
+            PREFETCH: tl.constexpr, SECTOR: tl.constexpr, CHECK: tl.constexpr):  # fmt: skip
     """Online softmax of [HEADS, BLOCK_M, D] queries over keys [k0, k1) (block-aligned pieces).
 
     k_base, v_base: the first head's (column, KV head) at key row 0; row_lo, row_hi: [BLOCK_M]. Returns the
@@ -131,7 +131,7 @@ def _attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride
             s = tl.dot(q_tile, tl.trans(k, (0, 2, 1)), input_precision=DOT_PREC) * k_s
         if PREFETCH > 0:
             trip = prefetch_keys(k_base, v_base, stride_r, stride_h, rows, k0, start + PREFETCH * BLOCK_N, k1, BLOCK_N,
-                                 HEADS, ROW_BYTES, CHECK)  # fmt: skip
+                                 HEADS, HEAD_DIM, SECTOR, CHECK)  # fmt: skip
             if CHECK:
                 s += trip
         if SKIP_MASKS:
@@ -220,7 +220,7 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
                  S_POW2: tl.constexpr, MIN_BLOCKS: tl.constexpr, LONG: tl.constexpr, SKIP_MASKS: tl.constexpr,
                  MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, HG_POW2: tl.constexpr,
                  ZERO_ROWS: tl.constexpr, AXIS64: tl.constexpr, DOT_PREC: tl.constexpr, WARP_SPLIT: tl.constexpr,
-                 PREFETCH: tl.constexpr, ROW_BYTES: tl.constexpr, PREFETCH_CHECK: tl.constexpr):  # fmt: skip
+                 PREFETCH: tl.constexpr, SECTOR: tl.constexpr, PREFETCH_CHECK: tl.constexpr):  # fmt: skip
     hp = tl.program_id(0)  # head group: KV heads h0 .. h0 + HEADS - 1
     p = tl.program_id(1)
     h0 = hp * HEADS
@@ -274,7 +274,7 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
         if PREFETCH > 0:  # the piece's first blocks, before q is loaded: HBM starts streaming at once
             for a in range(k0, tl.minimum(k1, k0 + PREFETCH * BLOCK_N), BLOCK_N):
                 trip += prefetch_keys(k_store + kv, v_store + kv, stride_r, stride_h, rows, k0, a, k1, BLOCK_N,
-                                      HEADS, ROW_BYTES, PREFETCH_CHECK)  # fmt: skip
+                                      HEADS, HEAD_DIM, SECTOR, PREFETCH_CHECK)  # fmt: skip
 
         i = qb * BLOCK_Q + tl.arange(0, BLOCK_M) // GROUP  # query of each tile row
         token = q_start + i
@@ -295,12 +295,12 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
         if WARP_SPLIT > 1:  # (HEADS == 1)
             o, lse = attend_warp_split(q_tile, k_store + kv, v_store + kv, k_scale + sc, v_scale + sc, stride_r,
                                        stride_sr, rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, BLOCK_M,
-                                       BLOCK_N, HEAD_DIM, WARP_SPLIT, SKIP_MASKS, DOT_PREC, QUANT, PREFETCH, ROW_BYTES,
+                                       BLOCK_N, HEAD_DIM, WARP_SPLIT, SKIP_MASKS, DOT_PREC, QUANT, PREFETCH, SECTOR,
                                        PREFETCH_CHECK)  # fmt: skip
         else:
             o, lse = _attend(q_tile, k_store + kv, v_store + kv, k_scale + sc, v_scale + sc, stride_r, stride_h,
                              stride_sr, rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, HEADS, BLOCK_M,
-                             BLOCK_N, HEAD_DIM, SKIP_MASKS, DOT_PREC, QUANT, PREFETCH, ROW_BYTES,
+                             BLOCK_N, HEAD_DIM, SKIP_MASKS, DOT_PREC, QUANT, PREFETCH, SECTOR,
                              PREFETCH_CHECK)  # fmt: skip
         out_ptrs = out + token.to(tl.int64)[None, :, None] * stride_ot + head * stride_oh + d
         if p_first == p_last:  # the item is this program's alone

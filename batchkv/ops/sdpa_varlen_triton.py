@@ -72,7 +72,7 @@ class SdpaConfig:
     tile, one per warp, each with its own softmax state, merged once per piece (a power of two,
     one head per program, block_n / warp_split >= 16; num_warps 0 means warp_split;
     `sdpa_varlen_warp_split.py`); prefetch: key blocks each program asks the L2 for ahead of its
-    loads, the first ones before q is read (sm_90 and later; 0: none).
+    loads, the first ones before q is read (0: none).
     Long path (*_long): tile rows (0: 128 when a key row is <= 256 bytes, else 64), keys (0: 64,
     else 32), warps, stages (0: 3, else 2).
     """
@@ -125,8 +125,6 @@ def resolve_config(
     block_n = cfg.block_n or max(16, min(128, _pow2_floor(stage_keys)))
     if cfg.warp_split > 1 and (heads > 1 or block_n < 16 * cfg.warp_split):
         raise ContractError(f"{cfg}: warp_split needs one KV head per program and block_n >= 16 * warp_split")
-    if cfg.prefetch and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
-        raise ContractError(f"{cfg}: prefetch uses cp.async.bulk.prefetch (sm_90 and later); set prefetch=0")
     wide_rows = head_dim * max(esize, 2) > 256  # e4m3 tiles are converted to 16 bits for the dots
     block_n_long = cfg.block_n_long or (32 if wide_rows else 64)
     block_m_long = cfg.block_m_long or (64 if wide_rows else 128)
@@ -307,7 +305,7 @@ def sdpa_varlen(
         SKIP_MASKS=cfg.skip_masks, MERGE_ROWS=merge_rows,
         MERGE_SLOTS=min(64, _pow2_floor(cfg.merge_tile // (heads * merge_rows * head_dim))), HG_POW2=hg_pow2,
         ZERO_ROWS=_pow2_floor(2048 // (hg_pow2 * head_dim)), AXIS64=axis_bound * slots >= AXIS32_LIMIT,
-        WARP_SPLIT=cfg.warp_split, PREFETCH=cfg.prefetch, ROW_BYTES=head_dim * k_store.dtype.itemsize,
+        WARP_SPLIT=cfg.warp_split, PREFETCH=cfg.prefetch, SECTOR=32 // k_store.dtype.itemsize,
         PREFETCH_CHECK=cfg.prefetch > 0 and q.device.type != "cuda", **common,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device),
     )  # fmt: skip

@@ -23,7 +23,7 @@ from batchkv.ops.sdpa_varlen_common import NEG_INF, prefetch_keys, ring_rows
 def attend_warp_split(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, k1, row_lo, row_hi,
                       full_lo, full_hi, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, SKIP_MASKS: tl.constexpr, DOT_PREC: tl.constexpr,
-                      QUANT: tl.constexpr, PREFETCH: tl.constexpr, ROW_BYTES: tl.constexpr,
+                      QUANT: tl.constexpr, PREFETCH: tl.constexpr, SECTOR: tl.constexpr,
                       CHECK: tl.constexpr):  # fmt: skip
     """`_attend` of `sdpa_varlen_kernels` for one KV head, keys cut across SPLIT warps.
 
@@ -58,7 +58,7 @@ def attend_warp_split(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride
         s = tl.dot(q3, tl.trans(k, (0, 2, 1)), input_precision=DOT_PREC) * k_s  # [SPLIT, M, SUB]
         if PREFETCH > 0:
             trip = prefetch_keys(k_base, v_base, stride_r, 0, rows, k0, start + PREFETCH * BLOCK_N, k1, BLOCK_N, 1,
-                                 ROW_BYTES, CHECK)  # fmt: skip
+                                 HEAD_DIM, SECTOR, CHECK)  # fmt: skip
             if CHECK:
                 s += trip
         if SKIP_MASKS:
@@ -78,10 +78,10 @@ def attend_warp_split(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride
     # the SPLIT states of each row by their maxima: a warp that saw none of a row's keys weighs 0
     m = tl.max(m_i, 0)
     w = tl.exp2(m_i - tl.where(m == NEG_INF, 0.0, m)[None, :])  # [SPLIT, M]
-    l = tl.sum(l_i * w, 0)
+    l_all = tl.sum(l_i * w, 0)
     o = tl.sum(acc * w[:, :, None], 0)  # [M, D]
-    has = l > 0
-    l_safe = tl.where(has, l, 1.0)
+    has = l_all > 0
+    l_safe = tl.where(has, l_all, 1.0)
     o = tl.where(has[:, None], o / l_safe[:, None], 0.0)
     lse = tl.where(has, m + tl.log2(l_safe), NEG_INF)
     return tl.reshape(o, [1, BLOCK_M, HEAD_DIM]), tl.reshape(lse, [1, BLOCK_M])
