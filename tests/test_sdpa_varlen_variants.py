@@ -71,11 +71,11 @@ def test_the_interpreter_prefetch_turns_a_row_outside_the_resident_keys_into_nan
     assert out.isnan().all()  # key 20 is not
 
 
-@pytest.mark.parametrize(
-    "fields",
-    [dict(warp_split=3), dict(warp_split=4, block_n=32), dict(warp_split=2, heads=2), dict(prefetch=-1)],
-)
-def test_variant_fields_outside_their_rules_raise_contract_error(fields):
+BAD_FIELDS = [dict(warp_split=3), dict(warp_split=4, block_n=32), dict(warp_split=2, heads=2), dict(prefetch=-1)]
+
+
+@pytest.mark.parametrize("fields", [*BAD_FIELDS, dict(block_n=48)])
+def test_config_fields_outside_their_rules_raise_contract_error(fields):
     (q, k, v), info = make_case([(1, 0, 40)], rows=64, head_dim=16, kv_heads=2)
     with pytest.raises(ContractError):
         sdpa_varlen(q, k, v, info, config=SdpaConfig(**fields))

@@ -129,8 +129,8 @@ def resolve_config(
     block_n_long = cfg.block_n_long or (32 if wide_rows else 64)
     block_m_long = cfg.block_m_long or (64 if wide_rows else 128)
     programs = cfg.programs or max(1, -(-cfg.occupancy * sm_count(device) // (num_kv_heads // heads)))
-    if min(block_n, block_n_long, cfg.block_m, block_m_long) < 16 or min(block_n, block_n_long) & 15:
-        raise ContractError(f"{cfg}: tiles need at least 16 rows and keys (keys a multiple of 16)")
+    if min(block_n, block_n_long, cfg.block_m, block_m_long) < 16 or any(n & (n - 1) for n in (block_n, block_n_long)):
+        raise ContractError(f"{cfg}: tiles need at least 16 rows and a power of two, at least 16, of keys")
     max_regs = cfg.max_regs
     if not max_regs and cfg.occupancy * num_warps * 32 * 256 > REGISTERS:  # else 255 registers fit
         max_regs = max(64, REGISTERS // (cfg.occupancy * num_warps * 32) // 8 * 8)
