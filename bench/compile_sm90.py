@@ -85,7 +85,8 @@ def split(dtype="bf16", D=128, G=4, heads=1, block_n=64, warps=4, stages=3, skip
                   MERGE_ROWS=merge_rows, MERGE_SLOTS=min(64, pow2_floor(merge_tile // (heads * merge_rows * D))),
                   HG_POW2=hg, ZERO_ROWS=pow2_floor(2048 // (hg * D)), AXIS64=False,
                   DOT_PREC="ieee" if dtype == "fp32" else "tf32", WARP_SPLIT=warp_split, PREFETCH=prefetch,
-                  SECTOR=8 if dtype == "fp32" else 16, PREFETCH_CHECK=False)  # fmt: skip
+                  SECTOR=8 if dtype == "fp32" else 16, PREFETCH_CHECK=False,
+                  MERGE_STAGES=1)  # fmt: skip
     label = f"split {dtype} D{D} G{G} heads{heads} n{block_n} w{warps} s{stages}" + ("" if skip else " masked")
     label += (f" ws{warp_split}" if warp_split > 1 else "") + (f" pf{prefetch}" if prefetch else "")
     build(split_kernel, types, consts, warps, stages, label)

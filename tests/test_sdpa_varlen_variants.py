@@ -1,4 +1,4 @@
-"""The split path's few-row variants (SdpaConfig.warp_split, .prefetch) against the torch reference.
+"""The split path's few-row variants (SdpaConfig.warp_split, .prefetch, .merge_stages) against the reference.
 
 Each variant runs the contract's awkward cases under the interpreter on NaN-poisoned stores: GQA,
 decode, verify and prefill segments in one table, a window over a wrapped ring, non-causal draft
@@ -26,6 +26,7 @@ VARIANTS = {
     "warp_split 4, prefetch 2": SdpaConfig(warp_split=4, block_n=64, prefetch=2, programs=5),
     "prefetch 1": SdpaConfig(prefetch=1, block_n=16, programs=3),
     "prefetch 3, 2 heads": SdpaConfig(prefetch=3, heads=2, block_n=16, programs=4),
+    "merge in 2 stages": SdpaConfig(merge_stages=2, merge_tile=2 * 4 * 16, block_n=16, programs=7),
 }
 
 
@@ -71,7 +72,8 @@ def test_the_interpreter_prefetch_turns_a_row_outside_the_resident_keys_into_nan
     assert out.isnan().all()  # key 20 is not
 
 
-BAD_FIELDS = [dict(warp_split=3), dict(warp_split=4, block_n=32), dict(warp_split=2, heads=2), dict(prefetch=-1)]
+BAD_FIELDS = [dict(warp_split=3), dict(warp_split=4, block_n=32), dict(warp_split=2, heads=2), dict(prefetch=-1),
+              dict(merge_stages=0)]  # fmt: skip
 
 
 @pytest.mark.parametrize("fields", [*BAD_FIELDS, dict(block_n=48)])
@@ -79,3 +81,70 @@ def test_config_fields_outside_their_rules_raise_contract_error(fields):
     (q, k, v), info = make_case([(1, 0, 40)], rows=64, head_dim=16, kv_heads=2)
     with pytest.raises(ContractError):
         sdpa_varlen(q, k, v, info, config=SdpaConfig(**fields))
+
+
+# ---- on the GPU (H200: `python3 -m pytest -m gpu tests/test_sdpa_varlen_variants.py -q`) -----------------
+GPU_VARIANTS = [
+    dict(warp_split=4),
+    dict(warp_split=2),
+    dict(prefetch=4),
+    dict(prefetch=8, warp_split=4, occupancy=1),
+    dict(merge_stages=2, merge_tile=16384),
+    dict(prefetch=4, heads=2),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overrides", GPU_VARIANTS, ids=str)
+def test_variants_match_reference_at_sensenova_shapes_on_bf16_and_e4m3(overrides):
+    from tests import test_fp8_gpu, test_sdpa_varlen_gpu
+
+    config = SdpaConfig(**overrides)
+    for run in (test_sdpa_varlen_gpu.run_case, test_fp8_gpu.run_case):
+        run([1, 4, 16, 1, 300, 17, 4], [9100, 4, 2000, 1, 700, 4000, 129], rows=9216, config=config)
+        run([1, 4, 1, 100], [5000, 20000, 30, 3000], rows=1100, window=1024, config=config)
+        run([4, 16, 1], [300, 5000, 77], rows=8192, causal=False, config=config)
+    lengths = torch.randint(64, 8193, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    test_sdpa_varlen_gpu.run_case([1] * 64, lengths, rows=8192, config=config)  # b64 decode
+    for length in (1, 17, 1024, 9100, 16384):  # one sequence: many programs merge into one item
+        test_sdpa_varlen_gpu.run_case([1], [length], rows=16384, pad=0, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("head_dim", "dtype", "kv_heads"),
+    [(64, torch.bfloat16, 8), (256, torch.bfloat16, 8), (128, torch.float16, 8), (128, torch.float32, 2)],
+)
+def test_warp_split_with_prefetch_at_other_head_dims_and_dtypes(head_dim, dtype, kv_heads):
+    from tests.test_sdpa_varlen_gpu import run_case
+
+    atol = 1e-4 if dtype == torch.float32 else 2e-2
+    config = SdpaConfig(warp_split=4, prefetch=4)
+    run_case([1, 3, 1, 64], [1000, 3000, 7, 500], rows=4096, head_dim=head_dim, dtype=dtype, kv_heads=kv_heads,
+             atol=atol, config=config)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overrides", GPU_VARIANTS, ids=str)
+def test_one_captured_graph_of_each_variant_replays_any_length(overrides):
+    from batchkv.ops.sdpa_varlen_triton import _counters
+
+    config, gen = SdpaConfig(**overrides), torch.Generator(device="cuda").manual_seed(5)
+    k, v = (torch.randn(16384, 2, 8, 128, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))
+    k[:, 1] = v[:, 1] = float("nan")  # the facade's scratch column: never read
+    q = torch.randn(2, 32, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    info = torch.zeros(2, 4, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    info.copy_(torch.tensor([[0, 1, 0, 1], [0, 0, 0, 0]]))
+    sdpa_varlen(q, k, v, info, out=out, config=config)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sdpa_varlen(q, k, v, info, out=out, config=config)
+    for table in ([[0, 1, 0, 16384], [0, 0, 0, 0]], [[0, 1, 0, 9100], [0, 0, 0, 0]], [[1, 1, 0, 17], [0, 0, 0, 0]],
+                  [[0, 2, 0, 1024], [0, 0, 0, 0]], [[0, 1, 0, 3000], [1, 1, 0, 4000]]):  # fmt: skip
+        info.copy_(torch.tensor(table))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), sdpa_varlen_reference(q, k, v, info).float(), atol=2e-2, rtol=2e-2)
+        assert not _counters(q.device, 0).any()

@@ -177,10 +177,12 @@ def _zero_uncovered(out, p, P, T, h0, q_start_v, q_len_v, writes_v, stride_ot, s
 @triton.jit
 def _merge(out, o_part, lse_part, it, p_first, p_last, h0, num_kv_heads, q_start, q_len, qb, T, stride_ot,
            stride_oh, GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_Q: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr):  # fmt: skip
+           BLOCK_Q: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr,
+           MERGE_STAGES: tl.constexpr):  # fmt: skip
     """Combine the partials of programs p_first..p_last (slots p + it) by their lse into `out`,
     MERGE_ROWS tile rows of every head and MERGE_SLOTS programs per round trip. Everything stays
-    [slots, rows, D]-shaped (keep_dims), so no layout changes inside the loop."""
+    [slots, rows, D]-shaped (keep_dims), so no layout changes inside the loop. MERGE_STAGES > 1
+    software-pipelines the rounds (the next round's partials load while this one combines)."""
     u = tl.arange(0, HEADS * MERGE_ROWS)[None, :, None]  # (head, row) pairs of a round
     hh = u // MERGE_ROWS
     d = tl.arange(0, HEAD_DIM)[None, None, :]
@@ -193,7 +195,7 @@ def _merge(out, o_part, lse_part, it, p_first, p_last, h0, num_kv_heads, q_start
         m_i = tl.full([1, HEADS * MERGE_ROWS, 1], NEG_INF, tl.float32)
         l_i = tl.zeros([1, HEADS * MERGE_ROWS, 1], tl.float32)
         acc = tl.zeros([1, HEADS * MERGE_ROWS, HEAD_DIM], tl.float32)
-        for c0 in range(p_first, p_last + 1, MERGE_SLOTS):
+        for c0 in tl.range(p_first, p_last + 1, MERGE_SLOTS, num_stages=MERGE_STAGES):
             row = ((c0 + j + it).to(tl.int64) * num_kv_heads + h0 + hh) * BLOCK_M + r  # [SLOTS, R, 1], slot p + it
             live = (c0 + j <= p_last) & ok
             lse = tl.load(lse_part + row, mask=live, other=NEG_INF, cache_modifier=".cg")
@@ -220,7 +222,8 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
                  S_POW2: tl.constexpr, MIN_BLOCKS: tl.constexpr, LONG: tl.constexpr, SKIP_MASKS: tl.constexpr,
                  MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, HG_POW2: tl.constexpr,
                  ZERO_ROWS: tl.constexpr, AXIS64: tl.constexpr, DOT_PREC: tl.constexpr, WARP_SPLIT: tl.constexpr,
-                 PREFETCH: tl.constexpr, SECTOR: tl.constexpr, PREFETCH_CHECK: tl.constexpr):  # fmt: skip
+                 PREFETCH: tl.constexpr, SECTOR: tl.constexpr, PREFETCH_CHECK: tl.constexpr,
+                 MERGE_STAGES: tl.constexpr):  # fmt: skip
     hp = tl.program_id(0)  # head group: KV heads h0 .. h0 + HEADS - 1
     p = tl.program_id(1)
     h0 = hp * HEADS
@@ -314,6 +317,7 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == p_last - p_first:  # the last to finish: every other partial is visible
                 _merge(out, o_part, lse_part, it, p_first, p_last, h0, num_kv_heads, q_start, q_len, qb, T, stride_ot,
-                       stride_oh, GROUP, HEADS, HEAD_DIM, BLOCK_M, BLOCK_Q, MERGE_ROWS, MERGE_SLOTS)  # fmt: skip
+                       stride_oh, GROUP, HEADS, HEAD_DIM, BLOCK_M, BLOCK_Q, MERGE_ROWS, MERGE_SLOTS,
+                       MERGE_STAGES)  # fmt: skip
                 tl.store(counter, 0)  # self-cleaning: the next launch finds zeros
         x = piece_end

@@ -66,7 +66,8 @@ class SdpaConfig:
     min_blocks: fewest key blocks a program takes (fewer programs share a short total, fewer
     partials to merge); skip_masks: no mask on key blocks every row attends whole; merge_rows:
     tile rows per head merged at once (0: next power of two >= G); merge_tile: fp32 elements a
-    merge round loads (sets how many programs' partials one round trip brings); max_regs: register
+    merge round loads (sets how many programs' partials one round trip brings); merge_stages: > 1
+    software-pipelines the merge's rounds (the next partials load while one combines); max_regs: register
     cap per thread (0: what `occupancy` programs per SM need, else none).
     Few-row variants (defaults off; bench/b1_sweep.py times them): warp_split: key sub-tiles per
     tile, one per warp, each with its own softmax state, merged once per piece (a power of two,
@@ -90,6 +91,7 @@ class SdpaConfig:
     merge_rows: int = 0
     merge_tile: int = 8192
     max_regs: int = 0
+    merge_stages: int = 1
     warp_split: int = 1
     prefetch: int = 0
     block_n_long: int = 0
@@ -116,8 +118,8 @@ def resolve_config(
     cfg = config or SdpaConfig()
     if cfg.heads < 0 or cfg.heads & (cfg.heads - 1) or cfg.q_short < 1 or cfg.min_blocks < 1:
         raise ContractError(f"{cfg}: heads must be 0 or a power of two, q_short and min_blocks >= 1")
-    if cfg.warp_split < 1 or cfg.warp_split & (cfg.warp_split - 1) or cfg.prefetch < 0:
-        raise ContractError(f"{cfg}: warp_split must be a power of two and prefetch >= 0")
+    if cfg.warp_split < 1 or cfg.warp_split & (cfg.warp_split - 1) or cfg.prefetch < 0 or cfg.merge_stages < 1:
+        raise ContractError(f"{cfg}: warp_split must be a power of two, prefetch >= 0 and merge_stages >= 1")
     esize = dtype.itemsize
     heads = math.gcd(cfg.heads or 1, num_kv_heads)
     num_warps = cfg.num_warps or (cfg.warp_split if cfg.warp_split > 1 else 4 if heads == 1 else heads)
@@ -306,7 +308,7 @@ def sdpa_varlen(
         MERGE_SLOTS=min(64, _pow2_floor(cfg.merge_tile // (heads * merge_rows * head_dim))), HG_POW2=hg_pow2,
         ZERO_ROWS=_pow2_floor(2048 // (hg_pow2 * head_dim)), AXIS64=axis_bound * slots >= AXIS32_LIMIT,
         WARP_SPLIT=cfg.warp_split, PREFETCH=cfg.prefetch, SECTOR=32 // k_store.dtype.itemsize,
-        PREFETCH_CHECK=cfg.prefetch > 0 and q.device.type != "cuda", **common,
+        PREFETCH_CHECK=cfg.prefetch > 0 and q.device.type != "cuda", MERGE_STAGES=cfg.merge_stages, **common,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device),
     )  # fmt: skip
     if long:
