@@ -51,7 +51,7 @@ GRID = [  # most informative first, in case the budget ends the run early
     {"warp_split": 4, "num_stages": 4},
     {"warp_split": 4, "min_blocks": 2},
     {"warp_split": 2},  # 2 warps, 32 keys each
-    {"warp_split": 2, "occupancy": 4},
+    {"warp_split": 8, "block_n": 128, "num_stages": 2, "occupancy": 1},  # one 8-warp program per SM
     # L2 prefetch of the next blocks (the first ones before q is read)
     {"prefetch": 2},
     {"prefetch": 4},
@@ -63,13 +63,15 @@ GRID = [  # most informative first, in case the budget ends the run early
     {"prefetch": 8, "warp_split": 4, "occupancy": 1},
     {"prefetch": 4, "warp_split": 4, "min_blocks": 2},
     {"prefetch": 4, "warp_split": 4, "num_stages": 2},  # the L2 holds the stream: fewer smem stages
-    {"prefetch": 4, "warp_split": 2, "occupancy": 4},
-    {"prefetch": 8, "warp_split": 4, "block_n": 128, "num_stages": 2, "occupancy": 1},
-    # the last-arriver merge: more partials per round trip (33 partials: 3 round trips at 8192)
-    {"merge_tile": 16384},
-    {"merge_tile": 16384, "prefetch": 4, "warp_split": 4},
+    {"prefetch": 4, "warp_split": 8, "block_n": 128, "num_stages": 3, "occupancy": 1},
+    # the last-arriver merge (33 partials per item at 9,100 keys: 3 round trips of 16 by default)
+    {"merge_tile": 16384},  # 32 partials per round trip
+    {"merge_stages": 2},  # the next round's partials load while one combines
+    {"merge_stages": 2, "merge_tile": 16384},
+    {"merge_stages": 2, "prefetch": 4, "warp_split": 4},
+    {"merge_stages": 2, "prefetch": 8, "warp_split": 4, "occupancy": 1},
     {"merge_tile": 16384, "prefetch": 8, "warp_split": 4, "occupancy": 1},
-    {"occupancy": 1, "block_n": 64},  # fewer, longer programs without the variants
+    {"warp_split": 2, "num_stages": 2, "occupancy": 4},  # four 2-warp programs per SM (3 stages would not fit 4)
 ]
 
 

@@ -22,9 +22,9 @@ from batchkv.ops.sdpa_varlen_triton import SdpaConfig, sdpa_varlen
 from tests.test_sdpa_varlen import check, make_case
 
 VARIANTS = {
-    "warp_split 2": SdpaConfig(warp_split=2, block_n=32, programs=3),
-    "warp_split 4, prefetch 2": SdpaConfig(warp_split=4, block_n=64, prefetch=2, programs=5),
-    "prefetch 1": SdpaConfig(prefetch=1, block_n=16, programs=3),
+    "warp_split 4": SdpaConfig(warp_split=4, block_n=64, programs=3),
+    "warp_split 2, prefetch 1": SdpaConfig(warp_split=2, block_n=32, prefetch=1, programs=2),
+    "prefetch 1": SdpaConfig(prefetch=1, block_n=32, programs=3),
     "prefetch 3, 2 heads": SdpaConfig(prefetch=3, heads=2, block_n=16, programs=4),
     "merge in 2 stages": SdpaConfig(merge_stages=2, merge_tile=2 * 4 * 16, block_n=16, programs=7),
 }
@@ -40,11 +40,11 @@ def test_mixed_table_over_a_windowed_ring_matches_reference(variant):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_non_causal_draft_blocks_and_long_decodes_match_reference(variant):
-    segments = [(4, 0, 70), (16, 1, 33), (1, 2, 150), (1, 3, 9), (3, 4, 129)]
-    check(segments, rows=160, causal=False, group=2, kv_heads=2, head_dim=16, config=VARIANTS[variant])
+    segments = [(4, 0, 70), (16, 1, 33), (1, 2, 97), (1, 3, 9), (3, 4, 65)]
+    check(segments, rows=100, causal=False, group=2, kv_heads=2, head_dim=16, config=VARIANTS[variant])
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", ["warp_split 4", "warp_split 2, prefetch 1", "prefetch 1"])
 def test_e4m3_stores_match_reference_on_their_codes(variant):
     (q, k, v), info = make_case([(1, 0, 200), (3, 1, 57), (1, 2, 5)], rows=210, head_dim=16, kv_heads=2)
     (k_codes, k_scale), (v_codes, v_scale) = quantize_fp8(k), quantize_fp8(v)
