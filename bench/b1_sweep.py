@@ -11,7 +11,9 @@ config is checked against the torch reference first. Per config: µs, µs / SDPA
 ceiling, and whether it meets the targets (<= SDPA at 1,024 to 16,384 keys, >= 65% of the read
 ceiling at 9,100 and 16,384). Then the default and the best few (by summed µs over the target
 lengths) are timed on the b32-mixed and b64-mixed kernel cases (bench/kernel_cases.py), which must
-not regress. Writes every row as it goes; stops starting configs after --budget-s.
+not regress; a winner that does can still serve one sequence alone, as
+`SdpaConfig(narrow=SdpaConfig(**winner), narrow_width=w)` (steps of at most w tokens). Writes every
+row as it goes; stops starting configs after --budget-s.
 
     python3 bench/b1_sweep.py --out bench/results/b1-sweep-h200.json     # on the GPU, ~2-3 minutes
 """

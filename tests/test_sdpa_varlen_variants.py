@@ -72,6 +72,17 @@ def test_the_interpreter_prefetch_turns_a_row_outside_the_resident_keys_into_nan
     assert out.isnan().all()  # key 20 is not
 
 
+def test_a_narrow_config_serves_steps_up_to_its_width_and_the_outer_one_the_rest():
+    # An invalid narrow config shows which config a step took: only steps of T <= 3 take it.
+    config = SdpaConfig(block_n=16, narrow=SdpaConfig(warp_split=3), narrow_width=3)
+    check([(1, 0, 40), (1, 1, 7)], rows=64, head_dim=16, kv_heads=2, pad=2, config=config)  # T = 4: the outer one
+    (q, k, v), info = make_case([(1, 0, 40), (1, 1, 7)], rows=64, head_dim=16, kv_heads=2, pad=1)  # T = 3
+    with pytest.raises(ContractError):
+        sdpa_varlen(q, k, v, info, config=config)
+    config = SdpaConfig(narrow=SdpaConfig(warp_split=2, block_n=32, prefetch=1, programs=3), narrow_width=3)
+    check([(1, 0, 90), (1, 1, 7)], rows=100, head_dim=16, kv_heads=2, pad=1, config=config)
+
+
 BAD_FIELDS = [dict(warp_split=3), dict(warp_split=4, block_n=32), dict(warp_split=2, heads=2), dict(prefetch=-1),
               dict(merge_stages=0)]  # fmt: skip
 

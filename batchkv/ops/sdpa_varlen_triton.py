@@ -67,13 +67,15 @@ class SdpaConfig:
     partials to merge); skip_masks: no mask on key blocks every row attends whole; merge_rows:
     tile rows per head merged at once (0: next power of two >= G); merge_tile: fp32 elements a
     merge round loads (sets how many programs' partials one round trip brings); merge_stages: > 1
-    software-pipelines the merge's rounds (the next partials load while one combines); max_regs: register
-    cap per thread (0: what `occupancy` programs per SM need, else none).
+    software-pipelines the merge's rounds (the next partials load while one combines);
+    max_regs: register cap per thread (0: what `occupancy` programs per SM need, else none).
     Few-row variants (defaults off; bench/b1_sweep.py times them): warp_split: key sub-tiles per
     tile, one per warp, each with its own softmax state, merged once per piece (a power of two,
     one head per program, block_n / warp_split >= 16; num_warps 0 means warp_split;
     `sdpa_varlen_warp_split.py`); prefetch: key blocks each program asks the L2 for ahead of its
-    loads, the first ones before q is read (0: none).
+    loads, the first ones before q is read (0: none). narrow: the config of steps of at most
+    narrow_width packed tokens (T is a static shape, so a captured graph keeps one config), e.g.
+    a few-row variant for one decoding sequence beside the batch config; None: this one.
     Long path (*_long): tile rows (0: 128 when a key row is <= 256 bytes, else 64), keys (0: 64,
     else 32), warps, stages (0: 3, else 2).
     """
@@ -94,10 +96,15 @@ class SdpaConfig:
     merge_stages: int = 1
     warp_split: int = 1
     prefetch: int = 0
+    narrow: SdpaConfig | None = None
+    narrow_width: int = 0
     block_n_long: int = 0
     block_m_long: int = 0
     num_warps_long: int = 8
     num_stages_long: int = 0
+
+
+DEFAULT_CONFIG = SdpaConfig()  # what config=None means
 
 
 def _pow2_floor(x: int) -> int:
@@ -114,8 +121,9 @@ def resolve_config(
 ) -> SdpaConfig:
     """`config` with every 0 field chosen from shapes alone (host-only, no device reads).
 
-    `heads` is reduced to a divisor of num_kv_heads (gcd), so any config fits any model."""
-    cfg = config or SdpaConfig()
+    `heads` is reduced to a divisor of num_kv_heads (gcd), so any config fits any model. The result
+    is one width's config: `narrow` (already chosen by the caller) is dropped."""
+    cfg = config or DEFAULT_CONFIG
     if cfg.heads < 0 or cfg.heads & (cfg.heads - 1) or cfg.q_short < 1 or cfg.min_blocks < 1:
         raise ContractError(f"{cfg}: heads must be 0 or a power of two, q_short and min_blocks >= 1")
     if cfg.warp_split < 1 or cfg.warp_split & (cfg.warp_split - 1) or cfg.prefetch < 0 or cfg.merge_stages < 1:
@@ -146,6 +154,8 @@ def resolve_config(
         block_n_long=block_n_long,
         block_m_long=block_m_long,
         num_stages_long=cfg.num_stages_long or (2 if wide_rows else 3),
+        narrow=None,
+        narrow_width=0,
     )
 
 
@@ -268,6 +278,9 @@ def sdpa_varlen(
     if num_segments == 0:
         return out.zero_()
     group = num_q_heads // num_kv_heads
+    config = config or DEFAULT_CONFIG
+    if config.narrow is not None and num_tokens <= config.narrow_width:
+        config = config.narrow  # a static-shape choice: the same for every replay of a graph
     cfg = resolve_config(config, head_dim, k_store.dtype, num_kv_heads, q.device)
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
     quant = quantized(k_store.dtype)
