@@ -18,7 +18,7 @@ from batchkv.errors import ContractError
 from batchkv.ops import sdpa_varlen_reference
 from batchkv.ops.reference import quantize_fp8
 from batchkv.ops.sdpa_varlen_common import prefetch_keys
-from batchkv.ops.sdpa_varlen_triton import SdpaConfig, sdpa_varlen
+from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config, sdpa_varlen
 from tests.test_sdpa_varlen import check, make_case
 
 VARIANTS = {
@@ -81,6 +81,13 @@ def test_a_narrow_config_serves_steps_up_to_its_width_and_the_outer_one_the_rest
         sdpa_varlen(q, k, v, info, config=config)
     config = SdpaConfig(narrow=SdpaConfig(warp_split=2, block_n=32, prefetch=1, programs=3), narrow_width=3)
     check([(1, 0, 90), (1, 1, 7)], rows=100, head_dim=16, kv_heads=2, pad=1, config=config)
+
+
+def test_warp_split_widens_the_default_key_tile_to_16_keys_per_warp():
+    # 32 keys would fill 32 KiB of K+V at D 256 in bf16; 4 warps need 64
+    resolved = resolve_config(SdpaConfig(warp_split=4), 256, torch.bfloat16, 8, torch.device("cpu"))
+    assert (resolved.block_n, resolved.num_warps) == (64, 4)
+    assert resolve_config(SdpaConfig(), 256, torch.bfloat16, 8, torch.device("cpu")).block_n == 32
 
 
 BAD_FIELDS = [dict(warp_split=3), dict(warp_split=4, block_n=32), dict(warp_split=2, heads=2), dict(prefetch=-1),

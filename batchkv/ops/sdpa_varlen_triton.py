@@ -71,11 +71,12 @@ class SdpaConfig:
     max_regs: register cap per thread (0: what `occupancy` programs per SM need, else none).
     Few-row variants (defaults off; bench/b1_sweep.py times them): warp_split: key sub-tiles per
     tile, one per warp, each with its own softmax state, merged once per piece (a power of two,
-    one head per program, block_n / warp_split >= 16; num_warps 0 means warp_split;
-    `sdpa_varlen_warp_split.py`); prefetch: key blocks each program asks the L2 for ahead of its
-    loads, the first ones before q is read (0: none). narrow: the config of steps of at most
-    narrow_width packed tokens (T is a static shape, so a captured graph keeps one config), e.g.
-    a few-row variant for one decoding sequence beside the batch config; None: this one.
+    one head per program, block_n / warp_split >= 16; num_warps 0 means warp_split and block_n 0
+    at least 16 * warp_split; `sdpa_varlen_warp_split.py`); prefetch: key blocks each program
+    asks the L2 for ahead of its loads, the first ones before q is read (0: none).
+    narrow: the config of steps of at most narrow_width packed tokens (T is a static shape, so a
+    captured graph keeps one config), e.g. a few-row variant for one decoding sequence beside the
+    batch config; None: this one.
     Long path (*_long): tile rows (0: 128 when a key row is <= 256 bytes, else 64), keys (0: 64,
     else 32), warps, stages (0: 3, else 2).
     """
@@ -132,7 +133,7 @@ def resolve_config(
     heads = math.gcd(cfg.heads or 1, num_kv_heads)
     num_warps = cfg.num_warps or (cfg.warp_split if cfg.warp_split > 1 else 4 if heads == 1 else heads)
     stage_keys = 32768 // (2 * head_dim * esize * heads)  # key positions whose K+V fill 32 KiB
-    block_n = cfg.block_n or max(16, min(128, _pow2_floor(stage_keys)))
+    block_n = cfg.block_n or max(16 * cfg.warp_split, min(128, _pow2_floor(stage_keys)))
     if cfg.warp_split > 1 and (heads > 1 or block_n < 16 * cfg.warp_split):
         raise ContractError(f"{cfg}: warp_split needs one KV head per program and block_n >= 16 * warp_split")
     wide_rows = head_dim * max(esize, 2) > 256  # e4m3 tiles are converted to 16 bits for the dots
