@@ -72,7 +72,8 @@ class SdpaConfig:
     Few-row variants (defaults off; bench/b1_sweep.py times them): warp_split: key sub-tiles per
     tile, one per warp, each with its own softmax state, merged once per piece (a power of two,
     one head per program, block_n / warp_split >= 16; num_warps 0 means warp_split and block_n 0
-    at least 16 * warp_split; `sdpa_varlen_warp_split.py`); prefetch: key blocks each program
+    at least 16 * warp_split; meant for 16-bit and e4m3 stores with D <= 128: fp32 tiles and D 256
+    spill registers on sm_90; `sdpa_varlen_warp_split.py`); prefetch: key blocks each program
     asks the L2 for ahead of its loads, the first ones before q is read (0: none).
     narrow: the config of steps of at most narrow_width packed tokens (T is a static shape, so a
     captured graph keeps one config), e.g. a few-row variant for one decoding sequence beside the
