@@ -44,7 +44,7 @@ for p in "$@"; do
     fp8) phase fp8 240 python3 bench/kv_fp8.py --out "$OUT/kv-fp8-h200.json" --kernels-json "$OUT/kernels-h200.json" ;;
     spec) phase spec ${SPEC_LIMIT:-300} python3 bench/spec.py --out "$OUT/spec-h200.json" --budget-s 240 ;;
     gemv) phase gemv 120 python3 bench/gemv.py --out "$OUT/gemv-h200.json" ;;
-    b1) phase b1 240 python3 bench/b1_sweep.py --out "$OUT/b1-sweep-h200.json" --budget-s 190 ;;
+    b1) phase b1 240 python3 bench/b1_sweep.py --out "$OUT/b1-sweep-h200.json" --budget-s 170 ;;
     ncu) phase ncu 90 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section LaunchStats \
       --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --csv --page details \
       python3 bench/b1_ncu.py ;;
