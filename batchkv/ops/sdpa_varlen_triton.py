@@ -188,7 +188,7 @@ def _regs(max_regs: int, device: torch.device) -> dict:
     return {"maxnreg": max_regs} if max_regs and device.type == "cuda" else {}
 
 
-def _check(q, k_store, v_store, seq_info, window, out, k_scale, v_scale) -> None:
+def _check(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale) -> None:
     if q.dim() != 3 or k_store.dim() != 4 or k_store.shape != v_store.shape:
         raise ContractError(
             "sdpa_varlen wants q [T, Hq, D] and k_store, v_store [rows, C, Hkv, D] of one shape; "
@@ -201,8 +201,10 @@ def _check(q, k_store, v_store, seq_info, window, out, k_scale, v_scale) -> None
     problem = refusal(k_store.dtype, head_dim)
     if problem:
         raise ContractError(f"sdpa_varlen: {problem}")
-    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
-        raise ContractError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}; GQA needs Hq % Hkv == 0")
+    if num_kv_heads < 1 or num_q_heads < 1 or num_q_heads % num_kv_heads:
+        raise ContractError(
+            f"Hq={num_q_heads} is not a positive multiple of Hkv={num_kv_heads}; GQA needs Hq % Hkv == 0"
+        )
     if rows < 1:
         raise ContractError("the stores have 0 rows; grow the cache before attending")
     if q.dtype not in COMPUTE_DTYPES or v_store.dtype != k_store.dtype:
@@ -227,6 +229,8 @@ def _check(q, k_store, v_store, seq_info, window, out, k_scale, v_scale) -> None
     if seq_info.shape[0] > 1 and seq_info.stride(0) != 4:
         raise ContractError("seq_info rows must be packed (stride 4); pass seq_info.contiguous()")
     int_arg("sdpa_varlen: window", window, 0, error=ContractError, why=" (0: none)")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise ContractError(f"sdpa_varlen: scale is {scale!r}; use None (1/sqrt(D)) or a number")
     if out is not None and (
         out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1
     ):
@@ -270,7 +274,7 @@ def sdpa_varlen(
     >>> info = torch.tensor([[0, 1, 3, 700], [1, 4, 0, 52]], dtype=torch.int32, device="cuda")
     >>> out = sdpa_varlen(q, k_store, v_store, info)  # q [5, 32, 128], stores [1024, 65, 8, 128]
     """
-    _check(q, k_store, v_store, seq_info, window, out, k_scale, v_scale)
+    _check(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     rows, _, num_kv_heads, _ = k_store.shape
     num_segments = seq_info.shape[0]
