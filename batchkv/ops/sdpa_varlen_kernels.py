@@ -17,11 +17,15 @@ segment covers. Long segments (prefill) are `long_kernel`'s (`sdpa_varlen_long.p
   writes `out` itself. Otherwise each writes its normalised fp32 output and log2-sum-exp to
   partial slot `p + item` (unique), then adds 1 to the item's counter (acq_rel, gpu scope, after a
   CTA barrier so every thread's stores are ordered before it); the one that sees count-1 reads all
-  the item's partials, writes `out`, and stores 0 back. Counters are therefore zero after every
-  launch (graph replays need no memset); the workspace must not be shared by two launches running
-  at once (the launcher keeps one per device; batchkv attends on one stream).
+  the item's partials (`sdpa_varlen_merge.py`), writes `out`, and stores 0 back. Counters are
+  therefore zero after every launch (graph replays need no memset); the workspace must not be
+  shared by two launches running at once (the launcher keeps one per device; batchkv attends on
+  one stream).
 - Rows: program P-1-p of a head group zeroes rows t = p, p + P, ... that no segment writes (its
   heads only), so padding rows are exact zeros without another launch.
+- Few-row variants (off by default): WARP_SPLIT cuts each key tile across warps, one softmax
+  state per warp (`sdpa_varlen_warp_split.py`); PREFETCH asks the L2 for the blocks ahead
+  (`prefetch_keys`), a piece's first ones before q is loaded.
 
 - e4m3 stores (QUANT): codes convert in registers to fp16 (fp32 for fp32 queries; e4m3 to fp16 is one
   instruction per pair, to bf16 three), the dots run in it; per tile one [BLOCK_N] vector
@@ -48,6 +52,7 @@ from batchkv.ops.sdpa_varlen_common import (
     ring_rows,
     row_bounds,
 )
+from batchkv.ops.sdpa_varlen_merge import merge_partials
 from batchkv.ops.sdpa_varlen_warp_split import attend_warp_split
 
 ITEM_SHIFT = tl.constexpr(40)  # packed scan: items above bit 40, key blocks below
@@ -175,45 +180,6 @@ def _zero_uncovered(out, p, P, T, h0, q_start_v, q_len_v, writes_v, stride_ot, s
 
 
 @triton.jit
-def _merge(out, o_part, lse_part, it, p_first, p_last, h0, num_kv_heads, q_start, q_len, qb, T, stride_ot,
-           stride_oh, GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_Q: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr,
-           MERGE_STAGES: tl.constexpr):  # fmt: skip
-    """Combine the partials of programs p_first..p_last (slots p + it) by their lse into `out`,
-    MERGE_ROWS tile rows of every head and MERGE_SLOTS programs per round trip. Everything stays
-    [slots, rows, D]-shaped (keep_dims), so no layout changes inside the loop. MERGE_STAGES > 1
-    software-pipelines the rounds (the next round's partials load while this one combines)."""
-    u = tl.arange(0, HEADS * MERGE_ROWS)[None, :, None]  # (head, row) pairs of a round
-    hh = u // MERGE_ROWS
-    d = tl.arange(0, HEAD_DIM)[None, None, :]
-    j = tl.arange(0, MERGE_SLOTS)[:, None, None]
-    valid = tl.minimum(q_len - qb * BLOCK_Q, BLOCK_Q) * GROUP  # tile rows with a query
-    for r0 in range(0, valid, MERGE_ROWS):
-        r = r0 + u % MERGE_ROWS
-        token = q_start + qb * BLOCK_Q + r // GROUP
-        ok = (r < valid) & (token >= 0) & (token < T)  # [1, R, 1]
-        m_i = tl.full([1, HEADS * MERGE_ROWS, 1], NEG_INF, tl.float32)
-        l_i = tl.zeros([1, HEADS * MERGE_ROWS, 1], tl.float32)
-        acc = tl.zeros([1, HEADS * MERGE_ROWS, HEAD_DIM], tl.float32)
-        for c0 in tl.range(p_first, p_last + 1, MERGE_SLOTS, num_stages=MERGE_STAGES):
-            row = ((c0 + j + it).to(tl.int64) * num_kv_heads + h0 + hh) * BLOCK_M + r  # [SLOTS, R, 1], slot p + it
-            live = (c0 + j <= p_last) & ok
-            lse = tl.load(lse_part + row, mask=live, other=NEG_INF, cache_modifier=".cg")
-            o = tl.load(o_part + row * HEAD_DIM + d, mask=live, other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_i, tl.max(lse, 0, keep_dims=True))
-            m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            w = tl.exp2(lse - m_safe)
-            l_i = l_i * alpha + tl.sum(w, 0, keep_dims=True)
-            acc = acc * alpha + tl.sum(w * o, 0, keep_dims=True)
-            m_i = m_new
-        res = tl.where(l_i > 0, acc / tl.where(l_i > 0, l_i, 1.0), 0.0)
-        head = (h0 + hh) * GROUP + r % GROUP
-        ptrs = out + token.to(tl.int64) * stride_ot + head * stride_oh + d
-        tl.store(ptrs, res.to(out.dtype.element_ty), mask=ok)
-
-
-@triton.jit
 def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_part, counters, S, T, rows, window,
                  qk_scale, P, MAX_ITEMS, stride_qt, stride_qh, stride_r, stride_c, stride_h, stride_sr, stride_sc,
                  stride_ot, stride_oh, QUANT: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr,
@@ -316,8 +282,8 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
             counter = counters + it * tl.num_programs(0) + hp
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == p_last - p_first:  # the last to finish: every other partial is visible
-                _merge(out, o_part, lse_part, it, p_first, p_last, h0, num_kv_heads, q_start, q_len, qb, T, stride_ot,
-                       stride_oh, GROUP, HEADS, HEAD_DIM, BLOCK_M, BLOCK_Q, MERGE_ROWS, MERGE_SLOTS,
-                       MERGE_STAGES)  # fmt: skip
+                merge_partials(out, o_part, lse_part, it, p_first, p_last, h0, num_kv_heads, q_start, q_len, qb, T,
+                               stride_ot, stride_oh, GROUP, HEADS, HEAD_DIM, BLOCK_M, BLOCK_Q, MERGE_ROWS, MERGE_SLOTS,
+                               MERGE_STAGES)  # fmt: skip
                 tl.store(counter, 0)  # self-cleaning: the next launch finds zeros
         x = piece_end
