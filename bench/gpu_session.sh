@@ -45,7 +45,7 @@ for p in "$@"; do
     spec) phase spec "${SPEC_LIMIT:-240}" python3 bench/spec.py --out "$OUT/spec-h200.json" \
       --budget-s "${SPEC_BUDGET:-150}" ${SPEC_ARGS:-} ;;
     gemv) phase gemv 120 python3 bench/gemv.py --out "$OUT/gemv-h200.json" ;;
-    b1) phase b1 150 python3 bench/b1_sweep.py --out "$OUT/b1-sweep-h200.json" ;;
+    b1) phase b1 240 python3 bench/b1_sweep.py --out "$OUT/b1-sweep-h200.json" --budget-s 170 ;;
     ncu) phase ncu 90 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section LaunchStats \
       --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --csv --page details \
       python3 bench/b1_ncu.py ;;
