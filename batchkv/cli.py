@@ -182,7 +182,8 @@ def _export_pair(args: argparse.Namespace, manifest) -> int:
         pair = make_pair(manifest, draft_layers=args.draft_layers, block_size=args.spec_block)
         dump_pair(pair, args.output)
     except ManifestError as exc:
-        print(f"batchkv export: {exc.path}: {one_line(exc.rule)}", file=sys.stderr)
+        flag = {"$.drafter.num_layers": " (--draft-layers)", "$.block_size": " (--spec-block)"}.get(exc.path, "")
+        print(f"batchkv export: {exc.path}{flag}: {one_line(exc.rule)}", file=sys.stderr)
         return EXIT_USER_ERROR
     except OSError as exc:
         print(one_line(f"batchkv export: cannot write {args.output}: {exc.strerror or exc}"), file=sys.stderr)

@@ -15,7 +15,15 @@ from batchkv.cli import EXIT_INTERRUPTED, EXIT_REFUSED, Help, bounded, one_line
 from batchkv.errors import ConfigError
 from batchkv.executor.report import TOKENS_HELP
 from batchkv.executor.workload import JSONL_HELP
-from batchkv.frontend import add_engine_options, kv_dtype_option, speculative_option
+from batchkv.frontend import (
+    MODES,
+    add_engine_options,
+    add_scheduling_options,
+    kv_dtype_option,
+    or_auto,
+    scheduling_kwargs,
+    speculative_option,
+)
 from batchkv.presets import KV_PRESETS
 
 MODELS = tuple(KV_PRESETS)  # model presets `batchkv run` can build
@@ -31,21 +39,6 @@ def _length_range(text: str) -> tuple[int, int]:
     if not 1 <= bounds[0] <= bounds[1]:
         raise argparse.ArgumentTypeError(f"{text!r} needs 1 <= MIN <= MAX")
     return bounds
-
-
-def _or_auto(parse):
-    """An argparse type: "auto", or what `parse` accepts."""
-
-    def parse_or_auto(text: str):
-        if text == "auto":
-            return text
-        try:
-            return parse(text)
-        except argparse.ArgumentTypeError as exc:
-            raise argparse.ArgumentTypeError(f"{exc}, nor auto") from None
-
-    parse_or_auto.__name__ = parse.__name__
-    return parse_or_auto
 
 
 RUN_EPILOG = f"""\
@@ -100,38 +93,17 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--top-p", type=bounded(float, 0.0, 1.0, open_lo=True), default=1.0, help="synthetic: nucleus mass")
     w.add_argument("--n", type=bounded(int, 1, 64), default=1, help="synthetic: parallel samples per request")
     e = p.add_argument_group("engine")
-    e.add_argument(
-        "--max-seqs",
-        type=_or_auto(bounded(int, 1, positions)),
-        default=8,
-        help="resident sequences (columns); auto: as many as fit in --memory-fraction, at most 64",
-    )
-    e.add_argument(
-        "--memory-fraction",
-        type=bounded(float, 0.0, 1.0, open_lo=True),
-        default=0.9,
-        metavar="F",
-        help="with --max-seqs auto: share of the device's memory for weights, activations, graphs and K/V",
-    )
+    add_scheduling_options(e, max_seqs=8, help_max_seqs="resident sequences (columns)")
     e.add_argument(
         "--capacity",
-        type=_or_auto(bounded(int, 2, positions)),
+        type=or_auto(bounded(int, 2, positions)),
         default=256,
         help="most positions per sequence; auto: the model's limit, else 4096",
     )
     steps = bounded(int, 1, MAX_STEP_TOKENS)
     e.add_argument("--max-step-tokens", type=steps, default=64, help="token budget of one step")
     e.add_argument("--prefill-chunk", type=bounded(int, 1), default=32, help="most prompt tokens per sequence per step")
-    e.add_argument(
-        "--prefill-budget", type=steps, metavar="N", help="most prompt tokens per step, all prompts (default: the rest)"
-    )
-    e.add_argument("--graphs", choices=("auto", "on", "off"), default="auto", help="CUDA graphs (auto: on CUDA)")
-    e.add_argument(
-        "--overlap",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="plan step N+1 while the device runs step N (auto: on CUDA unless speculating)",
-    )
+    e.add_argument("--graphs", choices=tuple(MODES), default="auto", help="CUDA graphs (auto: on CUDA)")
     e.add_argument(
         "--threads",
         type=bounded(int, 0, 4096),
@@ -223,18 +195,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     model = _build_model(args.model, device, args.seed)
     speculative = speculative_option(args, model)
-    modes = {"auto": "auto", "on": True, "off": False}
     engine = Engine(
         model,
-        max_seqs=args.max_seqs,
-        memory_fraction=args.memory_fraction,
+        **scheduling_kwargs(args),
         capacity=None if args.capacity == "auto" else args.capacity,
         max_step_tokens=args.max_step_tokens,
         prefill_chunk=args.prefill_chunk,
-        prefill_budget=args.prefill_budget,
         device=device,
-        use_graphs=modes[args.graphs],
-        overlap=modes[args.overlap],
+        use_graphs=MODES[args.graphs],
         seed=args.seed,
         kv_dtype=kv_dtype_option(args.kv_dtype),
         speculative=speculative,

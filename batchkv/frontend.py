@@ -1,17 +1,78 @@
-"""Options the front ends share (`batchkv run` and `batchkv serve`): K/V storage dtype and speculation.
+"""Options the front ends share (`batchkv run` and `batchkv serve`): store sizing, scheduling, K/V
+storage dtype and speculation.
 
 Each turns command-line values into what the `Engine` takes; both commands add the same flags with
-`add_engine_options`, so the two stay in step.
+`add_scheduling_options` and `add_engine_options`, so the two stay in step.
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 
+from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
+from batchkv.cli import bounded
 from batchkv.dtypes import STORAGE_DTYPES, dtype_named
 from batchkv.errors import ConfigError
+
+MODES = {"auto": "auto", "on": True, "off": False}  # --graphs, --overlap -> the Engine's values
+
+
+def or_auto(parse):
+    """An argparse type: "auto", or what `parse` accepts."""
+
+    def parse_or_auto(text: str):
+        if text == "auto":
+            return text
+        try:
+            return parse(text)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{exc}, nor auto") from None
+
+    parse_or_auto.__name__ = parse.__name__
+    return parse_or_auto
+
+
+def add_scheduling_options(group: argparse._ArgumentGroup, *, max_seqs: int, help_max_seqs: str) -> None:
+    """--max-seqs (a number, or auto with --memory-fraction), --prefill-budget, --overlap."""
+    group.add_argument(
+        "--max-seqs",
+        type=or_auto(bounded(int, 1, MAX_POSITIONS)),
+        default=max_seqs,
+        help=f"{help_max_seqs}; auto: as many as fit in --memory-fraction, at most 64 (default %(default)s)",
+    )
+    group.add_argument(
+        "--memory-fraction",
+        type=bounded(float, 0.0, 1.0, open_lo=True),
+        default=0.9,
+        metavar="F",
+        help="with --max-seqs auto: share of the device's memory for weights, activations, graphs and K/V "
+        "(default %(default)s)",
+    )
+    group.add_argument(
+        "--prefill-budget",
+        type=bounded(int, 1, MAX_STEP_TOKENS),
+        metavar="N",
+        help="most prompt tokens per step, all prompts (default %(default)s: what --max-step-tokens leaves)",
+    )
+    group.add_argument(
+        "--overlap",
+        choices=tuple(MODES),
+        default="auto",
+        help="plan step N+1 while the device runs step N (default %(default)s: on CUDA unless speculating)",
+    )
+
+
+def scheduling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The Engine's keywords from `add_scheduling_options`' flags."""
+    return {
+        "max_seqs": args.max_seqs,
+        "memory_fraction": args.memory_fraction,
+        "prefill_budget": args.prefill_budget,
+        "overlap": MODES[args.overlap],
+    }
 
 
 def add_engine_options(group: argparse._ArgumentGroup) -> None:

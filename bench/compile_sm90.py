@@ -71,27 +71,32 @@ def build(fn, types: dict, consts: dict, warps: int, stages: int, label: str) ->
           f"wgmma={ptx.count('wgmma.mma_async')} | {hot_loop(sass)}")  # fmt: skip
 
 
-def split(dtype="bf16", D=128, G=4, heads=1, block_n=64, warps=4, stages=3, skip=True, merge_tile=8192):
+def split(dtype="bf16", D=128, G=4, heads=1, block_n=64, warps=4, stages=3, skip=True, merge_tile=8192,
+          warp_split=1, prefetch=0):  # fmt: skip
     block_q = max(1, 16 // G)
     block_m = max(16, triton.next_power_of_2(block_q * G))
     merge_rows = min(block_m, triton.next_power_of_2(G))
     hg = triton.next_power_of_2(heads * G)
-    types = dict(q=f"*{dtype}", k_store=f"*{dtype}", v_store=f"*{dtype}", info="*i32", out=f"*{dtype}",
-                 o_part="*fp32", lse_part="*fp32", counters="*i32", qk_scale="fp32")  # fmt: skip
-    consts = dict(CAUSAL=True, GROUP=G, HEADS=heads, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-                  Q_SHORT=16, S_POW2=128, MIN_BLOCKS=1, LONG=True, SKIP_MASKS=skip, MERGE_ROWS=merge_rows,
-                  MERGE_SLOTS=min(64, pow2_floor(merge_tile // (heads * merge_rows * D))), HG_POW2=hg,
-                  ZERO_ROWS=pow2_floor(2048 // (hg * D)), AXIS64=False,
-                  DOT_PREC="ieee" if dtype == "fp32" else "tf32")  # fmt: skip
+    types = dict(q=f"*{dtype}", k_store=f"*{dtype}", v_store=f"*{dtype}", k_scale="*fp32", v_scale="*fp32",
+                 info="*i32", out=f"*{dtype}", o_part="*fp32", lse_part="*fp32", counters="*i32",
+                 qk_scale="fp32")  # fmt: skip
+    consts = dict(QUANT=False, CAUSAL=True, GROUP=G, HEADS=heads, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_Q=block_q,
+                  BLOCK_N=block_n, Q_SHORT=16, S_POW2=128, MIN_BLOCKS=1, LONG=True, SKIP_MASKS=skip,
+                  MERGE_ROWS=merge_rows, MERGE_SLOTS=min(64, pow2_floor(merge_tile // (heads * merge_rows * D))),
+                  HG_POW2=hg, ZERO_ROWS=pow2_floor(2048 // (hg * D)), AXIS64=False,
+                  DOT_PREC="ieee" if dtype == "fp32" else "tf32", WARP_SPLIT=warp_split, PREFETCH=prefetch,
+                  SECTOR=8 if dtype == "fp32" else 16, PREFETCH_CHECK=False,
+                  MERGE_STAGES=1)  # fmt: skip
     label = f"split {dtype} D{D} G{G} heads{heads} n{block_n} w{warps} s{stages}" + ("" if skip else " masked")
+    label += (f" ws{warp_split}" if warp_split > 1 else "") + (f" pf{prefetch}" if prefetch else "")
     build(split_kernel, types, consts, warps, stages, label)
 
 
 def long(dtype="bf16", D=128, G=4, block_m=128, block_n=64, warps=8, stages=3):
     block_q = max(1, block_m // G)
-    types = dict(q=f"*{dtype}", k_store=f"*{dtype}", v_store=f"*{dtype}", info="*i32", out=f"*{dtype}",
-                 qk_scale="fp32")  # fmt: skip
-    consts = dict(CAUSAL=True, GROUP=G, HEAD_DIM=D, BLOCK_M=max(16, triton.next_power_of_2(block_q * G)),
+    types = dict(q=f"*{dtype}", k_store=f"*{dtype}", v_store=f"*{dtype}", k_scale="*fp32", v_scale="*fp32",
+                 info="*i32", out=f"*{dtype}", qk_scale="fp32")  # fmt: skip
+    consts = dict(QUANT=False, CAUSAL=True, GROUP=G, HEAD_DIM=D, BLOCK_M=max(16, triton.next_power_of_2(block_q * G)),
                   BLOCK_Q=block_q, BLOCK_N=block_n, Q_SHORT=16, S_POW2=128,
                   DOT_PREC="ieee" if dtype == "fp32" else "tf32")  # fmt: skip
     build(long_kernel, types, consts, warps, stages, f"long {dtype} D{D} G{G} m{block_m} n{block_n} w{warps} s{stages}")
@@ -106,6 +111,11 @@ if __name__ == "__main__":
     split(skip=False)
     split(D=256, block_n=32)
     split(D=64, G=8, block_n=128)
+    split(warp_split=4)  # few-row variants (SdpaConfig.warp_split, .prefetch)
+    split(warp_split=2, warps=2)
+    split(warp_split=4, block_n=128, stages=2)
+    split(prefetch=2)
+    split(warp_split=4, prefetch=2)
     long()  # the default prefill tile
     long(block_m=64, warps=4, stages=2)  # the previous one
     long(D=256, block_m=64, block_n=32, stages=2)

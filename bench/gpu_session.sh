@@ -42,9 +42,10 @@ for p in "$@"; do
     compat) phase compat 150 python3 bench/compat_attention.py --out "$OUT/compat-h200.json" ;;
     serve) phase serve 230 python3 bench/serve_http.py --out "$OUT/serve-http-h200.json" ;;
     fp8) phase fp8 240 python3 bench/kv_fp8.py --out "$OUT/kv-fp8-h200.json" --kernels-json "$OUT/kernels-h200.json" ;;
-    spec) phase spec ${SPEC_LIMIT:-300} python3 bench/spec.py --out "$OUT/spec-h200.json" --budget-s 240 ;;
+    spec) phase spec "${SPEC_LIMIT:-240}" python3 bench/spec.py --out "$OUT/spec-h200.json" \
+      --budget-s "${SPEC_BUDGET:-150}" ${SPEC_ARGS:-} ;;
     gemv) phase gemv 120 python3 bench/gemv.py --out "$OUT/gemv-h200.json" ;;
-    b1) phase b1 150 python3 bench/b1_sweep.py --out "$OUT/b1-sweep-h200.json" ;;
+    b1) phase b1 240 python3 bench/b1_sweep.py --out "$OUT/b1-sweep-h200.json" --budget-s 170 ;;
     ncu) phase ncu 90 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section LaunchStats \
       --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --csv --page details \
       python3 bench/b1_ncu.py ;;

@@ -141,6 +141,9 @@ VERBS = {
     "prepare bool width": (lambda c, a: c.prepare_step(True), StepError, "width"),
     "reserve float": (lambda c, a: c.reserve(16.5), PositionError, "length"),
     "k_store bool layer": (lambda c, a: c.k_store(True), ContractError, "layer"),
+    "planes past layers": (lambda c, a: c.planes(2), ContractError, "layer"),  # was an IndexError
+    "planes negative layer": (lambda c, a: c.planes(-1), ContractError, "layer"),  # was the last layer's
+    "planes bool layer": (lambda c, a: c.planes(True), ContractError, "layer"),
     "attend bool layer": (lambda c, a: c.update_and_attend(True, **_qkv()), ContractError, "layer"),
     "attend float layer": (lambda c, a: c.update_and_attend(0.0, **_qkv()), ContractError, "layer"),
     "attend past layers": (lambda c, a: c.update_and_attend(2, **_qkv()), ContractError, "layer"),
@@ -156,6 +159,17 @@ VERBS = {
         lambda c, a: c.update_and_attend(0, **_qkv(k=torch.ones(4, 2, 8).int())),
         ContractError,
         "k torch.int32",
+    ),
+    # Every backend refuses what the Triton write cannot load, so code that runs on the CPU runs on CUDA.
+    "k float64": (
+        lambda c, a: c.update_and_attend(0, **_qkv(k=torch.ones(4, 2, 8).double())),
+        ContractError,
+        "k torch.float64",
+    ),
+    "v e4m3": (
+        lambda c, a: c.update_and_attend(0, **_qkv(v=torch.ones(4, 2, 8).to(torch.float8_e4m3fn))),
+        ContractError,
+        "v torch.float8_e4m3fn",
     ),
     "k device": (
         lambda c, a: c.update_and_attend(0, **_qkv(k=torch.empty(4, 2, 8, device="meta"))),
@@ -192,6 +206,16 @@ def test_bad_cache_arguments_change_nothing_and_the_next_step_matches_the_oracle
     cache.declare_step([a, b, b])  # the same declaration again, driven through the oracle
     pair.step([a, b, b], width=4)
     assert cache.sequences == [a, b] and (cache.pos(a), cache.pos(b)) == (5, 4)
+
+
+def test_lengths_given_as_numpy_integers_are_held_as_python_ints():
+    pair = make_pair(max_seqs=3, capacity=32)
+    cache = pair.cache
+    a = pair.new()
+    pair.step([a, a, a])
+    b = cache.seq_clone(a, upto=np.int64(3))
+    cache.rewind(a, np.int32(2))
+    assert [type(cache.pos(s)) for s in (a, b)] == [int, int] and (cache.pos(a), cache.pos(b)) == (2, 3)
 
 
 def test_a_paged_cache_refuses_bad_lengths_and_shapes_and_attends_as_before():

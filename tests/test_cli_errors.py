@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -142,6 +143,37 @@ def test_every_user_error_is_one_line_without_a_traceback(tmp_path, capsys, tiny
         except AssertionError as exc:
             raise AssertionError(f"{argv}: {exc}") from None
     assert sorted(os.listdir(tmp_path)) == ["d.json", "garbage.jsonl", "h24.json", "w.jsonl"]  # nothing left behind
+
+
+def test_serve_refuses_a_bad_option_or_an_address_in_use_in_one_line_before_loading_a_model(capsys, monkeypatch):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    from batchkv.serve import loading
+
+    monkeypatch.setattr(loading, "load_served_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    serve = ("serve", "--model", TINY, "--device", "cpu")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        cases = [
+            (("--port", port), ("cannot listen", f"127.0.0.1:{port}", "--port")),  # uvicorn: exit 3, four log lines
+            (("--port", "99999"), ("--port", "99999")),  # was a traceback
+            (("--threads", "-1"), ("--threads",)),  # was a traceback
+            (("--capacity", "0"), ("--capacity",)),  # was served with the default capacity
+            (("--max-waiting", "-3"), ("--max-waiting",)),  # was a server that refused every request
+            (("--drain-timeout", "nan"), ("--drain-timeout",)),
+            (("--max-seqs", "lots"), ("--max-seqs", "nor auto")),
+            (("--memory-fraction", "0"), ("--memory-fraction",)),
+            (("--prefill-budget", "0"), ("--prefill-budget",)),
+            (("--overlap", "sometimes"), ("--overlap",)),
+        ]
+        for argv, names in cases:
+            code, out, err = run_cli(capsys, *serve, *argv)
+            try:
+                assert_one_line_error(code, out, err, *names)
+            except AssertionError as exc:
+                raise AssertionError(f"{argv}: {exc}") from None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the advice for a machine without a GPU")

@@ -184,6 +184,18 @@ def test_empty_caches_give_none_and_false_and_a_batch_of_two_is_refused():
     assert paged.length == 3 and paged.seqused.tolist() == [3]
 
 
+def test_load_prefix_checks_every_layer_not_only_the_first_and_a_refusal_changes_nothing():
+    paged = PagedDecodeCache.from_dynamic_cache(dyn_cache(3), 2, "cpu", torch.float32, **SMALL)
+    k0 = paged.k[0].clone()
+    good, wide = dyn_cache(4).layers[0], dyn_cache(4, batch=2).layers[1]
+    lazy = types.SimpleNamespace(keys=None, values=None)  # a layer transformers has not filled yet
+    for second, why in ((wide, r"layer 1 keys .*\[2, 2, 4, 16\]"), (lazy, "layer 1 keys .*None")):
+        with pytest.raises(ContractError, match=why):  # was: batch row 0 taken silently, or a TypeError
+            paged.load_prefix(types.SimpleNamespace(layers=[good, second]))
+        assert paged.length == 3 and torch.equal(paged.k[0].view(torch.int32), k0.view(torch.int32))  # bits: rows
+        # past the history hold whatever the allocator gave, NaN patterns included
+
+
 def test_to_dynamic_cache_fills_a_fresh_lazy_cache_that_then_grows_as_usual():
     source = dyn_cache(9)
     paged = PagedDecodeCache.from_dynamic_cache(source, 2, "cpu", torch.float32, **SMALL)

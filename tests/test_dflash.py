@@ -67,7 +67,10 @@ def reference_block(drafter: DFlashDrafter, feats, t_ctx, block_ids, t_block) ->
     return _norm(h, w["norm"], eps)
 
 
-def test_drafter_on_the_column_store_matches_the_dense_reference_across_steps_and_rewinds(target):
+@pytest.mark.parametrize("context_only", [False, True], ids=["every-step-drafts", "context-only-steps-between"])
+def test_drafter_on_the_column_store_matches_the_dense_reference_across_steps_and_rewinds(target, context_only):
+    """With context_only, every other step writes context rows alone (`write_context`, as when no
+    sample drafts), and the blocks drafted after them still see every context position."""
     drafter = build_drafter(target, num_layers=2, target_layer_ids=(0, 2), block_size=5, seed=3)
     c = drafter.config
     cache = BatchedSequenceCache(CacheConfig(**drafter.cache_spec(), max_seqs=3, capacity=64, max_write=12,
@@ -80,17 +83,19 @@ def test_drafter_on_the_column_store_matches_the_dense_reference_across_steps_an
     seqs = [cache.seq_new(), cache.seq_new()]
     offsets = {seqs[0]: 0, seqs[1]: 7}  # RoPE t = offset + position
     history = {s: torch.zeros(0, c.features) for s in seqs}
-    for _step in range(4):
+    checked = 0
+    for step in range(7 if context_only else 4):
+        write_only = context_only and step % 2 == 0
         ids, feats, is_ctx, t_index, rows, owners = [], [], [], [], [], []
         for s in seqs:
             new = rng.randint(1, 6)  # context rows committed since the last draft
-            block = rng.randint(2, c.block_size)
+            block = 0 if write_only else rng.randint(2, c.block_size)
             start = cache.pos(s)
             fresh = torch.randn(new, c.features, generator=gen)
             history[s] = torch.cat([history[s], fresh])
             anchor = rng.randrange(c.vocab)
             first = len(ids)
-            ids += [0] * new + [anchor] + [c.mask_token_id] * (block - 1)
+            ids += [0] * new + ([anchor] + [c.mask_token_id] * (block - 1) if block else [])
             feats += [*fresh, *torch.zeros(block, c.features)]
             is_ctx += [True] * new + [False] * block
             t_index += [offsets[s] + p for p in range(start, start + new + block)]
@@ -100,10 +105,13 @@ def test_drafter_on_the_column_store_matches_the_dense_reference_across_steps_an
         cache.declare_step([s for s, new, block, _ in owners for _ in range(new + block)])
         cache.prepare_step(width)
         pad = width - len(ids)
-        out = drafter(
-            torch.tensor(ids + [0] * pad), torch.stack(feats + [torch.zeros(c.features)] * pad),
-            torch.tensor(is_ctx + [False] * pad), torch.tensor(t_index + [0] * pad), cache, torch.tensor(rows),
-        )  # fmt: skip
+        features, t = torch.stack(feats + [torch.zeros(c.features)] * pad), torch.tensor(t_index + [0] * pad)
+        if write_only:
+            drafter.write_context(features, t, cache)
+            cache.commit_step()
+            continue
+        out = drafter(torch.tensor(ids + [0] * pad), features, torch.tensor(is_ctx + [False] * pad), t, cache,
+                      torch.tensor(rows))  # fmt: skip
         cache.commit_step()
         r = 0
         for s, _new, block, anchor in owners:
@@ -116,6 +124,8 @@ def test_drafter_on_the_column_store_matches_the_dense_reference_across_steps_an
             drafts = target.head(out[r + 1 : r + block]).argmax(-1)
             assert torch.equal(drafts, target.head(expected[1:]).argmax(-1))
             r += block
+            checked += 1
+    assert checked == (6 if context_only else 8)
 
 
 def test_checkpoint_round_trip_by_the_published_names(target, tmp_path):

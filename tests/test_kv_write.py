@@ -47,6 +47,8 @@ BAD = {
     "head count differs": lambda a: a.update(k=a["k"][:, :2], v=a["v"][:, :2]),
     "k and v shapes differ": lambda a: a.update(v=a["v"][:1]),
     "stores of different dtypes": lambda a: a.update(v_flat=a["v_flat"].half()),
+    "int v": lambda a: a.update(v=a["v"].int()),
+    "float64 v": lambda a: a.update(v=a["v"].double()),
     "strided last dim": lambda a: a.update(k=a["k"].transpose(1, 2).contiguous().transpose(1, 2)),
 }
 

@@ -240,6 +240,25 @@ def test_a_key_given_twice_is_refused_rather_than_silently_resolved():
         decode_manifest(text.encode())
 
 
+def _msgpack_map(pairs: list[tuple[str, object]]) -> bytes:
+    """A msgpack map of these pairs in this order, duplicates kept (map16 header)."""
+    body = b"".join(msgspec.msgpack.encode(k) + msgspec.msgpack.encode(v) for k, v in pairs)
+    return b"\xde" + len(pairs).to_bytes(2, "big") + body
+
+
+def test_a_key_given_twice_in_msgpack_is_refused_as_in_json():
+    doc = valid_doc()
+    layers = [msgspec.Raw(_msgpack_map(list(entry.items()))) for entry in doc["layers"]]
+    with_layers = lambda: [(k, layers if k == "layers" else v) for k, v in doc.items()]  # noqa: E731
+    assert decode_manifest(_msgpack_map(with_layers())) == decode_doc(doc)  # maps written by hand walk clean
+    with pytest.raises(ManifestError, match=r"^\$\.max_write: the key appears twice"):  # was: the last one won
+        decode_manifest(_msgpack_map([*doc.items(), ("max_write", 4)]))
+    entry = doc["layers"][3]
+    layers[3] = msgspec.Raw(_msgpack_map([*entry.items(), ("window", entry["window"] * 2)]))
+    with pytest.raises(ManifestError, match=r"^\$\.layers\[3\]\.window: the key appears twice"):
+        decode_manifest(_msgpack_map(with_layers()))
+
+
 def test_a_file_past_the_size_bound_is_refused_without_reading_it_whole(tmp_path):
     path = tmp_path / "huge.json"
     with path.open("wb") as f:

@@ -110,6 +110,9 @@ def test_export_then_inspect_round_trips_through_the_file(tmp_path, capsys, suff
             ["--kv-layout", "batched-sequence", "--widths", "4,2"],
             "$.step_widths[1] (--widths): widths must be strictly",
         ),
+        # The drafter's layer count, not the target's (was "$.num_layers: ..." naming no flag).
+        (["--kv-layout", "batched-sequence", "--draft-layers", "0"], "$.drafter.num_layers (--draft-layers): must be"),
+        (["--kv-layout", "batched-sequence", "--draft-layers", "1", "--spec-block", "1"], "$.block_size (--spec"),
     ],
 )
 def test_export_refuses_bad_options_with_one_line_and_writes_nothing(tmp_path, capsys, argv, message):

@@ -191,6 +191,9 @@ BAD = {
     "out of the wrong shape": lambda a: a.update(out=torch.empty_like(a["q"][:, :4])),
     "out of the wrong dtype": lambda a: a.update(out=torch.empty_like(a["q"], dtype=torch.float16)),
     "negative window": lambda a: a.update(window=-1),
+    "no query heads": lambda a: a.update(q=a["q"][:, :0]),
+    "a scale that is no number": lambda a: a.update(scale="0.1"),
+    "a boolean scale": lambda a: a.update(scale=True),
 }
 
 

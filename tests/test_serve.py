@@ -203,12 +203,15 @@ def test_a_stop_string_spanning_tokens_ends_the_text_before_it_streamed_and_not(
     assert wait_idle(server)["batchkv_kv_columns_in_use"] == 0  # the stopped sample's column is free
 
 
-def test_stop_token_ids_end_a_choice_at_that_token(server, client, hf):
-    ids, _ = oracle(hf, hf[1].encode("How are you"), 20)
-    stop_id = ids[5]
+def test_stop_token_ids_end_a_choice_at_that_token_whose_text_is_not_output(server, client, hf):
+    tokenizer = hf[1]
+    ids, _ = oracle(hf, tokenizer.encode("How are you"), 20)
+    # An ordinary (not special) token with text of its own, first seen at k: vLLM drops a stop id's text.
+    k = next(k for k in range(3, 20) if ids[k] not in ids[:k] and tokenizer.decode([ids[k]]).strip())
     out = client.completions.create(model="tiny", prompt="How are you", max_tokens=20, temperature=0,
-                                    extra_body={"stop_token_ids": [stop_id], "return_token_ids": True})  # fmt: skip
-    assert out.choices[0].token_ids == ids[: ids.index(stop_id) + 1] and out.choices[0].finish_reason == "stop"
+                                    extra_body={"stop_token_ids": [ids[k]], "return_token_ids": True})  # fmt: skip
+    assert out.choices[0].token_ids == ids[: k + 1] and out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == tokenizer.decode(ids[:k], skip_special_tokens=True)
 
 
 def test_sixteen_concurrent_streams_each_equal_their_own_generate(server, hf):
@@ -305,6 +308,8 @@ BAD = [
     ("mixed prompt batch", {"prompt": ["x", [1, 2]], "max_tokens": 3}, 400, "prompt"),
     ("top_p out of range", {"prompt": "x", "max_tokens": 3, "top_p": 1.5}, 400, "top_p"),
     ("max_tokens 0", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("a negative token id", {"prompt": [1, -2], "max_tokens": 3}, 400, "prompt"),
+    ("logprobs 0", {"prompt": "x", "max_tokens": 3, "logprobs": 0}, 400, "logprobs"),
 ]
 
 
@@ -344,14 +349,17 @@ def test_a_preset_serves_token_ids_as_the_engine_does_refuses_text_and_shuts_dow
     from batchkv.executor import Engine, Request, SamplingParams, gather
     from batchkv.models import build_model
 
-    args = ("--max-seqs", "2", "--capacity", "2048")
-    # One server speculates (n-gram drafts: lossless, so the plain engine's tokens), the other stores e4m3 K/V.
-    draining = Server("sensenova-u1-tiny", *args, "--speculative", "ngram", "--spec-block", "4")
-    cutting = Server("sensenova-u1-tiny", *args, "--drain-timeout", "0.3", "--kv-dtype", "fp8")
+    # One server speculates (n-gram drafts: lossless, so the plain engine's tokens); the other stores e4m3
+    # K/V in a store sized to this machine's memory, overlaps planning with the forward and caps prefill.
+    draining = Server("sensenova-u1-tiny", "--max-seqs", "2", "--capacity", "2048", "--speculative", "ngram",
+                      "--spec-block", "4")  # fmt: skip
+    cutting = Server("sensenova-u1-tiny", "--max-seqs", "auto", "--capacity", "2048", "--drain-timeout", "0.3",
+                     "--kv-dtype", "fp8", "--overlap", "on", "--prefill-budget", "3")  # fmt: skip
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     expected = {}
-    for kv_dtype in (None, torch.float8_e4m3fn):
-        engine = Engine(build_model("sensenova-u1-tiny", "cpu", seed=0), max_seqs=2, capacity=64, kv_dtype=kv_dtype)
+    for kv_dtype, options in ((None, {}), (torch.float8_e4m3fn, {"overlap": True, "prefill_budget": 3})):
+        model = build_model("sensenova-u1-tiny", "cpu", seed=0)
+        engine = Engine(model, max_seqs=2, capacity=64, kv_dtype=kv_dtype, **options)
         rid = engine.submit(Request(prompt, SamplingParams(max_new_tokens=10)))
         expected[kv_dtype] = gather(engine.run_until_done())[rid].tokens[0]
     try:
@@ -362,6 +370,8 @@ def test_a_preset_serves_token_ids_as_the_engine_does_refuses_text_and_shuts_dow
             cutting.wait().url + "/v1/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0}
         )
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected[torch.float8_e4m3fn]
+        sized = re.search(r"sized the store: (\d+) sequences x 2048 positions", cutting.output())
+        assert sized and metrics(cutting)["batchkv_kv_columns_total"] == int(sized[1]) >= 2
         r = httpx.post(url, json={"prompt": "text", "max_tokens": 3})
         assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
         # SIGTERM with a request in flight: it finishes, then the server exits 0.
@@ -386,7 +396,9 @@ def test_a_preset_serves_token_ids_as_the_engine_does_refuses_text_and_shuts_dow
     for code, out in results:
         assert code == 0, out
         assert "Traceback" not in out, out
-    assert "speculative ngram (block 4)" in results[0][1] and "kv fp8" in results[1][1]
+    assert "speculative ngram (block 4)" in results[0][1]
+    assert f"max_seqs {sized[1]}, capacity 2048, kv fp8, prefill budget 3" in results[1][1]
+    assert "(eager, overlap)" in results[1][1]
 
 
 def test_the_readmes_openai_client_example_runs_against_the_server(server, capsys):

@@ -17,9 +17,10 @@ from tests.serve_helpers import Server  # noqa: E402
 
 
 @pytest.mark.gpu
-def test_the_tiny_preset_served_with_graphs_gives_the_engines_greedy_tokens():
-    args = ("--max-seqs", "8", "--capacity", "256", "--max-step-tokens", "64", "--prefill-chunk", "32")
-    server = Server("sensenova-u1-tiny", *args, device="cuda")
+@pytest.mark.parametrize("max_seqs", ["8", "auto"])  # auto: a store sized to the GPU, the same schedule
+def test_the_tiny_preset_served_with_graphs_gives_the_engines_greedy_tokens(max_seqs):
+    args = ("--max-seqs", max_seqs, "--capacity", "256", "--max-step-tokens", "64", "--prefill-chunk", "32")
+    server = Server("sensenova-u1-tiny", *args, "--memory-fraction", "0.5", device="cuda")
     prompts = [[(7 * i + j) % 512 for j in range(5 + 9 * i)] for i in range(6)]
     engine = Engine(build_model("sensenova-u1-tiny", "cuda", seed=0), max_seqs=8, capacity=256,
                     max_step_tokens=64, prefill_chunk=32)  # fmt: skip
@@ -37,3 +38,4 @@ def test_the_tiny_preset_served_with_graphs_gives_the_engines_greedy_tokens():
     finally:
         code, out = server.stop(signal.SIGTERM)
     assert code == 0, out
+    assert ("sized the store: 64 sequences x 256 positions" in out) == (max_seqs == "auto"), out

@@ -3,6 +3,7 @@ decode, stop strings, and request bodies decoded strictly."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -11,7 +12,15 @@ pytest.importorskip("msgspec")
 pytest.importorskip("tokenizers")
 
 from batchkv.serve.detok import IncrementalDetokenizer, StopMatcher
-from batchkv.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, decode_body
+from batchkv.serve.jobs import ModelInfo, completion_prompts, make_job
+from batchkv.serve.protocol import (
+    NULL_MEANS_DEFAULT,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_body,
+    refuse_unsupported,
+)
 from tests.serve_helpers import make_tokenizer
 
 
@@ -96,3 +105,29 @@ def test_a_prompt_may_be_text_token_ids_or_a_batch_of_either():
     for raw in (b'"a"', b"[1, 2]", b'["a", "b"]', b"[[1], [2, 3]]"):
         body = decode_body(b'{"prompt": ' + raw + b"}", CompletionRequest)
         assert body.prompt is not None
+
+
+def test_fields_openai_marks_nullable_take_their_defaults_when_null():
+    nulls = {name: None for name in NULL_MEANS_DEFAULT}
+    for kind, base in ((CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, {"messages": []})):
+        names = [name for name in nulls if name in kind.__struct_fields__]
+        body = decode_body(json.dumps({**base, **{name: None for name in names}}).encode(), kind)
+        assert body == decode_body(json.dumps(base).encode(), kind)
+        refuse_unsupported(body)
+    chat = decode_body(b'{"messages": [], "logprobs": null}', ChatCompletionRequest)
+    assert chat.logprobs is False
+
+
+def test_completions_logprobs_0_asks_for_logprobs_and_is_refused_not_ignored():
+    with pytest.raises(APIError) as info:
+        refuse_unsupported(decode_body(b'{"prompt": "x", "logprobs": 0}', CompletionRequest))
+    assert info.value.status == 400 and info.value.param == "logprobs"
+    refuse_unsupported(decode_body(b'{"prompt": "x", "logprobs": null, "presence_penalty": 0}', CompletionRequest))
+
+
+def test_a_negative_prompt_token_id_is_a_400_naming_the_prompt():
+    info = ModelInfo("m", None, capacity=64)
+    body = decode_body(b'{"prompt": [1, -2], "max_tokens": 3}', CompletionRequest)
+    with pytest.raises(APIError) as refused:
+        make_job(body, completion_prompts(body, info), info)
+    assert refused.value.status == 400 and refused.value.param == "prompt" and "-2" in refused.value.message

@@ -132,3 +132,37 @@ def test_the_proposers_drafts_equal_the_dense_reference_over_the_targets_own_hid
             drafter, taps.out[:length], torch.arange(length), block, torch.arange(length, length + k + 1)
         )
         assert model.head(out[1:]).argmax(-1).tolist() == drafts
+
+
+def test_lm_head_chunks_change_no_draft_and_no_token(sensenova, monkeypatch):
+    """Greedy verify and drafting run the LM head in row chunks; chunks of 3 rows (every block
+    split across chunks) give the same drafts, acceptances and tokens as one chunk per step."""
+    import batchkv.executor.speculative.dflash as dflash_module
+    import batchkv.executor.speculative.verify as verify_module
+
+    model, drafter = sensenova
+    schedule = schedule_for(model.vocab_size, 4, count=5)
+    spec = SpeculativeConfig("dflash", block_size=5, drafter=drafter, adaptive=False)
+
+    def run() -> tuple[list, list[list[int]], Engine]:
+        engine = Engine(model, speculative=spec, **OPTS)
+        proposer, drafts = engine.speculator.proposer, []
+        plain_propose = proposer.propose
+
+        def propose(batch, samples, counts):
+            out = plain_propose(batch, samples, counts)
+            drafts.extend(proposer.drafts[src].tolist() for src in out.src if src)
+            return out
+
+        proposer.propose = propose
+        outputs, ids = drive(engine, schedule)
+        return [outputs[i] for i in ids], drafts, engine
+
+    whole = run()
+    monkeypatch.setattr(verify_module, "GREEDY_HEAD_CHUNK", 3)
+    monkeypatch.setattr(dflash_module, "HEAD_CHUNK", 3)
+    chunked = run()
+    assert chunked[:2] == whole[:2]
+    counts = ("spec_segments", "spec_proposed", "spec_accepted")
+    assert [getattr(chunked[2].metrics, n) for n in counts] == [getattr(whole[2].metrics, n) for n in counts]
+    assert chunked[2].metrics.spec_proposed > 3 * chunked[2].metrics.spec_segments  # blocks past 3 rows

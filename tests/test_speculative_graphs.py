@@ -1,6 +1,7 @@
 """Graph keys of speculative steps on the CPU: verify steps key on (width bucket, logits-rows bucket,
-sampling), drafter steps on (width bucket, rows bucket), each with its cache's generation and the
-module fingerprint; one capture per key whatever the length mix, tokens as without graphs."""
+sampling), drafter steps on (width bucket, rows bucket; 0 for a step without blocks), each with
+its cache's generation and the module fingerprint; one capture per key whatever the length mix,
+tokens as without graphs."""
 
 from __future__ import annotations
 
@@ -32,11 +33,13 @@ def test_draft_and_verify_steps_replay_one_graph_per_bucket_key():
     engine.runner.graphs, engine.speculator.proposer.runner.graphs = verify, draft
     got, got_ids = drive(engine, schedule)
     assert [got[i] for i in got_ids] == [expected[i] for i in ids]
-    for graphs, buckets in ((verify, engine.buckets), (draft, engine.speculator.proposer.buckets)):
+    for graphs, buckets in ((verify, engine.buckets), (draft, (0, *engine.speculator.proposer.buckets))):
         keys = set(graphs.keys) | set(graphs.retired)
         assert graphs.captures == len(keys) and graphs.replays > graphs.captures
         for head, _generation, _fingerprint in keys:
             assert all(size in buckets for size in head[:2])
+    drafter_rows = {head[1] for head, _, _ in set(draft.keys) | set(draft.retired)}
+    assert 0 in drafter_rows and len(drafter_rows) > 1  # context-only steps (rows 0) and drafting ones
     assert {sampling for (_, _, sampling), _, _ in verify.keys} <= {True, False}
     assert {gen for _, gen, _ in draft.keys} == {engine.speculator.proposer.cache.generation}
     assert engine.metrics.spec_proposed > 0

@@ -146,7 +146,7 @@ class BatchedSequenceCache:
     def planes(self, layer: int) -> dict[str, torch.Tensor]:
         """Every storage plane of `layer` by name: k, v [rows, columns, Hkv, D] in `config.kv_dtype`
         and, for e4m3 storage, k_scale, v_scale fp32 [rows, columns, Hkv] (value = code * scale)."""
-        return self._store.layer(layer)
+        return self._store.layer(self._layer(layer))
 
     # ---- sequence verbs (host) ----------------------------------------------------------------
     def _known(self, seq: int) -> int:
@@ -199,7 +199,7 @@ class BatchedSequenceCache:
             )
         dst = self._free_column()
         self._store.copy_column(src, dst, upto)
-        self._lengths[dst] = upto
+        self._lengths[dst] = int(upto)  # a numpy integer is taken, a Python int is held
         self._high_water[dst] = self._high_water[src]  # its ring rows hold what the donor wrote
         return dst
 
@@ -224,7 +224,7 @@ class BatchedSequenceCache:
                 f"rewind: sequence {seq} has written {self._high_water[seq]} positions; its ring layers "
                 f"(max_write {self.config.max_write}) can resume no earlier than {floor}, not {new_len}"
             )
-        self._lengths[seq] = new_len
+        self._lengths[seq] = int(new_len)
         self._restage(seq)
 
     def _restage(self, seq: int) -> None:
@@ -353,7 +353,7 @@ class BatchedSequenceCache:
         # Grow before staging, so a failed allocation leaves the cache as it was.
         self._grow(self.config.rows_for(max(kv_end for *_, kv_end in layout)))
         group_rows = [self._store.rows(layer) for layer in self._group_layer]
-        self._buffers.fill(layout, group_rows, self.config.columns, self.config.scratch)
+        self._buffers.fill(layout, group_rows, self.config.columns, self.config.scratch, width)
         for _, _, seq, kv_end in layout:
             # Written on the device from now on, whether or not the step commits.
             self._high_water[seq] = max(self._high_water[seq], kv_end)
@@ -379,9 +379,9 @@ class BatchedSequenceCache:
     ) -> torch.Tensor:
         """Write this step's K/V for `layer`, then attend over each sequence's history.
 
-        q: [W, Hq, D] float16/bfloat16/float32 (the output's dtype), Hq a multiple of Hkv; k, v:
-        [W, Hkv, D] of any floating dtype (cast to the store's on write); W the prepared width, all
-        on the cache's device with a contiguous last dim. Returns [W, Hq, D] in q's dtype; padding
+        q: [W, Hq, D] (the output's dtype), Hq a multiple of Hkv; k, v: [W, Hkv, D] (cast to the
+        store's dtype on write); all three float16/bfloat16/float32, W the prepared width, on the
+        cache's device with a contiguous last dim. Returns [W, Hq, D] in q's dtype; padding
         rows are exact zeros. e4m3 storage quantises K/V in the write and dequantises in the
         attention kernel (fp32 accumulation). Every argument is checked (shapes, dtypes, devices:
         attributes only, no tensor reads) before anything is written, so a refusal leaves the store

@@ -63,8 +63,8 @@ class CacheConfig:
     max_width: most packed tokens in one step (static buffer size); default `max_seqs * max_write`,
         at most MAX_STEP_TOKENS.
     buckets, tail_step: flat row schedule. Empty `buckets` doubles from 256; otherwise the first
-        bucket that fits, then steps of `tail_step` past the last (0: the last bucket is final).
-        Rows never exceed `capacity`.
+        bucket that fits, then steps of `tail_step` past the last (0: past the last bucket, exactly
+        the rows needed, so each longer sequence reallocates). Rows never exceed `capacity`.
     """
 
     num_layers: int

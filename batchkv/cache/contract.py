@@ -28,9 +28,10 @@ def check_attend_args(
     causal: bool,
 ) -> None:
     """Refuse (ContractError naming the argument) anything but: `layer` an int in [0, num_layers);
-    q [width, Hq, D] float16/bfloat16/float32 with Hq a positive multiple of kv_heads; k, v
-    [width, kv_heads, D] of any floating dtype (cast to the store's dtype on write); all three on
-    `device` with a contiguous last dim; `scale` None or a number; `causal` a bool.
+    q [width, Hq, D] with Hq a positive multiple of kv_heads; k, v [width, kv_heads, D]; all three
+    float16/bfloat16/float32 (k, v are cast to the store's dtype on write; the Triton write loads
+    no other dtype, so no backend takes one) on `device` with a contiguous last dim; `scale` None
+    or a number; `causal` a bool.
     """
     if not is_int(layer) or not 0 <= layer < cfg.num_layers:
         raise ContractError(f"{WHERE}: layer is {layer!r}; it must be an integer in [0, {cfg.num_layers})")
@@ -47,9 +48,9 @@ def check_attend_args(
     for name, t in (("k", k), ("v", v)):
         if t.shape != kv:
             raise ContractError(f"{WHERE}: {name} must be [W, Hkv, D] = {list(kv)}; got {list(t.shape)}")
-    if q.dtype not in COMPUTE_DTYPES or not (k.is_floating_point() and v.is_floating_point()):
+    if any(t.dtype not in COMPUTE_DTYPES for t in tensors.values()):
         raise ContractError(
-            f"{WHERE}: q must be float16, bfloat16 or float32 and k, v floating (cast to the store's {cfg.dtype} "
+            f"{WHERE}: q must be float16, bfloat16 or float32, and so must k and v (cast to the store's {cfg.kv_dtype} "
             f"on write); got q {q.dtype}, k {k.dtype}, v {v.dtype}"
         )
     for name, t in tensors.items():

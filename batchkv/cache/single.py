@@ -215,11 +215,16 @@ class PagedDecodeCache:
         if keys is None:
             return False
         layers = cache.layers
-        if len(layers) < self.num_layers or keys.shape[0] != 1:
-            raise ContractError(
-                f"load_prefix: need batch 1 and {self.num_layers} layers; got batch {keys.shape[0]}, "
-                f"{len(layers)} layers"
-            )
+        if len(layers) < self.num_layers:
+            raise ContractError(f"load_prefix: need {self.num_layers} layers; got {len(layers)}")
+        for i in range(self.num_layers):  # every layer: the original took batch row 0 of whatever it found
+            for name in ("keys", "values"):
+                t = getattr(layers[i], name, None)
+                if not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != 1:
+                    got = list(t.shape) if isinstance(t, torch.Tensor) else repr(t)
+                    raise ContractError(
+                        f"load_prefix: layer {i} {name} must be [batch 1, Hkv, S, D] like layer 0's; got {got}"
+                    )
         # [1, Hkv, S, D] -> [S, Hkv, D] per layer
         ks = [layers[i].keys[0].transpose(0, 1) for i in range(self.num_layers)]
         vs = [layers[i].values[0].transpose(0, 1) for i in range(self.num_layers)]

@@ -102,14 +102,20 @@ class StepBuffers:
         group_rows: Sequence[int],
         columns: int,
         scratch: int,
+        width: int | None = None,
     ) -> None:
-        """Fill positions, slots (unplanned tokens -> scratch column) and seq_info for one step."""
+        """Fill positions, slots (unplanned tokens -> scratch column) and seq_info for one step.
+
+        Only the first `width` (default max_width) tokens are written: a step of width W reads
+        positions[:W] and slots[:, :W], so what lies past them may stay from an earlier step.
+        """
         staged = self._staging.begin()
         w, host = self.max_width, staged[torch.int64]
-        pos = host[:w]
-        cols = np.full(w, scratch, dtype=np.int64)
+        n = w if width is None else width
+        pos = host[:n]
+        cols = np.full(n, scratch, dtype=np.int64)
         pos[:] = 0
-        pad_rows = np.arange(w, dtype=np.int64)  # padded tokens spread over scratch rows; nothing reads them
+        pad_rows = np.arange(n, dtype=np.int64)  # padded tokens spread over scratch rows; nothing reads them
         info = staged[torch.int32].reshape(-1, 4)
         info[:] = 0
         for s, (q_start, q_len, col, kv_end) in enumerate(layout):
@@ -119,5 +125,5 @@ class StepBuffers:
         real = cols != scratch
         for g, rows in enumerate(group_rows):
             row = np.where(real, pos % rows, pad_rows % rows)
-            host[w * (1 + g) : w * (2 + g)] = row * columns + cols
+            host[w * (1 + g) : w * (1 + g) + n] = row * columns + cols
         self._staging.upload()

@@ -3,7 +3,8 @@
 `load_manifest(path_or_bytes)` picks the format from the extension (.json, .msgpack, .mpk) or,
 failing that, from the first byte (`{` is JSON, a msgpack map header is msgpack). Whatever is
 wrong with the input, the caller gets a `ManifestError` naming the JSON path and the rule; only
-the operating system's own errors (a missing file) pass through as `OSError`.
+the operating system's own errors (a missing file) pass through as `OSError`. A key given twice
+in one object is refused in either format (msgspec would keep the last; another reader, the first).
 
 The JSON writer puts one key per line in schema order and one layer per line, so files diff well;
 `encode_json(decode(data)) == data` for every file it wrote.
@@ -65,6 +66,8 @@ def decode_manifest(data: bytes, fmt: str | None = None) -> Manifest:
         raise ManifestError("$", f"not valid {'JSON' if fmt == 'json' else 'msgpack'}: {exc}") from None
     if fmt == "json":
         _refuse_duplicate_keys(data)
+    else:
+        _refuse_duplicate_msgpack_keys(data)
     return manifest
 
 
@@ -169,3 +172,52 @@ def _refuse_duplicate_keys(data: bytes) -> None:
 
     # Runs only on input msgspec accepted, so depth and numbers are already bounded.
     walk(json.loads(data, object_pairs_hook=_Pairs), "$")
+
+
+# msgpack tags (besides fixint, nil and bool) whose value has a fixed size after the tag: float32/64,
+# uint8-64, int8-64, fixext 1-16 (a type byte and the payload)
+_FIXED = {0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8,
+          0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17}  # fmt: skip
+# tags followed by a big-endian count of this many bytes: str8/16/32, bin8/16/32, ext8/16/32 (bytes
+# follow: for ext, after a type byte), array16/32, map16/32 (elements follow)
+_COUNTED = {0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC4: 1, 0xC5: 2, 0xC6: 4, 0xC7: 1, 0xC8: 2, 0xC9: 4,
+            0xDC: 2, 0xDD: 4, 0xDE: 2, 0xDF: 4}  # fmt: skip
+
+
+def _refuse_duplicate_msgpack_keys(data: bytes) -> None:
+    """The JSON rule for msgpack too: msgspec keeps the last of two equal keys there as well.
+
+    Walks the encoded maps and arrays, stepping over every other value by its header. Runs only on
+    input msgspec accepted, so every header is whole and every key of a map is a string."""
+
+    def end(at: int, path: str) -> int:
+        """Offset just past the value that starts at `at`; refuses a map key seen twice."""
+        tag = data[at]
+        if tag <= 0x7F or tag >= 0xE0 or tag in (0xC0, 0xC2, 0xC3):
+            return at + 1
+        if tag in _FIXED:
+            return at + 1 + _FIXED[tag]
+        if 0xA0 <= tag <= 0xBF:  # fixstr
+            return at + 1 + (tag & 0x1F)
+        if tag <= 0x9F:  # fixmap, fixarray
+            at, count = at + 1, tag & 0x0F
+        else:
+            width = _COUNTED[tag]
+            at, count = at + 1 + width, int.from_bytes(data[at + 1 : at + 1 + width], "big")
+            if tag not in (0xDC, 0xDD, 0xDE, 0xDF):  # str, bin, ext: bytes, not elements
+                return at + count + (tag in (0xC7, 0xC8, 0xC9))
+        is_map = tag <= 0x8F or tag in (0xDE, 0xDF)
+        seen: set[str] = set()
+        for i in range(count):
+            if not is_map:
+                at = end(at, f"{path}[{i}]")
+                continue
+            key_at, at = at, end(at, path)
+            key = msgspec.msgpack.decode(data[key_at:at])
+            if key in seen:
+                raise ManifestError(key_path(path, key), "the key appears twice in one object")
+            seen.add(key)
+            at = end(at, key_path(path, key))
+        return at
+
+    end(0, "$")

@@ -66,15 +66,19 @@ class CachePair(NamedTuple):
 def make_pair(target: Manifest, *, draft_layers: int, block_size: int = 16) -> ManifestPair:
     """The pair for `target` and a drafter of `draft_layers` flat layers (KV geometry of the target)."""
     max_write = min(target.maximum_capacity, max(target.max_write, block_size) + block_size)
-    drafter = msgspec.structs.replace(
-        target,
-        model=f"{target.model}-dflash" if isinstance(target.model, str) else msgspec.UNSET,
-        num_layers=draft_layers,
-        layers=tuple(Layer(i, "flat", 0) for i in range(draft_layers)),
-        max_write=max_write,
-        causal=False,
-        step_widths=(),
-    )
+    layers = tuple(Layer(i, "flat", 0) for i in range(draft_layers)) if isinstance(draft_layers, int) else ()
+    try:
+        drafter = msgspec.structs.replace(
+            target,
+            model=f"{target.model}-dflash" if isinstance(target.model, str) else msgspec.UNSET,
+            num_layers=draft_layers,
+            layers=layers,
+            max_write=max_write,
+            causal=False,
+            step_widths=(),
+        )
+    except ManifestError as exc:  # the drafter's field, not the target's
+        raise ManifestError(f"$.drafter{exc.path[1:]}", exc.rule) from None
     return ManifestPair(version=1, kind=PAIR_KIND, block_size=block_size, target=target, drafter=drafter)
 
 

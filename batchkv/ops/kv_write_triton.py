@@ -111,9 +111,10 @@ def kv_write(
         raise ContractError(f"slots must be int64 or int32 [{width}]; got {slots.dtype} {tuple(slots.shape)}")
     if not k_flat.device == v_flat.device == k.device == v.device == slots.device:
         raise ContractError("k_flat, v_flat, k, v and slots must share a device")
-    if k_flat.dtype != v_flat.dtype or k_flat.stride() != v_flat.stride() or k.dtype not in COMPUTE_DTYPES:
+    if k_flat.dtype != v_flat.dtype or k_flat.stride() != v_flat.stride() or {k.dtype, v.dtype} - set(COMPUTE_DTYPES):
         raise ContractError(
-            f"stores must share dtype and strides, k fp16/bf16/fp32; got {k_flat.dtype}/{v_flat.dtype}, {k.dtype}"
+            f"stores must share dtype and strides, k and v be fp16/bf16/fp32; got {k_flat.dtype}/{v_flat.dtype}, "
+            f"{k.dtype}/{v.dtype}"
         )
     quant = quantized(k_flat.dtype)
     problem = scales_refusal(k_flat, k_scale, v_scale)

@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 
 NEG_INF = tl.constexpr(float("-inf"))
+# $1: an address, $2: nonzero to fetch; $0 is a dummy result (inline asm needs one)
+PREFETCH_ASM = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
 
 
 @triton.jit
@@ -71,3 +73,31 @@ def ring_rows(t, k0, rows):
     wraps at most once (a scalar base and one compare)."""
     base = (k0 // rows) * rows
     return t - base - tl.where(t >= base + rows, rows, 0)
+
+
+@triton.jit
+def prefetch_keys(k_base, v_base, stride_r, stride_h, rows, k_ring, a, b, BLOCK_N: tl.constexpr,
+                  HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SECTOR: tl.constexpr, CHECK: tl.constexpr):  # fmt: skip
+    """Ask the L2 for the K and V rows of keys [a, b) (at most BLOCK_N; HEADS heads of HEAD_DIM
+    elements from k_base, v_base; ring rows relative to k_ring, as in `ring_rows`) and return at
+    once: one `prefetch.global.L2` per 32-byte sector (SECTOR elements), so the loads that follow find
+    the L2 already filling and HBM streams before the loop asks. (sm_90's bulk prefetch would take
+    one instruction per row, but its address is warp-uniform: per-lane rows become a loop.)
+
+    Returns 0.0, or with CHECK (the interpreter, which runs no PTX) 0 * each sector's first element:
+    NaN when a row outside the resident keys was named, so the NaN-poisoned tests see it."""
+    SECTORS: tl.constexpr = (HEAD_DIM + SECTOR - 1) // SECTOR  # per row and head
+    t = a + tl.arange(0, BLOCK_N)[:, None]  # [N, 1] keys
+    c = tl.arange(0, HEADS * SECTORS)[None, :]  # (head, sector)
+    off = ring_rows(t, k_ring, rows).to(tl.int64) * stride_r + (c // SECTORS) * stride_h + (c % SECTORS) * SECTOR
+    want = (t < b) & (c < HEADS * SECTORS)  # [N, HEADS * SECTORS]
+    if CHECK:
+        first = tl.load(k_base + off, mask=want, other=0.0).to(tl.float32)
+        first += tl.load(v_base + off, mask=want, other=0.0).to(tl.float32)
+        trip = tl.sum(tl.sum(first * 0.0, 1), 0)
+    else:
+        flag = want.to(tl.int32)
+        tl.inline_asm_elementwise(PREFETCH_ASM, "=r,l,r", [k_base + off, flag], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(PREFETCH_ASM, "=r,l,r", [v_base + off, flag], dtype=tl.int32, is_pure=False, pack=1)
+        trip = 0.0
+    return trip

@@ -17,11 +17,15 @@ segment covers. Long segments (prefill) are `long_kernel`'s (`sdpa_varlen_long.p
   writes `out` itself. Otherwise each writes its normalised fp32 output and log2-sum-exp to
   partial slot `p + item` (unique), then adds 1 to the item's counter (acq_rel, gpu scope, after a
   CTA barrier so every thread's stores are ordered before it); the one that sees count-1 reads all
-  the item's partials, writes `out`, and stores 0 back. Counters are therefore zero after every
-  launch (graph replays need no memset); the workspace must not be shared by two launches running
-  at once (the launcher keeps one per device; batchkv attends on one stream).
+  the item's partials (`sdpa_varlen_merge.py`), writes `out`, and stores 0 back. Counters are
+  therefore zero after every launch (graph replays need no memset); the workspace must not be
+  shared by two launches running at once (the launcher keeps one per device; batchkv attends on
+  one stream).
 - Rows: program P-1-p of a head group zeroes rows t = p, p + P, ... that no segment writes (its
   heads only), so padding rows are exact zeros without another launch.
+- Few-row variants (off by default): WARP_SPLIT cuts each key tile across warps, one softmax
+  state per warp (`sdpa_varlen_warp_split.py`); PREFETCH asks the L2 for the blocks ahead
+  (`prefetch_keys`), a piece's first ones before q is loaded.
 
 - e4m3 stores (QUANT): codes convert in registers to fp16 (fp32 for fp32 queries; e4m3 to fp16 is one
   instruction per pair, to bf16 three), the dots run in it; per tile one [BLOCK_N] vector
@@ -39,7 +43,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchkv.ops.sdpa_varlen_common import NEG_INF, first_key, full_bounds, load_table, ring_rows, row_bounds
+from batchkv.ops.sdpa_varlen_common import (
+    NEG_INF,
+    first_key,
+    full_bounds,
+    load_table,
+    prefetch_keys,
+    ring_rows,
+    row_bounds,
+)
+from batchkv.ops.sdpa_varlen_merge import merge_partials
+from batchkv.ops.sdpa_varlen_warp_split import attend_warp_split
 
 ITEM_SHIFT = tl.constexpr(40)  # packed scan: items above bit 40, key blocks below
 LOW_MASK = tl.constexpr((1 << 40) - 1)
@@ -60,7 +74,8 @@ def _locate_combine(a0, a1, a2, b0, b1, b2):
 @triton.jit
 def _attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_sr, rows, k0, k1, row_lo, row_hi,
             full_lo, full_hi, qk_scale, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            HEAD_DIM: tl.constexpr, SKIP_MASKS: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
+            HEAD_DIM: tl.constexpr, SKIP_MASKS: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr,
+            PREFETCH: tl.constexpr, SECTOR: tl.constexpr, CHECK: tl.constexpr):  # fmt: skip
     """Online softmax of [HEADS, BLOCK_M, D] queries over keys [k0, k1) (block-aligned pieces).
 
     k_base, v_base: the first head's (column, KV head) at key row 0; row_lo, row_hi: [BLOCK_M]. Returns the
@@ -69,7 +84,8 @@ def _attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride
     work in some Triton versions (3.6 puts every warp on the batch axis).
     QUANT (e4m3 stores): ks_base, vs_base point at the first head's scales at key row 0. Codes
     convert exactly to q's dtype for the dots; each tile loads one [BLOCK_N] K and V scale vector
-    per head, K's folded into the scores column-wise, V's into p before the PV dot."""
+    per head, K's folded into the scores column-wise, V's into p before the PV dot.
+    PREFETCH: each block asks the L2 for the block PREFETCH blocks ahead (`prefetch_keys`)."""
     if HEADS == 1:  # 2-D: q [M, D], keys [N, D], scores [M, N]
         q_tile = tl.reshape(q_tile, [BLOCK_M, HEAD_DIM])
         d = tl.arange(0, HEAD_DIM)[None, :]
@@ -118,6 +134,11 @@ def _attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride
             s = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PREC) * k_s
         else:
             s = tl.dot(q_tile, tl.trans(k, (0, 2, 1)), input_precision=DOT_PREC) * k_s
+        if PREFETCH > 0:
+            trip = prefetch_keys(k_base, v_base, stride_r, stride_h, rows, k0, start + PREFETCH * BLOCK_N, k1, BLOCK_N,
+                                 HEADS, HEAD_DIM, SECTOR, CHECK)  # fmt: skip
+            if CHECK:
+                s += trip
         if SKIP_MASKS:
             if (start < full_lo) | (start + BLOCK_N > full_hi):  # an edge block: some row misses some key
                 s = tl.where((t_s >= row_lo) & (t_s < row_hi), s, NEG_INF)
@@ -159,43 +180,6 @@ def _zero_uncovered(out, p, P, T, h0, q_start_v, q_len_v, writes_v, stride_ot, s
 
 
 @triton.jit
-def _merge(out, o_part, lse_part, it, p_first, p_last, h0, num_kv_heads, q_start, q_len, qb, T, stride_ot,
-           stride_oh, GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-           BLOCK_Q: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr):  # fmt: skip
-    """Combine the partials of programs p_first..p_last (slots p + it) by their lse into `out`,
-    MERGE_ROWS tile rows of every head and MERGE_SLOTS programs per round trip. Everything stays
-    [slots, rows, D]-shaped (keep_dims), so no layout changes inside the loop."""
-    u = tl.arange(0, HEADS * MERGE_ROWS)[None, :, None]  # (head, row) pairs of a round
-    hh = u // MERGE_ROWS
-    d = tl.arange(0, HEAD_DIM)[None, None, :]
-    j = tl.arange(0, MERGE_SLOTS)[:, None, None]
-    valid = tl.minimum(q_len - qb * BLOCK_Q, BLOCK_Q) * GROUP  # tile rows with a query
-    for r0 in range(0, valid, MERGE_ROWS):
-        r = r0 + u % MERGE_ROWS
-        token = q_start + qb * BLOCK_Q + r // GROUP
-        ok = (r < valid) & (token >= 0) & (token < T)  # [1, R, 1]
-        m_i = tl.full([1, HEADS * MERGE_ROWS, 1], NEG_INF, tl.float32)
-        l_i = tl.zeros([1, HEADS * MERGE_ROWS, 1], tl.float32)
-        acc = tl.zeros([1, HEADS * MERGE_ROWS, HEAD_DIM], tl.float32)
-        for c0 in range(p_first, p_last + 1, MERGE_SLOTS):
-            row = ((c0 + j + it).to(tl.int64) * num_kv_heads + h0 + hh) * BLOCK_M + r  # [SLOTS, R, 1], slot p + it
-            live = (c0 + j <= p_last) & ok
-            lse = tl.load(lse_part + row, mask=live, other=NEG_INF, cache_modifier=".cg")
-            o = tl.load(o_part + row * HEAD_DIM + d, mask=live, other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_i, tl.max(lse, 0, keep_dims=True))
-            m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            w = tl.exp2(lse - m_safe)
-            l_i = l_i * alpha + tl.sum(w, 0, keep_dims=True)
-            acc = acc * alpha + tl.sum(w * o, 0, keep_dims=True)
-            m_i = m_new
-        res = tl.where(l_i > 0, acc / tl.where(l_i > 0, l_i, 1.0), 0.0)
-        head = (h0 + hh) * GROUP + r % GROUP
-        ptrs = out + token.to(tl.int64) * stride_ot + head * stride_oh + d
-        tl.store(ptrs, res.to(out.dtype.element_ty), mask=ok)
-
-
-@triton.jit
 def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_part, counters, S, T, rows, window,
                  qk_scale, P, MAX_ITEMS, stride_qt, stride_qh, stride_r, stride_c, stride_h, stride_sr, stride_sc,
                  stride_ot, stride_oh, QUANT: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr,
@@ -203,7 +187,9 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
                  BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, Q_SHORT: tl.constexpr,
                  S_POW2: tl.constexpr, MIN_BLOCKS: tl.constexpr, LONG: tl.constexpr, SKIP_MASKS: tl.constexpr,
                  MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, HG_POW2: tl.constexpr,
-                 ZERO_ROWS: tl.constexpr, AXIS64: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+                 ZERO_ROWS: tl.constexpr, AXIS64: tl.constexpr, DOT_PREC: tl.constexpr, WARP_SPLIT: tl.constexpr,
+                 PREFETCH: tl.constexpr, SECTOR: tl.constexpr, PREFETCH_CHECK: tl.constexpr,
+                 MERGE_STAGES: tl.constexpr):  # fmt: skip
     hp = tl.program_id(0)  # head group: KV heads h0 .. h0 + HEADS - 1
     p = tl.program_id(1)
     h0 = hp * HEADS
@@ -252,6 +238,13 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
         k0 = lo + ((x - off) * BLOCK_N).to(tl.int32)
         k1 = tl.minimum(kv_end, lo + ((piece_end - off) * BLOCK_N).to(tl.int32))
 
+        kv = col * stride_c + h0.to(tl.int64) * stride_h  # (column, first KV head)
+        trip = 0.0
+        if PREFETCH > 0:  # the piece's first blocks, before q is loaded: HBM starts streaming at once
+            for a in range(k0, tl.minimum(k1, k0 + PREFETCH * BLOCK_N), BLOCK_N):
+                trip += prefetch_keys(k_store + kv, v_store + kv, stride_r, stride_h, rows, k0, a, k1, BLOCK_N,
+                                      HEADS, HEAD_DIM, SECTOR, PREFETCH_CHECK)  # fmt: skip
+
         i = qb * BLOCK_Q + tl.arange(0, BLOCK_M) // GROUP  # query of each tile row
         token = q_start + i
         row_ok = (tl.arange(0, BLOCK_M) < BLOCK_Q * GROUP) & (i < q_len) & (token >= 0) & (token < T)
@@ -262,14 +255,22 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
             q_tile = q_tile.to(k_store.dtype.element_ty)
         elif q_tile.dtype != tl.float32:  # e4m3 codes convert to fp16 in one instruction per pair (bf16 takes
             q_tile = q_tile.to(tl.float16)  # three): 16-bit queries dot in fp16; fp32 ones stay fp32
+        if PREFETCH_CHECK:
+            q_tile += trip.to(q_tile.dtype)  # NaN when a prefetch named a row outside the resident keys
         row_lo, row_hi = row_bounds(kv_end - q_len + i, row_ok, kv_end, rows, window, CAUSAL)
         i_last = tl.minimum(q_len, qb * BLOCK_Q + BLOCK_Q) - 1
         full_lo, full_hi = full_bounds(q_len, kv_end, rows, window, qb * BLOCK_Q, i_last, CAUSAL)
-        kv = col * stride_c + h0.to(tl.int64) * stride_h  # (column, first KV head)
-        sc = col * stride_sc + h0  # its scales
-        o, lse = _attend(q_tile, k_store + kv, v_store + kv, k_scale + sc, v_scale + sc, stride_r, stride_h, stride_sr,
-                         rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, HEADS, BLOCK_M, BLOCK_N, HEAD_DIM,
-                         SKIP_MASKS, DOT_PREC, QUANT)  # fmt: skip
+        sc = col * stride_sc + h0  # the first KV head's scales
+        if WARP_SPLIT > 1:  # (HEADS == 1)
+            o, lse = attend_warp_split(q_tile, k_store + kv, v_store + kv, k_scale + sc, v_scale + sc, stride_r,
+                                       stride_sr, rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, BLOCK_M,
+                                       BLOCK_N, HEAD_DIM, WARP_SPLIT, SKIP_MASKS, DOT_PREC, QUANT, PREFETCH, SECTOR,
+                                       PREFETCH_CHECK)  # fmt: skip
+        else:
+            o, lse = _attend(q_tile, k_store + kv, v_store + kv, k_scale + sc, v_scale + sc, stride_r, stride_h,
+                             stride_sr, rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, HEADS, BLOCK_M,
+                             BLOCK_N, HEAD_DIM, SKIP_MASKS, DOT_PREC, QUANT, PREFETCH, SECTOR,
+                             PREFETCH_CHECK)  # fmt: skip
         out_ptrs = out + token.to(tl.int64)[None, :, None] * stride_ot + head * stride_oh + d
         if p_first == p_last:  # the item is this program's alone
             tl.store(out_ptrs, o.to(out.dtype.element_ty), mask=row_ok[None, :, None])
@@ -281,7 +282,8 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
             counter = counters + it * tl.num_programs(0) + hp
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == p_last - p_first:  # the last to finish: every other partial is visible
-                _merge(out, o_part, lse_part, it, p_first, p_last, h0, num_kv_heads, q_start, q_len, qb, T, stride_ot,
-                       stride_oh, GROUP, HEADS, HEAD_DIM, BLOCK_M, BLOCK_Q, MERGE_ROWS, MERGE_SLOTS)  # fmt: skip
+                merge_partials(out, o_part, lse_part, it, p_first, p_last, h0, num_kv_heads, q_start, q_len, qb, T,
+                               stride_ot, stride_oh, GROUP, HEADS, HEAD_DIM, BLOCK_M, BLOCK_Q, MERGE_ROWS, MERGE_SLOTS,
+                               MERGE_STAGES)  # fmt: skip
                 tl.store(counter, 0)  # self-cleaning: the next launch finds zeros
         x = piece_end

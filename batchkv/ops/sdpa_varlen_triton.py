@@ -22,8 +22,9 @@ Why these choices: decode reads ~all of its time from HBM, so the split kernel a
 per program (stream-K) rather than equal splits per sequence, which would leave a long sequence's
 programs running after the short ones finished. The grid is fixed by shapes (P from the SM count),
 so replays with new lengths need no recapture. Tiles use ~32 KiB of K+V per pipeline stage.
-Choices live in `SdpaConfig`; defaults come from a static heuristic (no triton.autotune, whose
-first-call benchmarking does not mix with graph capture); `bench/kernels.py --sweep` tunes them.
+Choices live in `SdpaConfig` (`sdpa_varlen_config.py`); defaults come from a static heuristic (no
+triton.autotune, whose first-call benchmarking does not mix with graph capture); `bench/kernels.py
+--sweep` and `bench/b1_sweep.py` tune them.
 
 Workspace: the merge counters live in one int32 buffer per device, allocated (zeroed) on the first
 call outside any graph capture and never freed; every launch leaves them zero. Two launches that
@@ -32,108 +33,22 @@ run at the same time on different streams would share them: batchkv attends on o
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass, replace
 
 import torch
 import triton
 
 from batchkv.checks import int_arg
 from batchkv.errors import ContractError
+from batchkv.ops.sdpa_varlen_config import DEFAULT_CONFIG, SdpaConfig, pow2_floor, resolve_config
 from batchkv.ops.sdpa_varlen_kernels import split_kernel
 from batchkv.ops.sdpa_varlen_long import long_kernel
-from batchkv.ops.support import COMPUTE_DTYPES, quantized, refusal, scales_refusal, sm_count
+from batchkv.ops.support import COMPUTE_DTYPES, quantized, refusal, scales_refusal
+
+__all__ = ["DEFAULT_CONFIG", "SdpaConfig", "resolve_config", "sdpa_varlen"]
 
 LOG2E = 1.4426950408889634  # 1/ln(2)
-REGISTERS = 65536  # 32-bit registers per SM (every CUDA GPU since sm_50)
 AXIS32_LIMIT = 2**31  # work-axis products (blocks * programs) below this use 32-bit math in the kernel
-
-
-@dataclass(frozen=True)
-class SdpaConfig:
-    """Launch choices; a 0 field is filled by `resolve_config` from shapes and the device.
-
-    Split path: heads: KV heads per program (a power of two; 0 means 1: on the H200 one head
-    per program beat 2, 4 and 8 on every decode, verify and mixed case, see
-    bench/results/kernels-sweep-h200.json). Several heads make 3-D tiles with one warp per head:
-    num_warps 0 means 4 for one head, else `heads`, since Triton 3.6 puts every warp on the
-    head axis and replicates work when there are more warps than heads;
-    block_n: key positions per tile (0: ~32 KiB of K+V per stage, so 128 keys of e4m3 at D 128
-    where bf16 takes 64); block_m: tile rows per KV head,
-    (query, group head) pairs (>= 16); q_short: segments with q_len <= q_short take this path;
-    programs: programs per head group (P; 0: occupancy programs per SM over all head groups);
-    min_blocks: fewest key blocks a program takes (fewer programs share a short total, fewer
-    partials to merge); skip_masks: no mask on key blocks every row attends whole; merge_rows:
-    tile rows per head merged at once (0: next power of two >= G); merge_tile: fp32 elements a
-    merge round loads (sets how many programs' partials one round trip brings); max_regs: register
-    cap per thread (0: what `occupancy` programs per SM need, else none).
-    Long path (*_long): tile rows (0: 128 when a key row is <= 256 bytes, else 64), keys (0: 64,
-    else 32), warps, stages (0: 3, else 2).
-    """
-
-    heads: int = 0
-    block_n: int = 0
-    block_m: int = 16
-    q_short: int = 16
-    programs: int = 0
-    occupancy: int = 2
-    num_warps: int = 0
-    num_stages: int = 3
-    min_blocks: int = 1
-    skip_masks: bool = True
-    merge_rows: int = 0
-    merge_tile: int = 8192
-    max_regs: int = 0
-    block_n_long: int = 0
-    block_m_long: int = 0
-    num_warps_long: int = 8
-    num_stages_long: int = 0
-
-
-def _pow2_floor(x: int) -> int:
-    return 1 << (max(1, x).bit_length() - 1)
-
-
-@functools.lru_cache(maxsize=256)
-def resolve_config(
-    config: SdpaConfig | None,
-    head_dim: int,
-    dtype: torch.dtype,
-    num_kv_heads: int,
-    device: torch.device,
-) -> SdpaConfig:
-    """`config` with every 0 field chosen from shapes alone (host-only, no device reads).
-
-    `heads` is reduced to a divisor of num_kv_heads (gcd), so any config fits any model."""
-    cfg = config or SdpaConfig()
-    if cfg.heads < 0 or cfg.heads & (cfg.heads - 1) or cfg.q_short < 1 or cfg.min_blocks < 1:
-        raise ContractError(f"{cfg}: heads must be 0 or a power of two, q_short and min_blocks >= 1")
-    esize = dtype.itemsize
-    heads = math.gcd(cfg.heads or 1, num_kv_heads)
-    num_warps = cfg.num_warps or (4 if heads == 1 else heads)
-    stage_keys = 32768 // (2 * head_dim * esize * heads)  # key positions whose K+V fill 32 KiB
-    block_n = cfg.block_n or max(16, min(128, _pow2_floor(stage_keys)))
-    wide_rows = head_dim * max(esize, 2) > 256  # e4m3 tiles are converted to 16 bits for the dots
-    block_n_long = cfg.block_n_long or (32 if wide_rows else 64)
-    block_m_long = cfg.block_m_long or (64 if wide_rows else 128)
-    programs = cfg.programs or max(1, -(-cfg.occupancy * sm_count(device) // (num_kv_heads // heads)))
-    if min(block_n, block_n_long, cfg.block_m, block_m_long) < 16 or min(block_n, block_n_long) & 15:
-        raise ContractError(f"{cfg}: tiles need at least 16 rows and keys (keys a multiple of 16)")
-    max_regs = cfg.max_regs
-    if not max_regs and cfg.occupancy * num_warps * 32 * 256 > REGISTERS:  # else 255 registers fit
-        max_regs = max(64, REGISTERS // (cfg.occupancy * num_warps * 32) // 8 * 8)
-    return replace(
-        cfg,
-        heads=heads,
-        num_warps=num_warps,
-        max_regs=max_regs,
-        block_n=block_n,
-        programs=programs,
-        block_n_long=block_n_long,
-        block_m_long=block_m_long,
-        num_stages_long=cfg.num_stages_long or (2 if wide_rows else 3),
-    )
 
 
 _COUNTERS: dict[tuple[str, int | None], list[torch.Tensor]] = {}
@@ -163,7 +78,7 @@ def _regs(max_regs: int, device: torch.device) -> dict:
     return {"maxnreg": max_regs} if max_regs and device.type == "cuda" else {}
 
 
-def _check(q, k_store, v_store, seq_info, window, out, k_scale, v_scale) -> None:
+def _check(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale) -> None:
     if q.dim() != 3 or k_store.dim() != 4 or k_store.shape != v_store.shape:
         raise ContractError(
             "sdpa_varlen wants q [T, Hq, D] and k_store, v_store [rows, C, Hkv, D] of one shape; "
@@ -176,8 +91,10 @@ def _check(q, k_store, v_store, seq_info, window, out, k_scale, v_scale) -> None
     problem = refusal(k_store.dtype, head_dim)
     if problem:
         raise ContractError(f"sdpa_varlen: {problem}")
-    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
-        raise ContractError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}; GQA needs Hq % Hkv == 0")
+    if num_kv_heads < 1 or num_q_heads < 1 or num_q_heads % num_kv_heads:
+        raise ContractError(
+            f"Hq={num_q_heads} is not a positive multiple of Hkv={num_kv_heads}; GQA needs Hq % Hkv == 0"
+        )
     if rows < 1:
         raise ContractError("the stores have 0 rows; grow the cache before attending")
     if q.dtype not in COMPUTE_DTYPES or v_store.dtype != k_store.dtype:
@@ -202,6 +119,8 @@ def _check(q, k_store, v_store, seq_info, window, out, k_scale, v_scale) -> None
     if seq_info.shape[0] > 1 and seq_info.stride(0) != 4:
         raise ContractError("seq_info rows must be packed (stride 4); pass seq_info.contiguous()")
     int_arg("sdpa_varlen: window", window, 0, error=ContractError, why=" (0: none)")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise ContractError(f"sdpa_varlen: scale is {scale!r}; use None (1/sqrt(D)) or a number")
     if out is not None and (
         out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1
     ):
@@ -245,7 +164,7 @@ def sdpa_varlen(
     >>> info = torch.tensor([[0, 1, 3, 700], [1, 4, 0, 52]], dtype=torch.int32, device="cuda")
     >>> out = sdpa_varlen(q, k_store, v_store, info)  # q [5, 32, 128], stores [1024, 65, 8, 128]
     """
-    _check(q, k_store, v_store, seq_info, window, out, k_scale, v_scale)
+    _check(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
     rows, _, num_kv_heads, _ = k_store.shape
     num_segments = seq_info.shape[0]
@@ -255,6 +174,9 @@ def sdpa_varlen(
     if num_segments == 0:
         return out.zero_()
     group = num_q_heads // num_kv_heads
+    config = config or DEFAULT_CONFIG
+    if config.narrow is not None and num_tokens <= config.narrow_width:
+        config = config.narrow  # a static-shape choice: the same for every replay of a graph
     cfg = resolve_config(config, head_dim, k_store.dtype, num_kv_heads, q.device)
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
     quant = quantized(k_store.dtype)
@@ -292,8 +214,10 @@ def sdpa_varlen(
         max_items, *strides,
         HEADS=heads, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, MIN_BLOCKS=cfg.min_blocks, LONG=long,
         SKIP_MASKS=cfg.skip_masks, MERGE_ROWS=merge_rows,
-        MERGE_SLOTS=min(64, _pow2_floor(cfg.merge_tile // (heads * merge_rows * head_dim))), HG_POW2=hg_pow2,
-        ZERO_ROWS=_pow2_floor(2048 // (hg_pow2 * head_dim)), AXIS64=axis_bound * slots >= AXIS32_LIMIT, **common,
+        MERGE_SLOTS=min(64, pow2_floor(cfg.merge_tile // (heads * merge_rows * head_dim))), HG_POW2=hg_pow2,
+        ZERO_ROWS=pow2_floor(2048 // (hg_pow2 * head_dim)), AXIS64=axis_bound * slots >= AXIS32_LIMIT,
+        WARP_SPLIT=cfg.warp_split, PREFETCH=cfg.prefetch, SECTOR=32 // k_store.dtype.itemsize,
+        PREFETCH_CHECK=cfg.prefetch > 0 and q.device.type != "cuda", MERGE_STAGES=cfg.merge_stages, **common,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device),
     )  # fmt: skip
     if long:

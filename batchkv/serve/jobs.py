@@ -148,11 +148,11 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
                 stop_token_ids=stop_ids,
                 n=body.n,
             )
-        except RequestError as exc:  # its message starts with the field: "top_p is 1.5; ..."
-            message = str(exc).replace("max_new_tokens", "max_tokens")
-            field = message.split(" ", 1)[0]
+            requests.append(Request(prompt, params))
+        except RequestError as exc:  # the message starts with the field: "top_p is 1.5", "prompt_ids[1] is -2"
+            message = str(exc).replace("max_new_tokens", "max_tokens").replace("prompt_ids", "prompt")
+            field = message.split(" ", 1)[0].split("[")[0]
             raise APIError(400, message, param=field if hasattr(body, field) else None) from exc
-        requests.append(Request(prompt, params))
     options = body.stream_options
     return Job(
         prompts=prompts,

@@ -61,7 +61,7 @@ class Choice:
         if event.token is not None:
             new = [event.token]
             self.token_ids.append(event.token)
-            if self.detok is not None:
+            if self.detok is not None and event.finish_reason != "stop":  # a stop id's text is not output (vLLM)
                 text = self.stops.feed(self.detok.add(event.token))
         if self.stops.stopped:
             self.finish = "stop"

@@ -45,27 +45,49 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
+# Fields OpenAI's API marks nullable (and vLLM's Optional extensions): an explicit null means the
+# default, as both servers take it, so clients that send `"temperature": null` are served.
+NULL_MEANS_DEFAULT: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "n": 1,
+    "stop_token_ids": [],
+    "stream": False,
+    "return_token_ids": False,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "echo": False,
+}
+
+
 class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions. Once decoded, no field that
+    `NULL_MEANS_DEFAULT` names is None."""
 
     model: str | None = None
     max_tokens: int | None = None  # None: up to the capacity (context length)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: off
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int | None = -1  # -1 or 0: off
     seed: int | None = None
-    n: int = 1
+    n: int | None = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = []
+    stop_token_ids: list[int] | None = []
     ignore_eos: bool = False
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    return_token_ids: bool = False
+    return_token_ids: bool | None = False
     user: str | None = None
     # OpenAI fields accepted only at their defaults (see UNSUPPORTED).
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        for name, default in NULL_MEANS_DEFAULT.items():
+            if getattr(self, name, default) is None:  # chat and completions declare different sets
+                setattr(self, name, list(default) if isinstance(default, list) else default)
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -73,7 +95,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
 
     prompt: str | list[int | str | list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
 
@@ -100,11 +122,16 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.logprobs is None:  # nullable in OpenAI's API: false
+            self.logprobs = False
 
 
 # field -> values that mean "off"; anything else is refused with 400 naming the field.
@@ -138,11 +165,17 @@ def decode_body(raw: bytes, kind: type[msgspec.Struct]) -> Any:
         raise APIError(400, f"the request body is not valid JSON ({exc})") from exc
 
 
+def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
+    """`value` is one of `off`, type included: completions' `logprobs: 0` asks for the sampled
+    token's logprob (OpenAI, vLLM), so it must not pass as `False`."""
+    return any(value == o and type(value) is type(o) for o in off)
+
+
 def refuse_unsupported(body: msgspec.Struct) -> None:
     """APIError(400) for an OpenAI field set to something batchkv does not implement."""
     for name, off in UNSUPPORTED.items():
         value = getattr(body, name, off[0])  # chat and completions declare different sets
-        if value not in off:
+        if not _is_off(value, off):
             raise APIError(400, f"{name}={value!r} is not supported by batchkv serve; leave it unset", param=name)
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")

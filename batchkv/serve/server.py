@@ -11,12 +11,23 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import socket
 import sys
 
+from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
+from batchkv.cli import bounded
 from batchkv.errors import ConfigError
-from batchkv.frontend import add_engine_options, kv_dtype_option, speculative_option
+from batchkv.frontend import (
+    MODES,
+    add_engine_options,
+    add_scheduling_options,
+    kv_dtype_option,
+    scheduling_kwargs,
+    speculative_option,
+)
 
 DEFAULT_CAPACITY = 4096
+MAX_DRAIN_SECONDS = 86400.0
 
 
 def _ignore(signum: int, frame: object) -> None:
@@ -49,6 +60,21 @@ def _device(name: str) -> str:
     return name
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port for uvicorn (which listens on it). Bound before the model
+    loads, so an address in use or one this machine does not have is a one-line ConfigError at once."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)  # as uvicorn
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses the port at once
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc} (choose another --port or --host)"
+        ) from None
+    return sock
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the server until a signal stops it; returns the exit status."""
     try:
@@ -59,6 +85,18 @@ def serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"batchkv serve needs its extra: pip install 'batchkv[serve]' ({exc})") from exc
     import torch
 
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = _device(args.device)
+    sock = _listen(args.host, args.port)
+    try:
+        return _serve(args, uvicorn, sock, device)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) -> int:
     from batchkv.executor import Engine
     from batchkv.serve.app import build_app
     from batchkv.serve.jobs import ModelInfo
@@ -66,10 +104,6 @@ def serve(args: argparse.Namespace) -> int:
     from batchkv.serve.metrics import ServerMetrics
     from batchkv.serve.worker import EngineWorker
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = _device(args.device)
     served = load_served_model(args.model, device, dtype=args.dtype, seed=args.seed)
     limit = served.max_positions
     capacity = args.capacity or min(DEFAULT_CAPACITY, limit or DEFAULT_CAPACITY)
@@ -77,36 +111,42 @@ def serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--capacity {capacity} is beyond the model's max_position_embeddings {limit}; lower it")
     engine = Engine(
         served.model,
-        max_seqs=args.max_seqs,
+        **scheduling_kwargs(args),
         capacity=capacity,
         max_step_tokens=args.max_step_tokens,
         prefill_chunk=min(args.prefill_chunk, capacity, args.max_step_tokens),
         device=device,
-        use_graphs={"auto": "auto", "on": True, "off": False}[args.graphs],
+        use_graphs=MODES[args.graphs],
         seed=args.seed,
         kv_dtype=kv_dtype_option(args.kv_dtype),
         speculative=speculative_option(args, served.model),
     )
-    metrics = ServerMetrics(args.max_seqs)
+    max_seqs = engine.cache.max_seqs  # what --max-seqs auto chose, else --max-seqs
+    metrics = ServerMetrics(max_seqs)
     worker = EngineWorker(engine, metrics, max_waiting=args.max_waiting)
     name = args.served_model_name or args.model
     info = ModelInfo(name, served.tokenizer, capacity, served.eos_ids)
     app = build_app(worker, info, metrics)
-    mode = "graphs" if engine.uses_graphs else "eager"
+    mode = ("graphs" if engine.uses_graphs else "eager") + (", overlap" if engine.overlap else "")
     text = "text and token ids" if served.tokenizer is not None else "token ids only (no tokenizer)"
     extras = f", kv {args.kv_dtype}" if args.kv_dtype != "model" else ""
     if args.speculative != "off":
         extras += f", speculative {args.speculative} (block {engine.speculator.block_size})"
+    if args.prefill_budget is not None:
+        extras += f", prefill budget {args.prefill_budget}"
+    host, port = sock.getsockname()[:2]
     print(
-        f"batchkv serve: {name} ({served.kind}, {text}) on {device} ({mode}), max_seqs {args.max_seqs}, "
-        f"capacity {capacity}{extras}; http://{args.host}:{args.port}/v1",
+        f"batchkv serve: {name} ({served.kind}, {text}) on {device} ({mode}), max_seqs {max_seqs}, "
+        f"capacity {capacity}{extras}; http://{args.host}:{port}/v1",
         file=sys.stderr,
         flush=True,
     )
+    if engine.sizing is not None:
+        print(f"batchkv serve: sized the store: {engine.sizing.describe()}", file=sys.stderr, flush=True)
     config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
+        host=host,
+        port=port,
         log_level=args.log_level,
         access_log=args.access_log,
         timeout_graceful_shutdown=args.drain_timeout + 5.0,  # a backstop: the worker cancels first
@@ -115,7 +155,7 @@ def serve(args: argparse.Namespace) -> int:
     server = _uvicorn_server(uvicorn)(config, lambda: worker.drain(args.drain_timeout))
     previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -139,31 +179,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (default): the config's",
     )
-    m.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights and of unseeded sampling (0)")
-    e = p.add_argument_group("engine")
-    e.add_argument(
-        "--max-seqs", type=int, default=16, help="resident sequences (cache columns); n samples take n (%(default)s)"
+    m.add_argument(
+        "--seed", type=bounded(int, 0), default=0, help="seed of a preset's random weights and of unseeded sampling (0)"
     )
+    e = p.add_argument_group("engine")
+    add_scheduling_options(e, max_seqs=16, help_max_seqs="resident sequences (cache columns); n samples take n")
     e.add_argument(
         "--capacity",
-        type=int,
+        type=bounded(int, 2, MAX_POSITIONS),
         help=f"positions per sequence, prompt + max_tokens (default min({DEFAULT_CAPACITY}, max_position_embeddings))",
     )
-    e.add_argument("--max-step-tokens", type=int, default=512, help="token budget of one step (%(default)s)")
     e.add_argument(
-        "--prefill-chunk", type=int, default=256, help="most prompt tokens per sequence per step (%(default)s)"
+        "--max-step-tokens",
+        type=bounded(int, 1, MAX_STEP_TOKENS),
+        default=512,
+        help="token budget of one step (%(default)s)",
     )
-    e.add_argument("--max-waiting", type=int, default=256, help="requests queued for columns before 429s (%(default)s)")
     e.add_argument(
-        "--graphs", choices=("auto", "on", "off"), default="auto", help="CUDA graphs (auto, the default: on CUDA)"
+        "--prefill-chunk",
+        type=bounded(int, 1),
+        default=256,
+        help="most prompt tokens per sequence per step (%(default)s)",
     )
-    e.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    e.add_argument(
+        "--max-waiting",
+        type=bounded(int, 1),
+        default=256,
+        help="requests queued for columns before 429s (%(default)s)",
+    )
+    e.add_argument("--graphs", choices=tuple(MODES), default="auto", help="CUDA graphs (auto, the default: on CUDA)")
+    e.add_argument(
+        "--threads", type=bounded(int, 0, 4096), default=0, help="CPU threads for torch (0: torch's default)"
+    )
     add_engine_options(p.add_argument_group("storage and speculative decoding"))
     h = p.add_argument_group("http")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
-    h.add_argument("--port", type=int, default=8000, help="(%(default)s)")
+    h.add_argument("--port", type=bounded(int, 0, 65535), default=8000, help="0: any free port (%(default)s)")
     h.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get at shutdown (%(default)s)"
+        "--drain-timeout",
+        type=bounded(float, 0.0, MAX_DRAIN_SECONDS),
+        default=30.0,
+        help="seconds in-flight requests get at shutdown (%(default)s)",
     )
     h.add_argument(
         "--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info", help="(%(default)s)"

@@ -23,6 +23,9 @@ class SpeculativeConfig:
     drafter: the `batchkv.models.dflash.DFlashDrafter` for method "dflash" (its own block size is
         the default when block_size is None).
     ngram_max: the longest suffix the n-gram proposer matches (1..8).
+    adaptive: each sample's draft count follows its acceptance (`policy.py`: halved toward what
+        was accepted, doubled when all were, none while nothing is, with probes); False: always
+        block_size - 1. Either way drafts stop short of capacity and max_new_tokens.
 
     >>> Engine(model, speculative=SpeculativeConfig("ngram", block_size=8))
     """
@@ -31,6 +34,7 @@ class SpeculativeConfig:
     block_size: int | None = None
     drafter: object | None = None
     ngram_max: int = 3
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -46,3 +50,5 @@ class SpeculativeConfig:
         block = int_arg("SpeculativeConfig.block_size", block, 2, MAX_BLOCK_SIZE, why=why)
         object.__setattr__(self, "block_size", block)
         object.__setattr__(self, "ngram_max", int_arg("SpeculativeConfig.ngram_max", self.ngram_max, 1, 8))
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"SpeculativeConfig.adaptive is {self.adaptive!r}; use True or False")

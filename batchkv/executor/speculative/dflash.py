@@ -1,8 +1,10 @@
 """The DFlash proposer: a `DFlashDrafter` drafting every speculating sample's block in one forward.
 
 Per engine step, before the target's step is declared (`propose`), one drafter step over the
-drafter's own cache: per owner one non-causal segment `[context rows..., anchor, mask x k]`. The
-context rows are the positions the target committed since the owner's last draft; their features
+drafter's own cache: per owner one non-causal segment `[context rows..., anchor, mask x k]` (k = 0:
+context rows only; a step where no sample drafts runs `DFlashDrafter.write_context`, which stops
+at the context rows' K/V: no queries, MLPs or LM head; at the 8B shape 7% of the bytes a drafting
+step reads). The context rows are the positions the target committed since the owner's last draft; their features
 are the target's hidden states after the drafter's `target_layer_ids`, tapped by the previous
 target step (`HiddenTaps`, rows selected inside the forward) and gathered on the device. The
 drafts (argmax of the target's LM head over the block's mask rows) stay on the device: the verify
@@ -41,7 +43,7 @@ from batchkv.executor.speculative.speculator import Drafts
 if TYPE_CHECKING:
     from batchkv.executor.engine import Engine
 
-HEAD_CHUNK = 64  # draft rows per LM-head call (argmax in the model dtype)
+HEAD_CHUNK = 256  # draft rows per LM-head call (argmax in the model dtype; each call reads the head once)
 
 
 @dataclass(eq=False)
@@ -162,7 +164,10 @@ class DFlashProposer:
             self.cache.reserve(self.target_cache.rows)
         self.cache.declare_step(seq_ids)
         self.cache.prepare_step(width)
-        self.runner.execute((width, rows), lambda: self._forward(width, rows))
+        if r:
+            self.runner.execute((width, rows), lambda: self._forward(width, rows))
+        else:  # nobody drafts: only the context rows' K/V (no layer past them, no LM head)
+            self.runner.execute((width, 0), lambda: self._write_context(width))
         self.cache.commit_step()
         for _, st, k in segments:
             if k:
@@ -179,6 +184,13 @@ class DFlashProposer:
         for c in range(0, rows, HEAD_CHUNK):
             part = slice(c, min(rows, c + HEAD_CHUNK))
             self.drafts[part].copy_(self.target.head(h[part]).argmax(-1))  # type: ignore[attr-defined]
+        return self.drafts
+
+    def _write_context(self, width: int) -> torch.Tensor:
+        """The captured region of a step without blocks: gather context features, write their K/V."""
+        b = self.buf
+        features = self.taps.out.index_select(0, b["gather"][:width])
+        self.drafter.write_context(features, b["t"][:width], self.cache)  # type: ignore[attr-defined]
         return self.drafts
 
     def _sync_forks(self) -> None:

@@ -3,8 +3,9 @@
 Two fixed points of `Engine.step()`:
 - `extend(batch)`, after planning and before the step is declared: every decode sample of the batch
   gets k drafts from the proposer, and its one-token decode row becomes a causal verify segment
-  `[anchor, d1 .. dk]` whose every row is a logits row. k <= block_size - 1, shortened so the
-  segment never writes past `capacity` and the sample never passes `max_new_tokens`. Prompt chunks
+  `[anchor, d1 .. dk]` whose every row is a logits row. k <= block_size - 1, as `DraftLengths`
+  (`policy.py`) allows after the sample's past acceptance, shortened so the segment never writes
+  past `capacity` and the sample never passes `max_new_tokens`; k = 0 leaves the decode row as is. Prompt chunks
   and prompts' last rows stay as they are (segments with k = 0).
 - `accept(batch, runs)`, after the step committed and the host read the accepted runs: every
   verify segment's column is rewound to its accepted end (anchor + accepted drafts); the bonus
@@ -26,6 +27,7 @@ from batchkv.executor.metrics import Metrics
 from batchkv.executor.scheduler import Batch, SampleState
 from batchkv.executor.speculative.config import SpeculativeConfig
 from batchkv.executor.speculative.ngram import ngram_propose
+from batchkv.executor.speculative.policy import DraftLengths
 
 
 class NoSpeculation:
@@ -108,15 +110,17 @@ class Speculator:
     ) -> None:
         self.config, self.cache, self.proposer, self.metrics = config, cache, proposer, metrics
         self.block_size = config.block_size
+        self.lengths = DraftLengths(config.block_size - 1, fixed=not config.adaptive)  # type: ignore[operator]
         self.runner: object = None  # the engine's VerifyRunner (set by build_speculator)
 
     def draft_len(self, sample: SampleState) -> int:
-        """Drafts a decode sample may take: its verify segment stays inside capacity, and its
-        accepted run (drafts + bonus) inside max_new_tokens."""
+        """Drafts a decode sample may take this step (called once per step): what its draft length
+        allows, with its verify segment inside capacity and its accepted run (drafts + bonus)
+        inside max_new_tokens."""
         emitted, prompt = len(sample.tokens), len(sample.owner.prompt)
         room = self.cache.capacity - prompt - emitted  # the anchor sits at prompt + emitted - 1
         left = sample.owner.request.params.max_new_tokens - emitted - 1
-        return max(0, min(self.block_size - 1, room, left))  # type: ignore[operator]
+        return max(0, min(self.lengths.next(sample), room, left))
 
     def extend(self, batch: Batch) -> None:
         """Turn each decode row of `batch` into a verify segment (host planning)."""
@@ -153,13 +157,15 @@ class Speculator:
             rejected = span - len(run)  # the bonus replaces the first rejected draft's row
             if rejected:
                 self.cache.rewind(sample.seq, self.cache.pos(sample.seq) - rejected)
+            self.lengths.update(sample, span - 1, len(run) - 1)
             m.spec_segments += 1
             m.spec_proposed += span - 1
             m.spec_accepted += len(run) - 1
 
     def release(self) -> None:
-        """Free the proposer's columns of finished and cancelled samples."""
+        """Free the proposer's columns of finished and cancelled samples, and their draft lengths."""
         self.proposer.release()
+        self.lengths.release()
 
     def sequences(self) -> list[int]:
         return self.proposer.sequences()

@@ -8,9 +8,11 @@ whether a draft follows it in its segment, the segment table (start, length), an
 parameters and two uniform draws. The result is int64 [W, block + 1] (see `acceptance.combine`).
 
 Logits rows per step: at most 64 anchors (the scheduler's cap on sampling rows) times block_size.
-The LM head runs on them in chunks of 64 rows: greedy steps take each chunk's argmax in the model's
-dtype; sampling steps turn one chunk at a time into float32 probabilities. So a step never holds
-more than a [64, vocab] float32 tensor, however many rows it verifies.
+The LM head runs on them in row chunks: greedy steps take the argmax of chunks of 256 rows in the
+model's dtype (each chunk reads the head's weights once: at 32 sequences x 8 rows that is one read,
+not four); sampling steps turn 64 rows at a time into float32 probabilities. So a step never holds
+more than a [64, vocab] float32 tensor or a [256, vocab] model-dtype one, however many rows it
+verifies.
 
 With a `GraphSet`, the forward, the head and the acceptance are one graph per (width bucket,
 logits-rows bucket, sampling or greedy) and storage generation and module tree.
@@ -31,7 +33,8 @@ from batchkv.executor.sampling import uniform
 from batchkv.executor.scheduler import Batch
 from batchkv.executor.speculative.acceptance import combine, greedy_rows, sampled_rows
 
-HEAD_CHUNK = 64  # logits rows per LM-head call: bounds the float32 [rows, vocab] a sampling step holds
+HEAD_CHUNK = 64  # logits rows per LM-head call of a sampling step: bounds the float32 [rows, vocab] it holds
+GREEDY_HEAD_CHUNK = 256  # of a greedy step (model dtype; [256, 151936] bf16 is 78 MB)
 ACCEPT_STREAM = 1  # `uniform` stream of the acceptance test (stream 0 draws tokens)
 
 # int64 buffers: name -> length in units of W (carved once, by name)
@@ -131,8 +134,9 @@ class VerifyRunner(ModelRunner):
         following = ids.index_select(0, (select + 1).clamp(max=width - 1))
         draft_next = torch.where(b["has_next"][:rows] > 0, following, -1)
         oks, fixes = [], []
-        for c in range(0, rows, HEAD_CHUNK):
-            part = slice(c, min(rows, c + HEAD_CHUNK))
+        chunk = HEAD_CHUNK if sampling else GREEDY_HEAD_CHUNK
+        for c in range(0, rows, chunk):
+            part = slice(c, min(rows, c + chunk))
             logits = self.model.head(h[part])  # type: ignore[attr-defined]  # [chunk, vocab], model dtype
             if sampling:
                 params = (b[name][part] for name in ("temperature", "top_k", "top_p", "u_accept", "u_draw"))

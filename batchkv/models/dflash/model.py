@@ -108,19 +108,41 @@ class DFlashDrafter(nn.Module):
         c, w = self.config, input_ids.shape[0]
         ctx = _rms(self.fc(features.to(self.dtype)), self.hidden_norm, c.rms_eps)  # [W, H]
         h = self.target.embed(input_ids).to(self.dtype)
-        angle = t_index.float()[:, None] * self.inv_freq  # [W, D/2] float32
-        cos, sin = angle.cos().to(self.dtype), angle.sin().to(self.dtype)
+        cos, sin = self._rope_tables(t_index)
         use_ctx = is_context[:, None]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = _rms(h, layer.input_layernorm.weight, c.rms_eps)
-            src = torch.where(use_ctx, ctx, x)
             q = _rms(attn.q_proj(x).view(w, c.q_heads, c.head_dim), attn.q_norm.weight, c.rms_eps)
-            k = _rms(attn.k_proj(src).view(w, c.kv_heads, c.head_dim), attn.k_norm.weight, c.rms_eps)
-            v = attn.v_proj(src).view(w, c.kv_heads, c.head_dim)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            out = cache.update_and_attend(i, q, k, v, scale=self.scale, causal=False)  # [W, Hq, D]
+            k, v = self._kv(attn, torch.where(use_ctx, ctx, x), cos, sin)
+            out = cache.update_and_attend(i, _rope(q, cos, sin), k, v, scale=self.scale, causal=False)  # [W, Hq, D]
             h = h + attn.o_proj(out.reshape(w, -1))
             x = _rms(h, layer.post_attention_layernorm.weight, c.rms_eps)
             h = h + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(x)) * layer.mlp.up_proj(x))
         return _rms(h.index_select(0, rows), self.norm, c.rms_eps)
+
+    def write_context(self, features: torch.Tensor, t_index: torch.Tensor, cache) -> None:
+        """A step of context rows only (no block to draft): the K/V `forward` writes for them,
+        without the layers' queries, outputs and MLPs, which only block rows need.
+
+        features [W, len(target_layer_ids) * H]; t_index int64 [W]; the cache declared and prepared
+        for width W. The cache's one entry point writes and attends; its output is not used (the
+        queries are the keys, repeated over each GQA group). Capturable.
+        """
+        c, w = self.config, features.shape[0]
+        ctx = _rms(self.fc(features.to(self.dtype)), self.hidden_norm, c.rms_eps)  # [W, H]
+        cos, sin = self._rope_tables(t_index)
+        for i, layer in enumerate(self.layers):
+            k, v = self._kv(layer.self_attn, ctx, cos, sin)
+            q = k[:, :, None].expand(w, c.kv_heads, c.q_heads // c.kv_heads, c.head_dim).reshape(w, c.q_heads, -1)
+            cache.update_and_attend(i, q, k, v, scale=self.scale, causal=False)
+
+    def _rope_tables(self, t_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angle = t_index.float()[:, None] * self.inv_freq  # [W, D/2] float32
+        return angle.cos().to(self.dtype), angle.sin().to(self.dtype)
+
+    def _kv(self, attn: nn.Module, src: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """k (normed, rotated) and v [W, Hkv, D] of one layer from its source rows src [W, H]."""
+        c, w = self.config, src.shape[0]
+        k = _rms(attn.k_proj(src).view(w, c.kv_heads, c.head_dim), attn.k_norm.weight, c.rms_eps)
+        return _rope(k, cos, sin), attn.v_proj(src).view(w, c.kv_heads, c.head_dim)

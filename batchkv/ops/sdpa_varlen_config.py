@@ -1,0 +1,130 @@
+"""`SdpaConfig`: the launch choices of `sdpa_varlen`, and `resolve_config`, which fills them from shapes.
+
+Choices come from a static heuristic (no triton.autotune, whose first-call benchmarking does not
+mix with graph capture); `bench/kernels.py --sweep` and `bench/b1_sweep.py` time the alternatives.
+Everything here is host-side and reads no device memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from batchkv.errors import ContractError
+from batchkv.ops.support import sm_count
+
+REGISTERS = 65536  # 32-bit registers per SM (every CUDA GPU since sm_50)
+
+
+@dataclass(frozen=True)
+class SdpaConfig:
+    """Launch choices; a 0 field is filled by `resolve_config` from shapes and the device.
+
+    Split path: heads: KV heads per program (a power of two; 0 means 1: on the H200 one head
+    per program beat 2, 4 and 8 on every decode, verify and mixed case, see
+    bench/results/kernels-sweep-h200.json). Several heads make 3-D tiles with one warp per head:
+    num_warps 0 means 4 for one head, else `heads`, since Triton 3.6 puts every warp on the
+    head axis and replicates work when there are more warps than heads;
+    block_n: key positions per tile (0: ~32 KiB of K+V per stage, so 128 keys of e4m3 at D 128
+    where bf16 takes 64); block_m: tile rows per KV head,
+    (query, group head) pairs (>= 16); q_short: segments with q_len <= q_short take this path;
+    programs: programs per head group (P; 0: occupancy programs per SM over all head groups);
+    min_blocks: fewest key blocks a program takes (fewer programs share a short total, fewer
+    partials to merge); skip_masks: no mask on key blocks every row attends whole; merge_rows:
+    tile rows per head merged at once (0: next power of two >= G); merge_tile: fp32 elements a
+    merge round loads (sets how many programs' partials one round trip brings); merge_stages: > 1
+    software-pipelines the merge's rounds (the next partials load while one combines);
+    max_regs: register cap per thread (0: what `occupancy` programs per SM need, else none).
+    Few-row variants (defaults off; bench/b1_sweep.py times them): warp_split: key sub-tiles per
+    tile, one per warp, each with its own softmax state, merged once per piece (a power of two,
+    one head per program, block_n / warp_split >= 16; num_warps 0 means warp_split and block_n 0
+    at least 16 * warp_split; meant for 16-bit and e4m3 stores with D <= 128: fp32 tiles and D 256
+    spill registers on sm_90; `sdpa_varlen_warp_split.py`); prefetch: key blocks each program
+    asks the L2 for ahead of its loads, the first ones before q is read (0: none).
+    narrow: the config of steps of at most narrow_width packed tokens (T is a static shape, so a
+    captured graph keeps one config), e.g. a few-row variant for one decoding sequence beside the
+    batch config; None: this one.
+    Long path (*_long): tile rows (0: 128 when a key row is <= 256 bytes, else 64), keys (0: 64,
+    else 32), warps, stages (0: 3, else 2).
+    """
+
+    heads: int = 0
+    block_n: int = 0
+    block_m: int = 16
+    q_short: int = 16
+    programs: int = 0
+    occupancy: int = 2
+    num_warps: int = 0
+    num_stages: int = 3
+    min_blocks: int = 1
+    skip_masks: bool = True
+    merge_rows: int = 0
+    merge_tile: int = 8192
+    max_regs: int = 0
+    merge_stages: int = 1
+    warp_split: int = 1
+    prefetch: int = 0
+    narrow: SdpaConfig | None = None
+    narrow_width: int = 0
+    block_n_long: int = 0
+    block_m_long: int = 0
+    num_warps_long: int = 8
+    num_stages_long: int = 0
+
+
+DEFAULT_CONFIG = SdpaConfig()  # what config=None means
+
+
+def pow2_floor(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+@functools.lru_cache(maxsize=256)
+def resolve_config(
+    config: SdpaConfig | None,
+    head_dim: int,
+    dtype: torch.dtype,
+    num_kv_heads: int,
+    device: torch.device,
+) -> SdpaConfig:
+    """`config` with every 0 field chosen from shapes alone (host-only, no device reads).
+
+    `heads` is reduced to a divisor of num_kv_heads (gcd), so any config fits any model. The result
+    is one width's config: `narrow` (already chosen by the caller) is dropped."""
+    cfg = config or DEFAULT_CONFIG
+    if cfg.heads < 0 or cfg.heads & (cfg.heads - 1) or cfg.q_short < 1 or cfg.min_blocks < 1:
+        raise ContractError(f"{cfg}: heads must be 0 or a power of two, q_short and min_blocks >= 1")
+    if cfg.warp_split < 1 or cfg.warp_split & (cfg.warp_split - 1) or cfg.prefetch < 0 or cfg.merge_stages < 1:
+        raise ContractError(f"{cfg}: warp_split must be a power of two, prefetch >= 0 and merge_stages >= 1")
+    esize = dtype.itemsize
+    heads = math.gcd(cfg.heads or 1, num_kv_heads)
+    num_warps = cfg.num_warps or (cfg.warp_split if cfg.warp_split > 1 else 4 if heads == 1 else heads)
+    stage_keys = 32768 // (2 * head_dim * esize * heads)  # key positions whose K+V fill 32 KiB
+    block_n = cfg.block_n or max(16 * cfg.warp_split, min(128, pow2_floor(stage_keys)))
+    if cfg.warp_split > 1 and (heads > 1 or block_n < 16 * cfg.warp_split):
+        raise ContractError(f"{cfg}: warp_split needs one KV head per program and block_n >= 16 * warp_split")
+    wide_rows = head_dim * max(esize, 2) > 256  # e4m3 tiles are converted to 16 bits for the dots
+    block_n_long = cfg.block_n_long or (32 if wide_rows else 64)
+    block_m_long = cfg.block_m_long or (64 if wide_rows else 128)
+    programs = cfg.programs or max(1, -(-cfg.occupancy * sm_count(device) // (num_kv_heads // heads)))
+    if min(block_n, block_n_long, cfg.block_m, block_m_long) < 16 or any(n & (n - 1) for n in (block_n, block_n_long)):
+        raise ContractError(f"{cfg}: tiles need at least 16 rows and a power of two, at least 16, of keys")
+    max_regs = cfg.max_regs
+    if not max_regs and cfg.occupancy * num_warps * 32 * 256 > REGISTERS:  # else 255 registers fit
+        max_regs = max(64, REGISTERS // (cfg.occupancy * num_warps * 32) // 8 * 8)
+    return replace(
+        cfg,
+        heads=heads,
+        num_warps=num_warps,
+        max_regs=max_regs,
+        block_n=block_n,
+        programs=programs,
+        block_n_long=block_n_long,
+        block_m_long=block_m_long,
+        num_stages_long=cfg.num_stages_long or (2 if wide_rows else 3),
+        narrow=None,
+        narrow_width=0,
+    )
