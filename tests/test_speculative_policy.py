@@ -21,13 +21,15 @@ def _sample() -> SampleState:
 
 
 def _run(lengths: DraftLengths, sample: SampleState, steps: int, accepts) -> list[tuple[int, int]]:
-    """(drafts proposed, accepted) per step; accepts(k) says how many of k drafts pass."""
+    """(drafts proposed, accepted) per step; accepts(k) says how many of k drafts pass. Each step
+    emits the accepted drafts and one more token, as a verify step does."""
     out = []
     for _ in range(steps):
         k = lengths.next(sample)
         a = accepts(k)
         if k:
             lengths.update(sample, k, a)
+        sample.tokens += [0] * (a + 1)
         out.append((k, a))
     return out
 
@@ -97,3 +99,40 @@ def test_adaptive_must_be_a_bool():
 
     with pytest.raises(ConfigError, match="adaptive"):
         SpeculativeConfig("ngram", adaptive="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fail_at", [4, 6, 8, 10])
+def test_a_step_that_raises_leaves_every_draft_length_as_it_was(fail_at):
+    """Drafts that always fail send the draft length to 0 and into probes; a launch that raises and
+    is planned again must not count as a step: the same drafts, then the same sampled tokens."""
+    from batchkv.executor import Engine, Request, SamplingParams, gather
+
+    model = ToyModel(seed=0)
+    request = Request([3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(max_new_tokens=30, temperature=0.8, seed=7))
+
+    def serve(fail: int | None) -> tuple[list[int], list[list[int]]]:
+        engine = Engine(model, speculative=SpeculativeConfig("ngram", block_size=4), **OPTS)
+        engine.speculator.proposer = ForcedProposer({(request.prompt_ids, 0): [96] * 40}, vocab=97)
+        spans, calls, launch = [], [0], engine.runner.launch
+
+        def failing(batch, width, previous=None):
+            calls[0] += 1
+            if calls[0] == fail:
+                raise RuntimeError("injected forward failure")
+            tokens = launch(batch, width, previous)
+            spans.append(list(batch.spans))
+            return tokens
+
+        engine.runner.launch = failing
+        rid = engine.submit(request)
+        events = []
+        while engine.has_work:
+            try:
+                events += engine.step()
+            except RuntimeError:
+                assert calls[0] == fail
+        return gather(events)[rid].tokens[0], spans
+
+    tokens, spans = serve(None)
+    assert any(span == [1] for span in spans[3:])  # the failure lands while drafting is off or probing
+    assert serve(fail_at) == (tokens, spans)

@@ -34,6 +34,7 @@ class _Length:
     k: int  # drafts of the next verify; 0 while waiting
     wait: int = FIRST_WAIT  # steps without drafts after the next failure at k = 0 or a failed probe
     idle: int = 0  # steps left before the next probe (while k == 0)
+    counted: int = -1  # tokens the sample held when a step last counted toward `idle`
 
 
 class DraftLengths:
@@ -44,12 +45,16 @@ class DraftLengths:
         self._states: dict[SampleState, _Length] = {}
 
     def next(self, sample: SampleState) -> int:
-        """Drafts the policy gives `sample` in the step being planned (called once per step)."""
+        """Drafts the policy gives `sample` in the step being planned (called once per planned step;
+        a step planned again after a launch that raised counts once: every step that completes
+        adds tokens, so the sample's token count names the step)."""
         if self.fixed:
             return self.longest
         st = self._states.setdefault(sample, _Length(self.longest))
         if st.k == 0:
-            st.idle -= 1
+            if st.counted != len(sample.tokens):
+                st.idle -= 1
+                st.counted = len(sample.tokens)
             if st.idle <= 0:
                 return 1  # probe
         return st.k
