@@ -136,3 +136,19 @@ def test_a_step_that_raises_leaves_every_draft_length_as_it_was(fail_at):
     tokens, spans = serve(None)
     assert any(span == [1] for span in spans[3:])  # the failure lands while drafting is off or probing
     assert serve(fail_at) == (tokens, spans)
+
+
+def test_a_passing_probe_never_resumes_past_the_block():
+    lengths, sample = DraftLengths(1), _sample()  # block_size 2: one draft at most
+    steps = _run(lengths, sample, 6, lambda k: 0) + _run(lengths, sample, 6, lambda k: k)
+    assert {k for k, _ in steps} == {0, 1}
+
+
+def test_a_block_of_two_recovers_from_rejected_drafts_and_decodes_as_without_them():
+    model = ToyModel(seed=0)
+    schedule = repetitive_schedule(6)
+    late = partial(ForcedProposer, vocab=97, corrupt=lambda emitted, j: emitted < 4)  # wrong, then right
+    spec = SpeculativeConfig("ngram", block_size=2)  # with prefill_chunk 2, max_write is 2: a 3-row verify is refused
+    plain, fast, engine = plain_and_speculative(model, schedule, spec, proposer=late, **(OPTS | {"prefill_chunk": 2}))
+    assert fast == plain
+    assert 0 < engine.metrics.spec_accepted < engine.metrics.spec_proposed

@@ -13,7 +13,8 @@ after each verify):
   a steady acceptance length a + 1 is tracked within log2(block_size) steps and never cut below;
 - k reaches 0: the sample decodes without drafts for `wait` steps (no drafter block, a one-row
   segment; a DFlash drafter still writes its committed context), then probes with one draft. A
-  failed probe doubles `wait` (2, 4, ... MAX_WAIT); an accepted one resumes at k = 2 and resets it.
+  failed probe doubles `wait` (2, 4, ... MAX_WAIT); an accepted one resumes at k = 2 (1 for a
+  block of 2) and resets it.
 
 Only the draft count changes, never what is verified or accepted: output stays lossless.
 `SpeculativeConfig(adaptive=False)` keeps k at block_size - 1.
@@ -66,7 +67,7 @@ class DraftLengths:
             return
         if accepted == proposed:
             if st.k == 0:  # a probe passed
-                st.k, st.wait = 2, FIRST_WAIT
+                st.k, st.wait = min(self.longest, 2), FIRST_WAIT  # block_size 2 drafts one at most
             else:  # proposed may be cut short by capacity or max_new_tokens: never shrink on it
                 st.k = min(self.longest, max(st.k, 2 * proposed))
             return
