@@ -17,6 +17,14 @@ pytestmark = pytest.mark.gpu
 FP8 = torch.float8_e4m3fn
 
 
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal bits, or a message naming how many elements differ and the first few (index, got, want)."""
+    view = torch.uint8 if got.dtype == FP8 else torch.int32
+    differ = (got.view(view) != want.view(view)).nonzero()
+    shown = [(tuple(i.tolist()), got[tuple(i)].float().item(), want[tuple(i)].float().item()) for i in differ[:6]]
+    assert len(differ) == 0, f"{len(differ)} of {got.numel()} elements differ, first: {shown}"
+
+
 def run_case(q_lens, kv_ends, *, rows, kv_heads=8, group=4, head_dim=128, q_dtype=torch.bfloat16, causal=True,
              window=0, pad=3, seed=0, atol=2e-2, config=None):  # fmt: skip
     """e4m3 codes of NaN-poisoned stores (NaN codes and scales off every resident history) against the
@@ -93,8 +101,7 @@ def test_the_gpu_write_stores_the_reference_codes_and_scales_bit_for_bit():
     kv_write(planes[0], planes[1], k, v, slots, k_scale=planes[2], v_scale=planes[3])
     kv_write_reference(want[0], want[1], k, v, slots, k_scale=want[2], v_scale=want[3])
     for got, expected in zip(planes, want, strict=True):
-        view = torch.uint8 if got.dtype == FP8 else torch.int32
-        assert torch.equal(got.view(view), expected.view(view))
+        assert_same_bits(got, expected)
 
 
 def test_one_captured_graph_replays_length_mixes_with_the_e4m3_write():
@@ -141,8 +148,7 @@ def test_one_captured_graph_replays_length_mixes_with_the_e4m3_write():
         graph.replay()
         torch.cuda.synchronize()
         for got, want in zip(flat, expect, strict=True):
-            view = torch.uint8 if got.dtype == FP8 else torch.int32
-            assert torch.equal(got.view(view), want.view(view))
+            assert_same_bits(got, want)
         ref = sdpa_varlen_reference(q, kc, vc, info, k_scale=ks, v_scale=vs)
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
         assert torch.equal(out[q_start:], torch.zeros_like(out[q_start:]))
