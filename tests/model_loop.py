@@ -63,9 +63,10 @@ def greedy_through_cache(
     max_write: int = 8,
     bucket: int = 8,
     stop_ids: Sequence[int] = (),
+    capacity: int = 128,
 ) -> list[list[int]]:
     """Greedy continuations of every prompt, all served together through one cache."""
-    cache = make_cache(model, max_seqs=len(prompts), max_write=max_write)
+    cache = make_cache(model, max_seqs=len(prompts), capacity=capacity, max_write=max_write)
     seqs = [cache.seq_new() for _ in prompts]
     fed = [0] * len(prompts)  # prompt tokens already in the cache
     outs: list[list[int]] = [[] for _ in prompts]

@@ -113,7 +113,7 @@ def test_bf16_decode_agrees_with_cublas_over_256_steps(monkeypatch):
 
     model = build_model("sensenova-u1-tiny", "cuda", dtype=torch.bfloat16, seed=0)
     prompt = [5, 9, 11, 3, 7]
-    tokens = greedy_through_cache(model, [prompt], [256], bucket=1)[0]
+    tokens = greedy_through_cache(model, [prompt], [256], bucket=1, capacity=len(prompt) + 256)[0]
     seq = prompt + tokens[:-1]
     kernel = _teacher_forced(model, seq)
     monkeypatch.setattr(gemv_module, "GEMV_MAX_ROWS", 0)  # every matmul through cuBLAS

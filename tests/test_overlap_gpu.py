@@ -18,8 +18,10 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def model():
+    """fp32: a stop seen one step late changes which rows share a step, and in bf16 cuBLAS's sums
+    follow the row count, so a greedy near tie could break differently between the two runs."""
     return ToyModel(vocab=512, hidden=256, heads=8, kv_heads=2, head_dim=64, window=32,
-                    dtype=torch.bfloat16, device="cuda", seed=0)  # fmt: skip
+                    dtype=torch.float32, device="cuda", seed=0)  # fmt: skip
 
 
 def engine(model, use_graphs, overlap, **kwargs) -> Engine:

@@ -33,7 +33,10 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     >>> codes, scales = quantize_fp8(torch.randn(5, 8, 128))  # [5, 8, 128] e4m3, [5, 8] fp32
     """
     x = x.float()
-    scale = (x.abs().amax(-1) / FP8_MAX).clamp_min(SCALE_FLOOR)
+    amax = x.abs().amax(-1)
+    # A tensor divisor, not the float: CUDA torch divides by a Python scalar as a multiply by its
+    # reciprocal, 1 ulp off amax / 448 at times, and the codes near a rounding tie move with it.
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(SCALE_FLOOR)
     return (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
