@@ -37,13 +37,33 @@ def hf_parts(parts, ctx: SimpleNamespace, args) -> None:
             built["hf"] = qwen3_like(dev, tiny=ctx.small)
         return built["hf"]
 
+    n_cal, cap = (4, 8) if ctx.small else (8, 32)
+
     def calibrate():
-        n, cap = (4, 8) if ctx.small else (8, 32)
-        best, tried = hf_cb.calibrate(hf(), prompts[:n], outputs[:n], budget_s=args.hf_calibrate_s, cap=cap)
-        s["hf_cb_calibration"] = {"requests": n, "output_cap": cap, "tried": tried, "best": best}
+        best, tried = hf_cb.calibrate(hf(), prompts[:n_cal], outputs[:n_cal], budget_s=args.hf_calibrate_s, cap=cap)
+        s["hf_cb_calibration"] = {"requests": n_cal, "output_cap": cap, "tried": tried, "best": best}
         import transformers
 
         r["transformers"] = transformers.__version__
+
+    def calibrate_rest():
+        """A resumed run: the candidates the calibration skipped (or has not seen) are tried now; a new
+        fastest setting makes the peer's offline and online parts run again with it."""
+        cal = s["hf_cb_calibration"]
+        ran = [t for t in cal["tried"] if "skipped" not in t]
+        rest = [c for c in hf_cb.candidates() if all(t["setting"] != c for t in ran)]
+        if not rest:
+            return
+        _, tried = hf_cb.calibrate(hf(), prompts[:n_cal], outputs[:n_cal], args.hf_calibrate_s, cap, settings=rest)
+        cal["tried"] = ran + tried
+        ok = [t for t in cal["tried"] if t.get("tokens_per_s")]
+        best = max(ok, key=lambda t: t["tokens_per_s"])["setting"] if ok else None
+        if best != cal.get("best"):
+            cal["best"] = best
+            for name in ("hf_cb_offline", "hf_cb_online", "batchkv_on_hf_prefix"):
+                parts.status.pop(name, None)
+            for row in s.get("online", []):
+                row.pop("peer", None)
 
     def offline():
         calibration = s.get("hf_cb_calibration", {})
@@ -93,6 +113,9 @@ def hf_parts(parts, ctx: SimpleNamespace, args) -> None:
         print(f"b1 {key}: {b1[key]:.3f} ms/token", flush=True)
 
     parts.run("hf_cb_calibrate", calibrate, need_s=30)
+    if args.resume:
+        parts.status.pop("hf_cb_calibrate_rest", None)
+        parts.run("hf_cb_calibrate_rest", calibrate_rest, need_s=30)
     parts.run("hf_cb_offline", offline, need_s=min(args.hf_box_s, 30))
     parts.run("hf_cb_online", online, need_s=3 * args.hf_online_box_s)
     if s.get("hf_cb"):

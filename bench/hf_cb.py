@@ -35,8 +35,9 @@ def candidates() -> list[dict]:
         {"attn": "sdpa", "graphs": True, "batch_tokens": 1024, "compile": 0},
         {"attn": "sdpa", "graphs": False, "batch_tokens": 2048, "compile": 0},
         {"attn": "sdpa", "graphs": False, "batch_tokens": 512, "compile": 0},
+        {"attn": "sdpa", "graphs": True, "batch_tokens": 2048, "compile": 0},
         {"attn": "eager", "graphs": False, "batch_tokens": 1024, "compile": 0},
-        {"attn": "sdpa", "graphs": False, "batch_tokens": 1024, "compile": 1},  # torch.compile, dynamic shapes
+        {"attn": "sdpa", "graphs": True, "batch_tokens": 1024, "compile": 1},  # torch.compile under its graphs
     ]
     if is_flash_attn_2_available():  # paged flash attention and its block-table decode path
         found.insert(0, {"attn": "flash_attention_2", "graphs": True, "batch_tokens": 1024, "compile": 0})
@@ -166,13 +167,15 @@ def _summary(latest: dict, arrived: dict, start: float, n: int, boxed: bool, set
 COMPILE_S = 150.0  # budget a compile candidate needs: compiling the 8B forward takes minutes
 
 
-def calibrate(model, prompts, outputs, budget_s: float, cap: int = 32, box_s: float = 20.0) -> tuple[dict | None, list]:
-    """Each candidate on `prompts` (outputs capped at `cap`) while `budget_s` lasts; (fastest, all tried).
-
-    A compile candidate starts only with COMPILE_S left (its compile cannot be interrupted)."""
+def calibrate(
+    model, prompts, outputs, budget_s: float, cap: int = 32, box_s: float = 20.0, settings: list | None = None
+) -> tuple[dict | None, list]:
+    """Each candidate (or each of `settings`) on `prompts` (outputs capped at `cap`) while `budget_s`
+    lasts; (fastest, all tried). A compile candidate starts only with COMPILE_S left (its compile
+    cannot be interrupted)."""
     deadline, tried = Deadline(budget_s), []
     capped = [min(o, cap) for o in outputs]
-    for setting in candidates():
+    for setting in candidates() if settings is None else settings:
         need = COMPILE_S if setting["compile"] else 5.0
         if deadline.left() < need:
             tried.append(

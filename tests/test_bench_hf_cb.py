@@ -49,3 +49,10 @@ def test_a_prefix_is_the_leading_requests_a_peer_finishes_in_most_of_its_box():
     assert hf_cb.prefix_fitting(outputs, tokens_per_s=10.0, box_s=50.0, least=1) == 2  # 400 tokens fit, 600 do not
     assert hf_cb.prefix_fitting(outputs, tokens_per_s=10.0, box_s=50.0, least=3) == 3
     assert hf_cb.prefix_fitting(outputs, tokens_per_s=1e6, box_s=50.0) == 4
+
+
+def test_calibration_tries_only_the_settings_it_is_given(tiny_qwen3):
+    """A resumed decode run calibrates only the candidates the first run skipped."""
+    setting = {"attn": "sdpa", "graphs": False, "batch_tokens": 64, "compile": 0}
+    best, tried = hf_cb.calibrate(tiny_qwen3, PROMPTS[:2], OUTPUTS[:2], budget_s=60, cap=2, settings=[setting])
+    assert best == setting and [t["setting"] for t in tried] == [setting] and tried[0]["tokens_per_s"] > 0

@@ -87,3 +87,11 @@ def test_bytes_only_roofline_reads_weights_once_per_batch_and_each_prefix_once()
     # two requests: prompt 10 then 2 outputs (prefixes 11 and 12), prompt 3 then 1 output (prefix 4)
     seconds = (3 / 2 * 1000 + (11 + 12) + 4) / 1e9
     assert bytes_only_tokens_per_s([[0] * 10, [0] * 3], [2, 1], cost, gbps=1.0, batch=2) == pytest.approx(3 / seconds)
+
+
+def test_the_matmul_ceiling_on_a_cpu_is_not_rounded_to_zero():
+    """The fair roofline divides by it: a 2-core CPU's few GFLOP/s must survive the rounding."""
+    from ceilings import matmul_peak
+
+    peak, variants = matmul_peak(torch.device("cpu"))
+    assert 0 < peak == max(variants.values())
