@@ -72,7 +72,8 @@ def _locate_combine(a0, a1, a2, b0, b1, b2):
 
 
 @triton.jit
-def _attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_sr, rows, k0, k1, row_lo, row_hi,
+def _attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_sr, stride_sh, rows, k0, k1, row_lo,
+            row_hi,
             full_lo, full_hi, qk_scale, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             HEAD_DIM: tl.constexpr, SKIP_MASKS: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr,
             PREFETCH: tl.constexpr, SECTOR: tl.constexpr, CHECK: tl.constexpr):  # fmt: skip
@@ -119,7 +120,7 @@ def _attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride
             r = r[None, :, None]
             in_range = (t < k1)[None, :, None]
             t_s = t[None, None, :]
-            sr = tl.arange(0, HEADS)[:, None, None] + sr[None, None, :]  # [H, 1, N], heads contiguous
+            sr = tl.arange(0, HEADS)[:, None, None] * stride_sh + sr[None, None, :]  # [H, 1, N]
             s_range = (t < k1)[None, None, :]
         k = tl.load(k_base + r + d, mask=in_range, other=0.0)
         v = tl.load(v_base + r + d, mask=in_range, other=0.0)
@@ -182,7 +183,7 @@ def _zero_uncovered(out, p, P, T, h0, q_start_v, q_len_v, writes_v, stride_ot, s
 @triton.jit
 def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_part, counters, S, T, rows, window,
                  qk_scale, P, MAX_ITEMS, stride_qt, stride_qh, stride_r, stride_c, stride_h, stride_sr, stride_sc,
-                 stride_ot, stride_oh, QUANT: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr,
+                 stride_sh, stride_ot, stride_oh, QUANT: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr,
                  HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, Q_SHORT: tl.constexpr,
                  S_POW2: tl.constexpr, MIN_BLOCKS: tl.constexpr, LONG: tl.constexpr, SKIP_MASKS: tl.constexpr,
@@ -260,7 +261,7 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
         row_lo, row_hi = row_bounds(kv_end - q_len + i, row_ok, kv_end, rows, window, CAUSAL)
         i_last = tl.minimum(q_len, qb * BLOCK_Q + BLOCK_Q) - 1
         full_lo, full_hi = full_bounds(q_len, kv_end, rows, window, qb * BLOCK_Q, i_last, CAUSAL)
-        sc = col * stride_sc + h0  # the first KV head's scales
+        sc = col * stride_sc + h0.to(tl.int64) * stride_sh  # the first KV head's scales
         if WARP_SPLIT > 1:  # (HEADS == 1)
             o, lse = attend_warp_split(q_tile, k_store + kv, v_store + kv, k_scale + sc, v_scale + sc, stride_r,
                                        stride_sr, rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, BLOCK_M,
@@ -268,8 +269,8 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
                                        PREFETCH_CHECK)  # fmt: skip
         else:
             o, lse = _attend(q_tile, k_store + kv, v_store + kv, k_scale + sc, v_scale + sc, stride_r, stride_h,
-                             stride_sr, rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, HEADS, BLOCK_M,
-                             BLOCK_N, HEAD_DIM, SKIP_MASKS, DOT_PREC, QUANT, PREFETCH, SECTOR,
+                             stride_sr, stride_sh, rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, HEADS,
+                             BLOCK_M, BLOCK_N, HEAD_DIM, SKIP_MASKS, DOT_PREC, QUANT, PREFETCH, SECTOR,
                              PREFETCH_CHECK)  # fmt: skip
         out_ptrs = out + token.to(tl.int64)[None, :, None] * stride_ot + head * stride_oh + d
         if p_first == p_last:  # the item is this program's alone

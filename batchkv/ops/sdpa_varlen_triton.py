@@ -101,7 +101,7 @@ def _check(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale) 
         raise ContractError(
             f"q must be fp16/bf16/fp32 and both stores one dtype; got {q.dtype}, {k_store.dtype}, {v_store.dtype}"
         )
-    problem = scales_refusal(k_store, k_scale, v_scale)
+    problem = scales_refusal(k_store.dtype, k_store.device, tuple(k_store.shape[:-1]), k_scale, v_scale)
     if problem:
         raise ContractError(f"sdpa_varlen: {problem}")
     if q.stride(-1) != 1 or k_store.stride(-1) != 1 or k_store.stride() != v_store.stride():
@@ -151,9 +151,9 @@ def sdpa_varlen(
     D a power of two from 16 to 256; Hq % Hkv == 0. scale defaults to 1/sqrt(D); window 0 means
     none. Returns `out` (or a new tensor) [T, Hq, D] in q's dtype. q is cast to the store dtype
     for the QK dot; accumulation is fp32; fp32 dots are IEEE (not tf32).
-    e4m3 stores (`torch.float8_e4m3fn`) also take k_scale, v_scale: fp32 [rows, C, Hkv] (heads
-    contiguous; the value is code * scale); their codes are converted exactly to q's dtype in
-    registers, and the dots run in q's dtype.
+    e4m3 stores (`torch.float8_e4m3fn`) also take k_scale, v_scale: fp32 [rows, C, Hkv] (the value
+    is code * scale; one set of strides, any, rows contiguous the fast layout: `empty_scales`);
+    their codes are converted exactly to fp16 (fp32 for fp32 q) in registers for the dots.
 
     Graph-safe: nothing is read back to the host and grids depend on shapes only, so a captured
     call replays correctly after new contents are copied into `seq_info`. The fp32 partials come
@@ -182,7 +182,7 @@ def sdpa_varlen(
     quant = quantized(k_store.dtype)
     dots = q.dtype if quant else k_store.dtype  # the dtype tl.dot runs in
     k_scale, v_scale = (k_scale, v_scale) if quant else (k_store, v_store)  # unread without QUANT
-    scale_strides = k_scale.stride()[:2] if quant else (0, 0)
+    scale_strides = k_scale.stride() if quant else (0, 0, 0)  # (row, column, head)
     strides = (q.stride(0), q.stride(1), *k_store.stride()[:3], *scale_strides, out.stride(0), out.stride(1))
     common = dict(
         QUANT=quant,
