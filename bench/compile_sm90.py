@@ -105,7 +105,7 @@ def split(dtype="bf16", D=128, G=4, heads=1, block_n=64, warps=4, stages=3, skip
                   HG_POW2=hg, ZERO_ROWS=pow2_floor(2048 // (hg * D)), AXIS64=False,
                   DOT_PREC="ieee" if dtype == "fp32" else "tf32", WARP_SPLIT=warp_split, PREFETCH=prefetch,
                   SECTOR={"fp32": 8, "fp8e4nv": 32}.get(store, 16), PREFETCH_CHECK=False,
-                  MERGE_STAGES=1)  # fmt: skip
+                  MERGE_STAGES=1, CVT_ASM=store == "fp8e4nv")  # fmt: skip
     label = f"split {'e4m3/' if store != dtype else ''}{dtype} D{D} G{G} heads{heads} n{block_n} w{warps} s{stages}" + (
         "" if skip else " masked"
     )
@@ -142,6 +142,7 @@ VARIANTS = [  # (function, keyword arguments)
     (split, dict(store="fp8e4nv", block_n=64)),
     (split, dict(store="fp8e4nv", heads=2, block_n=64, warps=2)),
     (split, dict(store="fp8e4nv", dtype="fp32", block_n=64)),
+    (split, dict(store="fp8e4nv", warp_split=4, block_n=128)),
     (long, {}),  # the default prefill tile
     (long, dict(block_m=64, warps=4, stages=2)),  # the previous one
     (long, dict(D=256, block_m=64, block_n=32, stages=2)),

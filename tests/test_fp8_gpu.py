@@ -20,7 +20,7 @@ FP8 = torch.float8_e4m3fn
 
 def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
     """Equal bits, or a message naming how many elements differ and the first few (index, got, want)."""
-    view = torch.uint8 if got.dtype == FP8 else torch.int32
+    view = {FP8: torch.uint8, torch.float16: torch.int16}.get(got.dtype, torch.int32)
     differ = (got.view(view) != want.view(view)).nonzero()
     shown = [(tuple(i.tolist()), got[tuple(i)].float().item(), want[tuple(i)].float().item()) for i in differ[:6]]
     assert len(differ) == 0, f"{len(differ)} of {got.numel()} elements differ, first: {shown}"
@@ -80,6 +80,16 @@ def test_every_swept_config_on_e4m3_matches_reference():
              {"block_m_long": 64, "num_warps_long": 4, "num_stages_long": 2}]  # fmt: skip
     for overrides in sweep:
         run_case([1, 4, 16, 1, 300, 1, 2], [4000, 4, 2000, 1, 700, 64, 3000], rows=4096, config=SdpaConfig(**overrides))
+
+
+def test_the_hardware_pair_conversion_gives_torchs_e4m3_values_for_every_int16():
+    from tests.test_fp8_kernels import unpack_every_pair
+
+    even, odd, want_even, want_odd = unpack_every_pair(True, torch.device("cuda"))  # PRMT + cvt.rn.f16x2.e4m3x2
+    for got, want in ((even, want_even), (odd, want_odd)):
+        assert torch.equal(got.isnan(), want.isnan())  # e4m3's NaN codes give NaN (payload bits may differ)
+        finite = ~want.isnan()
+        assert_same_bits(got[finite], want[finite])  # -0 and the subnormals included
 
 
 def test_one_sequence_decode_on_e4m3_merges_many_programs_and_matches_reference():

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from batchkv.errors import ContractError
 from batchkv.ops import sdpa_varlen_reference
 from batchkv.ops.kv_write_triton import kv_write
 from batchkv.ops.reference import dequantize_fp8, kv_write_reference, quantize_fp8
+from batchkv.ops.sdpa_varlen_common import unpack_pairs
 from batchkv.ops.sdpa_varlen_triton import SdpaConfig, _counters, sdpa_varlen
 from batchkv.ops.support import FP8, SCALE_FLOOR, empty_scales, to_scale_layout
 from tests.test_sdpa_varlen import DEVICE, make_case
@@ -68,6 +71,30 @@ def test_quantize_fp8_keeps_each_element_within_half_an_e4m3_step():
 
 
 # ---- attention ------------------------------------------------------------------------------------
+@triton.jit
+def _unpack_probe(pairs, even, odd, BLOCK: tl.constexpr, CVT_ASM: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    e, o = unpack_pairs(tl.load(pairs + i), tl.float16, CVT_ASM)
+    tl.store(even + i, e)
+    tl.store(odd + i, o)
+
+
+def unpack_every_pair(cvt_asm: bool, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`unpack_pairs` of all 65536 int16 patterns -> (even, odd, and torch's fp16 of the low and high bytes)."""
+    pairs = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).to(device)
+    even, odd = torch.empty(2, 2**16, dtype=torch.float16, device=device)
+    _unpack_probe[(64,)](pairs, even, odd, BLOCK=1024, CVT_ASM=cvt_asm)
+    codes = pairs.view(torch.uint8).view(-1, 2).view(FP8)  # little-endian: byte 0 is the even column's code
+    return even, odd, codes[:, 0].to(torch.float16), codes[:, 1].to(torch.float16)
+
+
+def test_unpack_pairs_turns_every_int16_into_its_low_and_high_bytes_e4m3_values():
+    even, odd, want_even, want_odd = unpack_every_pair(False, DEVICE)
+    finite = ~(want_even.isnan() | want_odd.isnan())  # the interpreter decodes e4m3's NaN code as 480
+    assert finite.sum() == 254 * 254  # 0x7F and 0xFF are e4m3fn's only NaN codes
+    assert torch.equal(even[finite], want_even[finite]) and torch.equal(odd[finite], want_odd[finite])
+
+
 def check_fp8(segments, *, causal=True, window=0, config=None, q_dtype=torch.float32, atol=2e-5, layout=None,
               **case):  # fmt: skip
     """sdpa_varlen on e4m3 codes of NaN-poisoned stores equals the reference on the same codes;

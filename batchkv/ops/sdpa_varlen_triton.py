@@ -43,7 +43,7 @@ from batchkv.errors import ContractError
 from batchkv.ops.sdpa_varlen_config import DEFAULT_CONFIG, SdpaConfig, pow2_floor, resolve_config
 from batchkv.ops.sdpa_varlen_kernels import split_kernel
 from batchkv.ops.sdpa_varlen_long import long_kernel
-from batchkv.ops.support import COMPUTE_DTYPES, quantized, refusal, scales_refusal
+from batchkv.ops.support import COMPUTE_DTYPES, e4m3_cvt_asm, quantized, refusal, scales_refusal
 
 __all__ = ["DEFAULT_CONFIG", "SdpaConfig", "resolve_config", "sdpa_varlen"]
 
@@ -217,7 +217,8 @@ def sdpa_varlen(
         MERGE_SLOTS=min(64, pow2_floor(cfg.merge_tile // (heads * merge_rows * head_dim))), HG_POW2=hg_pow2,
         ZERO_ROWS=pow2_floor(2048 // (hg_pow2 * head_dim)), AXIS64=axis_bound * slots >= AXIS32_LIMIT,
         WARP_SPLIT=cfg.warp_split, PREFETCH=cfg.prefetch, SECTOR=32 // k_store.dtype.itemsize,
-        PREFETCH_CHECK=cfg.prefetch > 0 and q.device.type != "cuda", MERGE_STAGES=cfg.merge_stages, **common,
+        PREFETCH_CHECK=cfg.prefetch > 0 and q.device.type != "cuda", MERGE_STAGES=cfg.merge_stages,
+        CVT_ASM=quant and e4m3_cvt_asm(q.device), **common,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device),
     )  # fmt: skip
     if long:

@@ -100,6 +100,20 @@ def scales_refusal(
     return None
 
 
+_CVT: dict[int, bool] = {}
+
+
+def e4m3_cvt_asm(device: torch.device) -> bool:
+    """Whether the kernels convert e4m3 codes with inline PTX (`cvt.rn.f16x2.e4m3x2`, NVIDIA sm_89+,
+    cached per device); elsewhere (the interpreter, older GPUs) they use Triton's conversions."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CVT:
+        _CVT[index] = torch.cuda.get_device_capability(index) >= (8, 9)
+    return _CVT[index]
+
+
 _SMS: dict[int, int] = {}
 
 
