@@ -104,6 +104,13 @@ def _check(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale) 
     problem = scales_refusal(k_store.dtype, k_store.device, tuple(k_store.shape[:-1]), k_scale, v_scale)
     if problem:
         raise ContractError(f"sdpa_varlen: {problem}")
+    if quantized(k_store.dtype):  # the kernels read e4m3 codes two at a time, as int16
+        odd = [x for x in (k_store, v_store) if x.storage_offset() % 2 or any(n % 2 for n in x.stride()[:3])]
+        if odd:
+            raise ContractError(
+                f"sdpa_varlen: e4m3 stores need even strides and offsets (codes are read in pairs); got strides "
+                f"{odd[0].stride()} at offset {odd[0].storage_offset()} (pass a view of an even-sized store)"
+            )
     if q.stride(-1) != 1 or k_store.stride(-1) != 1 or k_store.stride() != v_store.stride():
         raise ContractError(
             "q and the stores need a contiguous last dim, and k_store and v_store the same strides; "
@@ -153,7 +160,8 @@ def sdpa_varlen(
     for the QK dot; accumulation is fp32; fp32 dots are IEEE (not tf32).
     e4m3 stores (`torch.float8_e4m3fn`) also take k_scale, v_scale: fp32 [rows, C, Hkv] (the value
     is code * scale; one set of strides, any, rows contiguous the fast layout: `empty_scales`);
-    their codes are converted exactly to fp16 (fp32 for fp32 q) in registers for the dots.
+    their codes are read in pairs (even strides and offsets) and converted exactly to fp16 (fp32
+    for fp32 q) in registers for the dots.
 
     Graph-safe: nothing is read back to the host and grids depend on shapes only, so a captured
     call replays correctly after new contents are copied into `seq_info`. The fp32 partials come
