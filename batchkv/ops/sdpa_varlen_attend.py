@@ -127,10 +127,11 @@ def attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_
         else:
             acc = acc * tl.expand_dims(alpha, AXIS) + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
-    if QUANT:  # interleave the even and odd output columns
-        acc = tl.reshape(tl.join(acc, acc_odd), [HEADS, BLOCK_M, HEAD_DIM])
+    if QUANT:  # interleave the even and odd output columns: [..., D / 2, 2] -> [..., D]
         if HEADS == 1:
-            acc = tl.reshape(acc, [BLOCK_M, HEAD_DIM])
+            acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_DIM])
+        else:
+            acc = tl.reshape(tl.join(acc, acc_odd), [HEADS, BLOCK_M, HEAD_DIM])
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
     o = tl.where(tl.expand_dims(has, AXIS), acc / tl.expand_dims(l_safe, AXIS), 0.0)

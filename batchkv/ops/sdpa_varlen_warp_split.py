@@ -25,7 +25,7 @@ def attend_warp_split(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride
                       HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, SKIP_MASKS: tl.constexpr, DOT_PREC: tl.constexpr,
                       QUANT: tl.constexpr, CVT_ASM: tl.constexpr, PREFETCH: tl.constexpr, SECTOR: tl.constexpr,
                       CHECK: tl.constexpr):  # fmt: skip
-    """`_attend` of `sdpa_varlen_kernels` for one KV head, keys cut across SPLIT warps.
+    """`attend` of `sdpa_varlen_attend` for one KV head, keys cut across SPLIT warps.
 
     q_tile: [1, BLOCK_M, D]; k_base, v_base: the (column, KV head) at key row 0; row_lo, row_hi:
     [BLOCK_M]. Returns the normalised output [1, BLOCK_M, D] and its lse [1, BLOCK_M] (log2 units).
