@@ -7,10 +7,15 @@ Uses whatever Triton is importable, so the GPU machine's version can be checked 
 
     PYTHONPATH=$PWD python bench/compile_sm90.py
     PYTHONPATH=/path/to/triton-3.6:$PWD python bench/compile_sm90.py   # pip install --target
+    SASS_DIR=/tmp/sass PYTHONPATH=$PWD python bench/compile_sm90.py e4m3  # only labels with "e4m3",
+                                                                          # each hot loop's SASS kept
+The loop's instruction count covers both sides of the in-loop mask branch (edge and interior key
+blocks), so it is an upper bound on what one iteration issues; compare variants by it.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -33,23 +38,31 @@ def pow2_floor(x: int) -> int:
     return 1 << (max(1, x).bit_length() - 1)
 
 
-def hot_loop(sass: str) -> str:
-    """Instruction mix of the backward branch's body that holds the most MMA instructions."""
+def hot_body(sass: str) -> list[str]:
+    """Instructions of the backward branch's body that holds the most MMA instructions."""
     code = sorted((int(m[1], 16), m[2]) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass))
-    best = None
+    best: list[str] = []
     for addr, ins in code:
         m = re.search(r"BRA\s+(?:[A-Z0-9!]+,\s*)?0x([0-9a-f]+)", ins)
         if m and int(m[1], 16) < addr:
             body = [i for a, i in code if int(m[1], 16) <= a <= addr]
-            if best is None or sum("MMA" in i for i in body) > sum("MMA" in i for i in best):
+            if sum("MMA" in i for i in body) > sum("MMA" in i for i in best):
                 best = body
+    return best
+
+
+def hot_loop(best: list[str]) -> str:
+    """The hot loop's instruction mix."""
     if not best:
         return "no loop"
-    count = {k: sum(k in i for i in best) for k in ("MMA", "BAR.SYNC", "LDGSTS", "LDL", "STL", "LDSM", "SHFL")}
+    count = {k: sum(k in i for i in best) for k in ("MMA", "BAR.SYNC", "LDGSTS", "LDL", "STL", "LDSM", "SHFL", "F2FP")}
     return f"loop: {len(best)} instr " + " ".join(f"{k.lower()}={v}" for k, v in count.items())
 
 
 def build(fn, types: dict, consts: dict, warps: int, stages: int, label: str) -> None:
+    """Compile `fn` for sm_90 and print one line; SASS_DIR (env) also gets the hot loop's SASS per label."""
+    if consts["QUANT"]:  # the store's scale planes have row stride 1, which Triton specialises as a constant
+        consts = {**consts, "stride_sr": 1}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in consts and (sig[n].startswith("*") or n.startswith("stride"))}  # fmt: skip
@@ -65,57 +78,80 @@ def build(fn, types: dict, consts: dict, warps: int, stages: int, label: str) ->
         f.flush()
         res = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], capture_output=True, text=True).stdout
         sass = subprocess.run([str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True).stdout
+    body = hot_body(sass)
+    if os.environ.get("SASS_DIR"):  # the hot loop's SASS, one file per variant
+        name = re.sub(r"[^A-Za-z0-9.]+", "_", label.strip()) + ".sass"
+        (Path(os.environ["SASS_DIR"]) / name).write_text("\n".join(body) + "\n")
     regs, stack = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
     print(f"{label:44s} regs={regs[1] if regs else '?'} stack={stack[1] if stack else '?'} "
           f"smem={k.metadata.shared} cp.async={ptx.count('cp.async.cg')} mma={ptx.count('mma.sync')} "
-          f"wgmma={ptx.count('wgmma.mma_async')} | {hot_loop(sass)}")  # fmt: skip
+          f"wgmma={ptx.count('wgmma.mma_async')} | {hot_loop(body)}")  # fmt: skip
 
 
 def split(dtype="bf16", D=128, G=4, heads=1, block_n=64, warps=4, stages=3, skip=True, merge_tile=8192,
-          warp_split=1, prefetch=0):  # fmt: skip
+          warp_split=1, prefetch=0, store=None):  # fmt: skip
+    """One split-kernel variant; `store` "fp8e4nv" compiles the e4m3 path (q in `dtype`, dots in fp16)."""
     block_q = max(1, 16 // G)
     block_m = max(16, triton.next_power_of_2(block_q * G))
     merge_rows = min(block_m, triton.next_power_of_2(G))
     hg = triton.next_power_of_2(heads * G)
-    types = dict(q=f"*{dtype}", k_store=f"*{dtype}", v_store=f"*{dtype}", k_scale="*fp32", v_scale="*fp32",
+    store = store or dtype
+    types = dict(q=f"*{dtype}", k_store=f"*{store}", v_store=f"*{store}", k_scale="*fp32", v_scale="*fp32",
                  info="*i32", out=f"*{dtype}", o_part="*fp32", lse_part="*fp32", counters="*i32",
                  qk_scale="fp32")  # fmt: skip
-    consts = dict(QUANT=False, CAUSAL=True, GROUP=G, HEADS=heads, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_Q=block_q,
-                  BLOCK_N=block_n, Q_SHORT=16, S_POW2=128, MIN_BLOCKS=1, LONG=True, SKIP_MASKS=skip,
+    consts = dict(QUANT=store == "fp8e4nv", CAUSAL=True, GROUP=G, HEADS=heads, HEAD_DIM=D, BLOCK_M=block_m,
+                  BLOCK_Q=block_q, BLOCK_N=block_n, Q_SHORT=16, S_POW2=128, MIN_BLOCKS=1, LONG=True, SKIP_MASKS=skip,
                   MERGE_ROWS=merge_rows, MERGE_SLOTS=min(64, pow2_floor(merge_tile // (heads * merge_rows * D))),
                   HG_POW2=hg, ZERO_ROWS=pow2_floor(2048 // (hg * D)), AXIS64=False,
                   DOT_PREC="ieee" if dtype == "fp32" else "tf32", WARP_SPLIT=warp_split, PREFETCH=prefetch,
-                  SECTOR=8 if dtype == "fp32" else 16, PREFETCH_CHECK=False,
-                  MERGE_STAGES=1)  # fmt: skip
-    label = f"split {dtype} D{D} G{G} heads{heads} n{block_n} w{warps} s{stages}" + ("" if skip else " masked")
+                  SECTOR={"fp32": 8, "fp8e4nv": 32}.get(store, 16), PREFETCH_CHECK=False,
+                  MERGE_STAGES=1, CVT_ASM=store == "fp8e4nv")  # fmt: skip
+    label = f"split {'e4m3/' if store != dtype else ''}{dtype} D{D} G{G} heads{heads} n{block_n} w{warps} s{stages}" + (
+        "" if skip else " masked"
+    )
     label += (f" ws{warp_split}" if warp_split > 1 else "") + (f" pf{prefetch}" if prefetch else "")
     build(split_kernel, types, consts, warps, stages, label)
 
 
-def long(dtype="bf16", D=128, G=4, block_m=128, block_n=64, warps=8, stages=3):
+def long(dtype="bf16", D=128, G=4, block_m=128, block_n=64, warps=8, stages=3, store=None):
     block_q = max(1, block_m // G)
-    types = dict(q=f"*{dtype}", k_store=f"*{dtype}", v_store=f"*{dtype}", k_scale="*fp32", v_scale="*fp32",
+    store = store or dtype
+    types = dict(q=f"*{dtype}", k_store=f"*{store}", v_store=f"*{store}", k_scale="*fp32", v_scale="*fp32",
                  info="*i32", out=f"*{dtype}", qk_scale="fp32")  # fmt: skip
-    consts = dict(QUANT=False, CAUSAL=True, GROUP=G, HEAD_DIM=D, BLOCK_M=max(16, triton.next_power_of_2(block_q * G)),
-                  BLOCK_Q=block_q, BLOCK_N=block_n, Q_SHORT=16, S_POW2=128,
-                  DOT_PREC="ieee" if dtype == "fp32" else "tf32")  # fmt: skip
-    build(long_kernel, types, consts, warps, stages, f"long {dtype} D{D} G{G} m{block_m} n{block_n} w{warps} s{stages}")
+    tile_m = max(16, triton.next_power_of_2(block_q * G))
+    consts = dict(QUANT=store == "fp8e4nv", CAUSAL=True, GROUP=G, HEAD_DIM=D, BLOCK_M=tile_m, BLOCK_Q=block_q,
+                  BLOCK_N=block_n, Q_SHORT=16, S_POW2=128, DOT_PREC="ieee" if dtype == "fp32" else "tf32")  # fmt: skip
+    label = f"long {'e4m3/' if store != dtype else ''}{dtype} D{D}"
+    build(long_kernel, types, consts, warps, stages, f"{label} G{G} m{block_m} n{block_n} w{warps} s{stages}")
 
+
+VARIANTS = [  # (function, keyword arguments)
+    (split, {}),  # b1 / narrow steps
+    (split, dict(heads=4, block_n=16, warps=4)),  # wide steps (the default from 16 tokens)
+    (split, dict(heads=2, block_n=16, warps=2)),
+    (split, dict(heads=8, block_n=16, warps=8)),
+    (split, dict(skip=False)),
+    (split, dict(D=256, block_n=32)),
+    (split, dict(D=64, G=8, block_n=128)),
+    (split, dict(warp_split=4)),  # few-row variants (SdpaConfig.warp_split, .prefetch)
+    (split, dict(warp_split=2, warps=2)),
+    (split, dict(warp_split=4, block_n=128, stages=2)),
+    (split, dict(prefetch=2)),
+    (split, dict(warp_split=4, prefetch=2)),
+    (split, dict(store="fp8e4nv", block_n=128)),  # e4m3 stores: the default tile (~32 KiB of K+V per stage)
+    (split, dict(store="fp8e4nv", block_n=64)),
+    (split, dict(store="fp8e4nv", heads=2, block_n=64, warps=2)),
+    (split, dict(store="fp8e4nv", dtype="fp32", block_n=64)),
+    (split, dict(store="fp8e4nv", warp_split=4, block_n=128)),
+    (long, {}),  # the default prefill tile
+    (long, dict(block_m=64, warps=4, stages=2)),  # the previous one
+    (long, dict(D=256, block_m=64, block_n=32, stages=2)),
+    (long, dict(store="fp8e4nv")),
+]
 
 if __name__ == "__main__":
+    # optional argument: compile only the variants whose label contains it, e.g. "e4m3"
     print(f"triton {triton.__version__}, sm_90")
-    split()  # b1 / narrow steps
-    split(heads=4, block_n=16, warps=4)  # wide steps (the default from 16 tokens)
-    split(heads=2, block_n=16, warps=2)
-    split(heads=8, block_n=16, warps=8)
-    split(skip=False)
-    split(D=256, block_n=32)
-    split(D=64, G=8, block_n=128)
-    split(warp_split=4)  # few-row variants (SdpaConfig.warp_split, .prefetch)
-    split(warp_split=2, warps=2)
-    split(warp_split=4, block_n=128, stages=2)
-    split(prefetch=2)
-    split(warp_split=4, prefetch=2)
-    long()  # the default prefill tile
-    long(block_m=64, warps=4, stages=2)  # the previous one
-    long(D=256, block_m=64, block_n=32, stages=2)
+    for fn, kwargs in VARIANTS:
+        if len(sys.argv) < 2 or sys.argv[1] in ("e4m3" if "store" in kwargs else "") + fn.__name__ + str(kwargs):
+            fn(**kwargs)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: run the named phases in order, each under its own time limit, with
-# results under $OUT. Phases: oomtests tests kernels sweep model decode profile compat summary serve fp8 spec
-# gemv b1 ncu overlap budget.
+# results under $OUT. Phases: oomtests tests kernels sweep model decode profile compat summary serve fp8 fp8sweep
+# spec gemv b1 ncu overlap budget.
 #   OUT=/tmp/out bash bench/gpu_session.sh tests kernels decode summary
 # Limits come from measured runs: tests took 120 s on a cold machine (26 tests, Triton compiles
 # first), so 300; kernels and decode carry their own wall-clock budgets (--budget-s) a little under
@@ -42,6 +42,7 @@ for p in "$@"; do
     compat) phase compat 150 python3 bench/compat_attention.py --out "$OUT/compat-h200.json" ;;
     serve) phase serve 230 python3 bench/serve_http.py --out "$OUT/serve-http-h200.json" ;;
     fp8) phase fp8 240 python3 bench/kv_fp8.py --out "$OUT/kv-fp8-h200.json" --kernels-json "$OUT/kernels-h200.json" ;;
+    fp8sweep) phase fp8sweep 230 python3 bench/kv_fp8.py --sweep --out "$OUT/kv-fp8-sweep-h200.json" ;;
     spec) phase spec "${SPEC_LIMIT:-240}" python3 bench/spec.py --out "$OUT/spec-h200.json" \
       --budget-s "${SPEC_BUDGET:-150}" ${SPEC_ARGS:-} ;;
     gemv) phase gemv 120 python3 bench/gemv.py --out "$OUT/gemv-h200.json" ;;

@@ -2,9 +2,10 @@
 storage does to the 8B model's next-token distributions.
 
 (a) kernels. Hq 32, Hkv 8, D 128, a 65-column store of 16384 rows in bf16 and the same values as
-    e4m3 codes with fp32 scales, a 128-row seq_info, random distinct columns; each case draws its
-    lengths from its own seed-0 generator (mixed: U[64, 8192]). Time per call: median of >= 100
-    CUDA-graph replays of a graph holding K back-to-back calls, / K; calls rotate over R column
+    e4m3 codes with fp32 scales (laid out as the cache stores them), a 128-row seq_info, random
+    distinct columns; each case draws its lengths from its own seed-0 generator (mixed: U[64,
+    8192]). Time per call: median of >= 100 CUDA-graph replays of a graph holding K back-to-back
+    calls, / K; calls rotate over R column
     sets so a case smaller than the L2 cache is still read from HBM (R from the e4m3 bytes, the
     smaller). Per case: batchkv_us (bf16), batchkv_fp8_us, fp8_ratio, GB/s of each (scales
     counted), and each path's max abs error against the torch reference on the same stored values.
@@ -45,6 +46,7 @@ from batchkv import BatchedSequenceCache, CacheConfig
 from batchkv.ops import sdpa_varlen_reference
 from batchkv.ops.reference import quantize_fp8
 from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config, sdpa_varlen
+from batchkv.ops.support import empty_scales
 
 FP8 = torch.float8_e4m3fn
 CASES = {  # name: (batch, q_len, kv_end of each sequence, or None for U[64, 8192])
@@ -137,14 +139,15 @@ def time_calls(calls: list, replays: int) -> float:
 
 
 def make_stores(shape: Shape, gen: torch.Generator) -> dict:
-    """bf16 K, V [rows, C, Hkv, D] and their e4m3 codes and fp32 scales (quantised 1024 rows at a time)."""
+    """bf16 K, V [rows, C, Hkv, D] and their e4m3 codes and fp32 scale planes [rows, C, Hkv] in the
+    store's layout (quantised 1024 rows at a time)."""
     size = (shape.rows, shape.columns, shape.hkv, shape.d)
     dtype = torch.float32 if shape.device == "cpu" else torch.bfloat16
     stores = {"bf16": {}, "fp8": {}}
     for name in ("k", "v"):
         x = torch.randn(size, generator=gen, device=shape.device).to(dtype)
         codes = torch.empty(size, dtype=FP8, device=shape.device)
-        scales = torch.empty(size[:3], dtype=torch.float32, device=shape.device)
+        scales = empty_scales(*size[:3], device=shape.device)  # the store's layout: [C, Hkv, rows] storage
         for r in range(0, shape.rows, 1024):
             codes[r : r + 1024], scales[r : r + 1024] = quantize_fp8(x[r : r + 1024])
         stores["bf16"][name] = x

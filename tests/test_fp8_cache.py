@@ -102,10 +102,15 @@ def test_a_failed_growth_of_a_scale_plane_leaves_every_plane_as_it_was():
         pair.cache.prepare_step(4)
     for i, planes in enumerate(before):
         for name, t in pair.cache.planes(i).items():
-            assert torch.equal(t.view(torch.uint8), planes[name].view(torch.uint8)), (i, name)
+            assert torch.equal(bits(t), bits(planes[name])), (i, name)
     calls["fail_at"] = None
     pair.naive.rewind(a, 6)
     pair.step([a] * 4)  # the retry grows every plane and attends over the moved codes and scales
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """e4m3 codes as bytes, fp32 scales as int32 (any strides: scale planes are views of rows-last storage)."""
+    return t.view(torch.uint8) if t.dtype == FP8 else t.view(torch.int32)
 
 
 def resident(cache, layer: int, seq: int) -> dict[str, torch.Tensor]:
@@ -113,9 +118,7 @@ def resident(cache, layer: int, seq: int) -> dict[str, torch.Tensor]:
     planes, n = cache.planes(layer), cache.pos(seq)
     rows = planes["k"].shape[0]
     at = torch.arange(max(0, n - rows), n, device=planes["k"].device) % rows
-    return {
-        name: plane[at, seq].view(torch.uint8 if plane.dtype == FP8 else torch.int32) for name, plane in planes.items()
-    }
+    return {name: bits(plane[at, seq]) for name, plane in planes.items()}
 
 
 def test_triton_e4m3_cache_matches_reference_e4m3_cache_through_growth_clone_and_rewind():

@@ -11,6 +11,7 @@ import torch
 
 from batchkv.ops import kv_write_reference, sdpa_varlen_reference
 from batchkv.ops.reference import quantize_fp8
+from batchkv.ops.support import empty_scales, to_scale_layout
 from tests.test_sdpa_varlen_gpu import COLUMNS, poisoned_store, table
 
 pytestmark = pytest.mark.gpu
@@ -19,7 +20,7 @@ FP8 = torch.float8_e4m3fn
 
 def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
     """Equal bits, or a message naming how many elements differ and the first few (index, got, want)."""
-    view = torch.uint8 if got.dtype == FP8 else torch.int32
+    view = {FP8: torch.uint8, torch.float16: torch.int16}.get(got.dtype, torch.int32)
     differ = (got.view(view) != want.view(view)).nonzero()
     shown = [(tuple(i.tolist()), got[tuple(i)].float().item(), want[tuple(i)].float().item()) for i in differ[:6]]
     assert len(differ) == 0, f"{len(differ)} of {got.numel()} elements differ, first: {shown}"
@@ -28,13 +29,14 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
 def run_case(q_lens, kv_ends, *, rows, kv_heads=8, group=4, head_dim=128, q_dtype=torch.bfloat16, causal=True,
              window=0, pad=3, seed=0, atol=2e-2, config=None):  # fmt: skip
     """e4m3 codes of NaN-poisoned stores (NaN codes and scales off every resident history) against the
-    reference on the same codes; q in q_dtype, so the dots run in it."""
+    reference on the same codes, scale planes in the store's layout; q in q_dtype, so the dots run in it."""
     from batchkv.ops.sdpa_varlen_triton import _counters, sdpa_varlen
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     cols = torch.randperm(64, generator=torch.Generator().manual_seed(seed))[: len(q_lens)].tolist()
     k, v = poisoned_store(rows, kv_heads, head_dim, torch.float32, kv_ends, cols, gen)
     (kc, ks), (vc, vs) = quantize_fp8(k), quantize_fp8(v)
+    ks, vs = to_scale_layout(ks), to_scale_layout(vs)
     del k, v
     info, width = table(q_lens, kv_ends, cols, 2 * len(q_lens))
     q = torch.randn(width + pad, kv_heads * group, head_dim, generator=gen, device="cuda").to(q_dtype)
@@ -80,6 +82,16 @@ def test_every_swept_config_on_e4m3_matches_reference():
         run_case([1, 4, 16, 1, 300, 1, 2], [4000, 4, 2000, 1, 700, 64, 3000], rows=4096, config=SdpaConfig(**overrides))
 
 
+def test_the_hardware_pair_conversion_gives_torchs_e4m3_values_for_every_int16():
+    from tests.test_fp8_kernels import unpack_every_pair
+
+    even, odd, want_even, want_odd = unpack_every_pair(True, torch.device("cuda"))  # PRMT + cvt.rn.f16x2.e4m3x2
+    for got, want in ((even, want_even), (odd, want_odd)):
+        assert torch.equal(got.isnan(), want.isnan())  # e4m3's NaN codes give NaN (payload bits may differ)
+        finite = ~want.isnan()
+        assert_same_bits(got[finite], want[finite])  # -0 and the subnormals included
+
+
 def test_one_sequence_decode_on_e4m3_merges_many_programs_and_matches_reference():
     for length in (17, 1024, 16384):
         run_case([1], [length], rows=16384, pad=0)
@@ -89,14 +101,15 @@ def test_the_gpu_write_stores_the_reference_codes_and_scales_bit_for_bit():
     from batchkv.ops.kv_write_triton import kv_write
 
     gen = torch.Generator(device="cuda").manual_seed(1)
-    width, kv_heads, head_dim, slots_total = 64, 8, 128, 4096
+    width, kv_heads, head_dim, rows, columns = 64, 8, 128, 64, 64
+    slots_total = rows * columns
     spread = torch.logspace(-20, 20, width, device="cuda")[:, None, None]
     k = (torch.randn(width, kv_heads, head_dim, generator=gen, device="cuda") * spread).to(torch.bfloat16)
     v = torch.randn(width, kv_heads, head_dim, generator=gen, device="cuda").to(torch.bfloat16)
     k[3, 2] = 0.0
     slots = torch.randperm(slots_total, device="cuda")[:width]
     planes = [torch.full((slots_total, kv_heads, head_dim), float("nan"), device="cuda").to(FP8) for _ in range(2)]
-    planes += [torch.full((slots_total, kv_heads), float("nan"), device="cuda") for _ in range(2)]
+    planes += [empty_scales(rows, columns, kv_heads, device="cuda").fill_(float("nan")) for _ in range(2)]
     want = [p.clone() for p in planes]
     kv_write(planes[0], planes[1], k, v, slots, k_scale=planes[2], v_scale=planes[3])
     kv_write_reference(want[0], want[1], k, v, slots, k_scale=want[2], v_scale=want[3])
@@ -112,7 +125,8 @@ def test_one_captured_graph_replays_length_mixes_with_the_e4m3_write():
     gen = torch.Generator(device="cuda").manual_seed(3)
     shape = (rows, COLUMNS, kv_heads, head_dim)
     (kc, ks), (vc, vs) = (quantize_fp8(torch.randn(shape, generator=gen, device="cuda")) for _ in range(2))
-    flat = [t.view(rows * COLUMNS, *t.shape[2:]) for t in (kc, vc, ks, vs)]
+    ks, vs = to_scale_layout(ks), to_scale_layout(vs)
+    flat = [kc.view(rows * COLUMNS, kv_heads, head_dim), vc.view(rows * COLUMNS, kv_heads, head_dim), ks, vs]
     q = torch.zeros(width, 32, head_dim, dtype=torch.bfloat16, device="cuda")
     k_new, v_new = torch.zeros(2, width, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
     slots = torch.zeros(width, dtype=torch.int64, device="cuda")

@@ -19,6 +19,7 @@ from batchkv.ops import sdpa_varlen_reference
 from batchkv.ops.reference import quantize_fp8
 from batchkv.ops.sdpa_varlen_common import prefetch_keys
 from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config, sdpa_varlen
+from batchkv.ops.support import to_scale_layout
 from tests.test_sdpa_varlen import check, make_case
 
 VARIANTS = {
@@ -48,7 +49,7 @@ def test_non_causal_draft_blocks_and_long_decodes_match_reference(variant):
 def test_e4m3_stores_match_reference_on_their_codes(variant):
     (q, k, v), info = make_case([(1, 0, 200), (3, 1, 57), (1, 2, 5)], rows=210, head_dim=16, kv_heads=2)
     (k_codes, k_scale), (v_codes, v_scale) = quantize_fp8(k), quantize_fp8(v)
-    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    scales = dict(k_scale=to_scale_layout(k_scale), v_scale=to_scale_layout(v_scale))
     out = torch.full_like(q, float("nan"))
     sdpa_varlen(q, k_codes, v_codes, info, config=VARIANTS[variant], out=out, **scales)
     ref = sdpa_varlen_reference(q, k_codes, v_codes, info, **scales)

@@ -394,7 +394,7 @@ class BatchedSequenceCache:
         width, cfg = self._width, self.config
         if not causal and self._plan is not None and self._plan.split:
             raise StepError("a non-causal step needs each sequence's tokens in one run (a draft block is one segment)")
-        flat, store = self._store.flat_views(layer), self._store.layer(layer)
+        flat, store = self._store.write_views(layer), self._store.layer(layer)
         slots = self._buffers.slots[self._group_of[layer], :width]
         self._write(flat["k"], flat["v"], k, v, slots, k_scale=flat.get("k_scale"), v_scale=flat.get("v_scale"))
         return self._attend(

@@ -14,7 +14,7 @@ import torch
 
 from batchkv.checks import int_arg, int_args
 from batchkv.errors import ConfigError
-from batchkv.ops.support import COMPUTE_DTYPES, SCALE_DTYPE, quantized, refusal
+from batchkv.ops.support import COMPUTE_DTYPES, SCALE_DTYPE, SCALE_PLANES, quantized, refusal
 
 POLICIES = ("flat", "ring")
 FIRST_ROWS = 256  # first flat allocation when no bucket schedule is given; doubles from here
@@ -173,12 +173,13 @@ class CacheConfig:
         """Storage planes of every layer: name -> (shape after the row axis, dtype).
 
         k, v: (columns, Hkv, D) in kv_dtype; for e4m3 storage also k_scale, v_scale: (columns, Hkv)
-        fp32. Every plane is indexed by row first, so growth, clones and writes treat them alike.
+        fp32. Every plane is indexed by row first, so growth, clones and writes treat them alike
+        (scale planes are stored rows last, `batchkv.ops.support.empty_scales`, and viewed so).
         """
         rows = (self.columns, self.kv_heads, self.head_dim)
         planes = {"k": (rows, self.kv_dtype), "v": (rows, self.kv_dtype)}
         if self.quantized:
-            planes |= {"k_scale": (rows[:2], SCALE_DTYPE), "v_scale": (rows[:2], SCALE_DTYPE)}
+            planes |= {name: (rows[:2], SCALE_DTYPE) for name in SCALE_PLANES}
         return planes
 
     def bytes_per_row(self) -> int:

@@ -2,6 +2,8 @@
 (max_seqs + 1 for the scratch column; max_seqs when steps are one token wide and never pad), and
 for e4m3 storage their fp32 scales [rows, C, Hkv]: the config's *planes*, every one indexed by
 row first. Growth, clones and writes loop over the planes, so a scale always moves with its row.
+Scale planes are views of [C, Hkv, rows] storage (`empty_scales`: the attention kernels read a
+(column, head)'s scales contiguously), so nothing here may assume a plane is contiguous.
 
 Position p of the sequence in column c lives at row `p % rows`, i.e. flat slot `(p % rows) * C + c`
 of the `[rows * C, Hkv, D]` view. Flat layers grow by whole rows toward `capacity`; ring layers grow
@@ -19,6 +21,7 @@ import torch
 
 from batchkv.cache.config import CacheConfig
 from batchkv.ops.reference import dequantize_fp8, index_copy, quantize_fp8
+from batchkv.ops.support import SCALE_PLANES, empty_scales
 
 Allocator = Callable[..., torch.Tensor]
 
@@ -70,7 +73,10 @@ class ColumnStore:
                 if rows == old_rows:  # a full ring: nothing moves
                     new[name].append(self.planes[name][layer])
                     continue
-                plane = self._alloc((rows, *shape), dtype=dtype, device=self.device)
+                if name in SCALE_PLANES:  # [rows, C, Hkv] viewing [C, Hkv, rows] storage
+                    plane = empty_scales(rows, *shape, device=self.device, alloc=self._alloc)
+                else:
+                    plane = self._alloc((rows, *shape), dtype=dtype, device=self.device)
                 # Below the old row count nothing has wrapped (a ring grows only until it is full),
                 # so position p sits at row p in both the old and the new buffer.
                 if old_rows:
@@ -93,9 +99,13 @@ class ColumnStore:
                 if n:
                     plane[:n, dst].copy_(plane[:n, src])
 
-    def flat_views(self, layer: int) -> dict[str, torch.Tensor]:
-        """Every plane of one layer viewed [rows * C, ...], indexed by write slot."""
-        return {name: plane.view(-1, *plane.shape[2:]) for name, plane in self.layer(layer).items()}
+    def write_views(self, layer: int) -> dict[str, torch.Tensor]:
+        """One layer's planes as the K/V write takes them: k, v viewed [rows * C, Hkv, D] (indexed
+        by write slot); k_scale, v_scale as they are, [rows, C, Hkv] (slot s is [s // C, s % C])."""
+        return {
+            name: plane if name in SCALE_PLANES else plane.view(-1, *plane.shape[2:])
+            for name, plane in self.layer(layer).items()
+        }
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
         """K/V [n, Hkv, D] as the planes store them: cast, or e4m3 codes and fp32 scales [n, Hkv]."""

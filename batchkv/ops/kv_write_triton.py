@@ -8,9 +8,11 @@ by attention. Capturable: no host reads, grid = (W,).
 
 e4m3 stores quantise in the same launch: each (token, KV head) row of D gets scale
 max(amax / 448, 2^-126) (IEEE divisions, `div_rn`) and codes e4m3(x / scale), bit for bit what
-`quantize_fp8` stores. The rounding to e4m3 is done in fp32 first (`_round_e4m3`), so the cast only
-moves exact values: Triton's interpreter rounds fp32 -> e4m3 half-up and drops the carry into the
-exponent (1.97 becomes 1.0), and the explicit rounding makes CPU runs store what the GPU stores.
+`quantize_fp8` stores. The rounding to e4m3 is done in fp32 first (`_round_e4m3`), so the cast
+only moves exact values: Triton's interpreter rounds fp32 -> e4m3 half-up and drops the carry into
+the exponent (1.97 becomes 1.0), and the explicit rounding makes CPU runs store what the GPU
+stores. Scale planes are [rows, C, Hkv] with any strides (the store's are rows last): slot s's
+scales sit at (s // C, s % C), one int64 division per program.
 """
 
 from __future__ import annotations
@@ -59,9 +61,9 @@ def _store_rows(flat, scale, x, dst, ok, s_dst, s_ok, QUANT: tl.constexpr):
 
 
 @triton.jit
-def _kv_write_kernel(k_flat, v_flat, k, v, slots, k_scale, v_scale, stride_fs, stride_fh, stride_ks, stride_kh,
-                     stride_vs, stride_vh, stride_ss, HKV: tl.constexpr, H_POW2: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
+def _kv_write_kernel(k_flat, v_flat, k, v, slots, k_scale, v_scale, columns, stride_fs, stride_fh, stride_ks,
+                     stride_kh, stride_vs, stride_vh, stride_sr, stride_sc, stride_sh, HKV: tl.constexpr,
+                     H_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
     i = tl.program_id(0)
     slot = tl.load(slots + i).to(tl.int64)
     h = tl.arange(0, H_POW2)[:, None]
@@ -69,12 +71,26 @@ def _kv_write_kernel(k_flat, v_flat, k, v, slots, k_scale, v_scale, stride_fs, s
     ok = h < HKV
     dst = slot * stride_fs + h * stride_fh + d  # k_flat and v_flat share strides
     heads = tl.arange(0, H_POW2)
-    s_dst = slot * stride_ss + heads  # k_scale and v_scale share theirs, heads contiguous
+    s_dst = 0
+    if QUANT:  # k_scale and v_scale share their strides: [rows, C, Hkv], slot = row * C + col
+        r = slot // columns
+        s_dst = r * stride_sr + (slot - r * columns) * stride_sc + heads * stride_sh
     row = i.to(tl.int64)
     k_row = tl.load(k + row * stride_ks + h * stride_kh + d, mask=ok, other=0.0)  # padded heads: zero rows
     v_row = tl.load(v + row * stride_vs + h * stride_vh + d, mask=ok, other=0.0)
     _store_rows(k_flat, k_scale, k_row, dst, ok, s_dst, heads < HKV, QUANT)
     _store_rows(v_flat, v_scale, v_row, dst, ok, s_dst, heads < HKV, QUANT)
+
+
+def _scales_problem(k_flat: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> str | None:
+    """Why k_scale, v_scale are not the scale planes [rows, C, Hkv] of `k_flat` [rows * C, Hkv, D]."""
+    shape = tuple(k_scale.shape) if k_scale is not None else ()
+    slots, num_kv_heads = k_flat.shape[:2]
+    if quantized(k_flat.dtype) and k_scale is not None and (len(shape) != 3 or shape[0] * shape[1] != slots):
+        return (
+            f"k_scale, v_scale must be [rows, C, {num_kv_heads}] with rows * C = {slots} store slots; got {list(shape)}"
+        )
+    return scales_refusal(k_flat.dtype, k_flat.device, (*shape[:2], num_kv_heads), k_scale, v_scale)
 
 
 def kv_write(
@@ -91,10 +107,12 @@ def kv_write(
     k_flat, v_flat: [rows * C, Hkv, D] views of the store (one dtype and strides, last dim
     contiguous); k, v: [W, Hkv, D] fp16/bf16/fp32 (cast on write); slots: int64 (or int32) [W]
     on the same device. D a power of two from 16 to 256. e4m3 stores (`torch.float8_e4m3fn`) need
-    k_scale, v_scale: fp32 [rows * C, Hkv] views with contiguous rows, and get codes and scales as
-    `quantize_fp8` makes them. Capturable (no host reads).
+    k_scale, v_scale: fp32 scale planes [rows, C, Hkv] (one set of strides, any; slot s's scales
+    are [s // C, s % C]), and get codes and scales as `quantize_fp8` makes them. Capturable (no
+    host reads).
 
-    >>> kv_write(*cache._store.flat_views(0).values(), k, v, slots)  # k, v [W, 8, 128]; slots [W]
+    >>> views = cache._store.write_views(0)  # k, v [rows * C, 8, 128] (+ k_scale, v_scale [rows, C, 8])
+    >>> kv_write(views["k"], views["v"], k, v, slots, views.get("k_scale"), views.get("v_scale"))  # k, v [W, 8, 128]
     """
     if k_flat.dim() != 3 or k_flat.shape != v_flat.shape or k.shape != v.shape or k.dim() != 3:
         raise ContractError(
@@ -117,7 +135,7 @@ def kv_write(
             f"{k.dtype}/{v.dtype}"
         )
     quant = quantized(k_flat.dtype)
-    problem = scales_refusal(k_flat, k_scale, v_scale)
+    problem = _scales_problem(k_flat, k_scale, v_scale)
     if problem:
         raise ContractError(f"kv_write: {problem}")
     if any(x.stride(-1) != 1 for x in (k_flat, k, v)) or slots.stride(0) != 1:
@@ -125,8 +143,9 @@ def kv_write(
     if width == 0:
         return
     k_scale, v_scale = (k_scale, v_scale) if quant else (k_flat, v_flat)  # unread without QUANT
+    scale_strides = k_scale.stride() if quant else (0, 0, 0)
     _kv_write_kernel[(width,)](
-        k_flat, v_flat, k, v, slots, k_scale, v_scale, k_flat.stride(0), k_flat.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), k_scale.stride(0), HKV=num_kv_heads, H_POW2=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=head_dim, QUANT=quant, num_warps=4,
+        k_flat, v_flat, k, v, slots, k_scale, v_scale, k_scale.shape[1] if quant else 1, k_flat.stride(0),
+        k_flat.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *scale_strides, HKV=num_kv_heads,
+        H_POW2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, QUANT=quant, num_warps=4,
     )  # fmt: skip

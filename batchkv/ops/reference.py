@@ -115,8 +115,9 @@ def kv_write_reference(
     """Write this step's K/V rows into the flat store views: `k_flat[slots[i]] = k[i]`.
 
     k_flat, v_flat: [rows * C, Hkv, D] views of the store; k, v: [W, Hkv, D]; slots: int64 [W].
-    Cast to the store's dtype on write; e4m3 stores also take k_scale, v_scale, fp32 [rows * C, Hkv]
-    views, and get `quantize_fp8`'s codes and scales. Capturable (no host reads).
+    Cast to the store's dtype on write; e4m3 stores also take k_scale, v_scale, fp32 scale planes
+    [rows, C, Hkv] (any strides), and get `quantize_fp8`'s codes and scales, the scale of slot s
+    at [s // C, s % C]. Capturable (no host reads).
     """
     for flat, scale, x in ((k_flat, k_scale, k), (v_flat, v_scale, v)):
         if scale is None:
@@ -124,7 +125,8 @@ def kv_write_reference(
         else:
             codes, scales = quantize_fp8(x)
             index_copy(flat, slots, codes)
-            index_copy(scale, slots, scales)
+            columns = scale.shape[1]
+            scale.index_put_((slots // columns, slots % columns), scales)
 
 
 def index_copy(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:

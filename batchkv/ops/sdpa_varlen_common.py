@@ -13,6 +13,12 @@ import triton
 import triton.language as tl
 
 NEG_INF = tl.constexpr(float("-inf"))
+# $2: two int16, each two adjacent e4m3 codes (even column in the low byte); $0, $1: f16x2 of the two
+# low bytes (even columns) and of the two high bytes (odd columns). One PRMT gathers the bytes.
+PAIRS_ASM = tl.constexpr(
+    "{ .reg .b32 u; .reg .b16 lo, hi; prmt.b32 u, $2, 0, 0x3120; mov.b32 {lo, hi}, u; "
+    "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
+)
 # $1: an address, $2: nonzero to fetch; $0 is a dummy result (inline asm needs one)
 PREFETCH_ASM = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
 
@@ -65,6 +71,26 @@ def full_bounds(q_len, kv_end, rows, window, i_first, i_last, CAUSAL: tl.constex
         full_lo = tl.where(window > 0, tl.maximum(lo, kv_end - window), lo)
         full_hi = kv_end
     return full_lo, full_hi
+
+
+@triton.jit
+def unpack_pairs(x, dtype: tl.constexpr, CVT_ASM: tl.constexpr):
+    """int16 x, each element two adjacent e4m3 codes (little-endian: the even column's in the low
+    byte), as (even columns, odd columns) converted exactly to `dtype` (fp16 or fp32), x's shape.
+
+    Why pairs: an e4m3 [N, D] tile is 8-bit, and sm_90's ldmatrix transposes only 16-bit elements,
+    so Triton fed V (contracted over keys) to the dot one byte at a time (128 LDS.U8 per thread
+    per 128-key tile) and K in a layout that kept q in shared memory. Read as int16 [N, D / 2],
+    both are 16-bit tiles; a dot over D becomes two dots over the even and odd columns, a dot of
+    p with V two dots giving the even and odd output columns. CVT_ASM (sm_89+): one PRMT and two
+    cvt.rn.f16x2.e4m3x2 per two elements; else (the interpreter) Triton's own conversions."""
+    if CVT_ASM:
+        even, odd = tl.inline_asm_elementwise(PAIRS_ASM, "=r,=r,r", [x], dtype=(tl.float16, tl.float16),
+                                              is_pure=True, pack=2)  # fmt: skip
+    else:
+        even = (x & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        odd = ((x >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return even.to(dtype), odd.to(dtype)
 
 
 @triton.jit

@@ -27,10 +27,11 @@ segment covers. Long segments (prefill) are `long_kernel`'s (`sdpa_varlen_long.p
   state per warp (`sdpa_varlen_warp_split.py`); PREFETCH asks the L2 for the blocks ahead
   (`prefetch_keys`), a piece's first ones before q is loaded.
 
-- e4m3 stores (QUANT): codes convert in registers to fp16 (fp32 for fp32 queries; e4m3 to fp16 is one
-  instruction per pair, to bf16 three), the dots run in it; per tile one [BLOCK_N] vector
-  of K scales (times qk_scale) multiplies the score columns and one of V scales multiplies p
-  before the PV dot, so l_i sums unscaled p and acc sums p * scale * code. Accumulation is fp32.
+- e4m3 stores (QUANT): the tile loop (`sdpa_varlen_attend.attend`) reads codes as int16 pairs and
+  converts them in registers to fp16 (fp32 for fp32 queries), so the dots run on 16-bit operands
+  in their native layouts; per tile one [BLOCK_N] vector of K scales (times qk_scale) multiplies
+  the score columns and one of V scales multiplies p before the PV dot, so l_i sums unscaled p and
+  acc sums p * scale * code. Accumulation is fp32.
 
 Only interior key blocks (every row of the tile attends every key) skip the mask. The plan is
 derived on the device from one [S, 4] table load, one int64 scan and one reduction per piece:
@@ -43,15 +44,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchkv.ops.sdpa_varlen_common import (
-    NEG_INF,
-    first_key,
-    full_bounds,
-    load_table,
-    prefetch_keys,
-    ring_rows,
-    row_bounds,
-)
+from batchkv.ops.sdpa_varlen_attend import attend
+from batchkv.ops.sdpa_varlen_common import first_key, full_bounds, load_table, prefetch_keys, row_bounds
 from batchkv.ops.sdpa_varlen_merge import merge_partials
 from batchkv.ops.sdpa_varlen_warp_split import attend_warp_split
 
@@ -69,95 +63,6 @@ def _blocks(q_len, kv_end, rows, window, CAUSAL: tl.constexpr, BLOCK_N: tl.const
 @triton.jit
 def _locate_combine(a0, a1, a2, b0, b1, b2):
     return a0 + b0, tl.maximum(a1, b1), tl.maximum(a2, b2)
-
-
-@triton.jit
-def _attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_sr, rows, k0, k1, row_lo, row_hi,
-            full_lo, full_hi, qk_scale, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            HEAD_DIM: tl.constexpr, SKIP_MASKS: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr,
-            PREFETCH: tl.constexpr, SECTOR: tl.constexpr, CHECK: tl.constexpr):  # fmt: skip
-    """Online softmax of [HEADS, BLOCK_M, D] queries over keys [k0, k1) (block-aligned pieces).
-
-    k_base, v_base: the first head's (column, KV head) at key row 0; row_lo, row_hi: [BLOCK_M]. Returns the
-    normalised output [HEADS, BLOCK_M, D] and its lse [HEADS, BLOCK_M] (log2 units). One head
-    runs as plain 2-D tiles: a batched dot whose batch is smaller than the warp count replicates
-    work in some Triton versions (3.6 puts every warp on the batch axis).
-    QUANT (e4m3 stores): ks_base, vs_base point at the first head's scales at key row 0. Codes
-    convert exactly to q's dtype for the dots; each tile loads one [BLOCK_N] K and V scale vector
-    per head, K's folded into the scores column-wise, V's into p before the PV dot.
-    PREFETCH: each block asks the L2 for the block PREFETCH blocks ahead (`prefetch_keys`)."""
-    if HEADS == 1:  # 2-D: q [M, D], keys [N, D], scores [M, N]
-        q_tile = tl.reshape(q_tile, [BLOCK_M, HEAD_DIM])
-        d = tl.arange(0, HEAD_DIM)[None, :]
-        row_lo = row_lo[:, None]
-        row_hi = row_hi[:, None]
-        m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        AXIS: tl.constexpr = 1
-    else:  # 3-D: q [H, M, D], keys [H, N, D], scores [H, M, N]
-        d = tl.arange(0, HEADS)[:, None, None] * stride_h + tl.arange(0, HEAD_DIM)[None, None, :]  # < Hkv * D
-        row_lo = row_lo[None, :, None]
-        row_hi = row_hi[None, :, None]
-        m_i = tl.full([HEADS, BLOCK_M], NEG_INF, tl.float32)
-        l_i = tl.zeros([HEADS, BLOCK_M], tl.float32)
-        acc = tl.zeros([HEADS, BLOCK_M, HEAD_DIM], tl.float32)
-        AXIS: tl.constexpr = 2
-    offs_n = tl.arange(0, BLOCK_N)
-    for start in range(k0, k1, BLOCK_N):
-        t = start + offs_n  # key positions
-        rr = ring_rows(t, k0, rows).to(tl.int64)
-        r = rr * stride_r
-        sr = rr * stride_sr
-        if HEADS == 1:
-            r = r[:, None]
-            in_range = (t < k1)[:, None]
-            t_s = t[None, :]
-            sr = sr[None, :]  # [1, N]: one scale per score column
-            s_range = (t < k1)[None, :]
-        else:
-            r = r[None, :, None]
-            in_range = (t < k1)[None, :, None]
-            t_s = t[None, None, :]
-            sr = tl.arange(0, HEADS)[:, None, None] + sr[None, None, :]  # [H, 1, N], heads contiguous
-            s_range = (t < k1)[None, None, :]
-        k = tl.load(k_base + r + d, mask=in_range, other=0.0)
-        v = tl.load(v_base + r + d, mask=in_range, other=0.0)
-        if QUANT:
-            k_s = tl.load(ks_base + sr, mask=s_range, other=0.0) * qk_scale
-            v_s = tl.load(vs_base + sr, mask=s_range, other=0.0)
-            k = k.to(q_tile.dtype)
-            v = v.to(q_tile.dtype)
-        else:
-            k_s = qk_scale
-        if HEADS == 1:
-            s = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PREC) * k_s
-        else:
-            s = tl.dot(q_tile, tl.trans(k, (0, 2, 1)), input_precision=DOT_PREC) * k_s
-        if PREFETCH > 0:
-            trip = prefetch_keys(k_base, v_base, stride_r, stride_h, rows, k0, start + PREFETCH * BLOCK_N, k1, BLOCK_N,
-                                 HEADS, HEAD_DIM, SECTOR, CHECK)  # fmt: skip
-            if CHECK:
-                s += trip
-        if SKIP_MASKS:
-            if (start < full_lo) | (start + BLOCK_N > full_hi):  # an edge block: some row misses some key
-                s = tl.where((t_s >= row_lo) & (t_s < row_hi), s, NEG_INF)
-        else:
-            s = tl.where((t_s >= row_lo) & (t_s < row_hi), s, NEG_INF)
-        m_new = tl.maximum(m_i, tl.max(s, AXIS))
-        m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # a row without keys yet stays at exp2(-inf) = 0
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - tl.expand_dims(m_safe, AXIS))
-        l_i = l_i * alpha + tl.sum(p, AXIS)
-        if QUANT:
-            p = p * v_s
-        acc = acc * tl.expand_dims(alpha, AXIS) + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
-    has = l_i > 0
-    l_safe = tl.where(has, l_i, 1.0)
-    o = tl.where(tl.expand_dims(has, AXIS), acc / tl.expand_dims(l_safe, AXIS), 0.0)
-    lse = tl.where(has, m_i + tl.log2(l_safe), NEG_INF)
-    return tl.reshape(o, [HEADS, BLOCK_M, HEAD_DIM]), tl.reshape(lse, [HEADS, BLOCK_M])
 
 
 @triton.jit
@@ -182,14 +87,14 @@ def _zero_uncovered(out, p, P, T, h0, q_start_v, q_len_v, writes_v, stride_ot, s
 @triton.jit
 def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_part, counters, S, T, rows, window,
                  qk_scale, P, MAX_ITEMS, stride_qt, stride_qh, stride_r, stride_c, stride_h, stride_sr, stride_sc,
-                 stride_ot, stride_oh, QUANT: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr,
+                 stride_sh, stride_ot, stride_oh, QUANT: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr,
                  HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, Q_SHORT: tl.constexpr,
                  S_POW2: tl.constexpr, MIN_BLOCKS: tl.constexpr, LONG: tl.constexpr, SKIP_MASKS: tl.constexpr,
                  MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, HG_POW2: tl.constexpr,
                  ZERO_ROWS: tl.constexpr, AXIS64: tl.constexpr, DOT_PREC: tl.constexpr, WARP_SPLIT: tl.constexpr,
                  PREFETCH: tl.constexpr, SECTOR: tl.constexpr, PREFETCH_CHECK: tl.constexpr,
-                 MERGE_STAGES: tl.constexpr):  # fmt: skip
+                 MERGE_STAGES: tl.constexpr, CVT_ASM: tl.constexpr):  # fmt: skip
     hp = tl.program_id(0)  # head group: KV heads h0 .. h0 + HEADS - 1
     p = tl.program_id(1)
     h0 = hp * HEADS
@@ -260,17 +165,17 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
         row_lo, row_hi = row_bounds(kv_end - q_len + i, row_ok, kv_end, rows, window, CAUSAL)
         i_last = tl.minimum(q_len, qb * BLOCK_Q + BLOCK_Q) - 1
         full_lo, full_hi = full_bounds(q_len, kv_end, rows, window, qb * BLOCK_Q, i_last, CAUSAL)
-        sc = col * stride_sc + h0  # the first KV head's scales
+        sc = col * stride_sc + h0.to(tl.int64) * stride_sh  # the first KV head's scales
         if WARP_SPLIT > 1:  # (HEADS == 1)
             o, lse = attend_warp_split(q_tile, k_store + kv, v_store + kv, k_scale + sc, v_scale + sc, stride_r,
                                        stride_sr, rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, BLOCK_M,
-                                       BLOCK_N, HEAD_DIM, WARP_SPLIT, SKIP_MASKS, DOT_PREC, QUANT, PREFETCH, SECTOR,
-                                       PREFETCH_CHECK)  # fmt: skip
+                                       BLOCK_N, HEAD_DIM, WARP_SPLIT, SKIP_MASKS, DOT_PREC, QUANT, CVT_ASM, PREFETCH,
+                                       SECTOR, PREFETCH_CHECK)  # fmt: skip
         else:
-            o, lse = _attend(q_tile, k_store + kv, v_store + kv, k_scale + sc, v_scale + sc, stride_r, stride_h,
-                             stride_sr, rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, HEADS, BLOCK_M,
-                             BLOCK_N, HEAD_DIM, SKIP_MASKS, DOT_PREC, QUANT, PREFETCH, SECTOR,
-                             PREFETCH_CHECK)  # fmt: skip
+            o, lse = attend(q_tile, k_store + kv, v_store + kv, k_scale + sc, v_scale + sc, stride_r, stride_h,
+                            stride_sr, stride_sh, rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, HEADS,
+                            BLOCK_M, BLOCK_N, HEAD_DIM, SKIP_MASKS, DOT_PREC, QUANT, CVT_ASM, PREFETCH, SECTOR,
+                            PREFETCH_CHECK)  # fmt: skip
         out_ptrs = out + token.to(tl.int64)[None, :, None] * stride_ot + head * stride_oh + d
         if p_first == p_last:  # the item is this program's alone
             tl.store(out_ptrs, o.to(out.dtype.element_ty), mask=row_ok[None, :, None])

@@ -62,8 +62,8 @@ def _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr,
 
 @triton.jit
 def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, S, T, rows, window, qk_scale,
-                stride_qt, stride_qh, stride_r, stride_c, stride_h, stride_sr, stride_sc, stride_ot, stride_oh,
-                QUANT: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                stride_qt, stride_qh, stride_r, stride_c, stride_h, stride_sr, stride_sc, stride_sh, stride_ot,
+                stride_oh, QUANT: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, Q_SHORT: tl.constexpr,
                 S_POW2: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
@@ -102,7 +102,8 @@ def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, S, T, rows, wi
     b = tl.maximum(a + tl.maximum(tl.minimum(full_hi, k1) - a, 0) // BLOCK_N * BLOCK_N, a)  # interior end
     base = col * stride_c + h * stride_h
     k_base, v_base = k_store + base, v_store + base
-    ks_base, vs_base = k_scale + col * stride_sc + h, v_scale + col * stride_sc + h
+    sc = col * stride_sc + h.to(tl.int64) * stride_sh  # this (column, KV head)'s scales
+    ks_base, vs_base = k_scale + sc, v_scale + sc
     m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)

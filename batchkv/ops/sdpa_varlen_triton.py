@@ -43,7 +43,7 @@ from batchkv.errors import ContractError
 from batchkv.ops.sdpa_varlen_config import DEFAULT_CONFIG, SdpaConfig, pow2_floor, resolve_config
 from batchkv.ops.sdpa_varlen_kernels import split_kernel
 from batchkv.ops.sdpa_varlen_long import long_kernel
-from batchkv.ops.support import COMPUTE_DTYPES, quantized, refusal, scales_refusal
+from batchkv.ops.support import COMPUTE_DTYPES, e4m3_cvt_asm, quantized, refusal, scales_refusal
 
 __all__ = ["DEFAULT_CONFIG", "SdpaConfig", "resolve_config", "sdpa_varlen"]
 
@@ -101,9 +101,16 @@ def _check(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale) 
         raise ContractError(
             f"q must be fp16/bf16/fp32 and both stores one dtype; got {q.dtype}, {k_store.dtype}, {v_store.dtype}"
         )
-    problem = scales_refusal(k_store, k_scale, v_scale)
+    problem = scales_refusal(k_store.dtype, k_store.device, tuple(k_store.shape[:-1]), k_scale, v_scale)
     if problem:
         raise ContractError(f"sdpa_varlen: {problem}")
+    if quantized(k_store.dtype):  # the kernels read e4m3 codes two at a time, as int16
+        odd = [x for x in (k_store, v_store) if x.storage_offset() % 2 or any(n % 2 for n in x.stride()[:3])]
+        if odd:
+            raise ContractError(
+                f"sdpa_varlen: e4m3 stores need even strides and offsets (codes are read in pairs); got strides "
+                f"{odd[0].stride()} at offset {odd[0].storage_offset()} (pass a view of an even-sized store)"
+            )
     if q.stride(-1) != 1 or k_store.stride(-1) != 1 or k_store.stride() != v_store.stride():
         raise ContractError(
             "q and the stores need a contiguous last dim, and k_store and v_store the same strides; "
@@ -151,9 +158,10 @@ def sdpa_varlen(
     D a power of two from 16 to 256; Hq % Hkv == 0. scale defaults to 1/sqrt(D); window 0 means
     none. Returns `out` (or a new tensor) [T, Hq, D] in q's dtype. q is cast to the store dtype
     for the QK dot; accumulation is fp32; fp32 dots are IEEE (not tf32).
-    e4m3 stores (`torch.float8_e4m3fn`) also take k_scale, v_scale: fp32 [rows, C, Hkv] (heads
-    contiguous; the value is code * scale); their codes are converted exactly to q's dtype in
-    registers, and the dots run in q's dtype.
+    e4m3 stores (`torch.float8_e4m3fn`) also take k_scale, v_scale: fp32 [rows, C, Hkv] (the value
+    is code * scale; one set of strides, any, rows contiguous the fast layout: `empty_scales`);
+    their codes are read in pairs (even strides and offsets) and converted exactly to fp16 (fp32
+    for fp32 q) in registers for the dots.
 
     Graph-safe: nothing is read back to the host and grids depend on shapes only, so a captured
     call replays correctly after new contents are copied into `seq_info`. The fp32 partials come
@@ -182,7 +190,7 @@ def sdpa_varlen(
     quant = quantized(k_store.dtype)
     dots = q.dtype if quant else k_store.dtype  # the dtype tl.dot runs in
     k_scale, v_scale = (k_scale, v_scale) if quant else (k_store, v_store)  # unread without QUANT
-    scale_strides = k_scale.stride()[:2] if quant else (0, 0)
+    scale_strides = k_scale.stride() if quant else (0, 0, 0)  # (row, column, head)
     strides = (q.stride(0), q.stride(1), *k_store.stride()[:3], *scale_strides, out.stride(0), out.stride(1))
     common = dict(
         QUANT=quant,
@@ -217,7 +225,8 @@ def sdpa_varlen(
         MERGE_SLOTS=min(64, pow2_floor(cfg.merge_tile // (heads * merge_rows * head_dim))), HG_POW2=hg_pow2,
         ZERO_ROWS=pow2_floor(2048 // (hg_pow2 * head_dim)), AXIS64=axis_bound * slots >= AXIS32_LIMIT,
         WARP_SPLIT=cfg.warp_split, PREFETCH=cfg.prefetch, SECTOR=32 // k_store.dtype.itemsize,
-        PREFETCH_CHECK=cfg.prefetch > 0 and q.device.type != "cuda", MERGE_STAGES=cfg.merge_stages, **common,
+        PREFETCH_CHECK=cfg.prefetch > 0 and q.device.type != "cuda", MERGE_STAGES=cfg.merge_stages,
+        CVT_ASM=quant and e4m3_cvt_asm(q.device), **common,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device),
     )  # fmt: skip
     if long:

@@ -9,11 +9,18 @@ head) keeps e4m3 codes and one fp32 scale, `scale = max(amax / 448, 2^-126)` wit
 max-abs, so `code * scale` is the value. 448 is e4m3fn's largest finite value; the floor (the
 smallest normal fp32) gives an all-zero row codes 0 and a finite scale, which dequantise to exact
 zeros. Scales are fp32 rather than 16-bit: amax / 448 is then exact IEEE arithmetic for any
-amax (fp16 would go subnormal below amax ~ 0.027), and 16-bit scales would save nothing read from
-memory, since the Hkv = 8 scales of one (row, column) are one 32-byte sector either way.
+amax (fp16 would go subnormal below amax ~ 0.027).
+
+Scale planes are logically [rows, C, Hkv] (row first, like K and V, so torch code indexes them
+alike) but stored [C, Hkv, rows] (`empty_scales`): an attention program walks one (column, KV
+head) over consecutive positions, and its per-tile [BLOCK_N] scale vector is then BLOCK_N * 4
+contiguous bytes instead of BLOCK_N gathers C * Hkv * 4 bytes apart (one 32-byte sector each).
+The kernels take the three strides, so any layout works; this one is the fast one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -23,6 +30,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 SCALE_FLOOR = 2.0**-126  # smallest normal fp32: the scale of an all-zero row
 SCALE_DTYPE = torch.float32
+SCALE_PLANES = ("k_scale", "v_scale")  # the e4m3 planes beside "k" and "v", stored as `empty_scales` makes them
 COMPUTE_DTYPES = tuple(MODEL_DTYPES.values())  # q, and K/V handed to the write
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the Triton kernels' tiles: powers of two
 
@@ -48,24 +56,62 @@ def refusal(kv_dtype: torch.dtype, head_dim: int, backend: str = "triton") -> st
     return None
 
 
-def scales_refusal(store: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> str | None:
-    """Why k_scale, v_scale do not fit K/V storage `store` [..., Hkv, D]; None when they do.
+def empty_scales(
+    rows: int, columns: int, kv_heads: int, *, device: torch.device | str | None = None, alloc: Callable = torch.empty
+) -> torch.Tensor:
+    """An uninitialised fp32 scale plane [rows, C, Hkv] in the kernels' layout: stored [C, Hkv, rows]
+    (strides (1, Hkv * rows, rows)), so each (column, KV head)'s positions are contiguous.
 
-    e4m3 stores need both: fp32 [..., Hkv] on the store's device, one set of strides, heads
-    contiguous. Other stores take none.
+    `alloc(shape, dtype=, device=)` makes the storage (the store injects failures through it).
+
+    >>> s = empty_scales(1024, 65, 8, device="cuda")  # s[r, c, h]: position r % rows, column c, head h
     """
-    if not quantized(store.dtype):
+    return alloc((columns, kv_heads, rows), dtype=SCALE_DTYPE, device=device).permute(2, 0, 1)
+
+
+def to_scale_layout(scales: torch.Tensor) -> torch.Tensor:
+    """A copy of fp32 scales [rows, C, Hkv] (any strides) in `empty_scales`' layout."""
+    return empty_scales(*scales.shape, device=scales.device).copy_(scales)
+
+
+def scales_refusal(
+    store_dtype: torch.dtype,
+    device: torch.device,
+    want: tuple[int, ...],
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> str | None:
+    """Why k_scale, v_scale do not fit K/V storage of `store_dtype` on `device`; None when they do.
+
+    e4m3 stores need both: fp32 of shape `want` ([rows, C, Hkv]) on the device, with one set of
+    strides (any: the kernels take them; `empty_scales`' layout is the fast one). Other stores
+    take none.
+    """
+    if not quantized(store_dtype):
         return (
-            None if k_scale is None and v_scale is None else f"k_scale/v_scale are for {FP8} stores, not {store.dtype}"
+            None if k_scale is None and v_scale is None else f"k_scale/v_scale are for {FP8} stores, not {store_dtype}"
         )
-    want = tuple(store.shape[:-1])
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if s is None or s.dtype != SCALE_DTYPE or tuple(s.shape) != want or s.device != store.device:
+        if s is None or s.dtype != SCALE_DTYPE or tuple(s.shape) != want or s.device != device:
             got = "None" if s is None else f"{s.dtype} {tuple(s.shape)} on {s.device}"
-            return f"{FP8} stores need {name} fp32 {list(want)} on {store.device}; got {got}"
-    if k_scale.stride() != v_scale.stride() or k_scale.stride(-1) != 1:
-        return "k_scale and v_scale need the same strides and contiguous heads"
+            return f"{FP8} stores need {name} fp32 {list(want)} on {device}; got {got}"
+    if k_scale.stride() != v_scale.stride():
+        return f"k_scale and v_scale need the same strides; got {k_scale.stride()} and {v_scale.stride()}"
     return None
+
+
+_CVT: dict[int, bool] = {}
+
+
+def e4m3_cvt_asm(device: torch.device) -> bool:
+    """Whether the kernels convert e4m3 codes with inline PTX (`cvt.rn.f16x2.e4m3x2`, NVIDIA sm_89+,
+    cached per device); elsewhere (the interpreter, older GPUs) they use Triton's conversions."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CVT:
+        _CVT[index] = torch.cuda.get_device_capability(index) >= (8, 9)
+    return _CVT[index]
 
 
 _SMS: dict[int, int] = {}
