@@ -14,7 +14,8 @@ storage does to the 8B model's next-token distributions.
     K/V (every query reads the stored K/V, so this is what decode would see). Per position
     KL(bf16 || e4m3) and top-1 agreement, with KL(fp32 || bf16) beside them as the floor bf16
     storage itself sets, and the bf16 distributions' entropy and top-1 probability.
-(c) --serve N (off by default): the engine with CUDA graphs on N requests (prompts U[64, 2048],
+(c) --serve N (off by default): the engine with CUDA graphs, warmed on its first max_seqs prompts
+    (8 tokens each: the step widths captured), then timed on N requests (prompts U[64, 2048],
     outputs U[64, 1024], seed 0, up to 64 sequences, as bench/decode.py serves), bf16 and e4m3
     storage: output tokens/s and their ratio; then e4m3 at twice the sequences.
 --sweep: an e4m3 SdpaConfig grid on four cases (instead of (b) and (c)).
@@ -289,6 +290,10 @@ def serve(report: dict, preset: str, device: str, requests: int, save) -> None:
         engine = Engine(model, max_seqs=seqs, capacity=capacity, max_step_tokens=1024, prefill_chunk=512,
                         device=device, kv_dtype=kv)  # fmt: skip
         engine.cache.reserve(capacity)
+        for p in prompts[:seqs]:  # warm-up: captures the step widths outside the timed run
+            engine.submit(Request(p, SamplingParams(max_new_tokens=8)))
+        engine.run_until_done()
+        engine.metrics = type(engine.metrics)(engine.metrics.max_seqs)
         for p, o in zip(prompts, outputs, strict=True):
             engine.submit(Request(p, SamplingParams(max_new_tokens=o)))
         torch.cuda.synchronize()
