@@ -12,7 +12,8 @@ few ms of Python). So that planning does not sit on the HTTP path:
 - Tokens go out before the next plan: an overlapping engine (whose next step is already queued on
   the device while the host plans) waits, at most `HANDOFF_S`, until the loop has run the readers
   a step's events woke, i.e. written their chunks to the sockets. Without the wait the loop thread,
-  woken by `call_soon_threadsafe`, queued for the GIL behind the whole plan (2-3 ms on the H200).
+  woken by `call_soon_threadsafe`, queued for the GIL behind the whole plan (up to 3 ms of host
+  time per step at 64 sequences on the H200: bench/results/serve-profile-h200.json, overlap off).
   A non-overlapping engine does not wait: its device idles while the host plans, and the loop's
   writes run in the GIL-free device wait that follows.
 - Streams that get a first token are handed to the loop before the others, so the readers the
