@@ -40,7 +40,7 @@ for p in "$@"; do
       --budget-s "${DECODE_BUDGET:-390}" ${DECODE_ARGS:-} ;;
     profile) phase profile 90 python3 bench/step_profile.py --rows 1 64 --context 640 --json "$OUT/step_profile.json" ;;
     compat) phase compat 150 python3 bench/compat_attention.py --out "$OUT/compat-h200.json" ;;
-    serve) phase serve 230 python3 bench/serve_http.py --out "$OUT/serve-http-h200.json" ;;
+    serve) phase serve "${SERVE_LIMIT:-300}" python3 bench/serve_http.py --out "$OUT/serve-http-h200.json" ${SERVE_ARGS:-} ;;
     fp8) phase fp8 "${FP8_LIMIT:-240}" python3 bench/kv_fp8.py --out "$OUT/kv-fp8-h200.json" \
       --kernels-json "$OUT/kernels-h200.json" ${FP8_ARGS:-} ;;
     fp8sweep) phase fp8sweep 230 python3 bench/kv_fp8.py --sweep --out "$OUT/kv-fp8-sweep-h200.json" ;;

@@ -40,13 +40,16 @@ def latency_summary(first: Sequence[float], gaps: Sequence[float]) -> dict[str, 
     }
 
 
-def run_online(engine, prompts: list[list[int]], outputs: list[int], arrivals: list[float]) -> dict:
+def run_online(
+    engine, prompts: list[list[int]], outputs: list[int], arrivals: list[float], *, per_request: bool = False
+) -> dict:
     """Serve `prompts` (outputs[i] greedy tokens each) arriving at `arrivals` (s, ascending) on `engine`.
 
     Returns {"rate", "requests", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
     "itl_p99_ms", "wall_s", "tokens"}: rate is the arrivals' own (requests / last arrival), wall_s
     runs from the start to the last token, tokens/s is generated tokens over wall_s. The engine
     should be idle and warm (graphs captured) so that captures are not timed as latency.
+    per_request: also "ttft_ms_by_request", each prompt's time to first token (None: no token).
     """
     if not (len(prompts) == len(outputs) == len(arrivals)) or not prompts:
         raise ValueError("run_online needs one output length and one arrival time per prompt")
@@ -54,14 +57,17 @@ def run_online(engine, prompts: list[list[int]], outputs: list[int], arrivals: l
         raise ValueError("arrival times must be in ascending order")
     start = time.perf_counter()
     arrived: dict[int, float] = {}  # request id -> absolute arrival time
+    index: dict[int, int] = {}  # request id -> its prompt's index
     last: dict[int, float] = {}  # request id -> time of its latest token
     first, gaps = [], []
+    by_request: list[float | None] = [None] * len(prompts)
     tokens, nxt = 0, 0
     while nxt < len(prompts) or engine.has_work:
         now = time.perf_counter()
         while nxt < len(prompts) and start + arrivals[nxt] <= now:
             request = Request(prompts[nxt], SamplingParams(max_new_tokens=outputs[nxt]))
-            arrived[engine.submit(request)] = start + arrivals[nxt]
+            rid = engine.submit(request)
+            arrived[rid], index[rid] = start + arrivals[nxt], nxt
             nxt += 1
         if not engine.has_work:
             time.sleep(max(0.0, start + arrivals[nxt] - time.perf_counter()))
@@ -77,6 +83,7 @@ def run_online(engine, prompts: list[list[int]], outputs: list[int], arrivals: l
                 gaps.append(now - last[rid])
             else:
                 first.append(now - arrived[rid])
+                by_request[index[rid]] = 1e3 * first[-1]
             last[rid] = now
     wall = max(last.values()) - start if last else 0.0
     return {
@@ -86,4 +93,5 @@ def run_online(engine, prompts: list[list[int]], outputs: list[int], arrivals: l
         **latency_summary(first, gaps),
         "wall_s": wall,
         "tokens": tokens,
+        **({"ttft_ms_by_request": by_request} if per_request else {}),
     }

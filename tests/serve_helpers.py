@@ -91,15 +91,16 @@ def free_port() -> int:
 
 class Server:
     """`batchkv serve` in a subprocess on a free port. Starts at construction; `wait()` returns
-    once /health answers, so the caller can do other work while it boots."""
+    once /health answers, so the caller can do other work while it boots. `launcher`: what runs
+    `serve ...` (a script that takes the CLI's arguments, such as bench/serve_trace.py)."""
 
-    def __init__(self, model: str, *args: str, device: str = "cpu") -> None:
+    def __init__(self, model: str, *args: str, device: str = "cpu", launcher: tuple[str, ...] = ("-m", "batchkv.cli")):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # A file, not a pipe: a full pipe would stall the server. Closed with the object.
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
-        command = [sys.executable, "-m", "batchkv.cli", "serve", "--model", model, "--port", str(self.port)]
+        command = [sys.executable, *launcher, "serve", "--model", model, "--port", str(self.port)]
         self.proc = subprocess.Popen(
             [*command, "--device", device, "--threads", "1", *args], env=env, stdout=self.log, stderr=subprocess.STDOUT
         )

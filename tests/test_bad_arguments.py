@@ -78,6 +78,9 @@ CONSTRUCTORS = {
     "paged device": (lambda: PagedDecodeCache(1, 2, 16, 8, "tpu9", torch.float32), ConfigError, "tpu9"),
     "Request float id": (lambda: Request([1, 1.5]), RequestError, "prompt_ids[1]"),
     "Request bool id": (lambda: Request([True]), RequestError, "prompt_ids[0]"),
+    # A list of plain ints is checked whole (min, max); anything else in it, or out of range, item by item
+    "Request bool among ints": (lambda: Request([5, 6, True]), RequestError, "prompt_ids[2]"),
+    "Request negative among ints": (lambda: Request([5, -1, 6]), RequestError, "prompt_ids[1] is -1"),
     "Request str prompt": (lambda: Request("hello"), RequestError, "prompt_ids"),
     "Request rope_offset": (lambda: Request([1], rope_offset=1.0), RequestError, "rope_offset"),
     # Staged as int64 every step: past the bound a submitted request would fail every later step.

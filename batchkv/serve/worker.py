@@ -7,6 +7,21 @@ each step's events to the loop in one `call_soon_threadsafe`, which puts them on
 asyncio queues. A step that raises fails every live request (they see the exception) and the
 thread goes on serving.
 
+Latency. The two threads share the GIL, and the engine thread holds it while it plans a step (a
+few ms of Python). So that planning does not sit on the HTTP path:
+- Tokens go out before the next plan: an overlapping engine (whose next step is already queued on
+  the device while the host plans) waits, at most `HANDOFF_S`, until the loop has run the readers
+  a step's events woke, i.e. written their chunks to the sockets. Without the wait the loop thread,
+  woken by `call_soon_threadsafe`, queued for the GIL behind the whole plan (up to 3 ms of host
+  time per step at 64 sequences on the H200: bench/results/serve-profile-h200.json, overlap off).
+  A non-overlapping engine does not wait: its device idles while the host plans, and the loop's
+  writes run in the GIL-free device wait that follows.
+- Streams that get a first token are handed to the loop before the others, so the readers the
+  loop runs first (it runs them in order) are the ones whose client still waits for a first token.
+- While the engine thread runs, the interpreter's switch interval is `SWITCH_INTERVAL_S` (CPython's
+  default is 5 ms), so a request that arrives while a step is planned waits at most that long for
+  the GIL at each hop (accept, parse, post) instead of up to the whole plan; `stop` restores it.
+
 Shutdown: `drain(seconds)` (safe to call from a signal handler) refuses new submits with 503 and,
 once the seconds pass, cancels every live request; each stream then ends with its samples'
 "cancelled" events, so handlers finish normally instead of being torn down.
@@ -21,6 +36,7 @@ import asyncio
 import contextlib
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -33,6 +49,8 @@ from batchkv.serve.protocol import APIError
 
 log = logging.getLogger("batchkv.serve")
 TRIM_STEPS = 4096  # the engine's own latency lists are cleared this often (they grow per step)
+SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval while the engine thread runs (CPython's default: 0.005)
+HANDOFF_S = 0.002  # most an overlapping engine waits, per step, for the loop to write that step's tokens
 
 
 class Stream:
@@ -83,18 +101,25 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name="batchkv-engine", daemon=True)
         self._steps = 0
         self._deadline: float | None = None  # draining: cancel what is live at this monotonic time
+        self._handoff = bool(engine.overlap)  # wait for the loop's writes after each step (see above)
+        self._switch_interval: float | None = None  # the interpreter's, while the thread runs
 
     # ---- loop side -----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start the engine thread; events are delivered on `loop`."""
+        """Start the engine thread; events are delivered on `loop`. Sets the switch interval."""
         self._loop = loop
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel whatever is live and end the thread."""
+        """Cancel whatever is live, end the thread and restore the switch interval."""
         if self._thread.is_alive():
             self.post(("stop",))
             self._thread.join(timeout)
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
 
     def drain(self, seconds: float) -> None:
         """Stop taking requests; cancel those still live after `seconds`. Signal-handler safe."""
@@ -132,9 +157,11 @@ class EngineWorker:
             future.set_exception(error) if error is not None else future.set_result(None)
 
     @staticmethod
-    def _dispatch(deliveries: dict[Stream, list]) -> None:
+    def _dispatch(deliveries: dict[Stream, list], written: threading.Event) -> None:
         for stream, items in deliveries.items():
             stream.queue.put_nowait(items)
+        # Callbacks run in order: the readers woken above run (and write their chunks) before this.
+        asyncio.get_running_loop().call_soon(written.set)
 
     # ---- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -222,7 +249,7 @@ class EngineWorker:
             log.exception("engine step failed; failing %d live requests", len(self._routes))
             streams = {route.stream for route in self._routes.values()}
             self._cancel_all()
-            self._call(self._dispatch, dict.fromkeys(streams, exc))
+            self._call(self._dispatch, dict.fromkeys(streams, exc), threading.Event())
             return
         self._steps += 1
         if self._steps % TRIM_STEPS == 0:
@@ -234,6 +261,7 @@ class EngineWorker:
     def _deliver(self, events: list[Event]) -> None:
         now = time.perf_counter()
         deliveries: dict[Stream, list] = {}
+        firsts: dict[Stream, None] = {}  # streams with a sample's first token, in event order
         for event in events:
             if event.finish_reason is not None:
                 self.metrics.finished.labels(event.finish_reason).inc()
@@ -245,6 +273,7 @@ class EngineWorker:
                 last = route.last.get(event.sample)
                 if last is None:
                     self.metrics.ttft.observe(now - route.arrival)
+                    firsts[route.stream] = None
                 else:
                     self.metrics.itl.observe(now - last)
                 route.last[event.sample] = now
@@ -254,7 +283,12 @@ class EngineWorker:
                     del self._routes[event.request_id]
             deliveries.setdefault(route.stream, []).append((route.prompt_index, event))
         if deliveries:
-            self._call(self._dispatch, deliveries)
+            # Readers run in this order: first tokens (a client waiting out its TTFT) before the rest.
+            deliveries = {stream: deliveries[stream] for stream in firsts} | deliveries
+            written = threading.Event()
+            self._call(self._dispatch, deliveries, written)
+            if self._handoff:
+                written.wait(HANDOFF_S)  # GIL released: the loop writes while the device runs the next step
 
     def _observe(self) -> None:
         engine = self.engine

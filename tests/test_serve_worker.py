@@ -1,0 +1,141 @@
+"""The engine thread's hand-offs to the HTTP loop: what runs before what, on an engine whose steps the
+test gates. No timings: every assertion is about order."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from batchkv.executor import Event, Request, SamplingParams
+from batchkv.serve import worker as worker_module
+from batchkv.serve.metrics import ServerMetrics
+from batchkv.serve.worker import EngineWorker
+
+
+class GatedEngine:
+    """One token per live request per step, requests in submit order. Each step first runs
+    `on_step` and then waits for the test to release `gate` (a semaphore; None: no wait)."""
+
+    overlap = True
+
+    def __init__(self, on_step=lambda: None, gated: bool = False) -> None:
+        self.on_step, self.gate = on_step, threading.Semaphore(0) if gated else None
+        self.left: dict[int, int] = {}  # request id -> tokens still to emit
+        self.steps: list[list[int]] = []  # the request ids each step emitted for
+        self.cache = SimpleNamespace(sequences=[])
+        self.runner = SimpleNamespace(captures=0)
+        self.metrics = SimpleNamespace(step_times=[], inter_token=[], first_token=[])
+        self.num_waiting = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.left)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.left)
+
+    def submit(self, request: Request) -> int:
+        rid = len(self.steps) * 100 + len(self.left)  # unique: new ids per step
+        self.left[rid] = request.params.max_new_tokens
+        return rid
+
+    def cancel(self, rid: int) -> bool:
+        return self.left.pop(rid, None) is not None
+
+    def step(self) -> list[Event]:
+        self.on_step()
+        if self.gate is not None:
+            self.gate.acquire()
+        events = []
+        for rid in list(self.left):
+            self.left[rid] -= 1
+            events.append(Event(rid, 7, "length" if self.left[rid] == 0 else None))
+            if self.left[rid] == 0:
+                del self.left[rid]
+        self.steps.append([e.request_id for e in events])
+        return events
+
+
+def request(tokens: int) -> list[Request]:
+    return [Request([1, 2], SamplingParams(max_new_tokens=tokens))]
+
+
+async def started(engine: GatedEngine) -> EngineWorker:
+    worker = EngineWorker(engine, ServerMetrics(4), max_waiting=8)  # type: ignore[arg-type]
+    worker.start(asyncio.get_running_loop())
+    return worker
+
+
+async def read(stream, name: str, log: list) -> None:
+    """Log (name, tokens so far) each time the loop runs this reader; end at the finish."""
+    count = 0
+    async for items in stream:
+        count += sum(event.token is not None for _, event in items)
+        log.append((name, count))
+        if any(event.finish_reason is not None for _, event in items):
+            return
+
+
+def test_the_switch_interval_is_short_while_the_engine_thread_runs_and_restored_after():
+    before = sys.getswitchinterval()
+
+    async def main() -> float:
+        worker = await started(GatedEngine())
+        during = sys.getswitchinterval()
+        await asyncio.to_thread(worker.stop)
+        return during
+
+    assert asyncio.run(main()) == pytest.approx(worker_module.SWITCH_INTERVAL_S)
+    assert sys.getswitchinterval() == before
+
+
+def test_an_overlapping_engine_plans_a_step_only_after_the_loop_wrote_the_last_steps_tokens(monkeypatch):
+    monkeypatch.setattr(worker_module, "HANDOFF_S", 30.0)  # the cap: never reached unless the hand-off is broken
+    log: list = []
+    seen: list[list] = []  # what the loop's reader had logged when each step began
+    engine = GatedEngine(on_step=lambda: seen.append(list(log)))
+
+    async def main() -> None:
+        worker = await started(engine)
+        try:
+            await read(await worker.submit(request(3), time.perf_counter()), "a", log)
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    asyncio.run(main())
+    assert seen == [[], [("a", 1)], [("a", 1), ("a", 2)]]
+
+
+def test_a_request_posted_during_a_step_is_in_the_next_step_and_its_first_token_is_written_first(monkeypatch):
+    monkeypatch.setattr(worker_module, "HANDOFF_S", 30.0)  # each step's readers run before the next step
+    log: list = []
+    engine = GatedEngine(gated=True)
+
+    async def main() -> None:
+        worker = await started(engine)
+        try:
+            a = await worker.submit(request(3), time.perf_counter())  # step 1 starts and waits at the gate
+            reading = [asyncio.ensure_future(read(a, "a", log))]
+            b = asyncio.ensure_future(worker.submit(request(1), time.perf_counter()))
+            await asyncio.sleep(0)  # b's submit is on the command queue while step 1 runs
+            engine.gate.release()
+            reading.append(asyncio.ensure_future(read(await b, "b", log)))  # step 2 waits at the gate
+            await asyncio.sleep(0)  # both readers wait for their streams
+            engine.gate.release()
+            engine.gate.release()
+            await asyncio.gather(*reading)
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    asyncio.run(main())
+    a_id, b_id = engine.steps[0][0], engine.steps[1][1]
+    assert engine.steps == [[a_id], [a_id, b_id], [a_id]]  # b joined the step after the one it was posted in
+    # step 2 emitted a's second token before b's first, but b's reader (a client waiting for its
+    # first token) ran first
+    assert log == [("a", 1), ("b", 1), ("a", 2), ("a", 3)]
