@@ -30,7 +30,7 @@ python3 -c 'import torch, triton, transformers; print("torch", torch.__version__
 for p in "$@"; do
   case $p in
     oomtests) phase oomtests 120 python3 -m pytest -m gpu tests/test_refusals_gpu.py -v --tb=short -p no:cacheprovider ;;
-    tests) phase tests "${TESTS_LIMIT:-300}" python3 -m pytest -m gpu tests -v --tb=short -p no:cacheprovider -ra \
+    tests) phase tests "${TESTS_LIMIT:-300}" python3 -m pytest -m gpu ${TESTS_PATHS:-tests} -v --tb=short -p no:cacheprovider -ra \
       --timeout 150 ${TESTS_ARGS:-} ;;
     kernels) phase kernels 240 python3 bench/kernels.py --check --out "$OUT/kernels-h200.json" \
       --budget-s "${KERNELS_BUDGET:-215}" ${KERNELS_ARGS:-} ;;
