@@ -19,6 +19,9 @@ from tests.serve_helpers import Server  # noqa: E402
 @pytest.mark.gpu
 @pytest.mark.parametrize("max_seqs", ["8", "auto"])  # auto: a store sized to the GPU, the same schedule
 def test_the_tiny_preset_served_with_graphs_gives_the_engines_greedy_tokens(max_seqs):
+    free, total = torch.cuda.mem_get_info()
+    if max_seqs == "auto" and total - free > 0.4 * total:  # the budget counts every process's memory
+        pytest.skip("other processes hold over 40% of the GPU (run without pytest-xdist); auto sizing would refuse")
     args = ("--max-seqs", max_seqs, "--capacity", "256", "--max-step-tokens", "64", "--prefill-chunk", "32")
     server = Server("sensenova-u1-tiny", *args, "--memory-fraction", "0.5", device="cuda")
     prompts = [[(7 * i + j) % 512 for j in range(5 + 9 * i)] for i in range(6)]
