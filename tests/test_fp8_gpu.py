@@ -63,7 +63,10 @@ def test_e4m3_sliding_window_over_a_wrapped_ring_and_non_causal_blocks_match_ref
     run_case([4, 16, 1], [300, 5000, 77], rows=8192, causal=False)
 
 
-@pytest.mark.parametrize(("head_dim", "q_dtype"), [(64, torch.bfloat16), (256, torch.bfloat16), (128, torch.float16)])
+@pytest.mark.parametrize(
+    ("head_dim", "q_dtype"),
+    [(16, torch.bfloat16), (16, torch.float32), (64, torch.bfloat16), (256, torch.bfloat16), (128, torch.float16)],
+)
 def test_e4m3_other_head_dims_and_fp16_queries_match_reference(head_dim, q_dtype):
     run_case([1, 3, 1, 64], [1000, 3000, 7, 500], rows=4096, head_dim=head_dim, q_dtype=q_dtype)
 

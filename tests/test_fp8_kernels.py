@@ -138,6 +138,8 @@ CASES = {  # the kernel suite's shapes (tests/test_sdpa_varlen.py), on e4m3 stor
                                kv_heads=1, config=SdpaConfig(programs=3, block_n=16)),
     "two heads per program": dict(segments=[(1, 0, 129), (4, 1, 300), (16, 3, 90), (40, 4, 60)], rows=300,
                                   kv_heads=4, group=2, head_dim=16, config=SdpaConfig(heads=2, block_n=16)),
+    "two heads per program, D 32": dict(segments=[(1, 0, 129), (4, 1, 300), (16, 3, 90)], rows=300, kv_heads=4,
+                                        group=2, head_dim=32, config=SdpaConfig(heads=2, block_n=16)),
     "head_dim 64, 128-key tiles": dict(segments=[(1, 0, 129), (5, 1, 300)], rows=300, head_dim=64, group=2,
                                        config=SdpaConfig(block_n=128)),
     "fp16 queries": dict(segments=[(1, 0, 80), (3, 1, 21), (40, 2, 60)], rows=90, head_dim=16,

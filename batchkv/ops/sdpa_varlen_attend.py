@@ -7,7 +7,9 @@ scores [M, N]); several heads as 3-D tiles with the head axis first.
 e4m3 stores (QUANT): the codes are read as int16 pairs, [N, D / 2] tiles whose elements are two
 adjacent codes (`unpack_pairs`), so both dots take 16-bit operands in their native layouts: the
 scores are q_even @ K_even^T + q_odd @ K_odd^T (q split by column parity once per piece), and
-p @ V is two dots giving the even and odd output columns, interleaved once after the loop. Each
+p @ V is two dots giving the even and odd output columns, interleaved once after the loop (at
+D = 16 the halves have 8 columns, fewer than a GPU dot contracts, so K's are joined back into one
+[N, 16] tile for a single QK dot; the PV dots contract over keys and stay split). Each
 tile loads one [BLOCK_N] K scale vector per head (times qk_scale), folded into the score columns,
 and one V scale vector, folded into p before the PV dot (l_i sums the unscaled p). With the
 store's scale layout (rows contiguous per column and head) a vector is BLOCK_N * 4 contiguous bytes.
@@ -99,7 +101,14 @@ def attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_
             k_s = tl.load(ks_base + sr, mask=s_range, other=0.0) * qk_scale
             v_s = tl.load(vs_base + sr, mask=s_range, other=0.0)
             k_even, k_odd = unpack_pairs(k, q_tile.dtype, CVT_ASM)
-            s = _qk(q_odd, k_odd, _qk(q_even, k_even, None, HEADS, DOT_PREC), HEADS, DOT_PREC) * k_s
+            if DIM >= 16:
+                s = _qk(q_odd, k_odd, _qk(q_even, k_even, None, HEADS, DOT_PREC), HEADS, DOT_PREC) * k_s
+            else:  # D = 16: a GPU dot contracts >= 16 columns, so K goes back to [.., N, D] for one dot
+                if HEADS == 1:
+                    k = tl.reshape(tl.join(k_even, k_odd), [BLOCK_N, HEAD_DIM])
+                else:
+                    k = tl.reshape(tl.join(k_even, k_odd), [HEADS, BLOCK_N, HEAD_DIM])
+                s = _qk(q_tile, k, None, HEADS, DOT_PREC) * k_s
         elif HEADS == 1:
             s = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         else:

@@ -62,8 +62,12 @@ def attend_warp_split(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride
             k_s = tl.load(ks_base + sr, mask=t_s < k1, other=0.0) * qk_scale
             v_s = tl.load(vs_base + sr, mask=t_s < k1, other=0.0)
             k_even, k_odd = unpack_pairs(k, q3.dtype, CVT_ASM)
-            s = tl.dot(q_even, tl.trans(k_even, (0, 2, 1)), input_precision=DOT_PREC)
-            s = tl.dot(q_odd, tl.trans(k_odd, (0, 2, 1)), s, input_precision=DOT_PREC) * k_s  # [SPLIT, M, SUB]
+            if DIM >= 16:
+                s = tl.dot(q_even, tl.trans(k_even, (0, 2, 1)), input_precision=DOT_PREC)
+                s = tl.dot(q_odd, tl.trans(k_odd, (0, 2, 1)), s, input_precision=DOT_PREC) * k_s  # [SPLIT, M, SUB]
+            else:  # D = 16: a GPU dot contracts >= 16 columns, so K goes back to [SPLIT, SUB, D] for one dot
+                k = tl.reshape(tl.join(k_even, k_odd), [SPLIT, SUB, HEAD_DIM])
+                s = tl.dot(q3, tl.trans(k, (0, 2, 1)), input_precision=DOT_PREC) * k_s
         else:
             s = tl.dot(q3, tl.trans(k, (0, 2, 1)), input_precision=DOT_PREC) * qk_scale  # [SPLIT, M, SUB]
         if PREFETCH > 0:
