@@ -119,7 +119,7 @@ def kv_write(
             f"{tuple(v_flat.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     width, num_kv_heads, head_dim = k.shape
-    problem = refusal(k_flat.dtype, head_dim)
+    problem = refusal(k_flat.dtype, head_dim, device=k_flat.device)
     if problem:
         raise ContractError(f"kv_write: {problem}")
     if k_flat.shape[1:] != k.shape[1:]:
