@@ -199,3 +199,23 @@ def test_an_error_outside_a_step_ends_the_thread_but_fails_every_stream_and_queu
 
     asyncio.run(asyncio.wait_for(main(), 60))  # a hang fails the test instead of the suite
     assert sys.getswitchinterval() == before
+
+
+def test_a_submit_queued_behind_stop_is_answered_503():
+    engine = GatedEngine(gated=True)
+
+    async def main() -> None:
+        worker = await started(engine)
+        try:
+            await worker.submit(request(3), time.perf_counter())  # step 1 waits at the gate
+            worker.post(("stop",))
+            late = asyncio.ensure_future(worker.submit(request(1), time.perf_counter()))
+            await asyncio.sleep(0)  # queued behind the stop: both are taken after step 1
+            engine.gate.release()
+            with pytest.raises(APIError) as refused:
+                await late
+            assert refused.value.status == 503
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    asyncio.run(asyncio.wait_for(main(), 60))  # a hang fails the test instead of the suite

@@ -186,10 +186,14 @@ class EngineWorker:
         finally:
             self._ended = True  # before the queue is emptied (see `submit`)
             while not self._commands.empty():  # this thread is its only reader
-                command = self._commands.get_nowait()
-                if command[0] == "submit":
-                    self._call(self._resolve, command[-1], _ended_error())
+                self._refuse([self._commands.get_nowait()])
             self._switch.release()
+
+    def _refuse(self, commands: list[tuple]) -> None:
+        """Answer the submits among commands the thread will not apply: 503."""
+        for command in commands:
+            if command[0] == "submit":
+                self._call(self._resolve, command[-1], _ended_error())
 
     def _serve(self) -> None:
         engine = self.engine
@@ -200,9 +204,10 @@ class EngineWorker:
                     commands.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
-            for command in commands:
+            for i, command in enumerate(commands):
                 if command[0] == "stop":
                     self._cancel_all()
+                    self._refuse(commands[i + 1 :])
                     return
                 getattr(self, "_" + command[0])(*command[1:])
             if self._deadline is not None and time.monotonic() >= self._deadline:
