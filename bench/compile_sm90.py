@@ -143,6 +143,10 @@ VARIANTS = [  # (function, keyword arguments)
     (split, dict(store="fp8e4nv", heads=2, block_n=64, warps=2)),
     (split, dict(store="fp8e4nv", dtype="fp32", block_n=64)),
     (split, dict(store="fp8e4nv", warp_split=4, block_n=128)),
+    (split, dict(store="fp8e4nv", D=16, block_n=64)),  # D = 16: one dot over the re-interleaved K tile
+    (split, dict(store="fp8e4nv", D=16, heads=2, block_n=16, warps=2)),
+    (split, dict(store="fp8e4nv", D=16, dtype="fp32", block_n=64)),
+    (split, dict(store="fp8e4nv", D=16, warp_split=4, block_n=128)),
     (long, {}),  # the default prefill tile
     (long, dict(block_m=64, warps=4, stages=2)),  # the previous one
     (long, dict(D=256, block_m=64, block_n=32, stages=2)),

@@ -62,6 +62,24 @@ def test_e4m3_as_the_model_dtype_is_refused_and_triton_refuses_an_odd_head_dim_a
     assert BatchedSequenceCache(odd, "cpu", attention="reference").config.quantized
 
 
+@pytest.mark.parametrize(("capability", "refused"), [((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)])
+def test_the_triton_kernels_refuse_e4m3_storage_on_an_nvidia_gpu_before_sm89(monkeypatch, capability, refused):
+    # Triton has no e4m3 tensors below sm_89: an A100 would fail inside the first forward (or capture)
+    from batchkv.ops import support
+
+    monkeypatch.setattr(support, "_CVT", {})  # per-device capability cache
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100-SXM4-80GB")
+    gpu = torch.device("cuda", 0)
+    problem = support.refusal(FP8, 128, "triton", device=gpu)
+    assert (problem is not None) == refused
+    if refused:
+        assert f"compute capability {capability[0]}.{capability[1]}" in problem and "8.9" in problem
+    assert support.refusal(torch.bfloat16, 128, "triton", device=gpu) is None
+    assert support.refusal(FP8, 128, "reference", device=gpu) is None  # the torch reference stores e4m3 anywhere
+
+
 def fp8_pair(**kw) -> Pair:
     return make_pair(kv_dtype=FP8, **kw)
 

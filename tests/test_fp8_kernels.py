@@ -138,6 +138,8 @@ CASES = {  # the kernel suite's shapes (tests/test_sdpa_varlen.py), on e4m3 stor
                                kv_heads=1, config=SdpaConfig(programs=3, block_n=16)),
     "two heads per program": dict(segments=[(1, 0, 129), (4, 1, 300), (16, 3, 90), (40, 4, 60)], rows=300,
                                   kv_heads=4, group=2, head_dim=16, config=SdpaConfig(heads=2, block_n=16)),
+    "two heads per program, D 32": dict(segments=[(1, 0, 129), (4, 1, 300), (16, 3, 90)], rows=300, kv_heads=4,
+                                        group=2, head_dim=32, config=SdpaConfig(heads=2, block_n=16)),
     "head_dim 64, 128-key tiles": dict(segments=[(1, 0, 129), (5, 1, 300)], rows=300, head_dim=64, group=2,
                                        config=SdpaConfig(block_n=128)),
     "fp16 queries": dict(segments=[(1, 0, 80), (3, 1, 21), (40, 2, 60)], rows=90, head_dim=16,
@@ -150,6 +152,24 @@ CASES = {  # the kernel suite's shapes (tests/test_sdpa_varlen.py), on e4m3 stor
 @pytest.mark.parametrize("case", list(CASES))
 def test_e4m3_attention_matches_the_reference_on_the_same_codes(case):
     check_fp8(**CASES[case])
+
+
+@pytest.mark.parametrize("v_magnitude", [1e-3, 2e4])
+@pytest.mark.parametrize(
+    "config", [None, SdpaConfig(warp_split=4, block_n=64, programs=3)], ids=["tiles", "warp split"]
+)
+def test_e4m3_attention_keeps_fp16_precision_for_small_and_large_values(config, v_magnitude):
+    # a sink-dominated head (every query leans on key 0, whose value is ~0) over V of one magnitude:
+    # the other keys' p * v_scale sit far below 1, where fp16 loses bits before it goes subnormal
+    segments = [(1, 0, 200), (3, 1, 61), (40, 2, 90)]  # decode, verify (split path), prefill (long path)
+    (q, k, v), info = make_case(segments, rows=210, head_dim=32, kv_heads=1, group=2)
+    k[0, :3], v[0, :3] = 1.0, v[0, :3] * 1e-3
+    (k_codes, k_scale), (v_codes, v_scale) = quantize_fp8(k), quantize_fp8(v * v_magnitude)
+    q = (q + 3.0 / 32**0.5).half()
+    scales = dict(k_scale=to_scale_layout(k_scale), v_scale=to_scale_layout(v_scale))
+    out = sdpa_varlen(q, k_codes, v_codes, info, config=config, **scales)[:44].float()
+    ref = sdpa_varlen_reference(q, k_codes, v_codes, info, **scales)[:44].float()
+    assert (out - ref).norm() / ref.norm() < 1e-3  # ~3e-4 at any magnitude: fp16's rounding of p and q
 
 
 LAYOUTS = {  # scale planes [rows, C, Hkv] stored other ways than the store's [C, Hkv, rows]
@@ -214,5 +234,6 @@ def test_the_write_refuses_e4m3_contract_breaches(breach):
         args.update(k_flat=k_flat.float(), v_flat=v_flat.float())
     else:
         args.update(k_flat=k_flat.to(torch.float8_e5m2), v_flat=v_flat.to(torch.float8_e5m2))
-    with pytest.raises(ContractError):
+    planes = breach in ("no scales", "flat scales", "scales of fewer slots")  # the message names the planes' shape
+    with pytest.raises(ContractError, match=r"\[rows, C, 2\] with rows \* C = 8 " if planes else None):
         kv_write(**{name: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for name, x in args.items()})

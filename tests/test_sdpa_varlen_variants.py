@@ -45,9 +45,10 @@ def test_non_causal_draft_blocks_and_long_decodes_match_reference(variant):
     check(segments, rows=100, causal=False, group=2, kv_heads=2, head_dim=16, config=VARIANTS[variant])
 
 
+@pytest.mark.parametrize("head_dim", [16, 32])  # 16: K re-interleaved for one dot; 32: dots over code pairs
 @pytest.mark.parametrize("variant", ["warp_split 4", "warp_split 2, prefetch 1", "prefetch 1"])
-def test_e4m3_stores_match_reference_on_their_codes(variant):
-    (q, k, v), info = make_case([(1, 0, 200), (3, 1, 57), (1, 2, 5)], rows=210, head_dim=16, kv_heads=2)
+def test_e4m3_stores_match_reference_on_their_codes(variant, head_dim):
+    (q, k, v), info = make_case([(1, 0, 200), (3, 1, 57), (1, 2, 5)], rows=210, head_dim=head_dim, kv_heads=2)
     (k_codes, k_scale), (v_codes, v_scale) = quantize_fp8(k), quantize_fp8(v)
     scales = dict(k_scale=to_scale_layout(k_scale), v_scale=to_scale_layout(v_scale))
     out = torch.full_like(q, float("nan"))

@@ -14,6 +14,7 @@ import pytest
 from batchkv.executor import Event, Request, SamplingParams
 from batchkv.serve import worker as worker_module
 from batchkv.serve.metrics import ServerMetrics
+from batchkv.serve.protocol import APIError
 from batchkv.serve.worker import EngineWorker
 
 
@@ -139,3 +140,82 @@ def test_a_request_posted_during_a_step_is_in_the_next_step_and_its_first_token_
     # step 2 emitted a's second token before b's first, but b's reader (a client waiting for its
     # first token) ran first
     assert log == [("a", 1), ("b", 1), ("a", 2), ("a", 3)]
+
+
+def test_workers_whose_lifetimes_overlap_restore_the_interpreters_switch_interval_when_the_last_stops():
+    before = sys.getswitchinterval()
+
+    async def main() -> list[float]:
+        a = await started(GatedEngine())
+        b = await started(GatedEngine())
+        seen = []
+        await asyncio.to_thread(a.stop)  # stopped first, started first: b still runs
+        seen.append(sys.getswitchinterval())
+        with pytest.raises(RuntimeError):
+            b.start(asyncio.get_running_loop())  # a thread starts once; the interval stays b's
+        seen.append(sys.getswitchinterval())
+        await asyncio.to_thread(b.stop)
+        return seen
+
+    assert asyncio.run(main()) == [pytest.approx(worker_module.SWITCH_INTERVAL_S)] * 2
+    assert sys.getswitchinterval() == before
+
+
+class Broken(RuntimeError):
+    pass
+
+
+def test_an_error_outside_a_step_ends_the_thread_but_fails_every_stream_and_queued_submit():
+    # the engine thread ends on an error of its own (here: recording a first token); the streams it
+    # served get the error instead of waiting forever, a submit it never took is answered 503, and the
+    # switch interval is restored without waiting for stop
+    before = sys.getswitchinterval()
+    engine = GatedEngine(gated=True)
+
+    async def main() -> None:
+        worker = await started(engine)
+        metrics = worker.metrics
+
+        def observe(seconds: float) -> None:
+            raise Broken("the histogram failed")
+
+        metrics.ttft.observe = observe
+        try:
+            a = await worker.submit(request(3), time.perf_counter())  # step 1 waits at the gate
+            b = asyncio.ensure_future(worker.submit(request(1), time.perf_counter()))
+            await asyncio.sleep(0)  # b is queued behind step 1
+            engine.gate.release()  # step 1's delivery raises: the thread ends
+            with pytest.raises(Broken):
+                await read(a, "a", [])
+            with pytest.raises(APIError) as refused:
+                await b
+            assert refused.value.status == 503
+            await asyncio.to_thread(worker._thread.join)
+            assert not worker.alive and sys.getswitchinterval() == before
+            with pytest.raises(APIError):  # posted after the thread ended: answered at once
+                await worker.submit(request(1), time.perf_counter())
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    asyncio.run(asyncio.wait_for(main(), 60))  # a hang fails the test instead of the suite
+    assert sys.getswitchinterval() == before
+
+
+def test_a_submit_queued_behind_stop_is_answered_503():
+    engine = GatedEngine(gated=True)
+
+    async def main() -> None:
+        worker = await started(engine)
+        try:
+            await worker.submit(request(3), time.perf_counter())  # step 1 waits at the gate
+            worker.post(("stop",))
+            late = asyncio.ensure_future(worker.submit(request(1), time.perf_counter()))
+            await asyncio.sleep(0)  # queued behind the stop: both are taken after step 1
+            engine.gate.release()
+            with pytest.raises(APIError) as refused:
+                await late
+            assert refused.value.status == 503
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    asyncio.run(asyncio.wait_for(main(), 60))  # a hang fails the test instead of the suite

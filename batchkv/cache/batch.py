@@ -70,7 +70,7 @@ class BatchedSequenceCache:
         self.device = device_arg(device, "BatchedSequenceCache device")
         self.attention = ops.resolve_backend(attention, self.device)
         # Refused here, not at the first attend inside a forward (or a graph capture).
-        problem = refusal(config.kv_dtype, config.head_dim, self.attention)
+        problem = refusal(config.kv_dtype, config.head_dim, self.attention, self.device)
         if problem:
             raise ConfigError(f"{problem}; use attention='reference'" if self.attention == "triton" else problem)
         self._write, self._attend = ops.backend_functions(self.attention)

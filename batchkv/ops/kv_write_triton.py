@@ -86,10 +86,9 @@ def _scales_problem(k_flat: torch.Tensor, k_scale: torch.Tensor | None, v_scale:
     """Why k_scale, v_scale are not the scale planes [rows, C, Hkv] of `k_flat` [rows * C, Hkv, D]."""
     shape = tuple(k_scale.shape) if k_scale is not None else ()
     slots, num_kv_heads = k_flat.shape[:2]
-    if quantized(k_flat.dtype) and k_scale is not None and (len(shape) != 3 or shape[0] * shape[1] != slots):
-        return (
-            f"k_scale, v_scale must be [rows, C, {num_kv_heads}] with rows * C = {slots} store slots; got {list(shape)}"
-        )
+    if quantized(k_flat.dtype) and (k_scale is None or len(shape) != 3 or shape[0] * shape[1] != slots):
+        got = "None" if k_scale is None else list(shape)
+        return f"k_scale, v_scale must be [rows, C, {num_kv_heads}] with rows * C = {slots} store slots; got {got}"
     return scales_refusal(k_flat.dtype, k_flat.device, (*shape[:2], num_kv_heads), k_scale, v_scale)
 
 
@@ -120,7 +119,7 @@ def kv_write(
             f"{tuple(v_flat.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     width, num_kv_heads, head_dim = k.shape
-    problem = refusal(k_flat.dtype, head_dim)
+    problem = refusal(k_flat.dtype, head_dim, device=k_flat.device)
     if problem:
         raise ContractError(f"kv_write: {problem}")
     if k_flat.shape[1:] != k.shape[1:]:

@@ -7,9 +7,12 @@ scores [M, N]); several heads as 3-D tiles with the head axis first.
 e4m3 stores (QUANT): the codes are read as int16 pairs, [N, D / 2] tiles whose elements are two
 adjacent codes (`unpack_pairs`), so both dots take 16-bit operands in their native layouts: the
 scores are q_even @ K_even^T + q_odd @ K_odd^T (q split by column parity once per piece), and
-p @ V is two dots giving the even and odd output columns, interleaved once after the loop. Each
+p @ V is two dots giving the even and odd output columns, interleaved once after the loop (at
+D = 16 the halves have 8 columns, fewer than a GPU dot contracts, so K's are joined back into one
+[N, 16] tile for a single QK dot; the PV dots contract over keys and stay split). Each
 tile loads one [BLOCK_N] K scale vector per head (times qk_scale), folded into the score columns,
-and one V scale vector, folded into p before the PV dot (l_i sums the unscaled p). With the
+and one V scale vector, folded into p before the PV dot (l_i sums p without it; p and l_i are
+2^P_SHIFT times larger, `sdpa_varlen_common.P_SHIFT`). With the
 store's scale layout (rows contiguous per column and head) a vector is BLOCK_N * 4 contiguous bytes.
 """
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchkv.ops.sdpa_varlen_common import NEG_INF, prefetch_keys, ring_rows, unpack_pairs
+from batchkv.ops.sdpa_varlen_common import NEG_INF, P_SHIFT, prefetch_keys, ring_rows, unpack_pairs
 
 
 @triton.jit
@@ -99,7 +102,14 @@ def attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_
             k_s = tl.load(ks_base + sr, mask=s_range, other=0.0) * qk_scale
             v_s = tl.load(vs_base + sr, mask=s_range, other=0.0)
             k_even, k_odd = unpack_pairs(k, q_tile.dtype, CVT_ASM)
-            s = _qk(q_odd, k_odd, _qk(q_even, k_even, None, HEADS, DOT_PREC), HEADS, DOT_PREC) * k_s
+            if DIM >= 16:
+                s = _qk(q_odd, k_odd, _qk(q_even, k_even, None, HEADS, DOT_PREC), HEADS, DOT_PREC) * k_s
+            else:  # D = 16: a GPU dot contracts >= 16 columns, so K goes back to [.., N, D] for one dot
+                if HEADS == 1:
+                    k = tl.reshape(tl.join(k_even, k_odd), [BLOCK_N, HEAD_DIM])
+                else:
+                    k = tl.reshape(tl.join(k_even, k_odd), [HEADS, BLOCK_N, HEAD_DIM])
+                s = _qk(q_tile, k, None, HEADS, DOT_PREC) * k_s
         elif HEADS == 1:
             s = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         else:
@@ -117,6 +127,8 @@ def attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_
         m_new = tl.maximum(m_i, tl.max(s, AXIS))
         m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # a row without keys yet stays at exp2(-inf) = 0
         alpha = tl.exp2(m_i - m_safe)
+        if QUANT:  # p times 2^P_SHIFT, l_i with it: p * v_s stays in fp16's normal range
+            m_safe -= P_SHIFT
         p = tl.exp2(s - tl.expand_dims(m_safe, AXIS))
         l_i = l_i * alpha + tl.sum(p, AXIS)
         if QUANT:
@@ -135,5 +147,5 @@ def attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
     o = tl.where(tl.expand_dims(has, AXIS), acc / tl.expand_dims(l_safe, AXIS), 0.0)
-    lse = tl.where(has, m_i + tl.log2(l_safe), NEG_INF)
+    lse = tl.where(has, m_i + tl.log2(l_safe) - (P_SHIFT if QUANT else 0.0), NEG_INF)
     return tl.reshape(o, [HEADS, BLOCK_M, HEAD_DIM]), tl.reshape(lse, [HEADS, BLOCK_M])

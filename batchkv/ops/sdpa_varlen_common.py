@@ -13,6 +13,12 @@ import triton
 import triton.language as tl
 
 NEG_INF = tl.constexpr(float("-inf"))
+# e4m3: p * v_scale enters the PV dot in fp16, whose normals start at 2^-14. The tile loops take p
+# 2^P_SHIFT times larger (exp2 of the scores minus (row max - P_SHIFT): no instruction per element;
+# l_i and acc both carry the factor, so acc / l_i is unchanged and lse subtracts P_SHIFT), so
+# p * v_scale stays normal down to p * amax = 1.1e-4 (unshifted: 0.027, where the other keys of a
+# head dominated by one sink key sit) and finite below amax = 448 * 65504 / 2^P_SHIFT = 1.1e5.
+P_SHIFT = tl.constexpr(8.0)
 # $2: two int16, each two adjacent e4m3 codes (even column in the low byte); $0, $1: f16x2 of the two
 # low bytes (even columns) and of the two high bytes (odd columns). One PRMT gathers the bytes.
 PAIRS_ASM = tl.constexpr(

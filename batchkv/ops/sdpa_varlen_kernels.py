@@ -30,8 +30,8 @@ segment covers. Long segments (prefill) are `long_kernel`'s (`sdpa_varlen_long.p
 - e4m3 stores (QUANT): the tile loop (`sdpa_varlen_attend.attend`) reads codes as int16 pairs and
   converts them in registers to fp16 (fp32 for fp32 queries), so the dots run on 16-bit operands
   in their native layouts; per tile one [BLOCK_N] vector of K scales (times qk_scale) multiplies
-  the score columns and one of V scales multiplies p before the PV dot, so l_i sums unscaled p and
-  acc sums p * scale * code. Accumulation is fp32.
+  the score columns and one of V scales multiplies p before the PV dot, so l_i sums p without the
+  scales and acc sums p * scale * code (both 2^P_SHIFT times larger: fp16 range). Accumulation is fp32.
 
 Only interior key blocks (every row of the tile attends every key) skip the mask. The plan is
 derived on the device from one [S, 4] table load, one int64 scan and one reduction per piece:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchkv.ops.sdpa_varlen_common import NEG_INF, full_bounds, ring_rows, row_bounds
+from batchkv.ops.sdpa_varlen_common import NEG_INF, P_SHIFT, full_bounds, ring_rows, row_bounds
 
 
 @triton.jit
@@ -49,6 +49,8 @@ def _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr,
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # a row without keys yet stays at exp2(-inf) = 0
         alpha = tl.exp2(m_i - m_safe)
+        if QUANT:  # p times 2^P_SHIFT, l_i with it (acc / l_i is unchanged): p * v_scale stays normal in fp16
+            m_safe -= P_SHIFT
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + r, mask=in_range, other=0.0)

@@ -88,7 +88,7 @@ def _check(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale) 
     rows, _, num_kv_heads, store_dim = k_store.shape
     if store_dim != head_dim:
         raise ContractError(f"sdpa_varlen: q has head_dim {head_dim} but the stores {store_dim}")
-    problem = refusal(k_store.dtype, head_dim)
+    problem = refusal(k_store.dtype, head_dim, device=k_store.device)
     if problem:
         raise ContractError(f"sdpa_varlen: {problem}")
     if num_kv_heads < 1 or num_q_heads < 1 or num_q_heads % num_kv_heads:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchkv.ops.sdpa_varlen_common import NEG_INF, prefetch_keys, ring_rows, unpack_pairs
+from batchkv.ops.sdpa_varlen_common import NEG_INF, P_SHIFT, prefetch_keys, ring_rows, unpack_pairs
 
 
 @triton.jit
@@ -62,8 +62,12 @@ def attend_warp_split(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride
             k_s = tl.load(ks_base + sr, mask=t_s < k1, other=0.0) * qk_scale
             v_s = tl.load(vs_base + sr, mask=t_s < k1, other=0.0)
             k_even, k_odd = unpack_pairs(k, q3.dtype, CVT_ASM)
-            s = tl.dot(q_even, tl.trans(k_even, (0, 2, 1)), input_precision=DOT_PREC)
-            s = tl.dot(q_odd, tl.trans(k_odd, (0, 2, 1)), s, input_precision=DOT_PREC) * k_s  # [SPLIT, M, SUB]
+            if DIM >= 16:
+                s = tl.dot(q_even, tl.trans(k_even, (0, 2, 1)), input_precision=DOT_PREC)
+                s = tl.dot(q_odd, tl.trans(k_odd, (0, 2, 1)), s, input_precision=DOT_PREC) * k_s  # [SPLIT, M, SUB]
+            else:  # D = 16: a GPU dot contracts >= 16 columns, so K goes back to [SPLIT, SUB, D] for one dot
+                k = tl.reshape(tl.join(k_even, k_odd), [SPLIT, SUB, HEAD_DIM])
+                s = tl.dot(q3, tl.trans(k, (0, 2, 1)), input_precision=DOT_PREC) * k_s
         else:
             s = tl.dot(q3, tl.trans(k, (0, 2, 1)), input_precision=DOT_PREC) * qk_scale  # [SPLIT, M, SUB]
         if PREFETCH > 0:
@@ -79,6 +83,8 @@ def attend_warp_split(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride
         m_new = tl.maximum(m_i, tl.max(s, 2))
         m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # a row without keys yet stays at exp2(-inf) = 0
         alpha = tl.exp2(m_i - m_safe)
+        if QUANT:  # p times 2^P_SHIFT, l_i with it: p * v_s stays in fp16's normal range
+            m_safe -= P_SHIFT
         p = tl.exp2(s - m_safe[:, :, None])
         l_i = l_i * alpha + tl.sum(p, 2)
         if QUANT:
@@ -99,5 +105,5 @@ def attend_warp_split(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride
     has = l_all > 0
     l_safe = tl.where(has, l_all, 1.0)
     o = tl.where(has[:, None], o / l_safe[:, None], 0.0)
-    lse = tl.where(has, m + tl.log2(l_safe), NEG_INF)
+    lse = tl.where(has, m + tl.log2(l_safe) - (P_SHIFT if QUANT else 0.0), NEG_INF)
     return tl.reshape(o, [1, BLOCK_M, HEAD_DIM]), tl.reshape(lse, [1, BLOCK_M])

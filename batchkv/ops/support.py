@@ -1,7 +1,7 @@
 """What the kernels take: K/V storage dtypes, head dims, and the e4m3 storage format.
 
-`refusal(kv_dtype, head_dim, backend)` is the one place that says which storage dtype and head_dim
-an attention backend serves; `CacheConfig`, the cache, both Triton launchers and
+`refusal(kv_dtype, head_dim, backend, device)` is the one place that says which storage dtype and
+head_dim an attention backend serves (and on which GPUs); `CacheConfig`, the cache, both Triton launchers and
 `paged_decode_supported` ask it, so a rule changes in one line.
 
 e4m3 storage (`torch.float8_e4m3fn`): each stored K or V row of D elements (one position, one KV
@@ -40,11 +40,15 @@ def quantized(kv_dtype: torch.dtype) -> bool:
     return kv_dtype == FP8
 
 
-def refusal(kv_dtype: torch.dtype, head_dim: int, backend: str = "triton") -> str | None:
-    """Why `backend` ("triton" or "reference") cannot store and attend this geometry; None when it can.
+def refusal(
+    kv_dtype: torch.dtype, head_dim: int, backend: str = "triton", device: torch.device | None = None
+) -> str | None:
+    """Why `backend` ("triton" or "reference") cannot store and attend this geometry (on `device`,
+    when given); None when it can.
 
     Both backends store bf16, fp16, fp32 or e4m3 (`torch.float8_e4m3fn`) K/V; the Triton kernels
-    also need head_dim a power of two from 16 to 256 (the torch reference takes any).
+    also need head_dim a power of two from 16 to 256 (the torch reference takes any), and for e4m3
+    an NVIDIA GPU from sm_89 (Triton has no e4m3 tensors before Ada).
     """
     if kv_dtype not in STORAGE_DTYPES.values():
         return (
@@ -53,6 +57,14 @@ def refusal(kv_dtype: torch.dtype, head_dim: int, backend: str = "triton") -> st
         )
     if backend == "triton" and head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim!r}: the Triton kernels take one of {', '.join(map(str, HEAD_DIMS))}"
+    nvidia = device is not None and device.type == "cuda" and torch.version.hip is None
+    if backend == "triton" and quantized(kv_dtype) and nvidia and not e4m3_cvt_asm(device):
+        major, minor = torch.cuda.get_device_capability(device.index)
+        return (
+            f"e4m3 K/V storage in the Triton kernels needs an NVIDIA GPU of compute capability 8.9 or newer "
+            f"(Ada, Hopper); {torch.cuda.get_device_name(device.index)} is compute capability {major}.{minor} "
+            "(store bf16 K/V)"
+        )
     return None
 
 
@@ -105,7 +117,8 @@ _CVT: dict[int, bool] = {}
 
 def e4m3_cvt_asm(device: torch.device) -> bool:
     """Whether the kernels convert e4m3 codes with inline PTX (`cvt.rn.f16x2.e4m3x2`, NVIDIA sm_89+,
-    cached per device); elsewhere (the interpreter, older GPUs) they use Triton's conversions."""
+    cached per device); elsewhere (the interpreter, ROCm) they use Triton's conversions. Triton has
+    e4m3 tensors on NVIDIA GPUs from sm_89 only: `refusal` refuses older ones."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()

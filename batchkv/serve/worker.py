@@ -20,11 +20,14 @@ few ms of Python). So that planning does not sit on the HTTP path:
   loop runs first (it runs them in order) are the ones whose client still waits for a first token.
 - While the engine thread runs, the interpreter's switch interval is `SWITCH_INTERVAL_S` (CPython's
   default is 5 ms), so a request that arrives while a step is planned waits at most that long for
-  the GIL at each hop (accept, parse, post) instead of up to the whole plan; `stop` restores it.
+  the GIL at each hop (accept, parse, post) instead of up to the whole plan; it is restored when
+  the thread ends (`ShortSwitch`: workers whose lifetimes overlap restore it when the last ends).
 
 Shutdown: `drain(seconds)` (safe to call from a signal handler) refuses new submits with 503 and,
 once the seconds pass, cancels every live request; each stream then ends with its samples'
-"cancelled" events, so handlers finish normally instead of being torn down.
+"cancelled" events, so handlers finish normally instead of being torn down. An error outside a
+step (a failed step is survived) ends the thread: every live stream gets it, and submits the thread
+did not take are answered 503, so no handler waits on a thread that is gone.
 
 A `Stream` is one HTTP request's view: it may hold several engine requests (a batch of prompts),
 each with n samples; items on its queue are lists of `(prompt_index, Event)`, or an exception.
@@ -36,7 +39,6 @@ import asyncio
 import contextlib
 import logging
 import queue
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -46,6 +48,7 @@ from batchkv.errors import RequestError
 from batchkv.executor import Engine, Event, Request
 from batchkv.serve.metrics import ServerMetrics
 from batchkv.serve.protocol import APIError
+from batchkv.serve.switch import ShortSwitch
 
 log = logging.getLogger("batchkv.serve")
 TRIM_STEPS = 4096  # the engine's own latency lists are cleared this often (they grow per step)
@@ -102,24 +105,30 @@ class EngineWorker:
         self._steps = 0
         self._deadline: float | None = None  # draining: cancel what is live at this monotonic time
         self._handoff = bool(engine.overlap)  # wait for the loop's writes after each step (see above)
-        self._switch_interval: float | None = None  # the interpreter's, while the thread runs
+        self._switch = ShortSwitch(SWITCH_INTERVAL_S)  # held from start until the thread ends
+        self._ended = False  # the thread is past its last command: `submit` answers for it
 
     # ---- loop side -----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start the engine thread; events are delivered on `loop`. Sets the switch interval."""
+        """Start the engine thread (once per worker); events are delivered on `loop`. The switch
+        interval is `SWITCH_INTERVAL_S` until the thread ends."""
+        if self._thread.ident is not None:
+            raise RuntimeError("an EngineWorker's thread starts once; build another worker to serve again")
         self._loop = loop
-        self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
-        self._thread.start()
+        self._switch.hold()
+        try:
+            self._thread.start()
+        except BaseException:
+            self._switch.release()
+            raise
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel whatever is live, end the thread and restore the switch interval."""
+        """Cancel whatever is live, end the thread and restore the switch interval (also when the
+        thread outlives `timeout`)."""
         if self._thread.is_alive():
             self.post(("stop",))
             self._thread.join(timeout)
-        if self._switch_interval is not None:
-            sys.setswitchinterval(self._switch_interval)
-            self._switch_interval = None
+        self._switch.release()
 
     def drain(self, seconds: float) -> None:
         """Stop taking requests; cancel those still live after `seconds`. Signal-handler safe."""
@@ -139,6 +148,8 @@ class EngineWorker:
         loop = asyncio.get_running_loop()
         stream, done = Stream(self), loop.create_future()
         self.post(("submit", stream, list(requests), arrival, done))
+        if self._ended:  # set before the thread empties its queue: this submit may have missed that
+            self._resolve(done, _ended_error())
         try:
             await done
         except asyncio.CancelledError:
@@ -165,6 +176,26 @@ class EngineWorker:
 
     # ---- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # outside a step (`_step` survives a failed one): the thread ends
+            log.exception("the engine thread failed; failing %d live requests", len(self._routes))
+            streams = {route.stream for route in self._routes.values()}
+            self._routes.clear()
+            self._call(self._dispatch, dict.fromkeys(streams, exc), threading.Event())
+        finally:
+            self._ended = True  # before the queue is emptied (see `submit`)
+            while not self._commands.empty():  # this thread is its only reader
+                self._refuse([self._commands.get_nowait()])
+            self._switch.release()
+
+    def _refuse(self, commands: list[tuple]) -> None:
+        """Answer the submits among commands the thread will not apply: 503."""
+        for command in commands:
+            if command[0] == "submit":
+                self._call(self._resolve, command[-1], _ended_error())
+
+    def _serve(self) -> None:
         engine = self.engine
         while True:
             commands = [] if engine.has_work else [self._next_command()]
@@ -173,9 +204,10 @@ class EngineWorker:
                     commands.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
-            for command in commands:
+            for i, command in enumerate(commands):
                 if command[0] == "stop":
                     self._cancel_all()
+                    self._refuse(commands[i + 1 :])
                     return
                 getattr(self, "_" + command[0])(*command[1:])
             if self._deadline is not None and time.monotonic() >= self._deadline:
@@ -298,3 +330,7 @@ class EngineWorker:
             columns=len(engine.cache.sequences),
             captures=engine.runner.captures,
         )
+
+
+def _ended_error() -> APIError:
+    return APIError(503, "the engine thread has stopped", type="server_error")
