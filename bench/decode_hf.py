@@ -56,8 +56,7 @@ def hf_parts(parts, ctx: SimpleNamespace, args) -> None:
             return
         _, tried = hf_cb.calibrate(hf(), prompts[:n_cal], outputs[:n_cal], args.hf_calibrate_s, cap, settings=rest)
         cal["tried"] = ran + tried
-        ok = [t for t in cal["tried"] if t.get("tokens_per_s")]
-        best = max(ok, key=lambda t: t["tokens_per_s"])["setting"] if ok else None
+        best = hf_cb.fastest(cal["tried"])
         if best != cal.get("best"):
             cal["best"] = best
             for name in ("hf_cb_offline", "hf_cb_online", "batchkv_on_hf_prefix"):

@@ -192,9 +192,13 @@ def calibrate(
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         print(f"hf_cb calibrate {setting}: {row.get('tokens_per_s', row.get('failed'))}", flush=True)
+    return fastest(tried), tried
+
+
+def fastest(tried: list[dict]) -> dict | None:
+    """The setting of the calibration row with the most tokens/s (None when no row ran)."""
     ok = [r for r in tried if r.get("tokens_per_s")]
-    best = max(ok, key=lambda r: r["tokens_per_s"])["setting"] if ok else None
-    return best, tried
+    return max(ok, key=lambda r: r["tokens_per_s"])["setting"] if ok else None
 
 
 def prefix_fitting(outputs: Sequence[int], tokens_per_s: float, box_s: float, least: int = 8) -> int:
