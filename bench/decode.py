@@ -240,7 +240,7 @@ def main() -> None:
         if len(p) not in engines:
             engines[len(p)] = serving_engine(model(), device, p, o)
         engine = engines[len(p)]
-        engine.metrics = type(engine.metrics)(engine.metrics.max_seqs)
+        engine.metrics = engine.metrics.fresh()
         return serve_offline(engine, device, p, o)
 
     ctx.serve_batchkv = serve_batchkv

@@ -293,7 +293,7 @@ def serve(report: dict, preset: str, device: str, requests: int, save) -> None:
         for p in prompts[:seqs]:  # warm-up: captures the step widths outside the timed run
             engine.submit(Request(p, SamplingParams(max_new_tokens=8)))
         engine.run_until_done()
-        engine.metrics = type(engine.metrics)(engine.metrics.max_seqs)
+        engine.metrics = engine.metrics.fresh()
         for p, o in zip(prompts, outputs, strict=True):
             engine.submit(Request(p, SamplingParams(max_new_tokens=o)))
         torch.cuda.synchronize()

@@ -176,6 +176,9 @@ def test_storage_growth_mid_run_keeps_every_history(model):
     outputs, ids = drive(engine, schedule)
     assert_matches_oracle(model, outputs, ids, schedule, capacity=64)
     assert engine.metrics.growths >= 1 and engine.cache.rows >= 50
+    engine.metrics = engine.metrics.fresh()  # counting from now: the growths above are not counted again
+    drive(engine, [(0, Request(random_prompt(rng, 3, 10), greedy(4)))])
+    assert (engine.metrics.growths, engine.metrics.steps > 0) == (0, True)
 
 
 def test_metrics_add_up(model):

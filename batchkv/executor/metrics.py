@@ -53,6 +53,11 @@ class Metrics:
     last_end: float = 0.0
     generation: int = 0  # the cache's storage generation last seen (set by the engine)
 
+    def fresh(self) -> Metrics:
+        """Empty totals for the same engine, counting from now: the storage generation is carried,
+        so earlier growths are not counted again (assign it to `engine.metrics` after a warm-up)."""
+        return Metrics(self.max_seqs, generation=self.generation)
+
     def note_generation(self, generation: int) -> None:
         """Count storage reallocations: the cache's generation moved to `generation`."""
         self.growths += generation - self.generation
