@@ -168,11 +168,11 @@ class EngineWorker:
             future.set_exception(error) if error is not None else future.set_result(None)
 
     @staticmethod
-    def _dispatch(deliveries: dict[Stream, list], written: threading.Event) -> None:
+    def _dispatch(deliveries: dict[Stream, list], written: threading.Event | None = None) -> None:
         for stream, items in deliveries.items():
             stream.queue.put_nowait(items)
-        # Callbacks run in order: the readers woken above run (and write their chunks) before this.
-        asyncio.get_running_loop().call_soon(written.set)
+        if written is not None:  # callbacks run in order: the readers woken above write their chunks first
+            asyncio.get_running_loop().call_soon(written.set)
 
     # ---- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -182,7 +182,7 @@ class EngineWorker:
             log.exception("the engine thread failed; failing %d live requests", len(self._routes))
             streams = {route.stream for route in self._routes.values()}
             self._routes.clear()
-            self._call(self._dispatch, dict.fromkeys(streams, exc), threading.Event())
+            self._call(self._dispatch, dict.fromkeys(streams, exc))
         finally:
             self._ended = True  # before the queue is emptied (see `submit`)
             while not self._commands.empty():  # this thread is its only reader
@@ -281,7 +281,7 @@ class EngineWorker:
             log.exception("engine step failed; failing %d live requests", len(self._routes))
             streams = {route.stream for route in self._routes.values()}
             self._cancel_all()
-            self._call(self._dispatch, dict.fromkeys(streams, exc), threading.Event())
+            self._call(self._dispatch, dict.fromkeys(streams, exc))
             return
         self._steps += 1
         if self._steps % TRIM_STEPS == 0:
