@@ -112,6 +112,11 @@ def scales_refusal(
     return None
 
 
+def _cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device (`cuda` alone: the current one): the key of the per-device caches."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 _CVT: dict[int, bool] = {}
 
 
@@ -121,7 +126,7 @@ def e4m3_cvt_asm(device: torch.device) -> bool:
     e4m3 tensors on NVIDIA GPUs from sm_89 only: `refusal` refuses older ones."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
     if index not in _CVT:
         _CVT[index] = torch.cuda.get_device_capability(index) >= (8, 9)
     return _CVT[index]
@@ -135,7 +140,7 @@ def sm_count(device: torch.device) -> int:
     interpreter and few programs keep tests quick. Grids sized from it stay fixed per device."""
     if device.type != "cuda":
         return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
     if index not in _SMS:
         _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SMS[index]
