@@ -150,7 +150,8 @@ def test_rope_t_is_tracked_apart_from_the_kv_position(model):
 
 def test_steps_respect_the_token_budget_chunk_size_and_64_sampling_rows(model):
     every_width = tuple(range(1, 129))  # no padding, so no prompt chunk is trimmed to a bucket
-    engine = Engine(model, max_seqs=72, capacity=16, max_step_tokens=128, prefill_chunk=4, width_buckets=every_width)
+    engine = Engine(model, max_seqs=72, capacity=16, max_step_tokens=128, prefill_chunk=4, width_buckets=every_width,
+                    prefill_budget=128)  # fmt: skip
     rng = random.Random(6)
     schedule = [(0, Request(random_prompt(rng, 2, 6), greedy(rng.randint(2, 4)))) for _ in range(72)]
     seen = []

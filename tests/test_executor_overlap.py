@@ -303,8 +303,11 @@ def test_the_prefill_budget_caps_prompt_tokens_per_step(model):
         got, ids = drive(engine, schedule)
         for index, (_, request) in enumerate(schedule):
             assert (got[ids[index]].tokens[0], got[ids[index]].finish_reasons[0]) == oracle(model, request, CAPACITY)
-        prompt_tokens = [sum(step["prefill"].values()) for step in launches]
-        assert max(prompt_tokens) == (3 if budget else 16)
+        decoding = [sum(step["prefill"].values()) for step in launches if step["decode"]]
+        alone = [sum(step["prefill"].values()) for step in launches if not step["decode"]]
+        # None: half the 16-token step, at least a chunk (8; steps trimmed to a width bucket may take fewer)
+        assert max(decoding) == 3 if budget else 3 < max(decoding) <= 8
+        assert max(alone) == 16  # nothing decodes: the whole step
         steps[budget] = len(launches)
     assert steps[3] > steps[None]
     with pytest.raises(ConfigError, match="prefill_budget"):
