@@ -52,7 +52,7 @@ for p in "$@"; do
       --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --csv --page details \
       python3 bench/b1_ncu.py ;;
     summary) phase summary 60 python3 bench/summary.py "$OUT" ;;
-    overlap) phase overlap 170 python3 bench/serve_profile.py --out "$OUT/serve-profile-h200.json" ;;
+    overlap) phase overlap 170 python3 bench/serve_profile.py --out "$OUT/${OVERLAP_NAME:-serve-profile-h200}.json" ${OVERLAP_ARGS:-} ;;
     budget) phase budget 580 python3 bench/serve_sweep.py --out "$OUT/serve-sweep-h200.json" --budget-s 420 ;;
     *) echo "unknown phase $p" ;;
   esac

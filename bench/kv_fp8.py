@@ -50,7 +50,7 @@ from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config, sdpa_varl
 from batchkv.ops.support import empty_scales
 
 FP8 = torch.float8_e4m3fn
-CASES = {  # name: (batch, q_len, kv_end of each sequence, or None for U[64, 8192])
+CASES = {  # name: (batch, q_len, kv_end of each sequence, or None for U[64, 8192], or (lo, hi) for U[lo, hi])
     "b1-l1024": (1, 1, [1024]),
     "b1-l4096": (1, 1, [4096]),
     "b1-l9100": (1, 1, [9100]),
@@ -60,10 +60,14 @@ CASES = {  # name: (batch, q_len, kv_end of each sequence, or None for U[64, 819
     "b64-mixed": (64, 1, None),
     "b32-verify4": (32, 4, None),
     "b64-l512": (64, 1, [512] * 64),
+    "b64-serve": (64, 1, (64, 3072)),  # the serving benchmark's histories (prompt U[64, 2048] + output U[64, 1024])
+    "prefill-2x512": (2, 512, [2048, 1536]),  # two 512-token prompt chunks (long path), as a serving step's
 }
-SWEEP_CASES = ("b1-l4096", "b32-mixed", "b64-mixed", "b32-verify4")
+SWEEP_CASES = ("b1-l4096", "b64-mixed", "b64-serve", "prefill-2x512")
 SWEEP = [{}, {"block_n": 64}, {"block_n": 128, "num_stages": 4}, {"block_n": 64, "num_stages": 4},
-         {"occupancy": 3}, {"occupancy": 1}, {"min_blocks": 2}, {"heads": 2, "occupancy": 4}]  # fmt: skip
+         {"occupancy": 3}, {"occupancy": 1}, {"min_blocks": 2}, {"min_blocks": 4}, {"heads": 2, "occupancy": 4},
+         {"block_m_long": 64, "num_warps_long": 4}, {"block_n_long": 128}, {"block_n_long": 32},
+         {"num_stages_long": 2}, {"block_m_long": 64, "block_n_long": 128, "num_warps_long": 4}]  # fmt: skip
 
 
 class Shape:
@@ -82,9 +86,12 @@ class Case:
     def __init__(self, name: str, shape: Shape, l2_bytes: int, smoke: bool) -> None:
         batch, q_len, lengths = CASES[name]
         gen = torch.Generator().manual_seed(0)
-        if smoke:  # the same pattern, shrunk: at most 4 sequences of at most `rows` keys
+        ranged = isinstance(lengths, tuple)
+        (lo, hi), lengths = (lengths, None) if ranged else (shape.mixed, lengths)
+        if smoke:  # the same pattern, shrunk: at most 4 sequences of at most `rows` keys, prompt chunks a 16th
             batch, lengths = min(batch, 4), [min(n // 32, shape.rows) for n in lengths[:4]] if lengths else None
-        lo, hi = shape.mixed
+            q_len = q_len // 16 if q_len > 16 else q_len
+            lo, hi = (max(1, lo // 32), min(hi // 32, shape.rows)) if ranged else (lo, hi)
         self.name, self.batch, self.q_len = name, batch, q_len
         self.lengths = lengths or torch.randint(lo, hi + 1, (batch,), generator=gen).tolist()
         keys = sum(self.lengths) * shape.hkv * 2  # (position, head) rows of K and V

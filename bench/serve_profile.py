@@ -35,6 +35,7 @@ from step_profile import kind_of
 from batchkv.executor import Engine, Request, SamplingParams
 from batchkv.models import build_model, preset_config
 
+KV_DTYPES = {"model": None, "fp8": torch.float8_e4m3fn}  # --kv-dtype: K/V storage
 GAP_US = 20.0  # gaps between device intervals longer than this are listed
 
 
@@ -46,7 +47,9 @@ def serve_workload(n: int, prompt: tuple[int, int], output: tuple[int, int], voc
     return [Request(p, SamplingParams(max_new_tokens=o)) for p, o in zip(prompts, outputs, strict=True)]
 
 
-def serving_engine(model, device, requests, *, max_seqs, chunk, budget, overlap, prefill_budget=None) -> Engine:
+def serving_engine(
+    model, device, requests, *, max_seqs, chunk, budget, overlap, prefill_budget=None, kv_dtype=None
+) -> Engine:
     """The serving engine of the workload: capacity for its longest request, the store reserved."""
     capacity = max(len(r.prompt_ids) for r in requests) + max(r.params.max_new_tokens for r in requests) + 1
     engine = Engine(
@@ -58,6 +61,7 @@ def serving_engine(model, device, requests, *, max_seqs, chunk, budget, overlap,
         prefill_budget=prefill_budget,
         device=device,
         overlap=overlap,
+        kv_dtype=kv_dtype,
     )
     engine.cache.reserve(capacity)  # no growth (and recapture) mid-run
     return engine
@@ -68,8 +72,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def device_intervals(prof, device: torch.device) -> list[tuple[float, float, str]]:
-    """(start us, end us, kind) of every kernel, copy and memset the profiler saw on the device.
+def device_intervals(prof, device: torch.device) -> list[tuple[float, float, str, str]]:
+    """(start us, end us, kind, name) of every kernel, copy and memset the profiler saw on the device.
     On the CPU (smoke tests) the top-level aten ops stand in for kernels."""
     out = []
     for event in prof.events():
@@ -80,19 +84,22 @@ def device_intervals(prof, device: torch.device) -> list[tuple[float, float, str
             continue
         name = event.name.lower()
         kind = "memcpy" if "memcpy" in name or "memset" in name else kind_of(event.name)
-        out.append((event.time_range.start, event.time_range.end, kind))
+        out.append((event.time_range.start, event.time_range.end, kind, event.name[:80]))
     return sorted(out)
 
 
-def split(intervals: list[tuple[float, float, str]], steps: int) -> dict:
-    """GPU busy (union) against gaps over the span of `intervals`, per step, in ms."""
+def split(intervals: list[tuple[float, float, str, str]], steps: int) -> dict:
+    """GPU busy (union) against gaps over the span of `intervals`, per step, in ms; time by kernel
+    kind and by name (the 12 largest)."""
     if not intervals:
         return {"device_events": 0}
-    lo, hi = intervals[0][0], max(end for _, end, _ in intervals)
+    lo, hi = intervals[0][0], max(end for _, end, _, _ in intervals)
     busy, cursor, gaps = 0.0, lo, []
     by_kind: dict[str, float] = defaultdict(float)
-    for start, end, kind in intervals:
+    by_name: dict[str, float] = defaultdict(float)
+    for start, end, kind, name in intervals:
         by_kind[kind] += end - start
+        by_name[name] += end - start
         if start > cursor:
             gaps.append(start - cursor)
         busy += max(0.0, end - max(start, cursor))
@@ -106,6 +113,9 @@ def split(intervals: list[tuple[float, float, str]], steps: int) -> dict:
         "gap_ms_per_step": (wall - busy) / steps / 1e3,
         "busy_fraction": busy / wall if wall else 0.0,
         "kernel_ms_per_step_by_kind": {k: v / steps / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "kernel_ms_per_step_by_name": {
+            k: v / steps / 1e3 for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+        },
         "gaps_over_20us": {
             "count": len(long),
             "ms_per_step": sum(long) / steps / 1e3,
@@ -117,7 +127,7 @@ def split(intervals: list[tuple[float, float, str]], steps: int) -> dict:
 def profile_mode(model, device, requests, args, overlap: bool) -> dict:
     engine = serving_engine(
         model, device, requests, max_seqs=args.max_seqs, chunk=args.chunk, budget=args.budget, overlap=overlap,
-        prefill_budget=args.prefill_budget,
+        prefill_budget=args.prefill_budget, kv_dtype=KV_DTYPES[args.kv_dtype],
     )  # fmt: skip
     for request in requests:
         engine.submit(request)
@@ -173,6 +183,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=200, help="steps before timing (graphs captured, columns busy)")
     ap.add_argument("--steps", type=int, default=60, help="steps timed, then as many profiled")
     ap.add_argument("--modes", default="on,off", help="overlap modes to run, in order")
+    ap.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default="model", help="K/V storage (fp8: e4m3)")
     args = ap.parse_args()
     if args.small:
         args.requests, args.max_seqs, args.chunk, args.budget, args.warmup, args.steps = 16, 8, 32, 64, 12, 8

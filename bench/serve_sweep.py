@@ -26,6 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from decode import full_chunk_step_ms, warm_up
+from online import poisson_arrivals, run_online
 from serve_profile import serve_workload, serving_engine, sync
 
 from batchkv.models import build_model, preset_config
@@ -56,6 +58,28 @@ def serve_cell(model, device, requests, args, budget: int | None, overlap: bool)
             "tokens_per_s": summary["generated_tokens"] / wall, **{k: summary[k] for k in KEEP}}  # fmt: skip
 
 
+def online_cell(model, device, requests, args, budget: int | None) -> dict:
+    """A fresh engine with one `prefill_budget`, warmed, serving Poisson arrivals at `--online-rate`
+    (seed 1, `--online-window-s` of arrivals, as bench/decode.py's medium rate); TTFT also in units
+    of `full_chunk_step_ms` measured on the same engine."""
+    engine = serving_engine(
+        model, device, requests, max_seqs=args.max_seqs, chunk=args.chunk, budget=args.budget, overlap=True,
+        prefill_budget=budget,
+    )  # fmt: skip
+    prompts = [r.prompt_ids for r in requests]
+    outputs = [r.params.max_new_tokens for r in requests]
+    warm_up(engine, device, prompts, outputs)
+    unit = full_chunk_step_ms(engine, device, prompts)
+    n = int(min(len(prompts), max(4, round(args.online_rate * args.online_window_s))))
+    row = run_online(engine, prompts[:n], outputs[:n], poisson_arrivals(n, args.online_rate, seed=1))
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"prefill_budget": budget, "online_rate": args.online_rate, "full_chunk_step_ms": unit,
+            "ttft_p50_in_full_chunk_steps": row["ttft_p50_ms"] / unit, **row}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/serve-sweep-h200.json")
@@ -69,12 +93,16 @@ def main() -> None:
     ap.add_argument("--prefill-budgets", default="256,512,1024", help="comma list; 0 means None (the step's rest)")
     ap.add_argument("--off-budgets", default="1024", help="budgets also run with overlap off (comma list, or empty)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip cells that would start after this")
+    ap.add_argument("--online-rate", type=float, default=0.0, help="req/s: also serve arrivals per budget (0: no)")
+    ap.add_argument("--online-window-s", type=float, default=12.0, help="seconds of arrivals per online cell")
+    ap.add_argument("--online-only", action="store_true", help="skip the offline cells")
     args = ap.parse_args()
     budgets = [int(b) or None for b in args.prefill_budgets.split(",") if b]
     off = [int(b) or None for b in args.off_budgets.split(",") if b]
     if args.small:
         args.requests, args.max_seqs, args.chunk, args.budget = 16, 8, 32, 64
         budgets, off = [16, None], [None]
+        args.online_window_s = min(args.online_window_s, 2.0)
     device = torch.device(args.device)
     prompt, output = ((8, 64), (8, 48)) if args.small else ((64, 2048), (64, 1024))
     requests = serve_workload(args.requests, prompt, output, preset_config(args.preset).vocab)
@@ -90,7 +118,17 @@ def main() -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    cells = [(b, True) for b in budgets] + [(b, False) for b in off]
+    cells = [] if args.online_only else [(b, True) for b in budgets] + [(b, False) for b in off]
+    for budget in budgets if args.online_rate > 0 else []:
+        if time.perf_counter() - began > args.budget_s:
+            result["skipped"].append({"prefill_budget": budget, "online_rate": args.online_rate})
+            continue
+        r = online_cell(model, device, requests, args, budget)
+        result.setdefault("online", []).append(r)
+        print(f"online {args.online_rate} req/s, prefill_budget {budget}: ttft p50 {r['ttft_p50_ms']:.0f} ms "
+              f"({r['ttft_p50_in_full_chunk_steps']:.2f} full-chunk steps of {r['full_chunk_step_ms']:.1f} ms), "
+              f"itl p50/p99 {r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f} ms", flush=True)  # fmt: skip
+        out.write_text(json.dumps(result, indent=2) + "\n")
     for budget, overlap in cells:
         if time.perf_counter() - began > args.budget_s:
             result["skipped"].append({"prefill_budget": budget, "overlap": overlap})
