@@ -55,8 +55,8 @@ def add_scheduling_options(group: argparse._ArgumentGroup, *, max_seqs: int, hel
         "--prefill-budget",
         type=bounded(int, 1, MAX_STEP_TOKENS),
         metavar="N",
-        help="most prompt tokens, all prompts, in a step that also decodes (default: half of --max-step-tokens, "
-        "at least one prefill chunk; a step with nothing decoding fills the step)",
+        help="most prompt tokens per step, all prompts, while samples are running (default: half of "
+        "--max-step-tokens, at least one prefill chunk; with none running a step fills the step)",
     )
     group.add_argument(
         "--overlap",

@@ -56,8 +56,8 @@ class Engine:
         `max_positions` when it has one, else `DEFAULT_CAPACITY` (4096).
     max_step_tokens: token budget of one step (decode tokens + prompt chunks).
     prefill_chunk: most prompt tokens one sequence writes in one step (the cache's max_write).
-    prefill_budget: most prompt tokens, all prompts together, in a step that also decodes (a step
-        with nothing decoding fills the step budget). None: half of max_step_tokens, at least one
+    prefill_budget: most prompt tokens per step, all prompts together, while samples are running
+        (with none running a step fills the step budget). None: half of max_step_tokens, at least one
         prefill_chunk (`default_prefill_budget`, measured on the H200). Lower keeps steps short while
         prompts arrive (inter-token latency); higher finishes prompts in fewer steps (time to first
         token).

@@ -2,10 +2,10 @@
 
 Pure bookkeeping over `BatchedSequenceCache`'s BatchControl verbs; no tensors. Each step packs, in
 order: one decode token per running sample (round-robin when a step cannot take them all), then
-chunks of admitted prompts (FIFO) within the token budget and, when the step decodes, the prefill
-budget (`default_prefill_budget`). A prompt may take several steps; the step that writes its last
-token samples its first token(s), and a request with n > 1 then forks with `seq_clone` into n
-sequences that decode independently.
+chunks of admitted prompts (FIFO) within the token budget and, while samples are running, the
+prefill budget (`default_prefill_budget`). A prompt may take several steps; the step that writes
+its last token samples its first token(s), and a request with n > 1 then forks with `seq_clone`
+into n sequences that decode independently.
 
 A step is applied in two halves, so the host can plan the next step before this one's tokens are
 read (`batchkv.executor.pipeline`): `launched(batch)` right after the step is queued and committed
@@ -34,10 +34,12 @@ __all__ = ["Batch", "RequestState", "SampleState", "Scheduler", "default_prefill
 
 
 def default_prefill_budget(max_step_tokens: int, prefill_chunk: int) -> int:
-    """Prompt tokens a step that also decodes carries when `prefill_budget` is None: half the step
+    """Prompt tokens a step carries while samples run when `prefill_budget` is None: half the step
     budget, at least one chunk. Measured on the H200 (bench/results/serve-sweep-h200.json, 8B
-    shape, 1,024-token steps, 512-token chunks): 512 served the most tokens/s with inter-token p99
-    2.0x p50; 1,024 (the whole step) 2.4% fewer tokens/s with p99 3.5x p50; 256 1.2% fewer."""
+    shape, 1,024-token steps, 512-token chunks, with the budget then binding every step): 512
+    served the most tokens/s with inter-token p99 2.0x p50; 1,024 (the whole step) 2.4% fewer
+    tokens/s with p99 3.5x p50; 256 1.2% fewer. At that shape half the step and one chunk are the
+    same 512; the rule between them is a choice, not a measurement."""
     return max(prefill_chunk, max_step_tokens // 2)
 
 
@@ -57,8 +59,8 @@ class Scheduler:
         self.cache = cache
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
-        # prompt tokens per step that also decodes, all prompts (a step with nothing decoding takes the
-        # whole step budget: there is no inter-token latency to protect)
+        # prompt tokens per step while samples are running, all prompts (with none running a step takes
+        # the whole step budget: there is no inter-token latency to protect)
         self.prefill_budget = prefill_budget or default_prefill_budget(max_step_tokens, prefill_chunk)
         self.buckets = buckets  # step widths; prompt chunks are trimmed to land on one
         self.sources: dict[SampleState, int] = {}  # sampling row of each sample in the last launched step
@@ -105,10 +107,13 @@ class Scheduler:
         # A step's sampling rows fit its width (the LM head runs on min(width, 64) rows).
         budget, rows = self.max_step_tokens, min(MAX_SAMPLE_ROWS, self.max_step_tokens)
         decode_tokens, decode_rows = budget, rows
+        # prompts share the step with running samples, whose next token waits for it: the prefill budget
+        # binds (with nothing running, the step is the prompts' alone)
+        prefill_cap = self.prefill_budget if self.running else budget
         if self.prefilling:  # the oldest prompt moves every step, and can sample when it is done
             head = self.prefilling[0]
             decode_tokens = budget - 1
-            if head.remaining <= self.prefill_chunk:
+            if head.remaining <= min(self.prefill_chunk, prefill_cap):  # it can finish in this step
                 decode_rows = rows - head.request.params.n
         take = min(len(self.running), decode_tokens, decode_rows)
         sources = []
@@ -121,9 +126,7 @@ class Scheduler:
             batch.rows.append(row)
             batch.samples.append(sample)
         batch.decode_tokens = take
-        budget, rows = budget - take, rows - take
-        if take:  # prompts share the step with decoding samples, whose next token waits for it
-            budget = min(budget, self.prefill_budget)
+        budget, rows = min(budget - take, prefill_cap), rows - take
         chunks = self._chunks(budget, rows)
         # Trim the prompt chunks so the step lands on a width bucket: padding rows cost a full
         # forward's compute, while trimmed prompt tokens simply go in the next step.

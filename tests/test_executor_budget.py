@@ -1,0 +1,100 @@
+"""The prefill budget: its default, and that it binds every step while samples are running (and
+only then), with tokens equal to the oracle's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from batchkv.executor import Engine, Request
+from batchkv.executor.scheduler import default_prefill_budget
+from tests.executor_helpers import drive, greedy, oracle, random_prompt
+from tests.toy_model import ToyModel
+
+CAPACITY = 48
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ToyModel(seed=0)
+
+
+def record_plans(engine: Engine) -> list[tuple[int, int, int]]:
+    """(samples running when the step was planned, decode rows, prompt tokens) of every launched step."""
+    seen: list[tuple[int, int, int]] = []
+    plan = engine.scheduler.plan
+
+    def spy():
+        running = len(engine.scheduler.running)
+        batch = plan()
+        if batch is not None:
+            seen.append((running, batch.decode_tokens, sum(chunk for _, chunk in batch.prefill)))
+        return batch
+
+    engine.scheduler.plan = spy
+    return seen
+
+
+def assert_oracle(model, engine: Engine, schedule) -> None:
+    got, ids = drive(engine, schedule)
+    for index, (_, request) in enumerate(schedule):
+        for sample in range(request.params.n):
+            expected = oracle(model, request, CAPACITY)
+            assert (got[ids[index]].tokens[sample], got[ids[index]].finish_reasons[sample]) == expected
+    engine.assert_idle()
+
+
+def test_the_default_is_half_the_step_at_least_one_chunk():
+    assert default_prefill_budget(1024, 512) == 512
+    assert default_prefill_budget(16, 2) == 8  # half the step
+    assert default_prefill_budget(16, 12) == 12  # at least one chunk
+    assert default_prefill_budget(5, 1) == 2
+    assert default_prefill_budget(1, 1) == 1
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_default_binds_steps_while_samples_run_and_not_the_ramp(model, overlap):
+    engine = Engine(model, max_seqs=8, capacity=CAPACITY, max_step_tokens=16, prefill_chunk=2,
+                    width_buckets=tuple(range(1, 17)), overlap=overlap)  # fmt: skip
+    assert engine.scheduler.prefill_budget == 8
+    plans = record_plans(engine)
+    rng = random.Random(2)
+    schedule = [(0, Request(random_prompt(rng, 1, 1), greedy(30)))]  # one decoder from the first steps
+    schedule += [(2, Request(random_prompt(rng, 12, 12), greedy(2))) for _ in range(6)]
+    schedule += [(40, Request(random_prompt(rng, 12, 12), greedy(2))) for _ in range(2)]  # after all finished
+    assert_oracle(model, engine, schedule)
+    assert max(prompt for running, _, prompt in plans if running) == 8  # four 2-token chunks, not 15
+    assert max(prompt for running, _, prompt in plans if not running) == 4  # the late pair together
+
+
+def test_a_prompt_that_would_take_every_sampling_row_does_not_lift_the_budget(model):
+    # three decoding samples, then a prompt with n = 4 = the step's sampling rows: planning used to
+    # hand it every row (decode 0), and a step without decode rows ignored the budget
+    engine = Engine(model, max_seqs=12, capacity=CAPACITY, max_step_tokens=4, prefill_chunk=4, prefill_budget=1)
+    plans = record_plans(engine)
+    rng = random.Random(1)
+    schedule = [(0, Request(random_prompt(rng, 1, 1), greedy(20))) for _ in range(3)]
+    schedule += [(3, Request(random_prompt(rng, 3, 3), greedy(2, n=4)))]
+    assert_oracle(model, engine, schedule)
+    assert all(prompt <= 1 for running, _, prompt in plans if running)
+    # the samples wait out only the step that finishes the prompt (its 4 samples take every row)
+    assert [prompt for running, decode, prompt in plans if running and not decode] == [1]
+
+
+@pytest.mark.parametrize("step,chunk", [(1, 1), (2, 1), (3, 3), (5, 2), (16, 8), (16, 16)])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_small_and_equal_step_and_chunk_budgets_keep_the_oracles_tokens(model, step, chunk, overlap):
+    rng = random.Random(step * 7 + chunk)
+    schedule = [
+        (
+            rng.randint(0, 6),
+            Request(random_prompt(rng, 1, 20), greedy(rng.randint(1, 6), n=min(2, step) if i % 3 == 0 else 1)),
+        )
+        for i in range(6)
+    ]
+    engine = Engine(model, max_seqs=8, capacity=CAPACITY, max_step_tokens=step, prefill_chunk=chunk, overlap=overlap)
+    assert engine.scheduler.prefill_budget == default_prefill_budget(step, chunk) <= step
+    plans = record_plans(engine)
+    assert_oracle(model, engine, schedule)
+    assert all(prompt <= engine.scheduler.prefill_budget for running, _, prompt in plans if running)
