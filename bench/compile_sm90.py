@@ -120,8 +120,7 @@ def long(dtype="bf16", D=128, G=4, block_m=128, block_n=64, warps=8, stages=3, s
                  info="*i32", out=f"*{dtype}", qk_scale="fp32")  # fmt: skip
     tile_m = max(16, triton.next_power_of_2(block_q * G))
     consts = dict(QUANT=store == "fp8e4nv", CAUSAL=True, GROUP=G, HEAD_DIM=D, BLOCK_M=tile_m, BLOCK_Q=block_q,
-                  BLOCK_N=block_n, Q_SHORT=16, S_POW2=128, DOT_PREC="ieee" if dtype == "fp32" else "tf32",
-                  CVT_ASM=store == "fp8e4nv")  # fmt: skip
+                  BLOCK_N=block_n, Q_SHORT=16, S_POW2=128, DOT_PREC="ieee" if dtype == "fp32" else "tf32")  # fmt: skip
     label = f"long {'e4m3/' if store != dtype else ''}{dtype} D{D}"
     build(long_kernel, types, consts, warps, stages, f"{label} G{G} m{block_m} n{block_n} w{warps} s{stages}")
 
@@ -151,9 +150,9 @@ VARIANTS = [  # (function, keyword arguments)
     (long, {}),  # the default prefill tile
     (long, dict(block_m=64, warps=4, stages=2)),  # the previous one
     (long, dict(D=256, block_m=64, block_n=32, stages=2)),
-    (long, dict(store="fp8e4nv")),  # e4m3 prefill: int16 code pairs, as the split path
+    (long, dict(store="fp8e4nv")),  # e4m3 prefill: Triton's own conversion of 8-bit tiles
     (long, dict(store="fp8e4nv", dtype="fp32", block_m=64, block_n=32, stages=2)),
-    (long, dict(store="fp8e4nv", D=16)),  # D = 16: one QK dot over the re-interleaved K tile
+    (long, dict(store="fp8e4nv", D=16)),
 ]
 
 if __name__ == "__main__":

@@ -8,10 +8,6 @@ blocks of a segment (more keys, causally) get the lower program ids, so they sta
 Keys [k0, k1) are walked in three loops: a masked head (window or ring edge), unmasked interior
 blocks that every row attends whole, and a masked tail up to the causal diagonal of the tile's
 last query; k1 stops at that diagonal. Each loop is software-pipelined on its own.
-
-e4m3 stores read their codes as int16 pairs and convert them in registers (`_attend_range_e4m3`),
-as the split path does: fed to the dots as 8-bit tiles, they took the slow byte-wise layout
-conversions (on the H200 the long path ran 1.65x its bf16 time in a serving step).
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchkv.ops.sdpa_varlen_common import NEG_INF, P_SHIFT, full_bounds, ring_rows, row_bounds, unpack_pairs
+from batchkv.ops.sdpa_varlen_common import NEG_INF, P_SHIFT, full_bounds, ring_rows, row_bounds
 
 
 @triton.jit
@@ -28,70 +24,42 @@ def _locate_combine(a0, a1, b0, b1):
 
 
 @triton.jit
-def _attend_range(q_tile, k_base, v_base, stride_r, rows, k_ring, start0, stop, k1, row_lo, row_hi, m_i, l_i, acc,
-                  qk_scale, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  DOT_PREC: tl.constexpr):  # fmt: skip
-    """Online softmax over key blocks [start0, stop) (keys < k1), continuing (m_i, l_i, acc)."""
+def _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k_ring, start0, stop, k1,
+                  row_lo, row_hi, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
+    """Online softmax over key blocks [start0, stop) (keys < k1), continuing (m_i, l_i, acc).
+
+    QUANT: e4m3 codes convert to q's dtype; one [BLOCK_N] K scale vector scales the score columns
+    and one V scale vector scales p before the PV dot (see `sdpa_varlen_kernels`)."""
     offs_n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     for start in range(start0, stop, BLOCK_N):
         t = start + offs_n  # key positions
-        r = ring_rows(t, k_ring, rows).to(tl.int64)[:, None] * stride_r + d[None, :]
+        rr = ring_rows(t, k_ring, rows).to(tl.int64)
+        r = rr[:, None] * stride_r + d[None, :]
         in_range = (t < k1)[:, None]  # all true in interior blocks; cheap, and keeps one load path
         k = tl.load(k_base + r, mask=in_range, other=0.0)
-        s = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [M, N], log2 units
+        if QUANT:
+            k_s = tl.load(ks_base + rr[None, :] * stride_sr, mask=(t < k1)[None, :], other=0.0) * qk_scale
+            s = tl.dot(q_tile, tl.trans(k.to(q_tile.dtype)), input_precision=DOT_PREC) * k_s  # [M, N], log2 units
+        else:
+            s = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [M, N], log2 units
         if MASKED:
             s = tl.where((t[None, :] >= row_lo[:, None]) & (t[None, :] < row_hi[:, None]), s, NEG_INF)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # a row without keys yet stays at exp2(-inf) = 0
         alpha = tl.exp2(m_i - m_safe)
+        if QUANT:  # p times 2^P_SHIFT, l_i with it (acc / l_i is unchanged): p * v_scale stays normal in fp16
+            m_safe -= P_SHIFT
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + r, mask=in_range, other=0.0)
+        if QUANT:
+            p = p * tl.load(vs_base + rr[None, :] * stride_sr, mask=(t < k1)[None, :], other=0.0)
+            v = v.to(q_tile.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
     return m_i, l_i, acc
-
-
-@triton.jit
-def _attend_range_e4m3(q_tile, q_even, q_odd, k_ptr, v_ptr, ks_base, vs_base, stride_rl, stride_sr, rows, k_ring,
-                       start0, stop, k1, row_lo, row_hi, m_i, l_i, acc, acc_odd, qk_scale, MASKED: tl.constexpr,
-                       BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr,
-                       CVT_ASM: tl.constexpr):  # fmt: skip
-    """`_attend_range` over e4m3 codes read as int16 pairs (k_ptr, v_ptr: int16 pointers, row stride
-    stride_rl), as the split path reads them (`sdpa_varlen_attend`): scores q_even @ K_even^T +
-    q_odd @ K_odd^T (one dot of q_tile with K joined back at D = 16) times the keys' K scales; p
-    times the V scales (and 2^P_SHIFT, which l_i carries too) into the even and odd output columns
-    (acc, acc_odd)."""
-    DIM: tl.constexpr = HEAD_DIM // 2
-    offs_n = tl.arange(0, BLOCK_N)
-    d = tl.arange(0, DIM)
-    for start in range(start0, stop, BLOCK_N):
-        t = start + offs_n
-        rr = ring_rows(t, k_ring, rows).to(tl.int64)
-        r = rr[:, None] * stride_rl + d[None, :]
-        in_range = (t < k1)[:, None]
-        k_s = tl.load(ks_base + rr[None, :] * stride_sr, mask=(t < k1)[None, :], other=0.0) * qk_scale
-        k_even, k_odd = unpack_pairs(tl.load(k_ptr + r, mask=in_range, other=0), q_tile.dtype, CVT_ASM)
-        if DIM >= 16:
-            s = tl.dot(q_even, tl.trans(k_even), input_precision=DOT_PREC)
-            s = tl.dot(q_odd, tl.trans(k_odd), s, input_precision=DOT_PREC) * k_s
-        else:  # D = 16: a GPU dot contracts >= 16 columns
-            k = tl.reshape(tl.join(k_even, k_odd), [BLOCK_N, HEAD_DIM])
-            s = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PREC) * k_s
-        if MASKED:
-            s = tl.where((t[None, :] >= row_lo[:, None]) & (t[None, :] < row_hi[:, None]), s, NEG_INF)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - (m_safe - P_SHIFT)[:, None])  # 2^P_SHIFT times larger: p * v_scale stays normal in fp16
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_even, v_odd = unpack_pairs(tl.load(v_ptr + r, mask=in_range, other=0), q_tile.dtype, CVT_ASM)
-        p = (p * tl.load(vs_base + rr[None, :] * stride_sr, mask=(t < k1)[None, :], other=0.0)).to(q_tile.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p, v_even, input_precision=DOT_PREC)
-        acc_odd = acc_odd * alpha[:, None] + tl.dot(p, v_odd, input_precision=DOT_PREC)
-        m_i = m_new
-    return m_i, l_i, acc, acc_odd
 
 
 @triton.jit
@@ -99,7 +67,7 @@ def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, S, T, rows, wi
                 stride_qt, stride_qh, stride_r, stride_c, stride_h, stride_sr, stride_sc, stride_sh, stride_ot,
                 stride_oh, QUANT: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, Q_SHORT: tl.constexpr,
-                S_POW2: tl.constexpr, DOT_PREC: tl.constexpr, CVT_ASM: tl.constexpr):  # fmt: skip
+                S_POW2: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     h = tl.program_id(1)
     idx = tl.arange(0, S_POW2)
@@ -135,36 +103,21 @@ def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, S, T, rows, wi
     a = tl.minimum(k0 + (tl.maximum(full_lo - k0, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, k1)  # interior start
     b = tl.maximum(a + tl.maximum(tl.minimum(full_hi, k1) - a, 0) // BLOCK_N * BLOCK_N, a)  # interior end
     base = col * stride_c + h * stride_h
+    k_base, v_base = k_store + base, v_store + base
+    sc = col * stride_sc + h.to(tl.int64) * stride_sh  # this (column, KV head)'s scales
+    ks_base, vs_base = k_scale + sc, v_scale + sc
     m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    if QUANT:  # codes as int16 pairs; q's columns 0, 2, .. and 1, 3, ..
-        DIM: tl.constexpr = HEAD_DIM // 2
-        k_ptr = (k_store + base).to(tl.pointer_type(tl.int16))
-        v_ptr = (v_store + base).to(tl.pointer_type(tl.int16))
-        sc = col * stride_sc + h.to(tl.int64) * stride_sh  # this (column, KV head)'s scales
-        ks_base, vs_base = k_scale + sc, v_scale + sc
-        q_even, q_odd = tl.split(tl.reshape(q_tile, [BLOCK_M, DIM, 2]))
-        acc = tl.zeros([BLOCK_M, DIM], tl.float32)
-        acc_odd = tl.zeros([BLOCK_M, DIM], tl.float32)
-        m_i, l_i, acc, acc_odd = _attend_range_e4m3(
-            q_tile, q_even, q_odd, k_ptr, v_ptr, ks_base, vs_base, stride_r // 2, stride_sr, rows, k0, k0, a, k1,
-            row_lo, row_hi, m_i, l_i, acc, acc_odd, qk_scale, True, BLOCK_N, HEAD_DIM, DOT_PREC, CVT_ASM)  # fmt: skip
-        m_i, l_i, acc, acc_odd = _attend_range_e4m3(
-            q_tile, q_even, q_odd, k_ptr, v_ptr, ks_base, vs_base, stride_r // 2, stride_sr, rows, k0, a, b, k1,
-            row_lo, row_hi, m_i, l_i, acc, acc_odd, qk_scale, False, BLOCK_N, HEAD_DIM, DOT_PREC, CVT_ASM)  # fmt: skip
-        m_i, l_i, acc, acc_odd = _attend_range_e4m3(
-            q_tile, q_even, q_odd, k_ptr, v_ptr, ks_base, vs_base, stride_r // 2, stride_sr, rows, k0, b, k1, k1,
-            row_lo, row_hi, m_i, l_i, acc, acc_odd, qk_scale, True, BLOCK_N, HEAD_DIM, DOT_PREC, CVT_ASM)  # fmt: skip
-        acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_DIM])  # interleave the even and odd columns
-    else:
-        k_base, v_base = k_store + base, v_store + base
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, stride_r, rows, k0, k0, a, k1, row_lo, row_hi, m_i,
-                                      l_i, acc, qk_scale, True, BLOCK_N, HEAD_DIM, DOT_PREC)  # fmt: skip
-        m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, stride_r, rows, k0, a, b, k1, row_lo, row_hi, m_i,
-                                      l_i, acc, qk_scale, False, BLOCK_N, HEAD_DIM, DOT_PREC)  # fmt: skip
-        m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, stride_r, rows, k0, b, k1, k1, row_lo, row_hi, m_i,
-                                      l_i, acc, qk_scale, True, BLOCK_N, HEAD_DIM, DOT_PREC)  # fmt: skip
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, k0, a, k1,
+                                  row_lo, row_hi, m_i, l_i, acc, qk_scale, True, BLOCK_N, HEAD_DIM, DOT_PREC,
+                                  QUANT)  # fmt: skip
+    m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, a, b, k1,
+                                  row_lo, row_hi, m_i, l_i, acc, qk_scale, False, BLOCK_N, HEAD_DIM, DOT_PREC,
+                                  QUANT)  # fmt: skip
+    m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, b, k1, k1,
+                                  row_lo, row_hi, m_i, l_i, acc, qk_scale, True, BLOCK_N, HEAD_DIM, DOT_PREC,
+                                  QUANT)  # fmt: skip
     o = tl.where((l_i > 0)[:, None], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     ptrs = out + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(ptrs, o.to(out.dtype.element_ty), mask=row_ok[:, None])

@@ -235,7 +235,6 @@ def sdpa_varlen(
         long_kernel[(-(-num_tokens // block_q_long) + most_long, num_kv_heads)](
             q, k_store, v_store, k_scale, v_scale, seq_info, out, *args, *strides,
             BLOCK_M=max(16, triton.next_power_of_2(block_q_long * group)), BLOCK_Q=block_q_long,
-            BLOCK_N=cfg.block_n_long, CVT_ASM=quant and e4m3_cvt_asm(q.device), **common,
-            num_warps=cfg.num_warps_long, num_stages=cfg.num_stages_long,
+            BLOCK_N=cfg.block_n_long, **common, num_warps=cfg.num_warps_long, num_stages=cfg.num_stages_long,
         )  # fmt: skip
     return out
