@@ -179,6 +179,7 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
     def serve():
         ctx.engine = engine = serving_engine(ctx.model(), dev, ctx.prompts, ctx.outputs)
         warm_up(engine, dev, ctx.prompts, ctx.outputs)
+        warm_captures = engine.runner.captures
         log = StepLog(engine)
         r["serve_detail"] = d = serve_offline(engine, dev, ctx.prompts, ctx.outputs)
         cost = ctx.cost()
@@ -189,11 +190,14 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
             "requests_per_s": len(ctx.prompts) / d["wall_s"],
             "fair_roofline_tokens_per_s": d["generated_tokens"] / fair_s,
             "bytes_only_roofline_tokens_per_s": bytes_only,
-            "p50_itl_ms": d["itl_ms_p50"], "p99_itl_ms": d["itl_ms_p99"], "captures": d["captures"],
+            "p50_itl_ms": d["itl_ms_p50"], "p99_itl_ms": d["itl_ms_p99"],
+            "captures": d["captures"] - warm_captures, "captures_warm_up": warm_captures,
             "steps": len(log.steps), "fair_roofline_s": fair_s, "wall_s": d["wall_s"],
             "prefill_budget": engine.scheduler.prefill_budget, "overlap": engine.overlap, "warm_up": WARM_UP,
             "full_chunk_step_ms": full_chunk_step_ms(engine, dev, ctx.prompts),
         })  # fmt: skip
+        for row in r["serve"].get("online", []):  # rows of a resumed run: in this unit
+            row["ttft_p50_in_full_chunk_steps"] = row["ttft_p50_ms"] / r["serve"]["full_chunk_step_ms"]
         print(f"serve: {d['output_tokens_per_s_wall']:.0f} tok/s (fair roofline {d['generated_tokens'] / fair_s:.0f})")
 
     def online():

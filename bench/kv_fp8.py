@@ -359,7 +359,7 @@ def main() -> None:
     replays = 1 if args.smoke else max(100, args.replays)
     names = [n for n in args.cases.split(",") if n]
     if args.smoke and args.cases == parser.get_default("cases"):
-        names = ["b1-l1024", "b8-mixed", "b32-verify4"]
+        names = ["b1-l1024", "b8-mixed", "b32-verify4", "prefill-2x512"]  # every path: split, verify, long
     if args.sweep:
         sweep(report, shape, stores, replays, save, args.smoke)
         return

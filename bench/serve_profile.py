@@ -3,12 +3,14 @@ by kernel kind, with overlap on and off, on the 8B serving workload in steady st
 
 Workload (bench/decode.py's serving part): 256 requests, prompts U[64, 2048], outputs U[64, 1024],
 seed 0, greedy; 64 sequences, prefill chunk 512, step budget 1024 (`--prefill-budget` caps the
-prompt tokens of a step), CUDA graphs, the store reserved up front. Per mode, a fresh engine gets
-every request at once, runs `--warmup` steps (graphs captured, every column busy), times `--steps`
-steps, then profiles as many more under torch.profiler (CUDA activity only, so the host runs at
-its own speed). Reported per step: wall time, GPU busy (union of kernel and copy intervals from the
-first to the last kernel of the profiled steps), gap = wall - busy (the GPU waiting for the host),
-busy time by kernel kind, and the gaps over 20 us (count, sum, largest).
+prompt tokens of a step while samples run; default half the step), CUDA graphs, the store reserved
+up front. Per mode, a fresh engine gets every request at once, runs `--warmup` steps (graphs
+captured, every column busy), times `--steps` steps, then profiles as many more under
+torch.profiler (CUDA activity only, so the host runs at its own speed). Reported per step: wall
+time, GPU busy (union of kernel and copy intervals from the first to the last kernel of the
+profiled steps), gap = wall - busy (the GPU waiting for the host), busy time by kernel kind and
+name, and the gaps over 20 us (count, sum, largest); a capture during the profiled steps (a new
+width) is counted in `captures_during_profile` and shows as a large gap.
 
     python3 bench/serve_profile.py --out bench/results/serve-profile-h200.json          # H200, < 2 min
     python bench/serve_profile.py --preset sensenova-u1-tiny --small --out /tmp/p.json   # CPU smoke test
@@ -150,6 +152,7 @@ def profile_mode(model, device, requests, args, overlap: bool) -> dict:
         sync(device)
     result = {
         "overlap": engine.overlap,
+        "prefill_budget_used": engine.scheduler.prefill_budget,
         "graphs": engine.uses_graphs,
         "steps": args.steps,
         "running": engine.num_running,
@@ -179,7 +182,7 @@ def main() -> None:
     ap.add_argument("--max-seqs", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk per sequence")
     ap.add_argument("--budget", type=int, default=1024, help="max_step_tokens")
-    ap.add_argument("--prefill-budget", type=int, default=None, help="prompt tokens per step (default: the rest)")
+    ap.add_argument("--prefill-budget", type=int, default=None, help="prompt tokens per step (default: the engine's)")
     ap.add_argument("--warmup", type=int, default=200, help="steps before timing (graphs captured, columns busy)")
     ap.add_argument("--steps", type=int, default=60, help="steps timed, then as many profiled")
     ap.add_argument("--modes", default="on,off", help="overlap modes to run, in order")

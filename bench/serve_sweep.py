@@ -2,11 +2,13 @@
 
 Each cell serves the whole workload of bench/serve_profile.py (256 requests, prompts U[64, 2048],
 outputs U[64, 1024], 64 sequences, chunk 512, step budget 1024, graphs) on a fresh engine with one
-`prefill_budget` (most prompt tokens per step) and overlap on or off, and reports output tokens/s
+`prefill_budget` (most prompt tokens per step while samples run) and overlap on or off, and reports output tokens/s
 (wall clock), inter-token and first-token p50/p99, steps, step time and occupancy. A smaller budget
 keeps steps short while prompts stream in (inter-token p99) and spreads each prompt over more steps
 (first token later); a larger one finishes prompts sooner in longer steps. JSON after each cell;
-cells past `--budget-s` are skipped and listed.
+cells past `--budget-s` are skipped and listed. `--online-rate R` adds, per budget, a warmed engine
+serving Poisson arrivals at R requests/s, with time to first token also in units of a full-chunk
+step (`bench/decode.py`'s `full_chunk_step_ms`, measured on the same engine).
 
     python3 bench/serve_sweep.py --out bench/results/serve-sweep-h200.json      # H200, about 4 min
     python bench/serve_sweep.py --preset sensenova-u1-tiny --small --out /tmp/s.json   # CPU smoke test
@@ -50,11 +52,12 @@ def serve_cell(model, device, requests, args, budget: int | None, overlap: bool)
     sync(device)
     wall = time.perf_counter() - start
     summary = engine.metrics.summary()
+    prefill_budget_used = engine.scheduler.prefill_budget
     del engine
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return {"prefill_budget": budget, "overlap": overlap, "wall_s": wall,
+    return {"prefill_budget": budget, "prefill_budget_used": prefill_budget_used, "overlap": overlap, "wall_s": wall,
             "tokens_per_s": summary["generated_tokens"] / wall, **{k: summary[k] for k in KEEP}}  # fmt: skip
 
 
@@ -72,6 +75,7 @@ def online_cell(model, device, requests, args, budget: int | None) -> dict:
     unit = full_chunk_step_ms(engine, device, prompts)
     n = int(min(len(prompts), max(4, round(args.online_rate * args.online_window_s))))
     row = run_online(engine, prompts[:n], outputs[:n], poisson_arrivals(n, args.online_rate, seed=1))
+    row["prefill_budget_used"] = engine.scheduler.prefill_budget
     del engine
     gc.collect()
     if device.type == "cuda":
@@ -90,7 +94,7 @@ def main() -> None:
     ap.add_argument("--max-seqs", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk per sequence")
     ap.add_argument("--budget", type=int, default=1024, help="max_step_tokens")
-    ap.add_argument("--prefill-budgets", default="256,512,1024", help="comma list; 0 means None (the step's rest)")
+    ap.add_argument("--prefill-budgets", default="256,512,1024", help="comma list; 0 means None (the default)")
     ap.add_argument("--off-budgets", default="1024", help="budgets also run with overlap off (comma list, or empty)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip cells that would start after this")
     ap.add_argument("--online-rate", type=float, default=0.0, help="req/s: also serve arrivals per budget (0: no)")

@@ -1,0 +1,36 @@
+"""The serving and e4m3 benchmarks run end to end at smoke sizes on the CPU and write what their
+readers (bench/results, the README) take from them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(args: list[str], out: Path) -> dict:
+    proc = subprocess.run([sys.executable, *args, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+def test_kv_fp8_smoke_times_the_serving_histories_and_prompt_chunks_against_the_reference(tmp_path):
+    report = _run(["bench/kv_fp8.py", "--smoke", "--cases", "b64-serve,prefill-2x512"], tmp_path / "kv.json")
+    cases = {case["name"]: case for case in report["cases"]}
+    assert cases["prefill-2x512"]["q_len"] == 32 and cases["b64-serve"]["q_len"] == 1  # the long and split paths
+    for case in cases.values():
+        assert case["max_abs_err_fp8"] < 1e-3 and case["batchkv_fp8_us"] > 0 and case["batchkv_us"] > 0
+
+
+def test_serve_sweep_online_cells_report_first_token_time_in_full_chunk_steps(tmp_path):
+    args = ["bench/serve_sweep.py", "--preset", "sensenova-u1-tiny", "--small", "--online-rate", "4", "--online-only"]
+    report = _run(args, tmp_path / "sweep.json")  # --small: budgets 16 and None, 32-token chunks, 64-token steps
+    assert not report["cells"] and [row["prefill_budget"] for row in report["online"]] == [16, None]
+    assert [row["prefill_budget_used"] for row in report["online"]] == [16, 32]  # None: the default, half the step
+    for row in report["online"]:
+        assert row["full_chunk_step_ms"] > 0 and row["tokens"] > 0
+        assert row["ttft_p50_in_full_chunk_steps"] == row["ttft_p50_ms"] / row["full_chunk_step_ms"]
