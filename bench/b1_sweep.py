@@ -47,6 +47,12 @@ MIXED = ("b32-mixed", "b64-mixed")  # must not regress (within 3% of the default
 GRID = [  # most informative first, in case the budget ends the run early
     {},
     {"occupancy": 2, "block_n": 32, "min_blocks": 2},  # the best by sum of the 2026-11-30 sweep
+    # two launches: equal runs of the keys per program, then a merge (no scan, no atomics)
+    {"split_merge": True},
+    {"split_merge": True, "occupancy": 4},
+    {"split_merge": True, "occupancy": 1},
+    {"split_merge": True, "block_n": 128, "num_warps": 8},
+    {"split_merge": True, "block_n": 32, "occupancy": 4},
     # keys cut across warps: one softmax state per warp, 2 CTA barriers per key block instead of 9
     {"warp_split": 4},
     {"warp_split": 4, "occupancy": 1},

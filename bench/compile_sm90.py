@@ -29,6 +29,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batchkv.ops.sdpa_varlen_kernels import split_kernel
 from batchkv.ops.sdpa_varlen_long import long_kernel
+from batchkv.ops.sdpa_varlen_splitkv import splitkv_merge, splitkv_partials
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 TARGET = GPUTarget("cuda", 90, 32)
@@ -61,7 +62,7 @@ def hot_loop(best: list[str]) -> str:
 
 def build(fn, types: dict, consts: dict, warps: int, stages: int, label: str) -> None:
     """Compile `fn` for sm_90 and print one line; SASS_DIR (env) also gets the hot loop's SASS per label."""
-    if consts["QUANT"]:  # the store's scale planes have row stride 1, which Triton specialises as a constant
+    if consts.get("QUANT"):  # the store's scale planes have row stride 1, which Triton specialises as a constant
         consts = {**consts, "stride_sr": 1}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -125,6 +126,23 @@ def long(dtype="bf16", D=128, G=4, block_m=128, block_n=64, warps=8, stages=3, s
     build(long_kernel, types, consts, warps, stages, f"{label} G{G} m{block_m} n{block_n} w{warps} s{stages}")
 
 
+def splitkv(dtype="bf16", D=128, G=4, block_n=64, warps=4, stages=3, store=None, T=1):
+    """The split_merge variant's two kernels (`sdpa_varlen_splitkv.py`) for steps of T tokens."""
+    store = store or dtype
+    block_m = max(16, triton.next_power_of_2(T * G))
+    types = dict(q=f"*{dtype}", k_store=f"*{store}", v_store=f"*{store}", k_scale="*fp32", v_scale="*fp32",
+                 info="*i32", out=f"*{dtype}", o_part="*fp32", lse_part="*fp32", qk_scale="fp32")  # fmt: skip
+    consts = dict(QUANT=store == "fp8e4nv", CAUSAL=True, GROUP=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
+                  S_POW2=16, SKIP_MASKS=True, DOT_PREC="ieee" if dtype == "fp32" else "tf32",
+                  SECTOR={"fp32": 8, "fp8e4nv": 32}.get(store, 16), CVT_ASM=store == "fp8e4nv")  # fmt: skip
+    label = f"splitkv {'e4m3/' if store != dtype else ''}{dtype} D{D} G{G} T{T} n{block_n} w{warps} s{stages}"
+    build(splitkv_partials, types, consts, warps, stages, label)
+    g_pow2 = triton.next_power_of_2(G)
+    merge = dict(GROUP=G, G_POW2=g_pow2, HEAD_DIM=D, BLOCK_M=block_m, S_POW2=16,
+                 MERGE_SLOTS=min(64, 8192 // (g_pow2 * D)))  # fmt: skip
+    build(splitkv_merge, types, merge, 4, 1, f"splitkv merge {dtype} D{D} G{G}")
+
+
 VARIANTS = [  # (function, keyword arguments)
     (split, {}),  # b1 / narrow steps
     (split, dict(heads=4, block_n=16, warps=4)),  # wide steps (the default from 16 tokens)
@@ -153,6 +171,10 @@ VARIANTS = [  # (function, keyword arguments)
     (long, dict(store="fp8e4nv")),  # e4m3 prefill: Triton's own conversion of 8-bit tiles
     (long, dict(store="fp8e4nv", dtype="fp32", block_m=64, block_n=32, stages=2)),
     (long, dict(store="fp8e4nv", D=16)),
+    (splitkv, {}),  # SdpaConfig.split_merge: one decoding sequence
+    (splitkv, dict(block_n=128, warps=8)),
+    (splitkv, dict(store="fp8e4nv", block_n=128)),
+    (splitkv, dict(T=4)),  # verify blocks of 4
 ]
 
 if __name__ == "__main__":

@@ -44,6 +44,9 @@ class SdpaConfig:
     at least 16 * warp_split; meant for 16-bit and e4m3 stores with D <= 128: fp32 tiles and D 256
     spill registers on sm_90; `sdpa_varlen_warp_split.py`); prefetch: key blocks each program
     asks the L2 for ahead of its loads, the first ones before q is read (0: none).
+    split_merge: steps of at most q_short tokens take the two-launch split-KV variant
+    (`sdpa_varlen_splitkv.py`: `programs` equal runs of every live segment's keys, then a merge
+    launch; one head per program, no warp_split or prefetch); meant as a `narrow` config.
     narrow: the config of steps of at most narrow_width packed tokens (T is a static shape, so a
     captured graph keeps one config), e.g. a few-row variant for one decoding sequence beside the
     batch config; None: this one.
@@ -67,6 +70,7 @@ class SdpaConfig:
     merge_stages: int = 1
     warp_split: int = 1
     prefetch: int = 0
+    split_merge: bool = False
     narrow: SdpaConfig | None = None
     narrow_width: int = 0
     block_n_long: int = 0
@@ -99,6 +103,8 @@ def resolve_config(
         raise ContractError(f"{cfg}: heads must be 0 or a power of two, q_short and min_blocks >= 1")
     if cfg.warp_split < 1 or cfg.warp_split & (cfg.warp_split - 1) or cfg.prefetch < 0 or cfg.merge_stages < 1:
         raise ContractError(f"{cfg}: warp_split must be a power of two, prefetch >= 0 and merge_stages >= 1")
+    if cfg.split_merge and (cfg.heads > 1 or cfg.warp_split > 1 or cfg.prefetch):
+        raise ContractError(f"{cfg}: split_merge runs one KV head per program without warp_split or prefetch")
     esize = dtype.itemsize
     heads = math.gcd(cfg.heads or 1, num_kv_heads)
     num_warps = cfg.num_warps or (cfg.warp_split if cfg.warp_split > 1 else 4 if heads == 1 else heads)
