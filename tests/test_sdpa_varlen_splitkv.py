@@ -64,6 +64,17 @@ def test_e4m3_stores_match_reference_on_their_codes(head_dim):
     assert torch.equal(out[4:], torch.zeros_like(out[4:]))
 
 
+def test_a_table_that_overlaps_itself_writes_nothing_outside_out():
+    # outside the contract: three live segments over the one token of a T = 1 step, one of them
+    # claiming 5 queries; the kernels may compute anything for row 0 but must stay in bounds
+    (q, k, v), _ = make_case([(1, 0, 60)], rows=64, kv_heads=2, head_dim=16, pad=0)
+    info = torch.tensor([[0, 1, 0, 60], [0, 5, 0, 60], [0, 1, 0, 30]], dtype=torch.int32)
+    guarded = torch.full((3, *q.shape[1:]), 7.0)
+    sdpa_varlen(q, k, v, info, config=SPLIT, out=guarded[1:2])
+    assert torch.equal(guarded[0], torch.full_like(guarded[0], 7.0))
+    assert torch.equal(guarded[2], torch.full_like(guarded[2], 7.0))
+
+
 @pytest.mark.parametrize("bad", [{"heads": 2}, {"warp_split": 2}, {"prefetch": 1}])
 def test_split_merge_refuses_the_options_it_does_not_run(bad):
     with pytest.raises(ContractError, match="split_merge"):

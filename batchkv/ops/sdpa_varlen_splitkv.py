@@ -8,7 +8,8 @@ atomic, and a merge that starts only after the slowest program). Here instead:
 - `splitkv_partials`, grid (Hkv, P): every live segment's key range is cut into P equal runs of
   whole BLOCK_N-key blocks, one per program, so program p takes run p of every live segment (at
   most T of them) with no scan; each run's normalised fp32 output and log2-sum-exp go to partial
-  slot (segment rank, head, p). An empty run writes lse = -inf.
+  slot (segment rank, head, p). An empty run writes lse = -inf. Like the main path, it trusts the
+  table's contents but writes nothing outside `out` and its workspace, whatever they hold.
 - `splitkv_merge`, grid (T, Hkv): one program per (token, KV head) combines the P partials of its
   group's query heads, or writes zeros for a token no segment covers.
 
@@ -48,7 +49,9 @@ def splitkv_partials(q, k_store, v_store, k_scale, v_scale, info, o_part, lse_pa
     r = tl.arange(0, BLOCK_M)
     g = r % GROUP
     d = tl.arange(0, HEAD_DIM)
-    for j in range(0, tl.sum(live.to(tl.int32), 0)):
+    # at most min(T, S) live segments (their tokens are disjoint); the bound keeps a table that overlaps
+    # itself (outside the contract) from writing past the workspace
+    for j in range(0, tl.minimum(tl.sum(live.to(tl.int32), 0), tl.minimum(T, S))):
         hit = live & (rank == j)
         q_start = _pick(q_start_v, hit)
         q_len = _pick(q_len_v, hit)
@@ -81,7 +84,7 @@ def splitkv_partials(q, k_store, v_store, k_scale, v_scale, info, o_part, lse_pa
 
 
 @triton.jit
-def splitkv_merge(out, o_part, lse_part, info, S, P, stride_ot, stride_oh, GROUP: tl.constexpr,
+def splitkv_merge(out, o_part, lse_part, info, S, T, P, stride_ot, stride_oh, GROUP: tl.constexpr,
                   G_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, S_POW2: tl.constexpr,
                   MERGE_SLOTS: tl.constexpr):  # fmt: skip
     t = tl.program_id(0)
@@ -98,7 +101,9 @@ def splitkv_merge(out, o_part, lse_part, info, S, P, stride_ot, stride_oh, GROUP
     d = tl.arange(0, HEAD_DIM)
     c = tl.arange(0, MERGE_SLOTS)[:, None]
     row = i * GROUP + g[None, :]  # [1, G_POW2] tile rows of this token
-    ok = (g[None, :] < GROUP) & (g[None, :] * 0 + hits > 0)
+    # one covering segment (more only if the table overlaps itself), a slot and a row inside the workspace
+    inside = (hits == 1) & (j < tl.minimum(T, S)) & (i * GROUP < BLOCK_M)
+    ok = (g[None, :] < GROUP) & (g[None, :] * 0 + inside.to(tl.int32) > 0)
     m_i = tl.full([G_POW2], NEG_INF, tl.float32)
     l_i = tl.zeros([G_POW2], tl.float32)
     acc = tl.zeros([G_POW2, HEAD_DIM], tl.float32)
@@ -141,7 +146,7 @@ def split_merge(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, stri
     )  # fmt: skip
     g_pow2 = triton.next_power_of_2(group)
     splitkv_merge[(num_tokens, num_kv_heads)](
-        out, o_part, lse_part, seq_info, num_segments, programs, stride_ot, stride_oh, GROUP=group, G_POW2=g_pow2,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, S_POW2=s_pow2,
+        out, o_part, lse_part, seq_info, num_segments, num_tokens, programs, stride_ot, stride_oh, GROUP=group,
+        G_POW2=g_pow2, HEAD_DIM=head_dim, BLOCK_M=block_m, S_POW2=s_pow2,
         MERGE_SLOTS=max(1, min(64, triton.next_power_of_2(programs), 8192 // (g_pow2 * head_dim))), num_warps=4,
     )  # fmt: skip
