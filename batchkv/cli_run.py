@@ -263,13 +263,15 @@ def _report(args: argparse.Namespace, engine, device: str, items: list, result, 
     mode = ("graphs" if engine.uses_graphs else "eager") + (", overlap" if engine.overlap else "")
     cache = engine.cache
     title = f"batchkv run: {args.model} on {device} ({mode}), max_seqs {cache.max_seqs}, capacity {cache.capacity}"
+    title += f", prefill budget {engine.scheduler.prefill_budget}"
     if args.kv_dtype != "model":
         title += f", kv {args.kv_dtype}"
     sizing = engine.sizing.describe() if engine.sizing is not None else None
     print(summary_table(summary, title, graphs=engine.uses_graphs, sizing=sizing))
     if args.json:
         record = {"model": args.model, "device": device, "graphs": engine.uses_graphs, "overlap": engine.overlap,
-                  "max_seqs": cache.max_seqs, "capacity": cache.capacity, "sizing": sizing, **summary}  # fmt: skip
+                  "max_seqs": cache.max_seqs, "capacity": cache.capacity, "sizing": sizing,
+                  "prefill_budget": engine.scheduler.prefill_budget, **summary}  # fmt: skip
         record["interrupted"] = result.interrupted
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)

@@ -103,10 +103,11 @@ def test_run_sizes_the_store_to_memory_and_reports_what_it_chose(tmp_path, capsy
     assert cli.main([*argv, "--overlap", "off", "--json", str(out)]) == 0
     captured = capsys.readouterr()
     assert "sized the store: 64 sequences x 64 positions" in captured.err
-    for label in ("first token p99", "step time", "store", "max_seqs 64, capacity 64"):
+    for label in ("first token p99", "step time", "store", "max_seqs 64, capacity 64, prefill budget 8"):
         assert label in captured.out
     metrics = json.loads(out.read_text())
     assert metrics["max_seqs"] == 64 and metrics["overlap"] is False and metrics["sizing"].startswith("64 sequences")
+    assert metrics["prefill_budget"] == 8
     assert metrics["generated_tokens"] >= 4 * 2
 
 
