@@ -126,21 +126,21 @@ def long(dtype="bf16", D=128, G=4, block_m=128, block_n=64, warps=8, stages=3, s
     build(long_kernel, types, consts, warps, stages, f"{label} G{G} m{block_m} n{block_n} w{warps} s{stages}")
 
 
-def splitkv(dtype="bf16", D=128, G=4, block_n=64, warps=4, stages=3, store=None, T=1):
-    """The split_merge variant's two kernels (`sdpa_varlen_splitkv.py`) for steps of T tokens."""
+def splitkv(dtype="bf16", D=128, G=4, block_n=64, warps=4, stages=3, store=None, T=1, S=16):
+    """The split_merge variant's two kernels (`sdpa_varlen_splitkv.py`) for steps of T tokens over an
+    S-row table (the engine's tables have 2 x max_seqs rows)."""
     store = store or dtype
     block_m = max(16, triton.next_power_of_2(T * G))
     types = dict(q=f"*{dtype}", k_store=f"*{store}", v_store=f"*{store}", k_scale="*fp32", v_scale="*fp32",
                  info="*i32", out=f"*{dtype}", o_part="*fp32", lse_part="*fp32", qk_scale="fp32")  # fmt: skip
+    s_pow2 = max(16, triton.next_power_of_2(S))
     consts = dict(QUANT=store == "fp8e4nv", CAUSAL=True, GROUP=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
-                  S_POW2=16, SKIP_MASKS=True, DOT_PREC="ieee" if dtype == "fp32" else "tf32",
+                  S_POW2=s_pow2, SKIP_MASKS=True, DOT_PREC="ieee" if dtype == "fp32" else "tf32",
                   SECTOR={"fp32": 8, "fp8e4nv": 32}.get(store, 16), CVT_ASM=store == "fp8e4nv")  # fmt: skip
-    label = f"splitkv {'e4m3/' if store != dtype else ''}{dtype} D{D} G{G} T{T} n{block_n} w{warps} s{stages}"
+    label = f"splitkv {'e4m3/' if store != dtype else ''}{dtype} D{D} G{G} T{T} S{S} n{block_n} w{warps} s{stages}"
     build(splitkv_partials, types, consts, warps, stages, label)
-    g_pow2 = triton.next_power_of_2(G)
-    merge = dict(GROUP=G, G_POW2=g_pow2, HEAD_DIM=D, BLOCK_M=block_m, S_POW2=16,
-                 MERGE_SLOTS=min(64, 8192 // (g_pow2 * D)))  # fmt: skip
-    build(splitkv_merge, types, merge, 4, 1, f"splitkv merge {dtype} D{D} G{G}")
+    merge = dict(GROUP=G, HEAD_DIM=D, S_POW2=s_pow2, MERGE_SLOTS=64)
+    build(splitkv_merge, types, merge, 4, 3, f"splitkv merge {dtype} D{D} G{G} S{S}")
 
 
 VARIANTS = [  # (function, keyword arguments)
@@ -174,7 +174,9 @@ VARIANTS = [  # (function, keyword arguments)
     (splitkv, {}),  # SdpaConfig.split_merge: one decoding sequence
     (splitkv, dict(block_n=128, warps=8)),
     (splitkv, dict(store="fp8e4nv", block_n=128)),
-    (splitkv, dict(T=4)),  # verify blocks of 4
+    (splitkv, dict(S=128)),  # the engine's table at 64 sequences
+    (splitkv, dict(T=16, S=128)),  # 16 tokens: 64-row tiles, the tallest taken
+    (splitkv, dict(T=16, S=128, store="fp8e4nv", block_n=128)),
 ]
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import torch
 from batchkv.errors import ContractError
 from batchkv.ops import sdpa_varlen_reference
 from batchkv.ops.reference import quantize_fp8
+from batchkv.ops.sdpa_varlen_splitkv import takes_split_merge
 from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config, sdpa_varlen
 from batchkv.ops.support import to_scale_layout
 from tests.test_sdpa_varlen import check, make_case
@@ -62,6 +63,54 @@ def test_e4m3_stores_match_reference_on_their_codes(head_dim):
     ref = sdpa_varlen_reference(q, k_codes, v_codes, info, **scales)
     torch.testing.assert_close(out[:4], ref[:4], atol=2e-5, rtol=1e-4)
     assert torch.equal(out[4:], torch.zeros_like(out[4:]))
+
+
+@pytest.mark.parametrize(("head_dim", "group"), [(64, 5), (128, 8), (64, 1), (256, 2)])
+def test_head_dims_and_gqa_groups_match_reference(head_dim, group):
+    check([(2, 0, 70), (1, 1, 33)], rows=80, group=group, kv_heads=1, head_dim=head_dim, pad=1, config=SPLIT, atol=1e-4)
+
+
+@pytest.mark.parametrize("group", [3, 4])
+def test_a_verify_block_of_sixteen_queries_in_one_tile_matches_reference(group):
+    assert takes_split_merge(16, group, resolve_config(SPLIT, 16, torch.float32, 1, torch.device("cpu")))
+    check([(16, 0, 60)], rows=64, group=group, kv_heads=1, head_dim=16, pad=0, config=SPLIT)
+
+
+def test_live_segments_scattered_in_a_long_table_match_reference():
+    segments = [(0, 0, 0)] * 17 + [(1, 1, 50)] + [(0, 0, 0)] * 9 + [(2, 2, 30)] + [(0, 0, 0)] * 20
+    check(segments, rows=64, kv_heads=2, head_dim=16, pad=2, config=SPLIT)
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 17])
+def test_windows_narrower_than_a_verify_block_match_reference(window):
+    check([(5, 0, 100), (4, 1, 5), (2, 2, 30)], rows=128, window=window, kv_heads=1, head_dim=16, config=SPLIT)
+
+
+def test_more_programs_than_one_merge_round_takes_match_reference():
+    config = SdpaConfig(split_merge=True, block_n=16, programs=70)  # 64 partials per round: two rounds
+    check([(1, 0, 1200), (3, 1, 17)], rows=1210, kv_heads=1, head_dim=16, config=config)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16])
+def test_e4m3_at_head_dim_128_matches_reference(q_dtype):
+    (q, k, v), info = make_case([(1, 0, 70), (3, 1, 33)], rows=80, head_dim=128, kv_heads=1, pad=1)
+    (k_codes, k_scale), (v_codes, v_scale) = quantize_fp8(k), quantize_fp8(v)
+    scales = dict(k_scale=to_scale_layout(k_scale), v_scale=to_scale_layout(v_scale))
+    q = q.to(q_dtype)
+    out = torch.full_like(q, float("nan"))
+    sdpa_varlen(q, k_codes, v_codes, info, config=SPLIT, out=out, **scales)
+    ref = sdpa_varlen_reference(q, k_codes, v_codes, info, **scales)
+    atol = 2e-5 if q_dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out[:4].float(), ref[:4].float(), atol=atol, rtol=1e-3)
+    assert torch.equal(out[4:], torch.zeros_like(out[4:]))
+
+
+def test_steps_whose_tiles_would_be_taller_than_the_limit_take_the_main_path():
+    cfg = resolve_config(SPLIT, 16, torch.float32, 1, torch.device("cpu"))
+    assert takes_split_merge(16, 4, cfg) and not takes_split_merge(16, 5, cfg)  # 64 rows, 80 rows
+    assert not takes_split_merge(17, 1, cfg)  # wider than q_short
+    assert takes_split_merge(8, 4, cfg, quant=True) and not takes_split_merge(16, 4, cfg, quant=True)  # e4m3: 32
+    check([(3, 0, 60), (7, 1, 40), (1, 2, 9)], rows=64, group=8, kv_heads=1, head_dim=16, config=SPLIT)
 
 
 def test_a_table_that_overlaps_itself_writes_nothing_outside_out():

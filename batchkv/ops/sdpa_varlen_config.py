@@ -44,9 +44,10 @@ class SdpaConfig:
     at least 16 * warp_split; meant for 16-bit and e4m3 stores with D <= 128: fp32 tiles and D 256
     spill registers on sm_90; `sdpa_varlen_warp_split.py`); prefetch: key blocks each program
     asks the L2 for ahead of its loads, the first ones before q is read (0: none).
-    split_merge: steps of at most q_short tokens take the two-launch split-KV variant
-    (`sdpa_varlen_splitkv.py`: `programs` equal runs of every live segment's keys, then a merge
-    launch; one head per program, no warp_split or prefetch); meant as a `narrow` config.
+    split_merge: steps of at most q_short tokens with T * G <= 64 (32 on e4m3) take the two-launch
+    split-KV variant (`sdpa_varlen_splitkv.py`: `programs` equal runs of every live segment's
+    keys, then a merge launch; one head per program, no warp_split or prefetch); meant as a
+    `narrow` config.
     narrow: the config of steps of at most narrow_width packed tokens (T is a static shape, so a
     captured graph keeps one config), e.g. a few-row variant for one decoding sequence beside the
     batch config; None: this one.

@@ -15,8 +15,9 @@ How (device code in `sdpa_varlen_kernels.py` and `sdpa_varlen_long.py`):
   same launch writes exact zeros into rows no segment covers: a decode step is one launch;
 - long segments (prefill chunks) get one program per query block, with no split (a second launch,
   only when T > q_short);
-- opt-in (`SdpaConfig.split_merge`), steps of at most q_short tokens: equal runs of every segment's
-  keys per program, then a separate merge launch (`sdpa_varlen_splitkv.py`).
+- opt-in (`SdpaConfig.split_merge`), steps of at most q_short tokens whose segments fit one tile:
+  equal runs of every segment's keys per program, then a separate merge launch
+  (`sdpa_varlen_splitkv.py`).
 One program serves `heads` KV heads and their whole query groups, so K/V are read once per group
 and each key row read is heads * D contiguous elements.
 
@@ -45,7 +46,7 @@ from batchkv.errors import ContractError
 from batchkv.ops.sdpa_varlen_config import DEFAULT_CONFIG, SdpaConfig, pow2_floor, resolve_config
 from batchkv.ops.sdpa_varlen_kernels import split_kernel
 from batchkv.ops.sdpa_varlen_long import long_kernel
-from batchkv.ops.sdpa_varlen_splitkv import split_merge
+from batchkv.ops.sdpa_varlen_splitkv import split_merge, takes_split_merge
 from batchkv.ops.support import COMPUTE_DTYPES, e4m3_cvt_asm, quantized, refusal, scales_refusal
 
 __all__ = ["DEFAULT_CONFIG", "SdpaConfig", "resolve_config", "sdpa_varlen"]
@@ -206,9 +207,10 @@ def sdpa_varlen(
     )
     args = (num_segments, num_tokens, rows, window, qk_scale)
     long = num_tokens > cfg.q_short  # else no segment can be long: no second launch
-    if cfg.split_merge and not long:  # the two-launch variant for narrow steps
+    if takes_split_merge(num_tokens, group, cfg, quant):  # the two-launch variant for narrow steps
+        launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device))
         split_merge(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, strides, cfg, common,
-                    quant and e4m3_cvt_asm(q.device))  # fmt: skip
+                    quant and e4m3_cvt_asm(q.device), launch)  # fmt: skip
         return out
 
     # Split path: block_q queries per item; at most max_items items over all short segments.
