@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: run the named phases in order, each under its own time limit, with
 # results under $OUT. Phases: oomtests tests kernels sweep model decode profile compat summary serve fp8 fp8sweep
-# spec gemv b1 ncu overlap budget.
+# spec gemv b1 ncu overlap budget online.
 #   OUT=/tmp/out bash bench/gpu_session.sh tests kernels decode summary
 # Limits come from measured runs: tests took 120 s on a cold machine (26 tests, Triton compiles
 # first), so 300; kernels and decode carry their own wall-clock budgets (--budget-s) a little under
@@ -54,6 +54,8 @@ for p in "$@"; do
     summary) phase summary 60 python3 bench/summary.py "$OUT" ;;
     overlap) phase overlap 170 python3 bench/serve_profile.py --out "$OUT/${OVERLAP_NAME:-serve-profile-h200}.json" ${OVERLAP_ARGS:-} ;;
     budget) phase budget 580 python3 bench/serve_sweep.py --out "$OUT/serve-sweep-h200.json" --budget-s 420 ;;
+    online) phase online 280 python3 bench/serve_sweep.py --online-only --online-rate "${ONLINE_RATE:-4.04}" \
+      --out "$OUT/serve-sweep-online-h200.json" --budget-s 200 ${ONLINE_ARGS:-} ;;
     *) echo "unknown phase $p" ;;
   esac
 done
