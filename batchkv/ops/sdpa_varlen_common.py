@@ -80,6 +80,17 @@ def full_bounds(q_len, kv_end, rows, window, i_first, i_last, CAUSAL: tl.constex
 
 
 @triton.jit
+def q_for_dots(q_tile, store_ty: tl.constexpr, QUANT: tl.constexpr):
+    """q in the dtype the dots run in: the store's, or for e4m3 stores fp16 (codes convert to fp16 in
+    one instruction per pair, to bf16 in three), fp32 queries staying fp32."""
+    if not QUANT:
+        q_tile = q_tile.to(store_ty)
+    elif q_tile.dtype != tl.float32:
+        q_tile = q_tile.to(tl.float16)
+    return q_tile
+
+
+@triton.jit
 def unpack_pairs(x, dtype: tl.constexpr, CVT_ASM: tl.constexpr):
     """int16 x, each element two adjacent e4m3 codes (little-endian: the even column's in the low
     byte), as (even columns, odd columns) converted exactly to `dtype` (fp16 or fp32), x's shape.

@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from batchkv.ops.sdpa_varlen_attend import attend
-from batchkv.ops.sdpa_varlen_common import first_key, full_bounds, load_table, prefetch_keys, row_bounds
+from batchkv.ops.sdpa_varlen_common import first_key, full_bounds, load_table, prefetch_keys, q_for_dots, row_bounds
 from batchkv.ops.sdpa_varlen_merge import merge_partials
 from batchkv.ops.sdpa_varlen_warp_split import attend_warp_split
 
@@ -156,10 +156,7 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
         head = (h0 + hh) * GROUP + g[None, :, None]  # [HEADS, BLOCK_M, 1] query heads
         q_ptrs = q + token.to(tl.int64)[None, :, None] * stride_qt + head * stride_qh + d
         q_tile = tl.load(q_ptrs, mask=row_ok[None, :, None], other=0.0)
-        if not QUANT:  # the dots run in the store's dtype
-            q_tile = q_tile.to(k_store.dtype.element_ty)
-        elif q_tile.dtype != tl.float32:  # e4m3 codes convert to fp16 in one instruction per pair (bf16 takes
-            q_tile = q_tile.to(tl.float16)  # three): 16-bit queries dot in fp16; fp32 ones stay fp32
+        q_tile = q_for_dots(q_tile, k_store.dtype.element_ty, QUANT)
         if PREFETCH_CHECK:
             q_tile += trip.to(q_tile.dtype)  # NaN when a prefetch named a row outside the resident keys
         row_lo, row_hi = row_bounds(kv_end - q_len + i, row_ok, kv_end, rows, window, CAUSAL)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchkv.ops.sdpa_varlen_common import NEG_INF, P_SHIFT, full_bounds, ring_rows, row_bounds
+from batchkv.ops.sdpa_varlen_common import NEG_INF, P_SHIFT, full_bounds, q_for_dots, ring_rows, row_bounds
 
 
 @triton.jit
@@ -91,10 +91,7 @@ def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, S, T, rows, wi
     head = h * GROUP + r % GROUP
     q_ptrs = q + token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q_tile = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-    if not QUANT:  # the dots run in the store's dtype
-        q_tile = q_tile.to(k_store.dtype.element_ty)
-    elif q_tile.dtype != tl.float32:  # e4m3 codes convert to fp16 cheaply: 16-bit queries dot in fp16
-        q_tile = q_tile.to(tl.float16)
+    q_tile = q_for_dots(q_tile, k_store.dtype.element_ty, QUANT)
     row_lo, row_hi = row_bounds(kv_end - q_len + i, row_ok, kv_end, rows, window, CAUSAL)
     k0 = tl.min(tl.where(row_ok, row_lo, kv_end), 0)
     k1 = tl.max(tl.where(row_ok, row_hi, 0), 0)  # the tile's last query: the causal diagonal

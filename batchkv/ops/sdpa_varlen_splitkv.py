@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from batchkv.ops.sdpa_varlen_attend import attend
-from batchkv.ops.sdpa_varlen_common import NEG_INF, full_bounds, load_table, row_bounds
+from batchkv.ops.sdpa_varlen_common import NEG_INF, full_bounds, load_table, q_for_dots, row_bounds
 from batchkv.ops.sdpa_varlen_kernels import _blocks
 
 
@@ -76,10 +76,7 @@ def splitkv_partials(q, k_store, v_store, k_scale, v_scale, info, o_part, lse_pa
         head = h * GROUP + g
         q_ptrs = q + token.to(tl.int64)[None, :, None] * stride_qt + head[None, :, None] * stride_qh + d[None, None, :]
         q_tile = tl.load(q_ptrs, mask=row_ok[None, :, None], other=0.0)
-        if not QUANT:  # the dots run in the store's dtype
-            q_tile = q_tile.to(k_store.dtype.element_ty)
-        elif q_tile.dtype != tl.float32:  # e4m3 codes convert to fp16 cheaply (see sdpa_varlen_kernels)
-            q_tile = q_tile.to(tl.float16)
+        q_tile = q_for_dots(q_tile, k_store.dtype.element_ty, QUANT)
         row_lo, row_hi = row_bounds(kv_end - q_len + i, row_ok, kv_end, rows, window, CAUSAL)
         full_lo, full_hi = full_bounds(q_len, kv_end, rows, window, 0, q_len - 1, CAUSAL)
         kv = col * stride_c + h.to(tl.int64) * stride_h
