@@ -74,6 +74,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def release(device: torch.device) -> None:
+    """Give a dropped engine's memory back before the next one is built."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def device_intervals(prof, device: torch.device) -> list[tuple[float, float, str, str]]:
     """(start us, end us, kind, name) of every kernel, copy and memset the profiler saw on the device.
     On the CPU (smoke tests) the top-level aten ops stand in for kernels."""
@@ -166,9 +173,7 @@ def profile_mode(model, device, requests, args, overlap: bool) -> dict:
         engine.cancel(request_id)
     engine.run_until_done()  # finishes the step in flight
     del engine
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release(device)
     return result
 
 

@@ -17,7 +17,6 @@ step (`bench/decode.py`'s `full_chunk_step_ms`, measured on the same engine).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode import full_chunk_step_ms, warm_up
 from online import poisson_arrivals, run_online
-from serve_profile import serve_workload, serving_engine, sync
+from serve_profile import release, serve_workload, serving_engine, sync
 
 from batchkv.models import build_model, preset_config
 
@@ -54,9 +53,7 @@ def serve_cell(model, device, requests, args, budget: int | None, overlap: bool)
     summary = engine.metrics.summary()
     prefill_budget_used = engine.scheduler.prefill_budget
     del engine
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release(device)
     return {"prefill_budget": budget, "prefill_budget_used": prefill_budget_used, "overlap": overlap, "wall_s": wall,
             "tokens_per_s": summary["generated_tokens"] / wall, **{k: summary[k] for k in KEEP}}  # fmt: skip
 
@@ -77,9 +74,7 @@ def online_cell(model, device, requests, args, budget: int | None) -> dict:
     row = run_online(engine, prompts[:n], outputs[:n], poisson_arrivals(n, args.online_rate, seed=1))
     row["prefill_budget_used"] = engine.scheduler.prefill_budget
     del engine
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release(device)
     return {"prefill_budget": budget, "online_rate": args.online_rate, "full_chunk_step_ms": unit,
             "ttft_p50_in_full_chunk_steps": row["ttft_p50_ms"] / unit, **row}  # fmt: skip
 
