@@ -86,7 +86,7 @@ def build(fn, types: dict, consts: dict, warps: int, stages: int, label: str) ->
     regs, stack = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
     print(f"{label:44s} regs={regs[1] if regs else '?'} stack={stack[1] if stack else '?'} "
           f"smem={k.metadata.shared} cp.async={ptx.count('cp.async.cg')} mma={ptx.count('mma.sync')} "
-          f"wgmma={ptx.count('wgmma.mma_async')} | {hot_loop(body)}")  # fmt: skip
+          f"wgmma={ptx.count('wgmma.mma_async')} gdc={ptx.count('griddepcontrol')} | {hot_loop(body)}")  # fmt: skip
 
 
 def split(dtype="bf16", D=128, G=4, heads=1, block_n=64, warps=4, stages=3, skip=True, merge_tile=8192,
@@ -136,10 +136,10 @@ def splitkv(dtype="bf16", D=128, G=4, block_n=64, warps=4, stages=3, store=None,
     s_pow2 = max(16, triton.next_power_of_2(S))
     consts = dict(QUANT=store == "fp8e4nv", CAUSAL=True, GROUP=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
                   S_POW2=s_pow2, SKIP_MASKS=True, DOT_PREC="ieee" if dtype == "fp32" else "tf32",
-                  SECTOR={"fp32": 8, "fp8e4nv": 32}.get(store, 16), CVT_ASM=store == "fp8e4nv")  # fmt: skip
+                  SECTOR={"fp32": 8, "fp8e4nv": 32}.get(store, 16), CVT_ASM=store == "fp8e4nv", GDC=True)  # fmt: skip
     label = f"splitkv {'e4m3/' if store != dtype else ''}{dtype} D{D} G{G} T{T} S{S} n{block_n} w{warps} s{stages}"
     build(splitkv_partials, types, consts, warps, stages, label)
-    merge = dict(GROUP=G, HEAD_DIM=D, S_POW2=s_pow2, MERGE_SLOTS=64)
+    merge = dict(GROUP=G, HEAD_DIM=D, S_POW2=s_pow2, MERGE_SLOTS=64, GDC=True)  # as launched on sm_90
     build(splitkv_merge, types, merge, 4, 3, f"splitkv merge {dtype} D{D} G{G} S{S}")
 
 

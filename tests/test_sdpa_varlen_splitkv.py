@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from batchkv.errors import ContractError
-from batchkv.ops import sdpa_varlen_reference
+from batchkv.ops import sdpa_varlen_reference, sdpa_varlen_triton
 from batchkv.ops.reference import quantize_fp8
 from batchkv.ops.sdpa_varlen_splitkv import takes_split_merge
 from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config, sdpa_varlen
@@ -51,6 +51,23 @@ def test_as_the_narrow_config_it_serves_narrow_steps_only():
     config = SdpaConfig(block_n=16, narrow=SPLIT, narrow_width=2)
     check([(1, 0, 150), (1, 1, 9)], rows=160, kv_heads=2, head_dim=16, pad=0, config=config)  # T = 2: split_merge
     check([(1, 0, 150), (3, 1, 9)], rows=160, kv_heads=2, head_dim=16, pad=0, config=config)  # T = 4: the outer
+
+
+@pytest.mark.parametrize(
+    ("segments", "takes"),
+    [
+        ([(1, 0, 150)], True),  # one decoding sequence
+        ([(1, 0, 150), (1, 1, 9)], True),  # two: T = 2
+        ([(16, 0, 60), (0, 1, 0)], True),  # a verify block over the one-sequence cache's 2-row table
+        ([(1, 0, 150), (1, 1, 9), (1, 2, 40), (1, 3, 70)], False),  # four decoding sequences: the main path
+    ],
+)
+def test_the_default_config_takes_split_merge_for_one_sequence_or_two_tokens(monkeypatch, segments, takes):
+    calls = []
+    real = sdpa_varlen_triton.split_merge
+    monkeypatch.setattr(sdpa_varlen_triton, "split_merge", lambda *a: calls.append(1) or real(*a))
+    check(segments, rows=160, kv_heads=1, head_dim=16, pad=0)  # config None: DEFAULT_CONFIG
+    assert bool(calls) == takes
 
 
 @pytest.mark.parametrize("head_dim", [16, 32])

@@ -85,6 +85,15 @@ def test_a_narrow_config_serves_steps_up_to_its_width_and_the_outer_one_the_rest
     check([(1, 0, 90), (1, 1, 7)], rows=100, head_dim=16, kv_heads=2, pad=1, config=config)
 
 
+def test_a_narrow_config_also_serves_tables_of_at_most_narrow_segments_rows():
+    # the invalid narrow config again: a 2-row table takes it at any width, a 3-row one does not
+    config = SdpaConfig(block_n=16, narrow=SdpaConfig(warp_split=3), narrow_segments=2)
+    (q, k, v), info = make_case([(5, 0, 40), (1, 1, 7)], rows=64, head_dim=16, kv_heads=2, pad=1)
+    with pytest.raises(ContractError):
+        sdpa_varlen(q, k, v, info, config=config)
+    check([(5, 0, 40), (1, 1, 7), (0, 2, 0)], rows=64, head_dim=16, kv_heads=2, pad=1, config=config)
+
+
 def test_warp_split_widens_the_default_key_tile_to_16_keys_per_warp():
     # 32 keys would fill 32 KiB of K+V at D 256 in bf16; 4 warps need 64
     resolved = resolve_config(SdpaConfig(warp_split=4), 256, torch.bfloat16, 8, torch.device("cpu"))

@@ -47,10 +47,12 @@ class SdpaConfig:
     split_merge: steps of at most q_short tokens with T * G <= 64 (32 on e4m3) take the two-launch
     split-KV variant (`sdpa_varlen_splitkv.py`: `programs` equal runs of every live segment's
     keys, then a merge launch; one head per program, no warp_split or prefetch); meant as a
-    `narrow` config.
-    narrow: the config of steps of at most narrow_width packed tokens (T is a static shape, so a
-    captured graph keeps one config), e.g. a few-row variant for one decoding sequence beside the
-    batch config; None: this one.
+    `narrow` config. pdl: split_merge's two launches are programmatic dependent launches (NVIDIA
+    sm_90+ only; elsewhere ignored): each may start while the grid before it runs and waits on the
+    device for its results, so launch latency overlaps work (the K/V write, the partials).
+    narrow: the config of steps of at most narrow_width packed tokens, or over a table of at most
+    narrow_segments rows (T and S are static shapes, so a captured graph keeps one config), e.g. a
+    few-row variant for one decoding sequence beside the batch config; None: this one.
     Long path (*_long): tile rows (0: 128 when a key row is <= 256 bytes, else 64), keys (0: 64,
     else 32), warps, stages (0: 3, else 2).
     """
@@ -72,15 +74,22 @@ class SdpaConfig:
     warp_split: int = 1
     prefetch: int = 0
     split_merge: bool = False
+    pdl: bool = True
     narrow: SdpaConfig | None = None
     narrow_width: int = 0
+    narrow_segments: int = 0
     block_n_long: int = 0
     block_m_long: int = 0
     num_warps_long: int = 8
     num_stages_long: int = 0
 
 
-DEFAULT_CONFIG = SdpaConfig()  # what config=None means
+# What config=None means: split_merge for steps of at most 2 tokens and for one-sequence tables (the
+# single-sequence cache's 2 rows: decode and a 16-token verify block), the stream-K main path for the
+# rest. On the H200 (bench/results/b1-sweep-h200.json) split_merge takes one sequence from 1.27-1.82x
+# SDPA exact to 0.88-0.97x at 1,024-16,384 keys and a 16-token verify block to 0.42x the main path,
+# two sequences to 0.83x; from 4 decoding sequences on it is slower (1.04x at 4, 1.40x at 8).
+DEFAULT_CONFIG = SdpaConfig(narrow=SdpaConfig(split_merge=True), narrow_width=2, narrow_segments=2)
 
 
 def pow2_floor(x: int) -> int:
@@ -134,4 +143,5 @@ def resolve_config(
         num_stages_long=cfg.num_stages_long or (2 if wide_rows else 3),
         narrow=None,
         narrow_width=0,
+        narrow_segments=0,
     )

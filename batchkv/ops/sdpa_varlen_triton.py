@@ -187,7 +187,7 @@ def sdpa_varlen(
         return out.zero_()
     group = num_q_heads // num_kv_heads
     config = config or DEFAULT_CONFIG
-    if config.narrow is not None and num_tokens <= config.narrow_width:
+    if config.narrow is not None and (num_tokens <= config.narrow_width or num_segments <= config.narrow_segments):
         config = config.narrow  # a static-shape choice: the same for every replay of a graph
     cfg = resolve_config(config, head_dim, k_store.dtype, num_kv_heads, q.device)
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E

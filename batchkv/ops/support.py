@@ -132,6 +132,20 @@ def e4m3_cvt_asm(device: torch.device) -> bool:
     return _CVT[index]
 
 
+_PDL: dict[int, bool] = {}
+
+
+def pdl_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` may use programmatic dependent launch (Triton's `launch_pdl` and
+    `griddepcontrol`): NVIDIA sm_90+ (cached per device); never under the interpreter or on ROCm."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    index = _cuda_index(device)
+    if index not in _PDL:
+        _PDL[index] = torch.cuda.get_device_capability(index) >= (9, 0)
+    return _PDL[index]
+
+
 _SMS: dict[int, int] = {}
 
 
