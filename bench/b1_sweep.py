@@ -12,8 +12,10 @@ ceiling, and whether it meets the targets (<= SDPA at 1,024 to 16,384 keys, >= 6
 ceiling at 9,100 and 16,384). Then the default and the best few (by summed µs over the target
 lengths) are timed on the b32-mixed and b64-mixed kernel cases (bench/kernel_cases.py), which must
 not regress; a winner that does can still serve one sequence alone, as
-`SdpaConfig(narrow=SdpaConfig(**winner), narrow_width=w)` (steps of at most w tokens). Writes every
-row as it goes; stops starting configs after --budget-s.
+`SdpaConfig(narrow=SdpaConfig(**winner), narrow_width=w)` (steps of at most w tokens). --narrow
+times the default and the split_merge configs on few-token steps (NARROW: 1, 2, 4, 8 and 16
+decoding sequences, one 16-token verify block), which sets that width. --only keeps the configs
+whose JSON contains a string. Writes every row as it goes; stops starting configs after --budget-s.
 
     python3 bench/b1_sweep.py --out bench/results/b1-sweep-h200.json     # on the GPU, ~2-3 minutes
 """
@@ -44,11 +46,16 @@ LENGTHS = (16, 256, 1024, 4096, 9100, 16384)  # 16 and 256: the fixed cost (laun
 TARGETS = (1024, 4096, 9100, 16384)  # <= SDPA exact here; >= READ_TARGET of the read ceiling at the last two
 READ_TARGET = 0.65
 MIXED = ("b32-mixed", "b64-mixed")  # must not regress (within 3% of the default)
+NARROW = ("b1-l1024", "b1-l9100", "b2-l4096", "b4-mixed", "b8-mixed", "b16-mixed", "b1-verify16")
 GRID = [  # most informative first, in case the budget ends the run early
     {},
     {"occupancy": 2, "block_n": 32, "min_blocks": 2},  # the best by sum of the 2026-11-30 sweep
     # two launches: equal runs of the keys per program, then a merge (no scan, no atomics)
     {"split_merge": True},
+    {"split_merge": True, "pdl": False},  # the merge launched after the partials finish
+    {"split_merge": True, "occupancy": 3},
+    {"split_merge": True, "num_stages": 4},
+    {"split_merge": True, "num_stages": 2},
     {"split_merge": True, "occupancy": 4},
     {"split_merge": True, "occupancy": 1},
     {"split_merge": True, "block_n": 128, "num_warps": 8},
@@ -124,30 +131,37 @@ def score(row: dict, report: dict) -> None:
         )
 
 
-def mixed(rows: list[dict], top: int, report: dict, path: Path) -> None:
-    """b32-mixed and b64-mixed for the default and the `top` configs by summed µs over TARGETS."""
-    ok = [r for r in rows[1:] if all(n in r["us"] for n in TARGETS)]
-    picked = [rows[0], *sorted(ok, key=lambda r: sum(r["us"][n] for n in TARGETS))[:top]]
+def time_cases(configs: list[dict], names: tuple[str, ...], key: str, report: dict, path: Path) -> None:
+    """Each config on the named kernel cases (checked against the reference first), appended to
+    report[key] with µs / the first config's."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    geo, cases = build_cases(list(MIXED), False, l2)
+    geo, cases = build_cases(list(names), False, l2)
     k = torch.randn(geo.rows, geo.columns, geo.hkv, geo.d, device=geo.device, dtype=geo.dtype)
     v = torch.randn_like(k)
-    for r in picked:
-        entry = {"config": r["config"], "us": {}}
+    report[key] = []
+    for config in configs:
+        entry = {"config": config, "us": {}}
         for name, case in cases.items():
             try:
-                calls = batchkv_calls(case, k, v, SdpaConfig(**r["config"]))
+                calls = batchkv_calls(case, k, v, SdpaConfig(**config))
                 err = case.error(calls[0](), k, v)
                 if not err < TOLERANCE:
                     raise RuntimeError(f"max error {err} against the reference")
                 entry["us"][name] = round(time_calls(calls)[0], 2)
             except Exception as exc:
                 entry.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"[:200]
-        base = report["mixed"][0]["us"] if report["mixed"] else entry["us"]
+        base = report[key][0]["us"] if report[key] else entry["us"]
         entry["vs_default"] = {n: round(entry["us"][n] / base[n], 3) for n in entry["us"] if n in base}
-        report["mixed"].append(entry)
-        print("mixed", json.dumps(entry), flush=True)
+        report[key].append(entry)
+        print(key, json.dumps(entry), flush=True)
         path.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def mixed(rows: list[dict], top: int, report: dict, path: Path) -> None:
+    """b32-mixed and b64-mixed for the default and the `top` configs by summed µs over TARGETS."""
+    ok = [r for r in rows[1:] if all(n in r["us"] for n in TARGETS)]
+    picked = [rows[0], *sorted(ok, key=lambda r: sum(r["us"][n] for n in TARGETS))[:top]]
+    time_cases([r["config"] for r in picked], MIXED, "mixed", report, path)
 
 
 def main() -> None:
@@ -155,7 +169,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results/b1-sweep-h200.json"))
     ap.add_argument("--budget-s", type=float, default=200.0, help="start no new config after this many seconds")
     ap.add_argument("--mixed-top", type=int, default=3, help="configs (besides the default) timed on b32/b64-mixed")
+    ap.add_argument("--only", default="", help="keep the GRID configs (and the default) whose JSON contains this")
+    ap.add_argument("--narrow", action="store_true", help="also time the split_merge configs on the NARROW cases")
     args = ap.parse_args()
+    grid = [c for c in GRID if not c or args.only in json.dumps(c)]
     started = time.perf_counter()
     torch.manual_seed(0)
     stores = []
@@ -165,15 +182,15 @@ def main() -> None:
         stores.append((k, v))
     q = torch.randn(1, HQ, D, device="cuda", dtype=DTYPE)
     out = torch.empty_like(q)
-    report: dict = {"device": torch.cuda.get_device_name(), "lengths": LENGTHS, "grid": GRID, "sdpa_exact": {},
+    report: dict = {"device": torch.cuda.get_device_name(), "lengths": LENGTHS, "grid": grid, "sdpa_exact": {},
                     "rows": [], "mixed": []}  # fmt: skip
     report["read_gbps"], report["read_variants_gbps"] = read_ceiling(q.device)
     print(f"read ceiling {report['read_gbps']:.0f} GB/s", flush=True)
     sdpa_exact(q, stores, report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for overrides in GRID:
+    for overrides in grid:
         if time.perf_counter() - started > args.budget_s:
-            report["skipped_by_budget"] = GRID[GRID.index(overrides) :]
+            report["skipped_by_budget"] = grid[grid.index(overrides) :]
             break
         row = {"config": overrides, "us": {}}
         try:
@@ -200,6 +217,8 @@ def main() -> None:
     print("best:", report["best_by_sum"], "\nmeeting the targets:", report["meeting_targets"], flush=True)
     if ok and args.mixed_top >= 0:
         mixed(report["rows"], args.mixed_top, report, args.out)
+    if args.narrow:
+        time_cases([c for c in grid if not c or c.get("split_merge")], NARROW, "narrow", report, args.out)
     report["wall_s"] = round(time.perf_counter() - started, 1)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
 

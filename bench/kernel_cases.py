@@ -55,6 +55,14 @@ CASES = {
     "b1-l16384": (1, 1, [16384]),
     "b64-l512": (64, 1, [512] * 64),  # short histories: launch and prologue cost dominate
 }
+# few-token steps, where `SdpaConfig.narrow` may pick another variant (bench/b1_sweep.py --narrow);
+# full geometry only, kept apart so that `bench/kernels.py` runs the cases above unchanged
+NARROW_CASES = {
+    "b2-l4096": (2, 1, [4096] * 2),
+    "b4-mixed": (4, 1, None),
+    "b16-mixed": (16, 1, None),
+    "b1-verify16": (1, 16, [4096]),  # one 16-token draft block verified
+}
 SMALL_CASES = {
     "b1-l200": (1, 1, [200]),
     "b4-mixed": (4, 1, None),
@@ -109,7 +117,7 @@ class Case:
 
 def build_cases(names: list[str], small: bool, l2_bytes: int) -> tuple[Geometry, dict[str, Case]]:
     """The geometry and the named cases (seed 0), in the order given."""
-    geo, table = (SMALL, SMALL_CASES) if small else (FULL, CASES)
+    geo, table = (SMALL, SMALL_CASES) if small else (FULL, CASES | NARROW_CASES)
     gen = torch.Generator().manual_seed(0)
     return geo, {n: Case(n, *table[n], geo, l2_bytes, gen) for n in names}
 

@@ -24,7 +24,7 @@ from batchkv.cache import BatchedSequenceCache, CacheConfig
 from batchkv.models import build_model
 
 KINDS = (  # first match wins; matched against the lower-cased kernel name
-    ("attention", ("split_kernel", "long_kernel", "sdpa")),
+    ("attention", ("split_kernel", "long_kernel", "splitkv_", "sdpa")),
     ("kv_write", ("kv_write",)),
     ("fused_norm_rope_silu", ("_add_rms_norm", "_qk_norm_rope", "_silu_mul")),
     ("matmul", ("gemm", "gemv", "cutlass", "sm90", "nvjet", "xmma", "cublas")),
