@@ -12,7 +12,8 @@ Triton kernels cover everything between the matmuls (attention aside):
 
 Each has a torch implementation with the same rounding (normalise in float32, round to the input
 dtype, then scale by the weight), used on CPU and as the test oracle; the Triton one runs on CUDA
-(and under TRITON_INTERPRET=1 in tests). All are capturable: fixed grids, no host reads.
+(and under TRITON_INTERPRET=1 in tests). All are capturable: fixed grids, no host reads. On sm_90+
+each is a programmatic dependent launch (`ops/pdl.py`): its launch overlaps the kernel before it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch.nn.functional as F
 try:
     import triton
     import triton.language as tl
+
+    from batchkv.ops.pdl import pdl_enter, pdl_kwargs
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
@@ -53,7 +56,8 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, h_out, x_out, n, eps, BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, h_out, x_out, n, eps, BLOCK: tl.constexpr, GDC: tl.constexpr):
+        pdl_enter(GDC)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -69,9 +73,10 @@ if triton is not None:
     @triton.jit
     def _qk_norm_rope_kernel(
         qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_out, k_out, row_stride, eps,
-        Q_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
+        Q_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr,
     ):  # fmt: skip
         # One program per (row, head): x [D] -> split RMSNorm -> RoPE (rotate half within sections).
+        pdl_enter(GDC)
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         half: tl.constexpr = D // 2
@@ -109,7 +114,8 @@ if triton is not None:
             tl.store(k_out + (row * (HEADS - Q_HEADS) + head - Q_HEADS) * D + offs, out)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, n, BLOCK: tl.constexpr, GDC: tl.constexpr):
+        pdl_enter(GDC)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n
@@ -129,7 +135,16 @@ def add_rms_norm(
     w, n = h.shape
     h_out, x_out = torch.empty_like(h), torch.empty_like(h)
     _add_rms_norm_kernel[(w,)](
-        h, delta.contiguous(), weight, h_out, x_out, n, eps, BLOCK=triton.next_power_of_2(n), num_warps=8
+        h,
+        delta.contiguous(),
+        weight,
+        h_out,
+        x_out,
+        n,
+        eps,
+        BLOCK=triton.next_power_of_2(n),
+        num_warps=8,
+        **pdl_kwargs(h.device),
     )
     return h_out, x_out
 
@@ -160,7 +175,7 @@ def qk_norm_rope(
     k = torch.empty(w, kv_heads, d, dtype=qkv.dtype, device=qkv.device)
     _qk_norm_rope_kernel[(w, q_heads + kv_heads)](
         qkv, q_norm, k_norm, cos.contiguous(), sin.contiguous(), q, k, qkv.stride(0), eps,
-        Q_HEADS=q_heads, HEADS=q_heads + kv_heads, D=d, num_warps=1,
+        Q_HEADS=q_heads, HEADS=q_heads + kv_heads, D=d, num_warps=1, **pdl_kwargs(qkv.device),
     )  # fmt: skip
     return q, k
 
@@ -172,5 +187,5 @@ def silu_mul(gate_up: torch.Tensor, *, triton_kernel: bool | None = None) -> tor
     w, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(w, n, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(w, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(w, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block, num_warps=4, **pdl_kwargs(out.device))
     return out

@@ -21,6 +21,7 @@ other shapes take `resolve`'s heuristic.
 
 `linear(x, w)` dispatches: this kernel on CUDA for M <= `GEMV_MAX_ROWS` (without silu_mul), else
 `F.linear` (cuBLAS wins with more rows). Capturable: fixed grid (N / BLOCK_N programs), no host reads.
+On sm_90+ a programmatic dependent launch (`ops/pdl.py`): its launch overlaps the kernel before it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from batchkv.ops.support import sm_count
 try:
     import triton
     import triton.language as tl
+
+    from batchkv.ops.pdl import pdl_enter, pdl_kwargs
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
@@ -81,7 +84,9 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+                     GDC: tl.constexpr):  # fmt: skip
+        pdl_enter(GDC)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         m = tl.arange(0, BLOCK_M)
         n_ok = (n < N)[:, None]
@@ -126,7 +131,7 @@ def gemv(
     _gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        num_stages=cfg.num_stages, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out
 

@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from batchkv.errors import ContractError
-from batchkv.ops.support import COMPUTE_DTYPES, FP8_MAX, SCALE_FLOOR, pdl_launch, quantized, refusal, scales_refusal
+from batchkv.ops.pdl import pdl_enter, pdl_kwargs
+from batchkv.ops.support import COMPUTE_DTYPES, FP8_MAX, SCALE_FLOOR, quantized, refusal, scales_refusal
 
 E4M3_MAX = tl.constexpr(FP8_MAX)
 E4M3_FLOOR = tl.constexpr(SCALE_FLOOR)
@@ -65,8 +66,7 @@ def _kv_write_kernel(k_flat, v_flat, k, v, slots, k_scale, v_scale, columns, str
                      stride_kh, stride_vs, stride_vh, stride_sr, stride_sc, stride_sh, HKV: tl.constexpr,
                      H_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr,
                      GDC: tl.constexpr):  # fmt: skip
-    if GDC:  # a dependent launch (sdpa_varlen's split_merge) may start now; it waits for this grid to finish
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(GDC)  # launched early on sm_90: wait for the grids before (k, v), then let the next launch start
     i = tl.program_id(0)
     slot = tl.load(slots + i).to(tl.int64)
     h = tl.arange(0, H_POW2)[:, None]
@@ -111,8 +111,7 @@ def kv_write(
     on the same device. D a power of two from 16 to 256. e4m3 stores (`torch.float8_e4m3fn`) need
     k_scale, v_scale: fp32 scale planes [rows, C, Hkv] (one set of strides, any; slot s's scales
     are [s // C, s % C]), and get codes and scales as `quantize_fp8` makes them. Capturable (no
-    host reads). On sm_90+ it lets a programmatic dependent launch after it start early (the
-    attention of `SdpaConfig.split_merge`, which waits on the device for this write to finish).
+    host reads). On sm_90+ a programmatic dependent launch (`ops/pdl.py`).
 
     >>> views = cache._store.write_views(0)  # k, v [rows * C, 8, 128] (+ k_scale, v_scale [rows, C, 8])
     >>> kv_write(views["k"], views["v"], k, v, slots, views.get("k_scale"), views.get("v_scale"))  # k, v [W, 8, 128]
@@ -150,6 +149,6 @@ def kv_write(
     _kv_write_kernel[(width,)](
         k_flat, v_flat, k, v, slots, k_scale, v_scale, k_scale.shape[1] if quant else 1, k_flat.stride(0),
         k_flat.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *scale_strides, HKV=num_kv_heads,
-        H_POW2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, QUANT=quant, GDC=pdl_launch(k.device),
-        num_warps=4,
+        H_POW2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, QUANT=quant,
+        num_warps=4, **pdl_kwargs(k.device),
     )  # fmt: skip

@@ -13,11 +13,8 @@ atomic, and a merge that starts only after the slowest program). Here instead:
 - `splitkv_merge`, grid (T, Hq): one program per (token, query head) combines the P partials, or
   writes zeros for a token no segment covers (its slots are never read).
 
-On sm_90+ (`SdpaConfig.pdl`) both are programmatic dependent launches, so their launch latency
-overlaps the grid before them. The partials kernel waits (griddepcontrol.wait) before it reads
-anything, until every grid it depends on has finished and its writes are visible (the K/V write
-lets it launch early, `kv_write`; a grid that does not only lets it launch as it ends), then lets
-the merge launch; the merge reads the table, then waits the same way for the partials.
+On sm_90+ (`SdpaConfig.pdl`) both are programmatic dependent launches (`ops/pdl.py`), so their
+launch latency overlaps the grid before them (the K/V write, then the partials).
 
 One segment's rows form one tile (q_len * G <= T * G rows, taken only while T * G <=
 MAX_TILE_ROWS), so K and V are read once per group. Like the main path it trusts the table's
@@ -31,10 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
+from batchkv.ops.pdl import pdl_enter, pdl_kwargs
 from batchkv.ops.sdpa_varlen_attend import attend
 from batchkv.ops.sdpa_varlen_common import NEG_INF, full_bounds, load_table, q_for_dots, row_bounds
 from batchkv.ops.sdpa_varlen_kernels import _blocks
-from batchkv.ops.support import pdl_launch
 
 
 @triton.jit
@@ -50,9 +47,7 @@ def splitkv_partials(q, k_store, v_store, k_scale, v_scale, info, o_part, lse_pa
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S_POW2: tl.constexpr, SKIP_MASKS: tl.constexpr,
                      DOT_PREC: tl.constexpr, SECTOR: tl.constexpr, CVT_ASM: tl.constexpr,
                      GDC: tl.constexpr):  # fmt: skip
-    if GDC:  # launched early: wait until the grids before have finished (the K/V write, q), then let the
-        tl.extra.cuda.gdc_wait()  # merge launch; it waits on the device in turn before reading partials
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_enter(GDC)  # launched early: wait until the grids before have finished (the K/V write, q)
     h = tl.program_id(0)
     p = tl.program_id(1)
     P = tl.num_programs(1)
@@ -113,8 +108,7 @@ def splitkv_merge(out, o_part, lse_part, info, S, P, stride_ot, stride_oh, GROUP
     hits = tl.sum(((q_len_v > 0) & (q_start_v <= t) & (t < q_start_v + q_len_v)).to(tl.int32), 0)
     # one covering segment wrote every slot of (t, head); none (or an overlapping table): zeros, nothing read
     covered = hits == 1
-    if GDC:  # launched early (programmatic dependent launch): the partials are complete and visible past here
-        tl.extra.cuda.gdc_wait()
+    pdl_enter(GDC)  # launched early: the partials are complete and visible past here
     c = tl.arange(0, MERGE_SLOTS)
     d = tl.arange(0, HEAD_DIM)
     m_i = tl.full([1], NEG_INF, tl.float32)
@@ -156,8 +150,7 @@ def split_merge(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, stri
     num_segments, num_tokens, _rows, _window, _qk_scale = args
     num_kv_heads, head_dim, group = k_store.shape[2], q.shape[2], common["GROUP"]
     programs = cfg.programs
-    pdl = bool(cfg.pdl) and pdl_launch(q.device)  # each launch overlaps the grid before it
-    pdl_opts = {"launch_pdl": True} if pdl else {}
+    pdl = pdl_kwargs(q.device) if cfg.pdl else {"GDC": False}  # each launch overlaps the grid before it
     slots = num_tokens * num_kv_heads * programs * group  # (token, KV head, program, group row)
     lse_part = torch.empty(slots, dtype=torch.float32, device=q.device)
     o_part = torch.empty(slots * head_dim, dtype=torch.float32, device=q.device)
@@ -168,10 +161,10 @@ def split_merge(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, stri
         stride_c, stride_h, stride_sr, stride_sc, stride_sh, QUANT=common["QUANT"], CAUSAL=common["CAUSAL"],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(num_tokens * group)),
         BLOCK_N=cfg.block_n, S_POW2=s_pow2, SKIP_MASKS=cfg.skip_masks, DOT_PREC=common["DOT_PREC"],
-        SECTOR=32 // k_store.dtype.itemsize, CVT_ASM=cvt_asm, GDC=pdl, **launch, **pdl_opts,
+        SECTOR=32 // k_store.dtype.itemsize, CVT_ASM=cvt_asm, **launch, **pdl,
     )  # fmt: skip
     splitkv_merge[(num_tokens, num_kv_heads * group)](
         out, o_part, lse_part, seq_info, num_segments, programs, stride_ot, stride_oh, GROUP=group,
-        HEAD_DIM=head_dim, S_POW2=s_pow2, MERGE_SLOTS=min(64, triton.next_power_of_2(programs)), GDC=pdl,
-        num_warps=4, **pdl_opts,
+        HEAD_DIM=head_dim, S_POW2=s_pow2, MERGE_SLOTS=min(64, triton.next_power_of_2(programs)), num_warps=4,
+        **pdl,
     )  # fmt: skip
