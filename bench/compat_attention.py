@@ -6,6 +6,8 @@ median of >= 100 replays (CUDA events around each replay):
 
 - batchkv: `PagedDecodeCache.attend` per layer (single-sequence mode: writes the step's K/V, then
   `sdpa_varlen` over [0, length) of a bucket-sized store; length read from device tensors).
+- batchkv_fused_write: the same with `SdpaConfig.fuse_write` in the default's narrow config (the
+  step's K/V stored by split_merge's partials kernel instead of a kv_write launch).
 - sdpa_exact: torch SDPA over exactly `length` keys. This is what an eager DynamicCache step reads;
   a graph cannot follow its growing shape, so it is the speed bar rather than a capturable option.
 - sdpa_bucket_mask: torch SDPA over the whole bucket with a boolean mask: capturable, and the
@@ -26,6 +28,7 @@ import statistics
 import sys
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,8 +37,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batchkv.cache.single import bucket_for
 from batchkv.compat import PagedDecodeCache
+from batchkv.ops import sdpa_varlen_triton
 
 LAYERS, HQ, HKV, D = 42, 32, 8, 128
+OPTIONS = ("batchkv", "batchkv_fused_write", "sdpa_exact", "sdpa_bucket_mask")
 
 
 def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
@@ -75,7 +80,14 @@ def step_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.T
     )
 
 
-def bench_batchkv(length: int, dtype: torch.dtype, replays: int) -> tuple[float, int]:
+def bench_batchkv(length: int, dtype: torch.dtype, replays: int, fuse_write: bool = False) -> tuple[float, int]:
+    if fuse_write:  # the default config with the narrow config's write fused, for this option only
+        default = sdpa_varlen_triton.DEFAULT_CONFIG
+        sdpa_varlen_triton.DEFAULT_CONFIG = replace(default, narrow=replace(default.narrow, fuse_write=True))
+        try:
+            return bench_batchkv(length, dtype, replays)
+        finally:
+            sdpa_varlen_triton.DEFAULT_CONFIG = default
     paged = PagedDecodeCache(LAYERS, HKV, D, length, "cuda", dtype)
     for layer in range(LAYERS):
         paged.inner.k_store(layer).normal_()
@@ -130,10 +142,10 @@ def run_case(length: int, dtype: torch.dtype, replays: int) -> dict:
     kv_bytes = 2 * LAYERS * length * HKV * D * elem
     case: dict = {"length": length, "bucket": None, "kv_bytes": kv_bytes, "errors": {}, "notes": []}
     timings = {}
-    for name in ("batchkv", "sdpa_exact", "sdpa_bucket_mask"):
+    for name in OPTIONS:
         try:
-            if name == "batchkv":
-                timings[name], case["bucket"] = bench_batchkv(length, dtype, replays)
+            if name.startswith("batchkv"):
+                timings[name], case["bucket"] = bench_batchkv(length, dtype, replays, name == "batchkv_fused_write")
             elif name == "sdpa_exact":
                 timings[name] = bench_sdpa(length, length, dtype, replays, case["notes"])
             else:
@@ -145,13 +157,15 @@ def run_case(length: int, dtype: torch.dtype, replays: int) -> dict:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     case["bucket"] = case["bucket"] or bucket_for(length)
-    for name in ("batchkv", "sdpa_exact", "sdpa_bucket_mask"):
+    for name in OPTIONS:
         us = timings.get(name)
         case[f"{name}_us"] = round(us, 2) if us is not None else None
         case[f"{name}_gbps"] = round(kv_bytes / us / 1e3, 1) if us else None
     exact, ours = timings.get("sdpa_exact"), timings.get("batchkv")
     case["ratio_vs_exact"] = round(ours / exact, 3) if ours and exact else None
     case["meets_target"] = case["ratio_vs_exact"] is not None and case["ratio_vs_exact"] <= 0.5
+    fused = timings.get("batchkv_fused_write")
+    case["fused_write_ratio_vs_exact"] = round(fused / exact, 3) if fused and exact else None
     return case
 
 
@@ -187,11 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{result['device']}, {LAYERS} layers, Hq {HQ}, Hkv {HKV}, D {D}, {args.dtype}; median of {replays}")
-    header = f"{'length':>7} {'bucket':>7} {'batchkv us':>11} {'exact us':>9} {'mask us':>9} {'ratio':>6} {'GB/s':>7}"
+    header = (f"{'length':>7} {'bucket':>7} {'batchkv us':>11} {'fused us':>9} {'exact us':>9} {'mask us':>9} "
+              f"{'ratio':>6} {'GB/s':>7}")  # fmt: skip
     print(header)
     for c in cases:
         print(
-            f"{c['length']:>7} {show(c['bucket'], 7)} {show(c['batchkv_us'], 11)} {show(c['sdpa_exact_us'], 9)} "
+            f"{c['length']:>7} {show(c['bucket'], 7)} {show(c['batchkv_us'], 11)} "
+            f"{show(c['batchkv_fused_write_us'], 9)} {show(c['sdpa_exact_us'], 9)} "
             f"{show(c['sdpa_bucket_mask_us'], 9)} {show(c['ratio_vs_exact'], 6)} {show(c['batchkv_gbps'], 7)}"
         )
         for name, error in c["errors"].items():

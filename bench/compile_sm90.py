@@ -71,7 +71,7 @@ def build(fn, types: dict, consts: dict, warps: int, stages: int, label: str) ->
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
                            options={"num_warps": warps, "num_stages": stages})  # fmt: skip
     except Exception as exc:
-        print(f"{label:44s} FAILED {type(exc).__name__}: {str(exc)[:200]}")
+        print(f"{label:44s} FAILED {type(exc).__name__}: {str(exc)[-600:]}")
         return
     ptx = k.asm["ptx"]
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -126,18 +126,21 @@ def long(dtype="bf16", D=128, G=4, block_m=128, block_n=64, warps=8, stages=3, s
     build(long_kernel, types, consts, warps, stages, f"{label} G{G} m{block_m} n{block_n} w{warps} s{stages}")
 
 
-def splitkv(dtype="bf16", D=128, G=4, block_n=64, warps=4, stages=3, store=None, T=1, S=16):
+def splitkv(dtype="bf16", D=128, G=4, block_n=64, warps=4, stages=3, store=None, T=1, S=16, write=False):
     """The split_merge variant's two kernels (`sdpa_varlen_splitkv.py`) for steps of T tokens over an
-    S-row table (the engine's tables have 2 x max_seqs rows)."""
+    S-row table (the engine's tables have 2 x max_seqs rows); `write`: the K/V write fused (T rows)."""
     store = store or dtype
     block_m = max(16, triton.next_power_of_2(T * G))
     types = dict(q=f"*{dtype}", k_store=f"*{store}", v_store=f"*{store}", k_scale="*fp32", v_scale="*fp32",
-                 info="*i32", out=f"*{dtype}", o_part="*fp32", lse_part="*fp32", qk_scale="fp32")  # fmt: skip
+                 info="*i32", out=f"*{dtype}", o_part="*fp32", lse_part="*fp32", qk_scale="fp32", new_k=f"*{dtype}",
+                 new_v=f"*{dtype}", slots="*i64")  # fmt: skip
     s_pow2 = max(16, triton.next_power_of_2(S))
     consts = dict(QUANT=store == "fp8e4nv", CAUSAL=True, GROUP=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
                   S_POW2=s_pow2, SKIP_MASKS=True, DOT_PREC="ieee" if dtype == "fp32" else "tf32",
-                  SECTOR={"fp32": 8, "fp8e4nv": 32}.get(store, 16), CVT_ASM=store == "fp8e4nv", GDC=True)  # fmt: skip
-    label = f"splitkv {'e4m3/' if store != dtype else ''}{dtype} D{D} G{G} T{T} S{S} n{block_n} w{warps} s{stages}"
+                  SECTOR={"fp32": 8, "fp8e4nv": 32}.get(store, 16), CVT_ASM=store == "fp8e4nv", GDC=True,
+                  WRITE=write, W_POW2=triton.next_power_of_2(T))  # fmt: skip
+    kind = f"splitkv{' write' if write else ''} {'e4m3/' if store != dtype else ''}{dtype}"
+    label = f"{kind} D{D} G{G} T{T} S{S} n{block_n} w{warps} s{stages}"
     build(splitkv_partials, types, consts, warps, stages, label)
     merge = dict(GROUP=G, HEAD_DIM=D, S_POW2=s_pow2, MERGE_SLOTS=64, GDC=True)  # as launched on sm_90
     build(splitkv_merge, types, merge, 4, 3, f"splitkv merge {dtype} D{D} G{G} S{S}")
@@ -177,6 +180,9 @@ VARIANTS = [  # (function, keyword arguments)
     (splitkv, dict(S=128)),  # the engine's table at 64 sequences
     (splitkv, dict(T=16, S=128)),  # 16 tokens: 64-row tiles, the tallest taken
     (splitkv, dict(T=16, S=128, store="fp8e4nv", block_n=128)),
+    (splitkv, dict(write=True)),  # SdpaConfig.fuse_write: the step's K/V stored by the partials kernel
+    (splitkv, dict(write=True, store="fp8e4nv", block_n=128)),
+    (splitkv, dict(write=True, T=16, S=128)),
 ]
 
 if __name__ == "__main__":

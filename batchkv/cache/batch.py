@@ -73,7 +73,7 @@ class BatchedSequenceCache:
         problem = refusal(config.kv_dtype, config.head_dim, self.attention, self.device)
         if problem:
             raise ConfigError(f"{problem}; use attention='reference'" if self.attention == "triton" else problem)
-        self._write, self._attend = ops.backend_functions(self.attention)
+        self._attend = ops.backend_functions(self.attention)[1]  # it also does the step's K/V write
         rows = config.rows_for(1)
         with allocating(f"the first {rows} rows of K/V", config.store_bytes(rows), self._FIX):
             self._store = ColumnStore(config, self.device, alloc)
@@ -394,10 +394,10 @@ class BatchedSequenceCache:
         width, cfg = self._width, self.config
         if not causal and self._plan is not None and self._plan.split:
             raise StepError("a non-causal step needs each sequence's tokens in one run (a draft block is one segment)")
-        flat, store = self._store.write_views(layer), self._store.layer(layer)
+        store = self._store.layer(layer)
         slots = self._buffers.slots[self._group_of[layer], :width]
-        self._write(flat["k"], flat["v"], k, v, slots, k_scale=flat.get("k_scale"), v_scale=flat.get("v_scale"))
-        return self._attend(
+        return self._attend(  # the step's K/V written first (a kv_write launch, or inside the attention)
             q, store["k"], store["v"], self._buffers.seq_info, scale=scale, causal=causal,
             window=cfg.layers[layer].window, k_scale=store.get("k_scale"), v_scale=store.get("v_scale"),
+            write=(k, v, slots),
         )  # fmt: skip

@@ -95,6 +95,43 @@ def _scales_problem(k_flat: torch.Tensor, k_scale: torch.Tensor | None, v_scale:
     return scales_refusal(k_flat.dtype, k_flat.device, (*shape[:2], num_kv_heads), k_scale, v_scale)
 
 
+def check_kv_write(
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Raise ContractError unless `kv_write` takes these arguments (its docstring says what it takes)."""
+    if k_flat.dim() != 3 or k_flat.shape != v_flat.shape or k.shape != v.shape or k.dim() != 3:
+        raise ContractError(
+            f"kv_write wants k_flat, v_flat [N, Hkv, D] and k, v [W, Hkv, D]; got {tuple(k_flat.shape)}, "
+            f"{tuple(v_flat.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    width, _, head_dim = k.shape
+    problem = refusal(k_flat.dtype, head_dim, device=k_flat.device)
+    if problem:
+        raise ContractError(f"kv_write: {problem}")
+    if k_flat.shape[1:] != k.shape[1:]:
+        raise ContractError(f"store rows {tuple(k_flat.shape[1:])} and k rows {tuple(k.shape[1:])} must match")
+    if slots.dtype not in (torch.int64, torch.int32) or slots.shape != (width,):
+        raise ContractError(f"slots must be int64 or int32 [{width}]; got {slots.dtype} {tuple(slots.shape)}")
+    if not k_flat.device == v_flat.device == k.device == v.device == slots.device:
+        raise ContractError("k_flat, v_flat, k, v and slots must share a device")
+    if k_flat.dtype != v_flat.dtype or k_flat.stride() != v_flat.stride() or {k.dtype, v.dtype} - set(COMPUTE_DTYPES):
+        raise ContractError(
+            f"stores must share dtype and strides, k and v be fp16/bf16/fp32; got {k_flat.dtype}/{v_flat.dtype}, "
+            f"{k.dtype}/{v.dtype}"
+        )
+    problem = _scales_problem(k_flat, k_scale, v_scale)
+    if problem:
+        raise ContractError(f"kv_write: {problem}")
+    if any(x.stride(-1) != 1 for x in (k_flat, k, v)) or slots.stride(0) != 1:
+        raise ContractError("k_flat, k, v need a contiguous last dim and slots stride 1; call .contiguous()")
+
+
 def kv_write(
     k_flat: torch.Tensor,
     v_flat: torch.Tensor,
@@ -116,32 +153,9 @@ def kv_write(
     >>> views = cache._store.write_views(0)  # k, v [rows * C, 8, 128] (+ k_scale, v_scale [rows, C, 8])
     >>> kv_write(views["k"], views["v"], k, v, slots, views.get("k_scale"), views.get("v_scale"))  # k, v [W, 8, 128]
     """
-    if k_flat.dim() != 3 or k_flat.shape != v_flat.shape or k.shape != v.shape or k.dim() != 3:
-        raise ContractError(
-            f"kv_write wants k_flat, v_flat [N, Hkv, D] and k, v [W, Hkv, D]; got {tuple(k_flat.shape)}, "
-            f"{tuple(v_flat.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
+    check_kv_write(k_flat, v_flat, k, v, slots, k_scale, v_scale)
     width, num_kv_heads, head_dim = k.shape
-    problem = refusal(k_flat.dtype, head_dim, device=k_flat.device)
-    if problem:
-        raise ContractError(f"kv_write: {problem}")
-    if k_flat.shape[1:] != k.shape[1:]:
-        raise ContractError(f"store rows {tuple(k_flat.shape[1:])} and k rows {tuple(k.shape[1:])} must match")
-    if slots.dtype not in (torch.int64, torch.int32) or slots.shape != (width,):
-        raise ContractError(f"slots must be int64 or int32 [{width}]; got {slots.dtype} {tuple(slots.shape)}")
-    if not k_flat.device == v_flat.device == k.device == v.device == slots.device:
-        raise ContractError("k_flat, v_flat, k, v and slots must share a device")
-    if k_flat.dtype != v_flat.dtype or k_flat.stride() != v_flat.stride() or {k.dtype, v.dtype} - set(COMPUTE_DTYPES):
-        raise ContractError(
-            f"stores must share dtype and strides, k and v be fp16/bf16/fp32; got {k_flat.dtype}/{v_flat.dtype}, "
-            f"{k.dtype}/{v.dtype}"
-        )
     quant = quantized(k_flat.dtype)
-    problem = _scales_problem(k_flat, k_scale, v_scale)
-    if problem:
-        raise ContractError(f"kv_write: {problem}")
-    if any(x.stride(-1) != 1 for x in (k_flat, k, v)) or slots.stride(0) != 1:
-        raise ContractError("k_flat, k, v need a contiguous last dim and slots stride 1; call .contiguous()")
     if width == 0:
         return
     k_scale, v_scale = (k_scale, v_scale) if quant else (k_flat, v_flat)  # unread without QUANT

@@ -61,15 +61,21 @@ def sdpa_varlen_reference(
     window: int = 0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over the column store, computed in float32.
 
     q: [T, Hq, D]; k_store, v_store: [rows, C, Hkv, D]; seq_info: int [S, 4] (any device);
     k_scale, v_scale: fp32 [rows, C, Hkv] for e4m3 stores (the value is code * scale), else None.
-    Returns [T, Hq, D] in q's dtype. Not graph-capturable (reads seq_info on the host).
+    write: (k, v, slots) rows `kv_write_reference` stores first into the stores viewed
+    [rows * C, Hkv, D], or None. Returns [T, Hq, D] in q's dtype. Not graph-capturable (reads
+    seq_info on the host).
 
     >>> out = sdpa_varlen_reference(q, k, v, torch.tensor([[0, 3, 1, 3]], dtype=torch.int32))
     """
+    if write is not None:
+        kv_write_reference(k_store.view(-1, *k_store.shape[2:]), v_store.view(-1, *v_store.shape[2:]), *write,
+                           k_scale, v_scale)  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
     rows, _, num_kv_heads, _ = k_store.shape
     group = num_q_heads // num_kv_heads

@@ -50,6 +50,8 @@ class SdpaConfig:
     `narrow` config. pdl: split_merge's two launches are programmatic dependent launches (NVIDIA
     sm_90+ only; elsewhere ignored): each may start while the grid before it runs and waits on the
     device for its results, so launch latency overlaps work (the K/V write, the partials).
+    fuse_write: a split_merge step given `write` rows stores them in its partials kernel (each
+    program writes its head's rows, then reads) instead of a `kv_write` launch first.
     narrow: the config of steps of at most narrow_width packed tokens, or over a table of at most
     narrow_segments rows (T and S are static shapes, so a captured graph keeps one config), e.g. a
     few-row variant for one decoding sequence beside the batch config; None: this one.
@@ -75,6 +77,7 @@ class SdpaConfig:
     prefetch: int = 0
     split_merge: bool = False
     pdl: bool = True
+    fuse_write: bool = False
     narrow: SdpaConfig | None = None
     narrow_width: int = 0
     narrow_segments: int = 0

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchkv.ops.kv_write_triton import _store_rows
 from batchkv.ops.pdl import pdl_enter, pdl_kwargs
 from batchkv.ops.sdpa_varlen_attend import attend
 from batchkv.ops.sdpa_varlen_common import NEG_INF, full_bounds, load_table, q_for_dots, row_bounds
@@ -46,7 +47,8 @@ def splitkv_partials(q, k_store, v_store, k_scale, v_scale, info, o_part, lse_pa
                      QUANT: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S_POW2: tl.constexpr, SKIP_MASKS: tl.constexpr,
                      DOT_PREC: tl.constexpr, SECTOR: tl.constexpr, CVT_ASM: tl.constexpr,
-                     GDC: tl.constexpr):  # fmt: skip
+                     new_k, new_v, slots, W, columns, stride_nks, stride_nkh, stride_nvs, stride_nvh,
+                     WRITE: tl.constexpr, W_POW2: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
     pdl_enter(GDC)  # launched early: wait until the grids before have finished (the K/V write, q)
     h = tl.program_id(0)
     p = tl.program_id(1)
@@ -61,6 +63,23 @@ def splitkv_partials(q, k_store, v_store, k_scale, v_scale, info, o_part, lse_pa
     r = tl.arange(0, BLOCK_M)
     g = r % GROUP
     d = tl.arange(0, HEAD_DIM)
+    if WRITE:  # the step's K/V write, fused: this program stores head h of all W rows itself, then reads
+        w = tl.arange(0, W_POW2)
+        w_ok = w < W
+        w_slot = tl.load(slots + w, mask=w_ok, other=0).to(tl.int64)
+        w_row = w_slot // columns
+        w_col = w_slot - w_row * columns
+        w_dst = (w_row * stride_r + w_col * stride_c + h * stride_h)[:, None] + d[None, :]
+        w_sdst = w_row * stride_sr + w_col * stride_sc + h * stride_sh
+        k_rows = tl.load(new_k + w.to(tl.int64)[:, None] * stride_nks + h * stride_nkh + d[None, :],
+                         mask=w_ok[:, None], other=0.0)  # fmt: skip
+        v_rows = tl.load(new_v + w.to(tl.int64)[:, None] * stride_nvs + h * stride_nvh + d[None, :],
+                         mask=w_ok[:, None], other=0.0)  # fmt: skip
+        _store_rows(k_store, k_scale, k_rows, w_dst, w_ok[:, None], w_sdst, w_ok, QUANT)
+        _store_rows(v_store, v_scale, v_rows, w_dst, w_ok[:, None], w_sdst, w_ok, QUANT)
+        # Every program of head h writes the same codes and scales, so a row this program reads is one it
+        # wrote before this barrier (which orders its threads' global writes before their reads).
+        tl.debug_barrier()
     # at most min(T, S) live segments (their tokens are disjoint); the bound keeps a table that overlaps
     # itself (outside the contract) inside the loop's slots
     for j in range(0, tl.minimum(tl.sum(live.to(tl.int32), 0), tl.minimum(T, S))):
@@ -143,25 +162,30 @@ def takes_split_merge(num_tokens: int, group: int, cfg, quant: bool = False) -> 
 
 
 def split_merge(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, strides, cfg, common, cvt_asm,
-                launch: dict) -> None:  # fmt: skip
+                launch: dict, write=None) -> None:  # fmt: skip
     """Launch both kernels for a step that `takes_split_merge`. `args`, `strides` and `common` are
     `sdpa_varlen`'s; `cfg` the resolved config (`programs` is P per KV head); `launch` the partials'
-    launch options (warps, stages, register cap)."""
+    launch options (warps, stages, register cap); `write`, checked by the caller, (k, v, slots) rows
+    the partials kernel stores first (`sdpa_varlen`'s `write` with `fuse_write`), or None."""
     num_segments, num_tokens, _rows, _window, _qk_scale = args
     num_kv_heads, head_dim, group = k_store.shape[2], q.shape[2], common["GROUP"]
     programs = cfg.programs
     pdl = pdl_kwargs(q.device) if cfg.pdl else {"GDC": False}  # each launch overlaps the grid before it
-    slots = num_tokens * num_kv_heads * programs * group  # (token, KV head, program, group row)
-    lse_part = torch.empty(slots, dtype=torch.float32, device=q.device)
-    o_part = torch.empty(slots * head_dim, dtype=torch.float32, device=q.device)
+    parts = num_tokens * num_kv_heads * programs * group  # (token, KV head, program, group row)
+    lse_part = torch.empty(parts, dtype=torch.float32, device=q.device)
+    o_part = torch.empty(parts * head_dim, dtype=torch.float32, device=q.device)
     stride_qt, stride_qh, stride_r, stride_c, stride_h, stride_sr, stride_sc, stride_sh, stride_ot, stride_oh = strides
     s_pow2 = common["S_POW2"]
+    new_k, new_v, slots = write if write is not None else (q, q, seq_info)  # unread without WRITE
+    width = new_k.shape[0] if write is not None else 0
     splitkv_partials[(num_kv_heads, programs)](
         q, k_store, v_store, k_scale, v_scale, seq_info, o_part, lse_part, *args, stride_qt, stride_qh, stride_r,
         stride_c, stride_h, stride_sr, stride_sc, stride_sh, QUANT=common["QUANT"], CAUSAL=common["CAUSAL"],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(num_tokens * group)),
         BLOCK_N=cfg.block_n, S_POW2=s_pow2, SKIP_MASKS=cfg.skip_masks, DOT_PREC=common["DOT_PREC"],
-        SECTOR=32 // k_store.dtype.itemsize, CVT_ASM=cvt_asm, **launch, **pdl,
+        SECTOR=32 // k_store.dtype.itemsize, CVT_ASM=cvt_asm, new_k=new_k, new_v=new_v, slots=slots, W=width,
+        columns=k_store.shape[1], stride_nks=new_k.stride(0), stride_nkh=new_k.stride(1), stride_nvs=new_v.stride(0),
+        stride_nvh=new_v.stride(1), WRITE=width > 0, W_POW2=triton.next_power_of_2(max(width, 1)), **launch, **pdl,
     )  # fmt: skip
     splitkv_merge[(num_tokens, num_kv_heads * group)](
         out, o_part, lse_part, seq_info, num_segments, programs, stride_ot, stride_oh, GROUP=group,

@@ -15,9 +15,11 @@ How (device code in `sdpa_varlen_kernels.py` and `sdpa_varlen_long.py`):
   same launch writes exact zeros into rows no segment covers: a decode step is one launch;
 - long segments (prefill chunks) get one program per query block, with no split (a second launch,
   only when T > q_short);
-- opt-in (`SdpaConfig.split_merge`), steps of at most q_short tokens whose segments fit one tile:
-  equal runs of every segment's keys per program, then a separate merge launch
-  (`sdpa_varlen_splitkv.py`).
+- `SdpaConfig.split_merge` (the default's narrow config: steps of at most 2 tokens, tables of at
+  most 2 rows), steps of at most q_short tokens whose segments fit one tile: equal runs of every
+  segment's keys per program, then a separate merge launch (`sdpa_varlen_splitkv.py`).
+`write` = (k, v, slots) first stores the step's K/V rows as `kv_write` does (its own launch, or,
+with `SdpaConfig.fuse_write` on a split_merge step, inside the partials kernel).
 One program serves `heads` KV heads and their whole query groups, so K/V are read once per group
 and each key row read is heads * D contiguous elements.
 
@@ -43,6 +45,7 @@ import triton
 
 from batchkv.checks import int_arg
 from batchkv.errors import ContractError
+from batchkv.ops.kv_write_triton import check_kv_write, kv_write
 from batchkv.ops.sdpa_varlen_config import DEFAULT_CONFIG, SdpaConfig, pow2_floor, resolve_config
 from batchkv.ops.sdpa_varlen_kernels import split_kernel
 from batchkv.ops.sdpa_varlen_long import long_kernel
@@ -141,6 +144,20 @@ def _check(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale) 
         )
 
 
+def _write_here(k_store, v_store, write, k_scale, v_scale, fused: bool):
+    """Check `write` = (k, v, slots) as `kv_write` does; launch `kv_write` unless the partials kernel
+    will store the rows (`fused`). Returns what split_merge still has to write: `write`, or None."""
+    try:
+        flat = [s.view(-1, *s.shape[2:]) for s in (k_store, v_store)]
+    except RuntimeError as exc:
+        raise ContractError(f"sdpa_varlen: write needs stores contiguous over rows and columns ({exc})") from exc
+    check_kv_write(*flat, *write, k_scale, v_scale)
+    if fused:
+        return write
+    kv_write(*flat, *write, k_scale, v_scale)
+    return None
+
+
 def sdpa_varlen(
     q: torch.Tensor,
     k_store: torch.Tensor,
@@ -154,6 +171,7 @@ def sdpa_varlen(
     config: SdpaConfig | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over the column store (Triton; contract in the module docstring).
 
@@ -173,6 +191,11 @@ def sdpa_varlen(
     first call on a device, which must not be under capture (warm up first), and are left zero by
     every call. One stream at a time: concurrent calls on two streams would share the counters.
 
+    write: (k, v, slots), this step's K/V rows [W, Hkv, D] and their flat store slots [W] (slot s
+    is store row s // C, column s % C), written first exactly as `kv_write` writes them into the
+    stores viewed [rows * C, Hkv, D] (which must be contiguous over rows and columns), so the
+    attention sees them; checked like `kv_write`'s arguments. None: the stores are only read.
+
     >>> info = torch.tensor([[0, 1, 3, 700], [1, 4, 0, 52]], dtype=torch.int32, device="cuda")
     >>> out = sdpa_varlen(q, k_store, v_store, info)  # q [5, 32, 128], stores [1024, 65, 8, 128]
     """
@@ -181,17 +204,20 @@ def sdpa_varlen(
     rows, _, num_kv_heads, _ = k_store.shape
     num_segments = seq_info.shape[0]
     out = torch.empty_like(q) if out is None else out
-    if num_tokens == 0:
-        return out
-    if num_segments == 0:
-        return out.zero_()
     group = num_q_heads // num_kv_heads
     config = config or DEFAULT_CONFIG
     if config.narrow is not None and (num_tokens <= config.narrow_width or num_segments <= config.narrow_segments):
         config = config.narrow  # a static-shape choice: the same for every replay of a graph
     cfg = resolve_config(config, head_dim, k_store.dtype, num_kv_heads, q.device)
-    qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
     quant = quantized(k_store.dtype)
+    fused = num_tokens > 0 and num_segments > 0 and cfg.fuse_write and takes_split_merge(num_tokens, group, cfg, quant)
+    if write is not None:
+        write = _write_here(k_store, v_store, write, k_scale, v_scale, fused)  # None once written
+    if num_tokens == 0:
+        return out
+    if num_segments == 0:
+        return out.zero_()
+    qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
     dots = q.dtype if quant else k_store.dtype  # the dtype tl.dot runs in
     k_scale, v_scale = (k_scale, v_scale) if quant else (k_store, v_store)  # unread without QUANT
     scale_strides = k_scale.stride() if quant else (0, 0, 0)  # (row, column, head)
@@ -210,7 +236,7 @@ def sdpa_varlen(
     if takes_split_merge(num_tokens, group, cfg, quant):  # the two-launch variant for narrow steps
         launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device))
         split_merge(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, strides, cfg, common,
-                    quant and e4m3_cvt_asm(q.device), launch)  # fmt: skip
+                    quant and e4m3_cvt_asm(q.device), launch, write)  # fmt: skip
         return out
 
     # Split path: block_q queries per item; at most max_items items over all short segments.
