@@ -154,6 +154,19 @@ def kv_write(
     >>> kv_write(views["k"], views["v"], k, v, slots, views.get("k_scale"), views.get("v_scale"))  # k, v [W, 8, 128]
     """
     check_kv_write(k_flat, v_flat, k, v, slots, k_scale, v_scale)
+    launch_kv_write(k_flat, v_flat, k, v, slots, k_scale, v_scale)
+
+
+def launch_kv_write(
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """`kv_write` on arguments `check_kv_write` has passed (the launch alone)."""
     width, num_kv_heads, head_dim = k.shape
     quant = quantized(k_flat.dtype)
     if width == 0:

@@ -45,7 +45,7 @@ import triton
 
 from batchkv.checks import int_arg
 from batchkv.errors import ContractError
-from batchkv.ops.kv_write_triton import check_kv_write, kv_write
+from batchkv.ops.kv_write_triton import check_kv_write, launch_kv_write
 from batchkv.ops.sdpa_varlen_config import DEFAULT_CONFIG, SdpaConfig, pow2_floor, resolve_config
 from batchkv.ops.sdpa_varlen_kernels import split_kernel
 from batchkv.ops.sdpa_varlen_long import long_kernel
@@ -154,7 +154,7 @@ def _write_here(k_store, v_store, write, k_scale, v_scale, fused: bool):
     check_kv_write(*flat, *write, k_scale, v_scale)
     if fused:
         return write
-    kv_write(*flat, *write, k_scale, v_scale)
+    launch_kv_write(*flat, *write, k_scale, v_scale)
     return None
 
 
