@@ -167,7 +167,8 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
         kv = cost.kv_bytes_per_pos * (ctx.prompt_len + ctx.new_tokens // 2)
         r["weight_bytes_per_step"] = cost.weight_bytes
         r["roofline_ms_b1"] = (cost.weight_bytes + kv) / (r["read_gbps"] * 1e9) * 1e3  # weights + mean KV, read
-        r["b1"] = {"prompt": ctx.prompt_len, "new_tokens": ctx.new_tokens}
+        # updated, not replaced: a --resume keeps the transformers single-sequence entries already there
+        r.setdefault("b1", {}).update(prompt=ctx.prompt_len, new_tokens=ctx.new_tokens)
         r["b1_detail"] = {}
         for name, graphs in (("batchkv_graph", True), ("batchkv_eager", False)):
             if graphs and dev.type != "cuda":

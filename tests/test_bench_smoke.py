@@ -34,3 +34,14 @@ def test_serve_sweep_online_cells_report_first_token_time_in_full_chunk_steps(tm
     for row in report["online"]:
         assert row["full_chunk_step_ms"] > 0 and row["tokens"] > 0
         assert row["ttft_p50_in_full_chunk_steps"] == row["ttft_p50_ms"] / row["full_chunk_step_ms"]
+
+
+def test_decode_resumed_for_its_single_sequence_part_keeps_the_peers_entries(tmp_path):
+    done = {"status": "done"}
+    resume = tmp_path / "resume.json"
+    resume.write_text(json.dumps({"parts": {"serve_batchkv": done, "online_batchkv": done},
+                                  "b1": {"hf_static_compile_ms": 7.25}}))  # fmt: skip
+    report = _run(["bench/decode.py", "--small", "--skip-hf", "--device", "cpu", "--resume", str(resume)],
+                  tmp_path / "decode.json")  # fmt: skip
+    assert report["parts"]["b1_batchkv"]["status"] == "done"
+    assert report["b1"]["hf_static_compile_ms"] == 7.25 and report["b1"]["batchkv_eager_ms"] > 0
