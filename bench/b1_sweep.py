@@ -133,7 +133,8 @@ def score(row: dict, report: dict) -> None:
 
 def time_cases(configs: list[dict], names: tuple[str, ...], key: str, report: dict, path: Path) -> None:
     """Each config on the named kernel cases (checked against the reference first), appended to
-    report[key] with µs / the first config's."""
+    report[key] with µs / the first config's as `vs_default` (the first is `{}`: SdpaConfig(), the
+    main path, which is no longer DEFAULT_CONFIG for narrow steps)."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     geo, cases = build_cases(list(names), False, l2)
     k = torch.randn(geo.rows, geo.columns, geo.hkv, geo.d, device=geo.device, dtype=geo.dtype)

@@ -142,3 +142,20 @@ def test_a_captured_fused_write_replays_each_step_like_write_then_attend_on_the_
         assert torch.equal(written[0], new_k) and torch.equal(written[1], new_v)
         ref = sdpa_varlen_reference(q, k, v, info)
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_the_reference_takes_int32_slots_as_kv_write_does():
+    q, planes, info, (k, v, slots) = step_case([(1, 0, 30)], rows=32)
+    out = sdpa_varlen_reference(q, planes["k"], planes["v"], info, write=(k, v, slots.int()))
+    torch.testing.assert_close(out, sdpa_varlen(q, planes["k"], planes["v"], info, write=(k, v, slots.int())))
+
+
+def test_a_write_wider_than_the_step_takes_the_kv_write_launch_even_with_fuse_write():
+    q, planes, info, (k, v, slots) = step_case([(1, 0, 30)], rows=32)
+    extra = torch.tensor([7, 11], device=DEVICE)  # two more rows, to the scratch column (3 of 4)
+    wide = (torch.cat([k, k[:2]]), torch.cat([v, v[:2]]), torch.cat([slots, extra]))
+    ref_planes = {name: t.clone() for name, t in planes.items()}
+    out = sdpa_varlen(q, planes["k"], planes["v"], info, config=FUSED, write=wide)
+    ref = sdpa_varlen_reference(q, ref_planes["k"], ref_planes["v"], info, write=wide)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(planes["k"], ref_planes["k"], rtol=0, atol=0, equal_nan=True)

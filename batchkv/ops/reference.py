@@ -125,6 +125,7 @@ def kv_write_reference(
     [rows, C, Hkv] (any strides), and get `quantize_fp8`'s codes and scales, the scale of slot s
     at [s // C, s % C]. Capturable (no host reads).
     """
+    slots = slots.long()  # index_copy and index_put take int64 (int32 slots are allowed, as in kv_write)
     for flat, scale, x in ((k_flat, k_scale, k), (v_flat, v_scale, v)):
         if scale is None:
             index_copy(flat, slots, x.to(flat.dtype))

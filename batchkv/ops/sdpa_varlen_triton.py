@@ -211,6 +211,7 @@ def sdpa_varlen(
     cfg = resolve_config(config, head_dim, k_store.dtype, num_kv_heads, q.device)
     quant = quantized(k_store.dtype)
     fused = num_tokens > 0 and num_segments > 0 and cfg.fuse_write and takes_split_merge(num_tokens, group, cfg, quant)
+    fused = fused and write is not None and write[0].shape[0] <= num_tokens  # each program stores all W rows
     if write is not None:
         write = _write_here(k_store, v_store, write, k_scale, v_scale, fused)  # None once written
     if num_tokens == 0:
