@@ -67,7 +67,7 @@ def test_the_triton_kernels_refuse_e4m3_storage_on_an_nvidia_gpu_before_sm89(mon
     # Triton has no e4m3 tensors below sm_89: an A100 would fail inside the first forward (or capture)
     from batchkv.ops import support
 
-    monkeypatch.setattr(support, "_CVT", {})  # per-device capability cache
+    monkeypatch.setattr(support, "_CAPABILITY", {})  # per-device capability cache
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA A100-SXM4-80GB")

@@ -117,33 +117,31 @@ def _cuda_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-_CVT: dict[int, bool] = {}
+_CAPABILITY: dict[int, tuple[int, int]] = {}
 
 
-def e4m3_cvt_asm(device: torch.device) -> bool:
-    """Whether the kernels convert e4m3 codes with inline PTX (`cvt.rn.f16x2.e4m3x2`, NVIDIA sm_89+,
-    cached per device); elsewhere (the interpreter, ROCm) they use Triton's conversions. Triton has
-    e4m3 tensors on NVIDIA GPUs from sm_89 only: `refusal` refuses older ones."""
+def _nvidia_at_least(device: torch.device, version: tuple[int, int]) -> bool:
+    """Whether `device` is an NVIDIA GPU of compute capability `version` or newer (cached per device);
+    False for the CPU (the interpreter) and ROCm."""
     if device.type != "cuda" or torch.version.hip is not None:
         return False
     index = _cuda_index(device)
-    if index not in _CVT:
-        _CVT[index] = torch.cuda.get_device_capability(index) >= (8, 9)
-    return _CVT[index]
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index] >= version
 
 
-_PDL: dict[int, bool] = {}
+def e4m3_cvt_asm(device: torch.device) -> bool:
+    """Whether the kernels convert e4m3 codes with inline PTX (`cvt.rn.f16x2.e4m3x2`, NVIDIA sm_89+);
+    elsewhere (the interpreter, ROCm) they use Triton's conversions. Triton has e4m3 tensors on
+    NVIDIA GPUs from sm_89 only: `refusal` refuses older ones."""
+    return _nvidia_at_least(device, (8, 9))
 
 
 def pdl_launch(device: torch.device) -> bool:
     """Whether kernels on `device` may use programmatic dependent launch (Triton's `launch_pdl` and
-    `griddepcontrol`): NVIDIA sm_90+ (cached per device); never under the interpreter or on ROCm."""
-    if device.type != "cuda" or torch.version.hip is not None:
-        return False
-    index = _cuda_index(device)
-    if index not in _PDL:
-        _PDL[index] = torch.cuda.get_device_capability(index) >= (9, 0)
-    return _PDL[index]
+    `griddepcontrol`): NVIDIA sm_90+; never under the interpreter or on ROCm."""
+    return _nvidia_at_least(device, (9, 0))
 
 
 _SMS: dict[int, int] = {}
