@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from batchkv.models.gemv import _gemv_kernel
 from batchkv.ops.sdpa_varlen_kernels import split_kernel
 from batchkv.ops.sdpa_varlen_long import long_kernel
 from batchkv.ops.sdpa_varlen_splitkv import splitkv_merge, splitkv_partials
@@ -60,13 +61,14 @@ def hot_loop(best: list[str]) -> str:
     return f"loop: {len(best)} instr " + " ".join(f"{k.lower()}={v}" for k, v in count.items())
 
 
-def build(fn, types: dict, consts: dict, warps: int, stages: int, label: str) -> None:
-    """Compile `fn` for sm_90 and print one line; SASS_DIR (env) also gets the hot loop's SASS per label."""
+def build(fn, types: dict, consts: dict, warps: int, stages: int, label: str, aligned: tuple = ()) -> None:
+    """Compile `fn` for sm_90 and print one line; SASS_DIR (env) also gets the hot loop's SASS per label.
+    `aligned`: integer arguments taken as multiples of 16, as Triton specialises them at launch."""
     if consts.get("QUANT"):  # the store's scale planes have row stride 1, which Triton specialises as a constant
         consts = {**consts, "stride_sr": 1}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in consts and (sig[n].startswith("*") or n.startswith("stride"))}  # fmt: skip
+             if n not in consts and (sig[n].startswith("*") or n.startswith("stride") or n in aligned)}  # fmt: skip
     try:
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
                            options={"num_warps": warps, "num_stages": stages})  # fmt: skip
@@ -86,7 +88,8 @@ def build(fn, types: dict, consts: dict, warps: int, stages: int, label: str) ->
     regs, stack = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
     print(f"{label:44s} regs={regs[1] if regs else '?'} stack={stack[1] if stack else '?'} "
           f"smem={k.metadata.shared} cp.async={ptx.count('cp.async.cg')} mma={ptx.count('mma.sync')} "
-          f"wgmma={ptx.count('wgmma.mma_async')} gdc={ptx.count('griddepcontrol')} | {hot_loop(body)}")  # fmt: skip
+          f"wgmma={ptx.count('wgmma.mma_async')} gdc={ptx.count('griddepcontrol')} "
+          f"prefetch={ptx.count('prefetch.global.L2')} | {hot_loop(body)}")  # fmt: skip
 
 
 def split(dtype="bf16", D=128, G=4, heads=1, block_n=64, warps=4, stages=3, skip=True, merge_tile=8192,
@@ -146,6 +149,14 @@ def splitkv(dtype="bf16", D=128, G=4, block_n=64, warps=4, stages=3, store=None,
     build(splitkv_merge, types, merge, 4, 3, f"splitkv merge {dtype} D{D} G{G} S{S}")
 
 
+def gemv(block_n=32, block_k=256, stages=5):
+    """The few-row linear kernel (`batchkv.models.gemv`) on bf16, launched with PDL as on sm_90."""
+    types = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16")
+    consts = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, DOT_PREC="tf32", GDC=True)
+    label = f"gemv n{block_n} k{block_k} s{stages}"
+    build(_gemv_kernel, types, consts, 4, stages, label, aligned=("N", "K"))  # as Triton specialises 8B's shapes
+
+
 VARIANTS = [  # (function, keyword arguments)
     (split, {}),  # b1 / narrow steps
     (split, dict(heads=4, block_n=16, warps=4)),  # wide steps (the default from 16 tokens)
@@ -183,6 +194,8 @@ VARIANTS = [  # (function, keyword arguments)
     (splitkv, dict(write=True)),  # SdpaConfig.fuse_write: the step's K/V stored by the partials kernel
     (splitkv, dict(write=True, store="fp8e4nv", block_n=128)),
     (splitkv, dict(write=True, T=16, S=128)),
+    (gemv, {}),  # o and down
+    (gemv, dict(block_n=64)),  # q/k/v, the LM head
 ]
 
 if __name__ == "__main__":

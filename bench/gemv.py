@@ -6,7 +6,8 @@ back-to-back calls, rotating over weight copies so every call reads from HBM), G
 read, % of the read ceiling measured in the same run (a bf16 sum over 4 GiB), for cuBLAS
 (`F.linear`, plus the float cast where the model needs it) and for every
 GemvConfig of a small grid at one row (more rows: the default and the one-row winner). The best
-config per shape is printed and kept in the JSON.
+config per shape is printed and kept in the JSON. At one row, `after_norm` times each matmul behind
+an add+RMSNorm launch, as the step runs it: cuBLAS and the winner.
 
     python3 bench/gemv.py --out bench/results/gemv-h200.json       # on the GPU, about a minute
 """
@@ -25,14 +26,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from timing import time_calls
 
-from batchkv.models.fused import silu_mul
+from batchkv.models.fused import add_rms_norm, silu_mul
 from batchkv.models.gemv import GemvConfig, gemv, resolve
 
 SHAPES = {  # name: (N, K, silu_mul, out_dtype)
     "qkv": (6144, 4096, False, torch.bfloat16),
     "o_proj": (4096, 4096, False, torch.bfloat16),
     "gate_up": (24576, 4096, False, torch.bfloat16),
-    "down": (4096, 12288, False, torch.bfloat16),  # the model feeds it silu_mul's output through cuBLAS
+    "down": (4096, 12288, False, torch.bfloat16),  # the model feeds it silu_mul's output
     "lm_head": (151936, 4096, False, torch.float32),
 }
 GRID = [
@@ -50,6 +51,20 @@ def read_gbps() -> float:
     """Read-only ceiling: a float32-accumulated sum over 4 GiB of bf16, bytes read per second / 1e9."""
     big = torch.empty(2 << 30, dtype=torch.bfloat16, device="cuda").normal_()
     return (4 << 30) / graph_us(lambda j: torch.sum(big, dtype=torch.float32), 2, 10) / 1e3
+
+
+def after_norm(x: torch.Tensor, ws: list, rot: int, calls: int, config: dict, out_dtype: torch.dtype) -> dict:
+    """µs per (add+RMSNorm, matmul) pair, as a decode step issues them: cuBLAS, then the kernel with the
+    one-row winner's tiles."""
+    h, w_norm = torch.randn_like(x), torch.ones(x.shape[1], device="cuda", dtype=x.dtype)
+    cfg = GemvConfig(**config)
+    kernel = lambda a, w: gemv(a, w, out_dtype=out_dtype, config=cfg)  # noqa: E731
+    cublas = lambda a, w: F.linear(a, w).to(out_dtype)  # noqa: E731
+    out = {}
+    for name, mm in (("cublas_us", cublas), ("kernel_us", kernel)):
+        out[name] = round(graph_us(lambda j, mm=mm: mm(add_rms_norm(h, x, w_norm, 1e-6)[1], ws[j % rot]), calls), 2)
+    print(f"  after a norm: {out}", flush=True)
+    return out
 
 
 def time_shape(n: int, k: int, silu: bool, out_dtype: torch.dtype, rows: list[int], ceiling: float) -> dict:
@@ -82,6 +97,8 @@ def time_shape(n: int, k: int, silu: bool, out_dtype: torch.dtype, rows: list[in
             results.append({"config": cfg.__dict__, "us": round(us, 2), "pct_of_read": pct(us)})
         ok = [r for r in results if "us" in r]
         row.update(default=results[0], best=min(ok, key=lambda r: r["us"]) if ok else None, grid=results[1:])
+        if ok and m == rows[0]:
+            row["after_norm"] = after_norm(x, ws, rot, calls, row["best"]["config"], out_dtype)
         best = row["best"] or {}
         print(f"  rows {m}: cuBLAS {row['cublas']['us']:7.2f} us ({row['cublas']['pct_of_read']}%) | default "
               f"{row['default'].get('us')} | best {best.get('us')} us ({best.get('pct_of_read')}%) "

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from batchkv.models import build_model
+from batchkv.models.fused import silu_mul_torch
 from batchkv.models.gemv import GEMV_MAX_ROWS, linear
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -29,8 +30,10 @@ def few_rows_round_apart(monkeypatch):
     gen = torch.Generator().manual_seed(0)
 
     def few_rows(x, w, *, silu_mul=False, out_dtype=None):
-        if x.shape[0] > GEMV_MAX_ROWS or silu_mul:
-            return linear(x, w, silu_mul=silu_mul, out_dtype=out_dtype)
+        if silu_mul:
+            x = silu_mul_torch(x)
+        if x.shape[0] > GEMV_MAX_ROWS:
+            return linear(x, w, out_dtype=out_dtype)
         y = x.float() @ w.float().T
         y = (y * (1 + 2.0**-8 * (2 * torch.randint(0, 2, y.shape, generator=gen) - 1))).to(x.dtype)
         return y if out_dtype is None else y.to(out_dtype)

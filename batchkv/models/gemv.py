@@ -13,14 +13,14 @@ unused on the SenseNova-U1 shapes at one row; this kernel is built for the case 
   head writes its float32 logits without another cast launch.
 
 Measured on the H200 at one row (bench/results/gemv-h200.json; median of graph replays, weights
-read from HBM): q/k/v 15.2 us against cuBLAS's 16.5, o 11.0 against 13.2, gate/up 48.4 against
-49.7, the LM head 278 against 301. Feeding SiLU(gate) * up into the down projection's tiles was
-3-5x slower than cuBLAS (the elementwise work sits in the pipelined loop), so the down projection
-takes the `silu_mul` kernel and cuBLAS. `TUNED` holds the measured tile choices per weight shape;
-other shapes take `resolve`'s heuristic.
+read from HBM): q/k/v 14.7-15.2 us against cuBLAS's 16.5, o 9.9 against 13.2, gate/up 48.4 against
+49.5, down 25.7 against 30.2, the LM head 279 against 302. Feeding SiLU(gate) * up into the down
+projection's tiles was 3-5x slower than cuBLAS (the elementwise work sits in the pipelined loop),
+so the down projection takes the `silu_mul` kernel, then this kernel on its output. `TUNED` holds
+the measured tile choices per weight shape; other shapes take `resolve`'s heuristic.
 
-`linear(x, w)` dispatches: this kernel on CUDA for M <= `GEMV_MAX_ROWS` (without silu_mul), else
-`F.linear` (cuBLAS wins with more rows). Capturable: fixed grid (N / BLOCK_N programs), no host reads.
+`linear(x, w)` dispatches: this kernel on CUDA for M <= `GEMV_MAX_ROWS`, else `F.linear` (cuBLAS
+wins with more rows). Capturable: fixed grid (N / BLOCK_N programs), no host reads.
 On sm_90+ a programmatic dependent launch (`ops/pdl.py`): its launch overlaps the kernel before it.
 """
 
@@ -62,6 +62,7 @@ TUNED: dict[tuple[int, int], tuple[int, int, int]] = {
     (6144, 4096): (64, 256, 5),  # SenseNova-U1-8B q/k/v
     (4096, 4096): (32, 256, 5),  # o
     (24576, 4096): (64, 128, 3),  # gate/up
+    (4096, 12288): (32, 256, 5),  # down
     (151936, 4096): (64, 256, 3),  # LM head
 }
 
@@ -141,14 +142,13 @@ def linear(
 ) -> torch.Tensor:
     """`F.linear(x, w)` (of silu(gate) * up for x = [gate | up] when silu_mul), in `out_dtype`.
 
-    The few-row kernel on CUDA for up to GEMV_MAX_ROWS rows, cuBLAS otherwise (and for the
-    silu_mul input, whose elementwise kernel runs first); both round the product to x's dtype. The
-    row count is static per captured width, so a graph takes one path.
+    The few-row kernel on CUDA for up to GEMV_MAX_ROWS rows, cuBLAS otherwise; with silu_mul the
+    elementwise kernel runs first. Both round the product to x's dtype. The row count is static per
+    captured width, so a graph takes one path.
     """
     if silu_mul:
-        y = F.linear(silu_mul_rows(x), w)
-    elif x.is_cuda and triton is not None and x.shape[0] <= GEMV_MAX_ROWS:
+        x = silu_mul_rows(x)
+    if x.is_cuda and triton is not None and x.shape[0] <= GEMV_MAX_ROWS:
         return gemv(x, w, out_dtype=out_dtype)
-    else:
-        y = F.linear(x, w)
+    y = F.linear(x, w)
     return y if out_dtype is None else y.to(out_dtype)

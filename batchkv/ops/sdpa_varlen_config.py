@@ -92,7 +92,7 @@ class SdpaConfig:
 # rest. On the H200 (bench/results/b1-sweep-h200.json) split_merge takes one sequence from 1.27-1.82x
 # SDPA exact to 0.88-0.97x at 1,024-16,384 keys and a 16-token verify block to 0.42x the main path,
 # two sequences to 0.83x; from 4 decoding sequences on it is slower (1.04x at 4, 1.40x at 8).
-DEFAULT_CONFIG = SdpaConfig(narrow=SdpaConfig(split_merge=True), narrow_width=2, narrow_segments=2)
+DEFAULT_CONFIG = SdpaConfig(narrow=SdpaConfig(split_merge=True, fuse_write=True), narrow_width=2, narrow_segments=2)
 
 
 def pow2_floor(x: int) -> int:
