@@ -9,6 +9,7 @@ Uses whatever Triton is importable, so the GPU machine's version can be checked 
     PYTHONPATH=/path/to/triton-3.6:$PWD python bench/compile_sm90.py   # pip install --target
     SASS_DIR=/tmp/sass PYTHONPATH=$PWD python bench/compile_sm90.py e4m3  # only labels with "e4m3",
                                                                           # each hot loop's SASS kept
+    TTGIR_DIR=/tmp/ir ...                                                 # each variant's TTGIR kept
 The loop's instruction count covers both sides of the in-loop mask branch (edge and interior key
 blocks), so it is an upper bound on what one iteration issues; compare variants by it.
 """
@@ -82,9 +83,11 @@ def build(fn, types: dict, consts: dict, warps: int, stages: int, label: str, al
         res = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], capture_output=True, text=True).stdout
         sass = subprocess.run([str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True).stdout
     body = hot_body(sass)
+    name = re.sub(r"[^A-Za-z0-9.]+", "_", label.strip())
     if os.environ.get("SASS_DIR"):  # the hot loop's SASS, one file per variant
-        name = re.sub(r"[^A-Za-z0-9.]+", "_", label.strip()) + ".sass"
-        (Path(os.environ["SASS_DIR"]) / name).write_text("\n".join(body) + "\n")
+        (Path(os.environ["SASS_DIR"]) / f"{name}.sass").write_text("\n".join(body) + "\n")
+    if os.environ.get("TTGIR_DIR"):  # Triton's GPU IR: where tiles are loaded, converted, stored to smem
+        (Path(os.environ["TTGIR_DIR"]) / f"{name}.ttgir").write_text(k.asm["ttgir"])
     regs, stack = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
     print(f"{label:44s} regs={regs[1] if regs else '?'} stack={stack[1] if stack else '?'} "
           f"smem={k.metadata.shared} cp.async={ptx.count('cp.async.cg')} mma={ptx.count('mma.sync')} "
@@ -117,15 +120,17 @@ def split(dtype="bf16", D=128, G=4, heads=1, block_n=64, warps=4, stages=3, skip
     build(split_kernel, types, consts, warps, stages, label)
 
 
-def long(dtype="bf16", D=128, G=4, block_m=128, block_n=64, warps=8, stages=3, store=None):
+def long(dtype="bf16", D=128, G=4, block_m=128, block_n=64, warps=8, stages=3, store=None, qk_e4m3=False):
+    """One long-path variant; `qk_e4m3`: `SdpaConfig.e4m3_qk_long` (QK^T as an e4m3 dot) on an e4m3 store."""
     block_q = max(1, block_m // G)
     store = store or dtype
     types = dict(q=f"*{dtype}", k_store=f"*{store}", v_store=f"*{store}", k_scale="*fp32", v_scale="*fp32",
                  info="*i32", out=f"*{dtype}", qk_scale="fp32")  # fmt: skip
     tile_m = max(16, triton.next_power_of_2(block_q * G))
-    consts = dict(QUANT=store == "fp8e4nv", CAUSAL=True, GROUP=G, HEAD_DIM=D, BLOCK_M=tile_m, BLOCK_Q=block_q,
-                  BLOCK_N=block_n, Q_SHORT=16, S_POW2=128, DOT_PREC="ieee" if dtype == "fp32" else "tf32")  # fmt: skip
-    label = f"long {'e4m3/' if store != dtype else ''}{dtype} D{D}"
+    consts = dict(QUANT=store == "fp8e4nv", QK_E4M3=qk_e4m3, HW_CAST=True, CAUSAL=True, GROUP=G, HEAD_DIM=D,
+                  BLOCK_M=tile_m, BLOCK_Q=block_q, BLOCK_N=block_n, Q_SHORT=16, S_POW2=128,
+                  DOT_PREC="ieee" if dtype == "fp32" else "tf32")  # fmt: skip
+    label = f"long {'e4m3/' if store != dtype else ''}{dtype}{' qk-e4m3' if qk_e4m3 else ''} D{D}"
     build(long_kernel, types, consts, warps, stages, f"{label} G{G} m{block_m} n{block_n} w{warps} s{stages}")
 
 
@@ -185,6 +190,12 @@ VARIANTS = [  # (function, keyword arguments)
     (long, dict(store="fp8e4nv")),  # e4m3 prefill: Triton's own conversion of 8-bit tiles
     (long, dict(store="fp8e4nv", dtype="fp32", block_m=64, block_n=32, stages=2)),
     (long, dict(store="fp8e4nv", D=16)),
+    (long, dict(store="fp8e4nv", qk_e4m3=True)),  # SdpaConfig.e4m3_qk_long: QK^T an e4m3 dot
+    (long, dict(store="fp8e4nv", qk_e4m3=True, block_n=128)),
+    (long, dict(store="fp8e4nv", qk_e4m3=True, stages=4)),
+    (long, dict(store="fp8e4nv", qk_e4m3=True, block_m=64, warps=4)),
+    (long, dict(store="fp8e4nv", qk_e4m3=True, D=32, G=1)),
+    (long, dict(store="fp8e4nv", qk_e4m3=True, D=256, block_m=64, block_n=32, stages=2)),
     (splitkv, {}),  # SdpaConfig.split_merge: one decoding sequence
     (splitkv, dict(block_n=128, warps=8)),
     (splitkv, dict(store="fp8e4nv", block_n=128)),

@@ -19,6 +19,12 @@ storage does to the 8B model's next-token distributions.
     outputs U[64, 1024], seed 0, up to 64 sequences, as bench/decode.py serves), bf16 and e4m3
     storage: output tokens/s and their ratio; then e4m3 at twice the sequences.
 --sweep: an e4m3 SdpaConfig grid on four cases (instead of (b) and (c)).
+--qk-long: also `SdpaConfig.e4m3_qk_long` (the long path's QK^T as an e4m3 dot of queries rounded
+    to e4m3): (a) times its QK_CONFIGS on the prompt cases (q_len > 16) beside the default, as
+    `fp8_qk` entries (config, us, ratio to bf16, max abs error against the reference on exact
+    queries); (b) adds an e4m3 cache read through it (every position goes through the long path,
+    chunks of 256: the variant's worst case, decode queries are not rounded); (c) adds a serving run
+    with it (`--serve-runs` picks the runs).
 
 JSON is written after every case and part, and each part runs under its own try and time box.
 H200 (about 2-3 minutes for (a) and (b)):
@@ -40,11 +46,14 @@ from pathlib import Path
 if "--smoke" in sys.argv:  # before Triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from contextlib import contextmanager
+from dataclasses import replace
+
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batchkv import BatchedSequenceCache, CacheConfig
-from batchkv.ops import sdpa_varlen_reference
+from batchkv.ops import sdpa_varlen_reference, sdpa_varlen_triton
 from batchkv.ops.reference import quantize_fp8
 from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config, sdpa_varlen
 from batchkv.ops.support import empty_scales
@@ -68,6 +77,23 @@ SWEEP = [{}, {"block_n": 64}, {"block_n": 128, "num_stages": 4}, {"block_n": 64,
          {"occupancy": 3}, {"occupancy": 1}, {"min_blocks": 2}, {"min_blocks": 4}, {"heads": 2, "occupancy": 4},
          {"block_m_long": 64, "num_warps_long": 4}, {"block_n_long": 128}, {"block_n_long": 32},
          {"num_stages_long": 2}, {"block_m_long": 64, "block_n_long": 128, "num_warps_long": 4}]  # fmt: skip
+
+QK_CONFIGS = [{"e4m3_qk_long": True}, {"e4m3_qk_long": True, "num_stages_long": 4},
+              {"e4m3_qk_long": True, "block_m_long": 64, "num_warps_long": 4}]  # fmt: skip
+
+
+@contextmanager
+def qk_long(on: bool):
+    """config=None calls (the model's) take `SdpaConfig.e4m3_qk_long` while inside, when `on` (the
+    narrow config too: a one-sequence cache's 2-row table takes it, for prompt chunks as well)."""
+    default = sdpa_varlen_triton.DEFAULT_CONFIG
+    if on:
+        narrow = default.narrow and replace(default.narrow, e4m3_qk_long=True)
+        sdpa_varlen_triton.DEFAULT_CONFIG = replace(default, e4m3_qk_long=True, narrow=narrow)
+    try:
+        yield
+    finally:
+        sdpa_varlen_triton.DEFAULT_CONFIG = default
 
 
 class Shape:
@@ -181,7 +207,27 @@ def max_error(case: Case, planes: dict, config: SdpaConfig | None) -> float:
     return (got - ref).abs().max().item()
 
 
-def kernels(report: dict, shape: Shape, stores: dict, names: list[str], replays: int, save, smoke: bool) -> None:
+def time_qk_long(entry: dict, case: Case, stores: dict, replays: int) -> None:
+    """entry["fp8_qk"]: QK_CONFIGS on the e4m3 store, each timed and checked like the default."""
+    entry["fp8_qk"] = runs = []
+    for overrides in QK_CONFIGS:
+        run = {"config": overrides}
+        runs.append(run)
+        try:
+            cfg = SdpaConfig(**overrides)
+            run["max_abs_err"] = float(f"{max_error(case, stores['fp8'], cfg):.3g}")
+            call = kernel_call(case, stores["fp8"], cfg)
+            run["us"] = round(time_calls([lambda j=j, call=call: call(j) for j in range(case.calls)], replays), 2)
+            if entry.get("batchkv_us"):
+                run["ratio_vs_bf16"] = round(run["us"] / entry["batchkv_us"], 3)
+        except Exception as exc:
+            run["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        print(f"{case.name:12s} fp8 {json.dumps(overrides)}: {run.get('us')} us  err {run.get('max_abs_err')}",
+              run.get("error", ""), flush=True)  # fmt: skip
+
+
+def kernels(report: dict, shape: Shape, stores: dict, names: list[str], replays: int, save, smoke: bool,
+            qk: bool = False) -> None:  # fmt: skip
     l2 = torch.cuda.get_device_properties(0).L2_cache_size if torch.cuda.is_available() else 1 << 20
     dev = torch.device(shape.device)
     report["configs"] = {
@@ -204,6 +250,8 @@ def kernels(report: dict, shape: Shape, stores: dict, names: list[str], replays:
                 entry[f"error_{kind}"] = f"{type(exc).__name__}: {exc}"[:300]
         if entry.get("batchkv_us") and entry.get("batchkv_fp8_us"):
             entry["fp8_ratio"] = round(entry["batchkv_fp8_us"] / entry["batchkv_us"], 3)
+        if qk and case.q_len > 16:  # a prompt case: the long path
+            time_qk_long(entry, case, stores, replays)
         print(f"{name:12s} bf16 {entry.get('batchkv_us')} us  fp8 {entry.get('batchkv_fp8_us')} us  "
               f"ratio {entry.get('fp8_ratio')}  err {entry.get('max_abs_err_bf16')}/{entry.get('max_abs_err_fp8')}",
               flush=True)  # fmt: skip
@@ -235,19 +283,20 @@ def sweep(report: dict, shape: Shape, stores: dict, replays: int, save, smoke: b
 
 # ---- accuracy and serving ---------------------------------------------------------------------------
 @torch.no_grad()
-def accuracy(report: dict, preset: str, device: str, positions: int, chunk: int) -> None:
+def accuracy(report: dict, preset: str, device: str, positions: int, chunk: int, qk: bool = False) -> None:
     from batchkv.models import build_model
 
     model = build_model(preset, device, seed=0)
     spec = model.cache_spec()
     tokens = torch.randint(0, model.vocab_size, (positions,), generator=torch.Generator().manual_seed(0))
-    storage = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": FP8}
+    storage = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": FP8} | ({"fp8_qk": FP8} if qk else {})
     caches = {
         name: BatchedSequenceCache(CacheConfig(**spec, max_seqs=1, capacity=positions, max_write=chunk, kv_dtype=kv),
                                    device)
         for name, kv in storage.items()
     }  # fmt: skip
-    stats = {"kl_fp8": [], "kl_bf16_floor": [], "agree_fp8": [], "agree_bf16_floor": [], "entropy": [], "p_top1": []}
+    stats = {"kl_fp8": [], "kl_bf16_floor": [], "agree_fp8": [], "agree_bf16_floor": [], "entropy": [], "p_top1": [],
+             "kl_fp8_qk": [], "agree_fp8_qk": []}  # fmt: skip
     for start in range(0, positions, chunk):
         n = min(chunk, positions - start)
         ids = tokens[start : start + n].to(device)
@@ -258,7 +307,8 @@ def accuracy(report: dict, preset: str, device: str, positions: int, chunk: int)
             seq = 0 if cache.sequences else cache.seq_new()
             cache.declare_step([seq] * n)
             cache.prepare_step(n)
-            logp[name] = model(ids, idx, cache, torch.arange(n, device=device)).float().log_softmax(-1)
+            with qk_long(name == "fp8_qk"):
+                logp[name] = model(ids, idx, cache, torch.arange(n, device=device)).float().log_softmax(-1)
             cache.commit_step()
         p = logp["bf16"].exp()
         stats["kl_fp8"].append((p * (logp["bf16"] - logp["fp8"])).sum(-1))
@@ -267,7 +317,10 @@ def accuracy(report: dict, preset: str, device: str, positions: int, chunk: int)
         stats["agree_bf16_floor"].append((logp["fp32"].argmax(-1) == logp["bf16"].argmax(-1)).float())
         stats["entropy"].append(-(p * logp["bf16"]).sum(-1))
         stats["p_top1"].append(p.max(-1).values)
-    cat = {k: torch.cat(v).cpu() for k, v in stats.items()}
+        if qk:
+            stats["kl_fp8_qk"].append((p * (logp["bf16"] - logp["fp8_qk"])).sum(-1))
+            stats["agree_fp8_qk"].append((logp["bf16"].argmax(-1) == logp["fp8_qk"].argmax(-1)).float())
+    cat = {k: torch.cat(v).cpu() for k, v in stats.items() if v}
     report["accuracy"] = {
         "model": preset, "weights": "random bf16, seed 0", "positions": positions, "chunk": chunk,
         "tokens": "uniform random ids, seed 0",
@@ -277,14 +330,23 @@ def accuracy(report: dict, preset: str, device: str, positions: int, chunk: int)
         "top1_agreement_fp32_vs_bf16": cat["agree_bf16_floor"].mean().item(),
         "mean_entropy_nats_bf16": cat["entropy"].mean().item(), "mean_p_top1_bf16": cat["p_top1"].mean().item(),
     }  # fmt: skip
+    if qk:  # e4m3 storage read with SdpaConfig.e4m3_qk_long (queries rounded to e4m3 too)
+        report["accuracy"].update(
+            mean_kl_bf16_vs_fp8_qk=cat["kl_fp8_qk"].mean().item(),
+            p99_kl_bf16_vs_fp8_qk=cat["kl_fp8_qk"].quantile(0.99).item(),
+            top1_agreement_fp8_qk=cat["agree_fp8_qk"].mean().item(),
+        )  # fmt: skip
     print("accuracy:", json.dumps(report["accuracy"]), flush=True)
     del model, caches
 
 
-def serve(report: dict, preset: str, device: str, requests: int, save) -> None:
+SERVE_RUNS = {"bf16": (None, 64, False), "fp8": (FP8, 64, False), "fp8_2x_seqs": (FP8, 128, False),
+              "fp8_qk": (FP8, 64, True)}  # name: (kv_dtype, max_seqs, SdpaConfig.e4m3_qk_long)  # fmt: skip
+
+
+def serve(report: dict, preset: str, device: str, requests: int, save, names: list[str]) -> None:
     import numpy as np
 
-    from batchkv.executor import Engine, Request, SamplingParams
     from batchkv.models import build_model
 
     model = build_model(preset, device, seed=0)
@@ -293,7 +355,22 @@ def serve(report: dict, preset: str, device: str, requests: int, save) -> None:
     outputs = rng.integers(64, 1025, requests).tolist()
     capacity = max(map(len, prompts)) + max(outputs) + 1
     report["serve"] = runs = {}
-    for name, kv, seqs in (("bf16", None, 64), ("fp8", FP8, 64), ("fp8_2x_seqs", FP8, 128)):
+    for name in names:
+        kv, seqs, qk = SERVE_RUNS[name]
+        runs[name] = serve_one(model, prompts, outputs, capacity, device, kv, seqs, qk)
+        print(f"serve {name}: {runs[name]['tokens_per_s']:.0f} tokens/s, {runs[name]['kv_gib']:.1f} GiB KV", flush=True)
+        torch.cuda.empty_cache()
+        save()
+    for name in ("fp8", "fp8_qk"):
+        if name in runs and "bf16" in runs:
+            runs[f"{name}_vs_bf16"] = runs[name]["tokens_per_s"] / runs["bf16"]["tokens_per_s"]
+
+
+def serve_one(model, prompts, outputs, capacity, device, kv, seqs, qk) -> dict:
+    """One engine (CUDA graphs) warmed on its first max_seqs prompts, then timed on all requests."""
+    from batchkv.executor import Engine, Request, SamplingParams
+
+    with qk_long(qk):  # graphs are captured inside: the variant is baked into them
         engine = Engine(model, max_seqs=seqs, capacity=capacity, max_step_tokens=1024, prefill_chunk=512,
                         device=device, kv_dtype=kv)  # fmt: skip
         engine.cache.reserve(capacity)
@@ -309,14 +386,11 @@ def serve(report: dict, preset: str, device: str, requests: int, save) -> None:
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
         summary = engine.metrics.summary()
-        runs[name] = {"max_seqs": seqs, "kv_gib": engine.cache.nbytes / 2**30, "wall_s": wall,
-                      "tokens_per_s": summary["generated_tokens"] / wall, "itl_ms_p50": summary["itl_ms_p50"],
-                      "itl_ms_p99": summary["itl_ms_p99"], "captures": summary["captures"]}  # fmt: skip
-        print(f"serve {name}: {runs[name]['tokens_per_s']:.0f} tokens/s, {runs[name]['kv_gib']:.1f} GiB KV", flush=True)
+        run = {"max_seqs": seqs, "kv_gib": engine.cache.nbytes / 2**30, "wall_s": wall, "e4m3_qk_long": qk,
+               "tokens_per_s": summary["generated_tokens"] / wall, "itl_ms_p50": summary["itl_ms_p50"],
+               "itl_ms_p99": summary["itl_ms_p99"], "captures": summary["captures"]}  # fmt: skip
         del engine
-        torch.cuda.empty_cache()
-        save()
-    runs["fp8_vs_bf16"] = runs["fp8"]["tokens_per_s"] / runs["bf16"]["tokens_per_s"]
+    return run
 
 
 def merge_into(path: Path, report: dict) -> None:
@@ -340,6 +414,9 @@ def main() -> None:
     parser.add_argument("--positions", type=int, default=1024, help="(b): teacher-forced positions")
     parser.add_argument("--serve", type=int, default=0, metavar="N", help="(c): serve N requests (0: skip)")
     parser.add_argument("--sweep", action="store_true", help="an e4m3 SdpaConfig grid instead of (b) and (c)")
+    parser.add_argument("--qk-long", action="store_true", help="also SdpaConfig.e4m3_qk_long in (a), (b), (c)")
+    parser.add_argument("--serve-runs", help=f"(c): comma-separated, of {', '.join(SERVE_RUNS)} (default: all but "
+                        "fp8_qk, which --qk-long adds)")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=150.0, help="skip (b) when (a) took longer than this")
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes under the Triton interpreter")
     args = parser.parse_args()
@@ -363,7 +440,7 @@ def main() -> None:
     if args.sweep:
         sweep(report, shape, stores, replays, save, args.smoke)
         return
-    kernels(report, shape, stores, names, replays, save, args.smoke)
+    kernels(report, shape, stores, names, replays, save, args.smoke, args.qk_long)
     del stores
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -376,14 +453,16 @@ def main() -> None:
         report["accuracy"] = f"skipped: the kernels took {report['kernels_s']} s, past --budget-s"
     else:
         try:
-            accuracy(report, preset, device, 64 if args.smoke else args.positions, 32 if args.smoke else 256)
+            accuracy(report, preset, device, 64 if args.smoke else args.positions, 32 if args.smoke else 256,
+                     args.qk_long)  # fmt: skip
         except Exception as exc:
             report["accuracy"] = f"failed: {type(exc).__name__}: {exc}"[:300]
     report["accuracy_s"] = round(time.time() - started - report["kernels_s"], 1)
     save()
     if args.serve and torch.cuda.is_available():
         try:
-            serve(report, preset, device, args.serve, save)
+            runs = args.serve_runs or ",".join(n for n in SERVE_RUNS if n != "fp8_qk" or args.qk_long)
+            serve(report, preset, device, args.serve, save, [n for n in runs.split(",") if n])
         except Exception as exc:
             report["serve"] = f"failed: {type(exc).__name__}: {exc}"[:300]
         save()

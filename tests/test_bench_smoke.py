@@ -19,11 +19,16 @@ def _run(args: list[str], out: Path) -> dict:
 
 
 def test_kv_fp8_smoke_times_the_serving_histories_and_prompt_chunks_against_the_reference(tmp_path):
-    report = _run(["bench/kv_fp8.py", "--smoke", "--cases", "b64-serve,prefill-2x512"], tmp_path / "kv.json")
+    args = ["bench/kv_fp8.py", "--smoke", "--qk-long", "--cases", "b64-serve,prefill-2x512"]
+    report = _run(args, tmp_path / "kv.json")
     cases = {case["name"]: case for case in report["cases"]}
     assert cases["prefill-2x512"]["q_len"] == 32 and cases["b64-serve"]["q_len"] == 1  # the long and split paths
     for case in cases.values():
         assert case["max_abs_err_fp8"] < 1e-3 and case["batchkv_fp8_us"] > 0 and case["batchkv_us"] > 0
+    assert "fp8_qk" not in cases["b64-serve"]  # --qk-long times the variant on prompt cases only
+    runs = cases["prefill-2x512"]["fp8_qk"]
+    assert [r["config"]["e4m3_qk_long"] for r in runs] == [True] * 3 and all(r["us"] > 0 for r in runs)
+    assert "top1_agreement_fp8_qk" in report["accuracy"]
 
 
 def test_serve_sweep_online_cells_report_first_token_time_in_full_chunk_steps(tmp_path):

@@ -8,6 +8,7 @@ Runs `bench/compile_sm90.py` on its head_dim 16 e4m3 variants, where each dot ov
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,3 +29,17 @@ def test_the_e4m3_kernels_compile_for_sm90_at_head_dim_16():
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("split e4m3/", "long e4m3/"))]
     assert sum(line.startswith("split") for line in lines) == 4 and len(lines) == 5, proc.stdout
     assert not [line for line in lines if "FAILED" in line], proc.stdout
+
+
+@pytest.mark.skipif(not (NVIDIA / "bin" / "ptxas").exists(), reason="this Triton has no NVIDIA backend")
+def test_the_e4m3_qk_long_variant_dots_k_codes_straight_from_shared_memory(tmp_path):
+    # SdpaConfig.e4m3_qk_long: in each of the three key loops the QK dot's B operand is the pipelined
+    # e4m3 K buffer itself (a memdesc), and V is the only tile converted (one f8 -> f16 per loop)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TTGIR_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "bench/compile_sm90.py", "'qk_e4m3': True}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0 and "FAILED" not in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    (ir,) = [p.read_text() for p in tmp_path.glob("long_e4m3*qk_e4m3*.ttgir")]
+    fp8_dots = re.findall(r"warp_group_dot .*xf8E4M3FN.* \* !ttg\.memdesc<[0-9x]+xf8E4M3FN", ir)
+    converted = re.findall(r"tt\.fp_to_fp .*xf8E4M3FN, #\w+> -> tensor<[0-9x]+xf16", ir)
+    assert len(fp8_dots) == 3 and len(converted) == 3, (len(fp8_dots), len(converted))

@@ -8,7 +8,7 @@ by attention. Capturable: no host reads, grid = (W,).
 
 e4m3 stores quantise in the same launch: each (token, KV head) row of D gets scale
 max(amax / 448, 2^-126) (IEEE divisions, `div_rn`) and codes e4m3(x / scale), bit for bit what
-`quantize_fp8` stores. The rounding to e4m3 is done in fp32 first (`_round_e4m3`), so the cast
+`quantize_fp8` stores. The rounding to e4m3 is done in fp32 first (`round_e4m3`), so the cast
 only moves exact values: Triton's interpreter rounds fp32 -> e4m3 half-up and drops the carry into
 the exponent (1.97 becomes 1.0), and the explicit rounding makes CPU runs store what the GPU
 stores. Scale planes are [rows, C, Hkv] with any strides (the store's are rows last): slot s's
@@ -30,7 +30,7 @@ E4M3_FLOOR = tl.constexpr(SCALE_FLOOR)
 
 
 @triton.jit
-def _round_e4m3(y):
+def round_e4m3(y):
     """fp32 y (|y| <= 448) rounded to nearest-even on the e4m3 grid, still fp32.
 
     The grid step below 2^(e+1) is 2^(max(e, -6) - 3) (3 mantissa bits; subnormals under 2^-6).
@@ -55,7 +55,7 @@ def _store_rows(flat, scale, x, dst, ok, s_dst, s_ok, QUANT: tl.constexpr):
         # in each call: Triton 3.6 cannot pass it through a local variable.)
         y = tl.maximum(tl.div_rn(x, s[:, None]), -E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
         y = tl.minimum(y, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(flat + dst, _round_e4m3(y).to(flat.dtype.element_ty), mask=ok)
+        tl.store(flat + dst, round_e4m3(y).to(flat.dtype.element_ty), mask=ok)
         tl.store(scale + s_dst, s, mask=s_ok)
     else:
         tl.store(flat + dst, x.to(flat.dtype.element_ty), mask=ok)

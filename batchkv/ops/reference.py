@@ -40,6 +40,16 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def quantize_queries(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [..., D] -> (codes float8_e4m3fn [..., D], scales float32 [...]) as the long path quantises
+    queries under `SdpaConfig.e4m3_qk_long`: `quantize_fp8`'s scale per row, codes e4m3(q * (1 /
+    scale)) (one IEEE reciprocal per row, then a multiply), rounded to nearest even."""
+    q = q.float()
+    amax = q.abs().amax(-1)
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(SCALE_FLOOR)
+    return (q * (torch.ones_like(scale) / scale)[..., None]).to(FP8), scale
+
+
 def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """codes e4m3 [..., D] and scales fp32 [...] -> values [..., D] in `dtype` (computed in fp32)."""
     return (codes.float() * scale[..., None].float()).to(dtype)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from batchkv.ops.kv_write_triton import E4M3_FLOOR, E4M3_MAX, round_e4m3
+
 NEG_INF = tl.constexpr(float("-inf"))
 # e4m3: p * v_scale enters the PV dot in fp16, whose normals start at 2^-14. The tile loops take p
 # 2^P_SHIFT times larger (exp2 of the scores minus (row max - P_SHIFT): no instruction per element;
@@ -88,6 +90,22 @@ def q_for_dots(q_tile, store_ty: tl.constexpr, QUANT: tl.constexpr):
     elif q_tile.dtype != tl.float32:
         q_tile = q_tile.to(tl.float16)
     return q_tile
+
+
+@triton.jit
+def quantize_rows(x, HW_CAST: tl.constexpr):
+    """x [R, D] -> (e4m3 codes [R, D], fp32 scales [R]), `code * scale` ~ x: the write's scale per row,
+    max(amax / 448, 2^-126), and codes e4m3(x * (1 / scale)) rounded to nearest even, as
+    `quantize_queries` makes them. One IEEE division per row and a multiply per element (the write
+    divides each element; x * (1 / scale) moves a code only at a near-tie), no clamp: |x / scale|
+    <= 448 (1 + 2^-22) rounds to 448. HW_CAST: the cast rounds to nearest even (sm_89+'s cvt.rn);
+    else (the interpreter, whose cast rounds half up) `round_e4m3` first."""
+    x = x.to(tl.float32)
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), 1), E4M3_MAX), E4M3_FLOOR)
+    y = x * tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
+    if not HW_CAST:
+        y = round_e4m3(y)
+    return y.to(tl.float8e4nv), scale
 
 
 @triton.jit

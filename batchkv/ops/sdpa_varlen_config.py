@@ -56,7 +56,11 @@ class SdpaConfig:
     narrow_segments rows (T and S are static shapes, so a captured graph keeps one config), e.g. a
     few-row variant for one decoding sequence beside the batch config; None: this one.
     Long path (*_long): tile rows (0: 128 when a key row is <= 256 bytes, else 64), keys (0: 64,
-    else 32), warps, stages (0: 3, else 2).
+    else 32), warps, stages (0: 3, else 2). e4m3_qk_long (opt-in): on e4m3 stores with 16-bit
+    queries, D >= 32 and a positive scale, the long path quantises q to e4m3 (one scale per
+    (query, head) row, amax / 448, as the write scales K) and runs QK^T as an e4m3 tensor-core dot
+    on K's codes as loaded (no conversion, no trip through registers); PV stays an fp16 dot.
+    Scores then carry q's rounding (~2^-5 RMS per element, see docs/design.md); elsewhere ignored.
     """
 
     heads: int = 0
@@ -85,6 +89,7 @@ class SdpaConfig:
     block_m_long: int = 0
     num_warps_long: int = 8
     num_stages_long: int = 0
+    e4m3_qk_long: bool = False
 
 
 # What config=None means: split_merge for steps of at most 2 tokens and for one-sequence tables (the

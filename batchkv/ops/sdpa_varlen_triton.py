@@ -268,9 +268,11 @@ def sdpa_varlen(
     if long:
         block_q_long = max(1, cfg.block_m_long // group)
         most_long = min(num_segments, num_tokens // (cfg.q_short + 1))
+        qk_e4m3 = quant and cfg.e4m3_qk_long and q.dtype != torch.float32 and head_dim >= 32 and qk_scale > 0
         long_kernel[(-(-num_tokens // block_q_long) + most_long, num_kv_heads)](
-            q, k_store, v_store, k_scale, v_scale, seq_info, out, *args, *strides,
-            BLOCK_M=max(16, triton.next_power_of_2(block_q_long * group)), BLOCK_Q=block_q_long,
+            q, k_store, v_store, k_scale, v_scale, seq_info, out, *args, *strides, QK_E4M3=qk_e4m3,
+            HW_CAST=qk_e4m3 and e4m3_cvt_asm(q.device), BLOCK_M=max(16, triton.next_power_of_2(block_q_long * group)),
+            BLOCK_Q=block_q_long,
             BLOCK_N=cfg.block_n_long, **common, num_warps=cfg.num_warps_long, num_stages=cfg.num_stages_long,
         )  # fmt: skip
     return out
