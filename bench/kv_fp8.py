@@ -19,12 +19,14 @@ storage does to the 8B model's next-token distributions.
     outputs U[64, 1024], seed 0, up to 64 sequences, as bench/decode.py serves), bf16 and e4m3
     storage: output tokens/s and their ratio; then e4m3 at twice the sequences.
 --sweep: an e4m3 SdpaConfig grid on four cases (instead of (b) and (c)).
---qk-long: also `SdpaConfig.e4m3_qk_long` (the long path's QK^T as an e4m3 dot of queries rounded
-    to e4m3): (a) times its QK_CONFIGS on the prompt cases (q_len > 16) beside the default, as
+`SdpaConfig.e4m3_qk_long` (the long path's QK^T as an e4m3 dot of queries rounded to e4m3) is the
+    default's on e4m3 stores, so (a)'s batchkv_fp8_us has it on prompt cases; (b) reads the `fp8`
+    cache and (c) serves the `fp8` runs with it off (K converted: exact queries).
+--qk-long: (a) also times QK_CONFIGS (it off and on, tiles) on the prompt cases (q_len > 16), as
     `fp8_qk` entries (config, us, ratio to bf16, max abs error against the reference on exact
-    queries); (b) adds an e4m3 cache read through it (every position goes through the long path,
-    chunks of 256: the variant's worst case, decode queries are not rounded); (c) adds a serving run
-    with it (`--serve-runs` picks the runs).
+    queries); (b) adds an `fp8_qk` cache read with it on (every position goes through the long path,
+    chunks of 256: the variant's worst case, decode queries are not rounded); (c) adds the `fp8_qk`
+    serving run, with it on (`--serve-runs` picks the runs).
 
 JSON is written after every case and part, and each part runs under its own try and time box.
 H200 (about 2-3 minutes for (a) and (b)):
@@ -78,18 +80,17 @@ SWEEP = [{}, {"block_n": 64}, {"block_n": 128, "num_stages": 4}, {"block_n": 64,
          {"block_m_long": 64, "num_warps_long": 4}, {"block_n_long": 128}, {"block_n_long": 32},
          {"num_stages_long": 2}, {"block_m_long": 64, "block_n_long": 128, "num_warps_long": 4}]  # fmt: skip
 
-QK_CONFIGS = [{"e4m3_qk_long": True}, {"e4m3_qk_long": True, "num_stages_long": 4},
+QK_CONFIGS = [{"e4m3_qk_long": False}, {"e4m3_qk_long": True}, {"e4m3_qk_long": True, "num_stages_long": 4},
               {"e4m3_qk_long": True, "block_m_long": 64, "num_warps_long": 4}]  # fmt: skip
 
 
 @contextmanager
 def qk_long(on: bool):
-    """config=None calls (the model's) take `SdpaConfig.e4m3_qk_long` while inside, when `on` (the
-    narrow config too: a one-sequence cache's 2-row table takes it, for prompt chunks as well)."""
+    """config=None calls (the model's) take `SdpaConfig.e4m3_qk_long=on` while inside (the default has
+    it on; the narrow config too: a one-sequence cache's 2-row table takes it, for prompt chunks as well)."""
     default = sdpa_varlen_triton.DEFAULT_CONFIG
-    if on:
-        narrow = default.narrow and replace(default.narrow, e4m3_qk_long=True)
-        sdpa_varlen_triton.DEFAULT_CONFIG = replace(default, e4m3_qk_long=True, narrow=narrow)
+    narrow = default.narrow and replace(default.narrow, e4m3_qk_long=on)
+    sdpa_varlen_triton.DEFAULT_CONFIG = replace(default, e4m3_qk_long=on, narrow=narrow)
     try:
         yield
     finally:

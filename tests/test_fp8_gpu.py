@@ -6,6 +6,8 @@ Run on the H200: `python3 -m pytest -m gpu tests/test_fp8_gpu.py -q`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -30,8 +32,12 @@ def run_case(q_lens, kv_ends, *, rows, kv_heads=8, group=4, head_dim=128, q_dtyp
              window=0, pad=3, seed=0, atol=2e-2, config=None, v_magnitude=None):  # fmt: skip
     """e4m3 codes of NaN-poisoned stores (NaN codes and scales off every resident history) against the
     reference on the same codes, scale planes in the store's layout; q in q_dtype, so the dots run in it.
-    v_magnitude: V times it, and the relative error of the covered rows bounded at 5e-3."""
-    from batchkv.ops.sdpa_varlen_triton import _counters, sdpa_varlen
+    v_magnitude: V times it, and the relative error of the covered rows bounded at 5e-3. config None:
+    the default with q unrounded (its prompt chunks round q: tests/test_fp8_qk_long.py)."""
+    from batchkv.ops.sdpa_varlen_triton import DEFAULT_CONFIG, _counters, sdpa_varlen
+
+    if config is None:
+        config = replace(DEFAULT_CONFIG, e4m3_qk_long=False, narrow=replace(DEFAULT_CONFIG.narrow, e4m3_qk_long=False))
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     cols = torch.randperm(64, generator=torch.Generator().manual_seed(seed))[: len(q_lens)].tolist()

@@ -11,6 +11,8 @@ says otherwise: the kernels take any strides.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import triton
@@ -21,7 +23,7 @@ from batchkv.ops import sdpa_varlen_reference
 from batchkv.ops.kv_write_triton import kv_write
 from batchkv.ops.reference import dequantize_fp8, kv_write_reference, quantize_fp8
 from batchkv.ops.sdpa_varlen_common import unpack_pairs
-from batchkv.ops.sdpa_varlen_triton import SdpaConfig, _counters, sdpa_varlen
+from batchkv.ops.sdpa_varlen_triton import DEFAULT_CONFIG, SdpaConfig, _counters, sdpa_varlen
 from batchkv.ops.support import FP8, SCALE_FLOOR, empty_scales, to_scale_layout
 from tests.test_sdpa_varlen import DEVICE, make_case
 
@@ -157,9 +159,13 @@ def test_e4m3_attention_matches_the_reference_on_the_same_codes(case):
     check_fp8(**CASES[case])
 
 
+# The default with q unrounded on e4m3 stores (its prompt chunks round q: tests/test_fp8_qk_long.py).
+EXACT_Q = replace(DEFAULT_CONFIG, e4m3_qk_long=False, narrow=replace(DEFAULT_CONFIG.narrow, e4m3_qk_long=False))
+
+
 @pytest.mark.parametrize("v_magnitude", [1e-3, 2e4])
 @pytest.mark.parametrize(
-    "config", [None, SdpaConfig(warp_split=4, block_n=64, programs=3)], ids=["tiles", "warp split"]
+    "config", [EXACT_Q, SdpaConfig(warp_split=4, block_n=64, programs=3)], ids=["tiles", "warp split"]
 )
 def test_e4m3_attention_keeps_fp16_precision_for_small_and_large_values(config, v_magnitude):
     # a sink-dominated head (every query leans on key 0, whose value is ~0) over V of one magnitude:

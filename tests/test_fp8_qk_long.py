@@ -32,6 +32,9 @@ CASES = {  # long segments (q_len > 16) beside short ones, D >= 32 (e4m3 dots co
     "odd lengths, uncovered rows": dict(segments=[(19, 0, 23), (0, 1, 5), (37, 1, 61), (29, 4, 29)], rows=64, gap=3,
                                         pad=5, group=3, config=SdpaConfig(**QK)),
     "default tiles": dict(segments=[(70, 0, 200), (33, 1, 33)], rows=256, config=SdpaConfig(e4m3_qk_long=True)),
+    # config None: the default takes the variant on e4m3 stores, its narrow config (tables of <= 2 rows) too
+    "the default": dict(segments=[(70, 0, 200), (33, 1, 33), (1, 2, 30)], rows=256, config=None),
+    "the default, a one-sequence table": dict(segments=[(40, 0, 120)], rows=128, config=None),
 }  # fmt: skip
 
 
@@ -99,7 +102,8 @@ def test_e4m3_qk_is_ignored_where_it_does_not_apply():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [0, 700])
-def test_e4m3_qk_on_the_gpu_at_the_sensenova_shape_matches_the_reference_on_the_rounded_queries(window):
+@pytest.mark.parametrize("config", [SdpaConfig(e4m3_qk_long=True), None], ids=["explicit", "default"])
+def test_e4m3_qk_on_the_gpu_at_the_sensenova_shape_matches_the_reference_on_the_rounded_queries(window, config):
     # two 512-token prompt chunks over histories (the serving step's prefill) beside decode rows,
     # bf16 queries, Hq 32 / Hkv 8, D 128; the ring wraps for the second chunk (rows 1600 < 2048)
     from tests.test_sdpa_varlen_gpu import poisoned_store, table
@@ -112,7 +116,7 @@ def test_e4m3_qk_on_the_gpu_at_the_sensenova_shape_matches_the_reference_on_the_
     info, width = table(q_lens, kv_ends, cols, 8)
     q = torch.randn(width + 2, 32, 128, generator=gen, device="cuda").bfloat16()
     out = torch.full_like(q, float("nan"))
-    sdpa_varlen(q, kc, vc, info, window=window, out=out, config=SdpaConfig(e4m3_qk_long=True), **scales)
+    sdpa_varlen(q, kc, vc, info, window=window, out=out, config=config, **scales)
     ref = sdpa_varlen_reference(dequantize_fp8(*quantize_queries(q)), kc, vc, info, window=window, **scales)
     exact = sdpa_varlen_reference(q, kc, vc, info, window=window, **scales)
     long = torch.zeros(width + 2, dtype=torch.bool, device="cuda")
