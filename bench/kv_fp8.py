@@ -421,6 +421,9 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=150.0, help="skip (b) when (a) took longer than this")
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes under the Triton interpreter")
     args = parser.parse_args()
+    unknown = set((args.serve_runs or "").split(",")) - set(SERVE_RUNS) - {""}
+    if unknown:
+        parser.error(f"--serve-runs: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SERVE_RUNS)}")
     started = time.time()
     shape = Shape(args.smoke)
     report: dict = {"shape": vars(shape), "cases": [], "method": __doc__.split("\n\n")[0]}

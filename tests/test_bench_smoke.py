@@ -31,6 +31,13 @@ def test_kv_fp8_smoke_times_the_serving_histories_and_prompt_chunks_against_the_
     assert "top1_agreement_fp8_qk" in report["accuracy"]
 
 
+def test_kv_fp8_refuses_an_unknown_serving_run(tmp_path):
+    out = tmp_path / "kv.json"
+    args = [sys.executable, "bench/kv_fp8.py", "--smoke", "--serve-runs", "bf16,fp9", "--out", str(out)]
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "unknown fp9" in proc.stderr and not out.exists()
+
+
 def test_serve_sweep_online_cells_report_first_token_time_in_full_chunk_steps(tmp_path):
     args = ["bench/serve_sweep.py", "--preset", "sensenova-u1-tiny", "--small", "--online-rate", "4", "--online-only"]
     report = _run(args, tmp_path / "sweep.json")  # --small: budgets 16 and None, 32-token chunks, 64-token steps

@@ -100,12 +100,31 @@ def test_e4m3_qk_is_ignored_where_it_does_not_apply():
         assert torch.equal(with_qk, without)
 
 
+@pytest.mark.parametrize("scale", [None, 1e-30])
+def test_e4m3_qk_rows_of_nan_or_zero_queries_come_out_as_with_exact_queries(scale):
+    # a query row holding a NaN takes a NaN scale (tl.max skips NaN), so it goes where exact queries'
+    # NaN scores go; a zero row's scale is the floor, and with a tiny softmax scale their product stays
+    # a normal float (a zero would make exp2's argument -inf * 0): uniform weights, as exact queries give
+    case = dict(segments=[(40, 0, 90), (1, 1, 30)], rows=96)
+    (q, k, v), info = make_case(**case)
+    (kc, ks), (vc, vs) = quantize_fp8(k), quantize_fp8(v)
+    scales = dict(k_scale=to_scale_layout(ks), v_scale=to_scale_layout(vs))
+    q = q.half()
+    q[3, 1, 5], q[7, 2], q[39, 0] = float("nan"), 0.0, 0.0
+    with_qk = sdpa_varlen(q, kc, vc, info, scale=scale, config=SdpaConfig(**QK), **scales).float()
+    exact = sdpa_varlen(q, kc, vc, info, scale=scale, config=SdpaConfig(block_m_long=32), **scales).float()
+    v_max = dequantize_fp8(vc, vs).nan_to_num(0.0).abs().max().item()
+    for t, h in ((3, 1), (7, 2), (39, 0)):
+        torch.testing.assert_close(with_qk[t, h], exact[t, h], atol=2**-10 * v_max, rtol=0, equal_nan=True)
+    assert exact[7, 2].abs().sum() > 0  # a zero row attends (uniformly), it is not an empty row
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [0, 700])
 @pytest.mark.parametrize("config", [SdpaConfig(e4m3_qk_long=True), None], ids=["explicit", "default"])
 def test_e4m3_qk_on_the_gpu_at_the_sensenova_shape_matches_the_reference_on_the_rounded_queries(window, config):
     # two 512-token prompt chunks over histories (the serving step's prefill) beside decode rows,
-    # bf16 queries, Hq 32 / Hkv 8, D 128; the ring wraps for the second chunk (rows 1600 < 2048)
+    # bf16 queries, Hq 32 / Hkv 8, D 128; the ring wraps for the first chunk (kv_end 2048 > 1600 rows)
     from tests.test_sdpa_varlen_gpu import poisoned_store, table
 
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -383,7 +383,8 @@ class BatchedSequenceCache:
         store's dtype on write); all three float16/bfloat16/float32, W the prepared width, on the
         cache's device with a contiguous last dim. Returns [W, Hq, D] in q's dtype; padding
         rows are exact zeros. e4m3 storage quantises K/V in the write and dequantises in the
-        attention kernel (fp32 accumulation). Every argument is checked (shapes, dtypes, devices:
+        attention kernel (fp32 accumulation); on the Triton default, prompt chunks round q to e4m3
+        too (`SdpaConfig.e4m3_qk_long`). Every argument is checked (shapes, dtypes, devices:
         attributes only, no tensor reads) before anything is written, so a refusal leaves the store
         as it was. Capturable: reads only device buffers staged by `prepare_step`, whose addresses
         are fixed for a given `generation`.

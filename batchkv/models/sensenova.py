@@ -214,7 +214,7 @@ class SenseNovaLM(nn.Module):
         for layer, p in enumerate(layers):
             # Each residual add is fused with the norm that follows it: one kernel on CUDA.
             h, x = add_rms_norm(h, self._attention(layer, p, x, cos, sin, cache), p.post_attention_layernorm, eps)
-            mlp = linear(linear(x, p.gate_up), p.down, silu_mul=True)  # silu(gate) * up fused into down
+            mlp = linear(linear(x, p.gate_up), p.down, silu_mul=True)  # silu(gate) * up, then down
             if layer + 1 < len(layers):
                 h, x = add_rms_norm(h, mlp, layers[layer + 1].input_layernorm, eps)
             else:

@@ -4,7 +4,9 @@ These are the oracles: the Triton kernels must match them, and the cache uses th
 no GPU. They read `seq_info` on the host (`tolist()`), so they are not capturable in a CUDA graph.
 
 e4m3 storage (see `batchkv.ops.support`) is the same arithmetic as the Triton kernels: the write
-quantises each row of D elements with `quantize_fp8`, attention dequantises `code * scale` in fp32.
+quantises each row of D elements with `quantize_fp8`, attention dequantises `code * scale` in fp32,
+with exact queries. The Triton default also rounds the queries of prompt chunks to e4m3
+(`SdpaConfig.e4m3_qk_long`); `quantize_queries` makes those codes, to compare against.
 
 Contract (`sdpa_varlen`), for each row s of `seq_info` = (q_start, q_len, col, kv_end):
 - query i in [0, q_len) is packed row `q_start + i` and sits at position `p_i = kv_end - q_len + i`;

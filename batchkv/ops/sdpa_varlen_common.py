@@ -99,9 +99,11 @@ def quantize_rows(x, HW_CAST: tl.constexpr):
     `quantize_queries` makes them. One IEEE division per row and a multiply per element (the write
     divides each element; x * (1 / scale) moves a code only at a near-tie), no clamp: |x / scale|
     <= 448 (1 + 2^-22) rounds to 448. HW_CAST: the cast rounds to nearest even (sm_89+'s cvt.rn);
-    else (the interpreter, whose cast rounds half up) `round_e4m3` first."""
+    else (the interpreter, whose cast rounds half up) `round_e4m3` first. A row holding a NaN gets a
+    NaN scale (tl.max skips NaN), so its scores are NaN as unrounded queries' are, on either path."""
     x = x.to(tl.float32)
     scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), 1), E4M3_MAX), E4M3_FLOOR)
+    scale = tl.where(tl.max((x != x).to(tl.int32), 1) > 0, float("nan"), scale)
     y = x * tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[:, None]
     if not HW_CAST:
         y = round_e4m3(y)

@@ -97,9 +97,10 @@ class SdpaConfig:
 # rest. On the H200 (bench/results/b1-sweep-h200.json) split_merge takes one sequence from 1.27-1.82x
 # SDPA exact to 0.88-0.97x at 1,024-16,384 keys and a 16-token verify block to 0.42x the main path,
 # two sequences to 0.83x; from 4 decoding sequences on it is slower (1.04x at 4, 1.40x at 8).
-# On e4m3 stores prompt chunks run QK^T as an e4m3 dot (e4m3_qk_long): 1.38x faster than converting K
-# (123.5 against 170.7 us on two 512-token chunks), serving 1.09x, the 8B model's KL against bf16 storage
-# unchanged (bench/results/kv-fp8-h200.json); SdpaConfig(e4m3_qk_long=False) keeps q unrounded.
+# On e4m3 stores prompt chunks run QK^T as an e4m3 dot (e4m3_qk_long): 1.39x faster than converting K
+# (122.7 against 170.9 us on two 512-token chunks), serving 1.08x (1.12x bf16 storage's tok/s against
+# 1.04x), the 8B model's KL against bf16 storage 0.00110 against 0.00106 (bench/results/kv-fp8-h200.json);
+# SdpaConfig(e4m3_qk_long=False) keeps q unrounded.
 DEFAULT_CONFIG = SdpaConfig(
     narrow=SdpaConfig(split_merge=True, fuse_write=True, e4m3_qk_long=True),
     narrow_width=2,

@@ -183,7 +183,10 @@ def sdpa_varlen(
     e4m3 stores (`torch.float8_e4m3fn`) also take k_scale, v_scale: fp32 [rows, C, Hkv] (the value
     is code * scale; one set of strides, any, rows contiguous the fast layout: `empty_scales`);
     their codes are read in pairs (even strides and offsets) and converted exactly to fp16 (fp32
-    for fp32 q) in registers for the dots.
+    for fp32 q) in registers for the dots. Under `SdpaConfig.e4m3_qk_long` (the default's) the rows
+    of segments longer than `q_short` tokens (prompt chunks; verify blocks of 17-32 tokens) instead
+    round q to e4m3 per (query, head) row and take QK^T as an e4m3 dot on the codes; shorter
+    segments keep exact queries.
 
     Graph-safe: nothing is read back to the host and grids depend on shapes only, so a captured
     call replays correctly after new contents are copied into `seq_info`. The fp32 partials come
@@ -268,7 +271,9 @@ def sdpa_varlen(
     if long:
         block_q_long = max(1, cfg.block_m_long // group)
         most_long = min(num_segments, num_tokens // (cfg.q_short + 1))
+        e4m3_dots = q.device.type == "cpu" or e4m3_cvt_asm(q.device)  # NVIDIA sm_89+, or the interpreter
         qk_e4m3 = quant and cfg.e4m3_qk_long and q.dtype != torch.float32 and head_dim >= 32 and qk_scale > 0
+        qk_e4m3 = qk_e4m3 and e4m3_dots
         long_kernel[(-(-num_tokens // block_q_long) + most_long, num_kv_heads)](
             q, k_store, v_store, k_scale, v_scale, seq_info, out, *args, *strides, QK_E4M3=qk_e4m3,
             HW_CAST=qk_e4m3 and e4m3_cvt_asm(q.device), BLOCK_M=max(16, triton.next_power_of_2(block_q_long * group)),
