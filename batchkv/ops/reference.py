@@ -35,11 +35,16 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     >>> codes, scales = quantize_fp8(torch.randn(5, 8, 128))  # [5, 8, 128] e4m3, [5, 8] fp32
     """
     x = x.float()
+    scale = _row_scales(x)
+    return (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def _row_scales(x: torch.Tensor) -> torch.Tensor:
+    """fp32 x [..., D] -> max(amax / 448, 2^-126) per row [...], the IEEE division of the kernels."""
     amax = x.abs().amax(-1)
     # A tensor divisor, not the float: CUDA torch divides by a Python scalar as a multiply by its
     # reciprocal, 1 ulp off amax / 448 at times, and the codes near a rounding tie move with it.
-    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(SCALE_FLOOR)
-    return (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return (amax / torch.full_like(amax, FP8_MAX)).clamp_min(SCALE_FLOOR)
 
 
 def quantize_queries(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,8 +52,7 @@ def quantize_queries(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     queries under `SdpaConfig.e4m3_qk_long`: `quantize_fp8`'s scale per row, codes e4m3(q * (1 /
     scale)) (one IEEE reciprocal per row, then a multiply), rounded to nearest even."""
     q = q.float()
-    amax = q.abs().amax(-1)
-    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(SCALE_FLOOR)
+    scale = _row_scales(q)
     return (q * (torch.ones_like(scale) / scale)[..., None]).to(FP8), scale
 
 

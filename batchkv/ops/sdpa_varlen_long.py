@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from batchkv.ops.kv_write_triton import E4M3_FLOOR
 from batchkv.ops.sdpa_varlen_common import (
     NEG_INF,
     P_SHIFT,
@@ -124,8 +125,8 @@ def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, S, T, rows, wi
     q_tile = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
     if QK_E4M3:  # codes and one scale per (query, head) row; the softmax scale folds into the row scales
         q_tile, q_scale = quantize_rows(q_tile, HW_CAST)
-        qk_scale = q_scale * qk_scale  # a zero row's scale times a tiny softmax scale stays a normal float, so
-        qk_scale = tl.where(qk_scale < 1.1754944e-38, 1.1754944e-38, qk_scale)  # no -inf * 0; NaN stays NaN
+        qk_scale = q_scale * qk_scale  # a zero row's scale times a tiny softmax scale stays a normal float
+        qk_scale = tl.where(qk_scale < E4M3_FLOOR, E4M3_FLOOR, qk_scale)  # (2^-126): no -inf * 0; NaN stays NaN
     else:
         q_tile = q_for_dots(q_tile, k_store.dtype.element_ty, QUANT)
     row_lo, row_hi = row_bounds(kv_end - q_len + i, row_ok, kv_end, rows, window, CAUSAL)

@@ -223,6 +223,7 @@ def sdpa_varlen(
         return out.zero_()
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
     dots = q.dtype if quant else k_store.dtype  # the dtype tl.dot runs in
+    cvt_asm = quant and e4m3_cvt_asm(q.device)  # e4m3 codes converted by inline PTX (NVIDIA sm_89+)
     k_scale, v_scale = (k_scale, v_scale) if quant else (k_store, v_store)  # unread without QUANT
     scale_strides = k_scale.stride() if quant else (0, 0, 0)  # (row, column, head)
     strides = (q.stride(0), q.stride(1), *k_store.stride()[:3], *scale_strides, out.stride(0), out.stride(1))
@@ -240,7 +241,7 @@ def sdpa_varlen(
     if takes_split_merge(num_tokens, group, cfg, quant):  # the two-launch variant for narrow steps
         launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device))
         split_merge(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, strides, cfg, common,
-                    quant and e4m3_cvt_asm(q.device), launch, write)  # fmt: skip
+                    cvt_asm, launch, write)  # fmt: skip
         return out
 
     # Split path: block_q queries per item; at most max_items items over all short segments.
@@ -265,18 +266,18 @@ def sdpa_varlen(
         ZERO_ROWS=pow2_floor(2048 // (hg_pow2 * head_dim)), AXIS64=axis_bound * slots >= AXIS32_LIMIT,
         WARP_SPLIT=cfg.warp_split, PREFETCH=cfg.prefetch, SECTOR=32 // k_store.dtype.itemsize,
         PREFETCH_CHECK=cfg.prefetch > 0 and q.device.type != "cuda", MERGE_STAGES=cfg.merge_stages,
-        CVT_ASM=quant and e4m3_cvt_asm(q.device), **common,
+        CVT_ASM=cvt_asm, **common,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device),
     )  # fmt: skip
     if long:
         block_q_long = max(1, cfg.block_m_long // group)
         most_long = min(num_segments, num_tokens // (cfg.q_short + 1))
-        e4m3_dots = q.device.type == "cpu" or e4m3_cvt_asm(q.device)  # NVIDIA sm_89+, or the interpreter
+        e4m3_dots = q.device.type == "cpu" or cvt_asm  # NVIDIA sm_89+, or the interpreter
         qk_e4m3 = quant and cfg.e4m3_qk_long and q.dtype != torch.float32 and head_dim >= 32 and qk_scale > 0
         qk_e4m3 = qk_e4m3 and e4m3_dots
         long_kernel[(-(-num_tokens // block_q_long) + most_long, num_kv_heads)](
             q, k_store, v_store, k_scale, v_scale, seq_info, out, *args, *strides, QK_E4M3=qk_e4m3,
-            HW_CAST=qk_e4m3 and e4m3_cvt_asm(q.device), BLOCK_M=max(16, triton.next_power_of_2(block_q_long * group)),
+            HW_CAST=qk_e4m3 and cvt_asm, BLOCK_M=max(16, triton.next_power_of_2(block_q_long * group)),
             BLOCK_Q=block_q_long,
             BLOCK_N=cfg.block_n_long, **common, num_warps=cfg.num_warps_long, num_stages=cfg.num_stages_long,
         )  # fmt: skip
