@@ -19,8 +19,8 @@ from batchkv import ops
 from batchkv.cache.config import CacheConfig
 from batchkv.cache.contract import check_attend_args
 from batchkv.cache.staging import Staging
-from batchkv.cache.step import StepBuffers, StepPlan
-from batchkv.cache.store import Allocator, ColumnStore
+from batchkv.cache.step import Placement, StepBuffers, StepPlan
+from batchkv.cache.store import SCRATCH, Allocator, ColumnStore
 from batchkv.checks import allocating, device_arg, int_arg, is_int
 from batchkv.errors import (
     CapacityError,
@@ -38,7 +38,11 @@ from batchkv.ops.support import refusal
 class BatchedSequenceCache:
     """KV cache of up to `max_seqs` sequences in one column store, one column per sequence.
 
-    Sequence ids are column indexes: `seq_new` hands out the lowest free one, and ids recycle.
+    Sequence ids are column indexes: `seq_new` hands out the lowest free one, and ids recycle. A
+    column is an *extent* of consecutive rows in each layer group's pool, as tall as the sequence
+    can reach (`seq_new(reach=...)`; without one it starts at the row schedule's first height and
+    grows, moving to new rows, when a step needs more), so a sequence costs memory for what it can
+    reach, not for what the longest one can (see `batchkv.cache.store`).
 
     Example:
         cache = BatchedSequenceCache(CacheConfig(num_layers=2, kv_heads=2, head_dim=16,
@@ -53,8 +57,6 @@ class BatchedSequenceCache:
     reference), "triton" or "reference". An unknown or unavailable `device` is a ConfigError; a
     store the device cannot hold is a CapacityError with the bytes asked for.
     """
-
-    _FIX = "lower max_seqs or capacity, or free device memory"  # what a failed allocation advises
 
     def __init__(
         self,
@@ -74,17 +76,13 @@ class BatchedSequenceCache:
         if problem:
             raise ConfigError(f"{problem}; use attention='reference'" if self.attention == "triton" else problem)
         self._attend = ops.backend_functions(self.attention)[1]  # it also does the step's K/V write
-        rows = config.rows_for(1)
-        with allocating(f"the first {rows} rows of K/V", config.store_bytes(rows), self._FIX):
-            self._store = ColumnStore(config, self.device, alloc)
-        group_keys = sorted({config.ring_rows(layer) for layer in range(config.num_layers)})
-        self._group_of = [group_keys.index(config.ring_rows(layer)) for layer in range(config.num_layers)]
-        self._group_layer = [self._group_of.index(g) for g in range(len(group_keys))]  # a layer per group
-        sizes = (config.max_width, len(group_keys), config.max_segments)
+        self._store = ColumnStore(config, self.device, alloc)
+        sizes = (config.max_width, len(self._store.groups), config.max_segments)
         with allocating("the step buffers", Staging.nbytes(StepBuffers.sizes(*sizes)), "lower max_width or max_seqs"):
-            self._buffers = StepBuffers(*sizes, self.device)
+            self._buffers = StepBuffers(*sizes, config.max_seqs, self.device)
         self._lengths: dict[int, int] = {}  # id -> positions held
         self._high_water: dict[int, int] = {}  # id -> most positions ever written (ring floor)
+        self._height: dict[int, int] = {}  # id -> rows of its flat extent (positions it holds without moving)
         self._plan: StepPlan | None = None
         self._width: int | None = None  # set by prepare_step, cleared by commit/invalidation
 
@@ -108,9 +106,20 @@ class BatchedSequenceCache:
         return self._store.nbytes
 
     @property
-    def rows(self) -> int:
-        """Rows the flat layers hold now (a sequence may reach this length without growth)."""
-        return self._store.flat_rows
+    def pool_rows(self) -> int:
+        """Rows of the flat layers' pool: every sequence's extent and the scratch rows together."""
+        return self._store.pool_rows(0)
+
+    @property
+    def free_rows(self) -> int:
+        """Rows the flat pool can still give to extents (a pool that grows on demand counts the rows
+        it may still grow by, up to every sequence at capacity)."""
+        return self._store.free_rows()
+
+    def reach(self, seq: int) -> int:
+        """Positions `seq` holds without its extent moving (its flat extent's rows)."""
+        self._known(seq)
+        return self._height[seq]
 
     @property
     def positions(self) -> torch.Tensor:
@@ -124,8 +133,9 @@ class BatchedSequenceCache:
 
     @property
     def seq_info(self) -> torch.Tensor:
-        """Device int32 [max_segments, 4]: the staged (q_start, q_len, col, kv_end) table."""
-        return self._buffers.seq_info
+        """Device int32 [max_segments, 4]: the staged (q_start, q_len, col, kv_end) table of the first
+        layer group (flat layers' when there are any); `col` is the extent's first row in its pool."""
+        return self._buffers.seq_info[0]
 
     @property
     def sequences(self) -> list[int]:
@@ -133,19 +143,26 @@ class BatchedSequenceCache:
         return sorted(self._lengths)
 
     def k_store(self, layer: int) -> torch.Tensor:
-        """Layer's K storage [rows, config.columns, Hkv, D]. Its address changes when `generation` does."""
+        """Layer's K pool [P, 1, Hkv, D]. Its address changes when `generation` does."""
         return self._store.k[self._layer(layer)]
 
     def v_store(self, layer: int) -> torch.Tensor:
-        """Layer's V storage [rows, config.columns, Hkv, D]. Its address changes when `generation` does."""
+        """Layer's V pool [P, 1, Hkv, D]. Its address changes when `generation` does."""
         return self._store.v[self._layer(layer)]
+
+    def column(self, seq: int, layer: int) -> dict[str, torch.Tensor]:
+        """Views of `seq`'s rows in `layer`: k, v [rows, Hkv, D] in `config.kv_dtype` (and, for e4m3
+        storage, k_scale, v_scale fp32 [rows, Hkv]); position p sits at row p % rows. The views
+        stay valid until the extent moves (growth, compaction) or storage does (`generation`)."""
+        self._known(seq)
+        return self._store.extent(seq, self._layer(layer))
 
     def _layer(self, layer: int) -> int:
         return int_arg("layer", layer, 0, self.config.num_layers - 1, error=ContractError)
 
     def planes(self, layer: int) -> dict[str, torch.Tensor]:
-        """Every storage plane of `layer` by name: k, v [rows, columns, Hkv, D] in `config.kv_dtype`
-        and, for e4m3 storage, k_scale, v_scale fp32 [rows, columns, Hkv] (value = code * scale)."""
+        """Every storage plane of `layer` by name: k, v [P, 1, Hkv, D] in `config.kv_dtype` and, for
+        e4m3 storage, k_scale, v_scale fp32 [P, 1, Hkv] (value = code * scale)."""
         return self._store.layer(self._layer(layer))
 
     # ---- sequence verbs (host) ----------------------------------------------------------------
@@ -170,12 +187,32 @@ class BatchedSequenceCache:
                 return col
         raise NoFreeColumnError(f"all {self.max_seqs} columns are held; seq_rm() a finished sequence or raise max_seqs")
 
-    def seq_new(self) -> int:
-        """A new empty sequence; returns the lowest free id."""
+    def seq_new(self, reach: int | None = None) -> int:
+        """A new empty sequence; returns the lowest free id.
+
+        reach: positions it may hold without its extent moving (at most capacity); None: the row
+        schedule's first height (`config.rows_for(1)`), grown as steps need. A store that cannot
+        give the rows is a CapacityError, and nothing changes.
+        """
+        height = self._height_arg("seq_new", reach)
         seq = self._free_column()
+        self._store.place(seq, height)
         self._lengths[seq] = 0
         self._high_water[seq] = 0
+        self._height[seq] = height
         return seq
+
+    def _height_arg(self, where: str, reach: int | None) -> int:
+        if reach is None:
+            return self.config.rows_for(1)
+        why = " (positions the sequence may hold without moving)"
+        return int_arg(f"{where}: reach", reach, 1, self.capacity, error=CapacityError, why=why)
+
+    def fits(self, reach: int, count: int = 1) -> bool:
+        """True when `count` more sequences of `reach` positions each could be placed now (with the
+        growth a pool allocated on demand has left)."""
+        height = self._height_arg("fits", reach)
+        return count * height <= self.free_rows
 
     def ring_floor(self, seq: int) -> int:
         """Shortest length `seq` may be rewound or cloned to: past it a ring has lost the window."""
@@ -185,8 +222,11 @@ class BatchedSequenceCache:
         wrapped = any(written > cfg.ring_rows(layer) for layer in range(cfg.num_layers) if cfg.ring_rows(layer))
         return max(0, written - cfg.max_write) if wrapped else 0
 
-    def seq_clone(self, src: int, upto: int | None = None) -> int:
-        """A new sequence holding a device copy of `src`'s first `upto` positions (default all)."""
+    def seq_clone(self, src: int, upto: int | None = None, reach: int | None = None) -> int:
+        """A new sequence holding a device copy of `src`'s first `upto` positions (default all).
+
+        reach: positions the clone may hold without moving (default `src`'s reach; at least upto).
+        """
         length = self._known(src)
         upto = length if upto is None else upto
         if not is_int(upto) or not 0 <= upto <= length:
@@ -197,17 +237,25 @@ class BatchedSequenceCache:
                 f"seq_clone: sequence {src} has written {self._high_water[src]} positions, so its ring "
                 f"layers keep only enough for a prefix of {floor} or more; upto={upto} is below that"
             )
+        height = self._height[src] if reach is None else self._height_arg("seq_clone", reach)
+        if height < upto:
+            raise CapacityError(f"seq_clone: reach={height} cannot hold the {upto} positions cloned; raise reach")
         dst = self._free_column()
-        self._store.copy_column(src, dst, upto)
+        self._store.place(dst, height)
+        self._store.copy_prefix(src, dst, upto)
         self._lengths[dst] = int(upto)  # a numpy integer is taken, a Python int is held
         self._high_water[dst] = self._high_water[src]  # its ring rows hold what the donor wrote
+        self._height[dst] = height
         return dst
 
     def seq_rm(self, seq: int) -> None:
-        """Free `seq`'s column. A declared (or prepared) step that names it is dropped."""
+        """Free `seq`'s column (its rows go back to the pool). A declared (or prepared) step that
+        names it is dropped."""
         self._known(seq)
+        self._store.release(seq)
         del self._lengths[seq]
         del self._high_water[seq]
+        del self._height[seq]
         if self._plan is not None and seq in self._plan.counts:
             self._plan, self._width = None, None
 
@@ -232,21 +280,35 @@ class BatchedSequenceCache:
         if self._plan is not None and seq in self._plan.counts:
             self._width = None  # staged positions are stale
 
-    def reserve(self, length: int) -> bool:
-        """Grow storage now so sequences can reach `length` positions without growing mid-run.
+    def reserve(self, seq: int, length: int) -> bool:
+        """Grow `seq`'s extent now so it can reach `length` positions without moving mid-run.
 
-        Returns False when storage already held them. Out of memory is a CapacityError (bytes
-        asked for in the message) and changes nothing.
+        Returns False when it already held them. A store that cannot give the rows (a fixed pool
+        that is full, or out of device memory: the bytes asked for in the message) is a
+        CapacityError, and nothing changes. A declared step naming `seq` must be prepared again.
         """
-        int_arg("reserve: length", length, error=PositionError)
-        if not 0 < length <= self.capacity:
+        self._known(seq)
+        height = int_arg("reserve: length", length, error=PositionError)
+        if not 0 < height <= self.capacity:
             raise CapacityError(f"reserve: length {length} is outside [1, capacity={self.capacity}]")
-        return self._grow(self.config.rows_for(length))
+        return self._resize({seq: height})
 
-    def _grow(self, rows: int) -> bool:
-        what = f"growing the store to {rows} rows (the cache is unchanged)"
-        with allocating(what, self.config.store_bytes(rows), self._FIX):
-            return self._store.grow_to(rows)
+    def _resize(self, heights: dict[int, int]) -> bool:
+        """Grow the extents of the sequences in `heights` (all or none: a refusal changes nothing)."""
+        grow = {seq: h for seq, h in heights.items() if h > self._height[seq]}
+        if not grow:
+            return False
+        total = sum(h - self._height[seq] for seq, h in grow.items())
+        if total > self.free_rows:
+            raise CapacityError(
+                f"the store can give {self.free_rows} more rows but growing sequences {sorted(grow)} needs {total}; "
+                "finish or remove sequences, or give the store more rows (pool_rows)"
+            )
+        self._store.resize(grow, keep={seq: self._high_water[seq] for seq in grow})
+        for seq, height in grow.items():
+            self._height[seq] = height
+            self._restage(seq)
+        return True
 
     # ---- package-internal hooks of the single-sequence facade (batchkv.cache.single) ----------
     def _set_length(self, seq: int, new_len: int) -> None:
@@ -261,9 +323,10 @@ class BatchedSequenceCache:
         if new_len <= length:
             self.rewind(seq, new_len)
             return
-        if new_len > self.rows:
+        if new_len > self._height[seq]:
             raise CapacityError(
-                f"_set_length: sequence {seq} cannot reach {new_len} positions in {self.rows} rows; reserve() first"
+                f"_set_length: sequence {seq} cannot reach {new_len} positions in {self._height[seq]} rows; "
+                "reserve() first"
             )
         self._lengths[seq] = new_len
         self._high_water[seq] = max(self._high_water[seq], new_len)
@@ -286,7 +349,7 @@ class BatchedSequenceCache:
             raise ContractError(f"_load_prefix: every K/V must be {list(want)} (n, Hkv, D); got {bad[0]}")
         if not 0 < n <= cfg.capacity:
             raise CapacityError(f"_load_prefix: {n} positions is outside [1, capacity={cfg.capacity}]")
-        self._grow(cfg.rows_for(n))
+        self._resize({seq: cfg.rows_for(n)})
         for layer in range(cfg.num_layers):
             self._store.write_column(seq, layer, keys[layer], values[layer])
         self._lengths[seq] = n
@@ -294,7 +357,7 @@ class BatchedSequenceCache:
         self._restage(seq)
 
     def _read_prefix(self, seq: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """K and V of positions [0, n) of `seq` (flat layers, n <= rows: a staged step's positions
+        """K and V of positions [0, n) of `seq` (flat layers, n <= its reach: a staged step's positions
         count), one [n, Hkv, D] tensor per layer each, in `config.dtype` (e4m3 dequantised).
         Host side; package-internal (the facade's `to_dynamic_cache`)."""
         self._known(seq)
@@ -350,14 +413,26 @@ class BatchedSequenceCache:
                 f"and be at most max_width={self.config.max_width}"
             )
         layout = plan.layout(self._lengths)
-        # Grow before staging, so a failed allocation leaves the cache as it was.
-        self._grow(self.config.rows_for(max(kv_end for *_, kv_end in layout)))
-        group_rows = [self._store.rows(layer) for layer in self._group_layer]
-        self._buffers.fill(layout, group_rows, self.config.columns, self.config.scratch, width)
+        # Grow before staging, so a refusal leaves the cache as it was.
+        ends: dict[int, int] = {}
+        for _, _, seq, kv_end in layout:
+            ends[seq] = max(ends.get(seq, 0), kv_end)
+        self._resize({seq: self.config.rows_for(end) for seq, end in ends.items() if end > self._height[seq]})
+        self._buffers.fill(layout, self._placements(ends), width)
         for _, _, seq, kv_end in layout:
             # Written on the device from now on, whether or not the step commits.
             self._high_water[seq] = max(self._high_water[seq], kv_end)
         self._width = width
+
+    def _placements(self, seqs) -> list[Placement]:
+        store, scratch = self._store, self.config.scratch_rows
+        return [
+            Placement(
+                {seq: store.base(g, seq) for seq in seqs}, {seq: store.rows(g, seq) for seq in seqs},
+                store.base(g, SCRATCH) if scratch else 0, scratch,
+            )
+            for g in range(len(store.groups))
+        ]  # fmt: skip
 
     def commit_step(self) -> None:
         """Advance every declared sequence by its tokens in the step; clears the declaration."""
@@ -395,10 +470,10 @@ class BatchedSequenceCache:
         width, cfg = self._width, self.config
         if not causal and self._plan is not None and self._plan.split:
             raise StepError("a non-causal step needs each sequence's tokens in one run (a draft block is one segment)")
-        store = self._store.layer(layer)
-        slots = self._buffers.slots[self._group_of[layer], :width]
+        store, group = self._store.layer(layer), self._store.group_of[layer]
+        slots = self._buffers.slots[group, :width]
         return self._attend(  # the step's K/V written first (a kv_write launch, or inside the attention)
-            q, store["k"], store["v"], self._buffers.seq_info, scale=scale, causal=causal,
+            q, store["k"], store["v"], self._buffers.seq_info[group], scale=scale, causal=causal,
             window=cfg.layers[layer].window, k_scale=store.get("k_scale"), v_scale=store.get("v_scale"),
-            write=(k, v, slots),
+            write=(k, v, slots), rows=self._store.modulus(layer),
         )  # fmt: skip

@@ -1,8 +1,9 @@
 """Cache geometry: `LayerSpec` per layer and `CacheConfig` for the whole store.
 
 Both are frozen and validated on construction, so a cache is never built from a geometry that
-breaks a rule. Row counts follow from the config alone (see `CacheConfig.rows_for`), which keeps
-growth predictable: the same config always grows through the same row counts.
+breaks a rule. Row counts follow from the config alone (`CacheConfig.rows_for` for a sequence's
+extent, `CacheConfig.pool_rows_for` for a layer group's pool), which keeps growth predictable: the
+same config always grows through the same row counts.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from batchkv.errors import ConfigError
 from batchkv.ops.support import COMPUTE_DTYPES, SCALE_DTYPE, SCALE_PLANES, quantized, refusal
 
 POLICIES = ("flat", "ring")
-FIRST_ROWS = 256  # first flat allocation when no bucket schedule is given; doubles from here
+FIRST_ROWS = 256  # first extent (and pool) height when no bucket schedule is given; doubles from here
+SCRATCH_ROWS = 16  # rows padded tokens write to (spread over a few rows; nothing reads them)
 MAX_POSITIONS = 2**31 - 1  # kv_end and positions travel as int32 in seq_info
 MAX_STEP_TOKENS = 1 << 20  # packed tokens of one step: sizes the static step buffers
 
@@ -49,8 +51,7 @@ class CacheConfig:
     """Geometry of a batched-sequence column store.
 
     num_layers, kv_heads, head_dim: the KV geometry of the model.
-    max_seqs: resident sequences (columns); one more column is scratch for padding, unless
-        `max_width` is 1 (a one-token step never pads, so a decode-only store has no scratch).
+    max_seqs: resident sequences (columns: each owns one extent of consecutive rows per layer group).
     capacity: most positions one sequence may hold (at most 2**31 - 1: positions are int32 on the device).
     max_write: most tokens one sequence writes in one step (sizes ring layers).
     layers: one `LayerSpec` per layer; default all flat, no window.
@@ -62,9 +63,15 @@ class CacheConfig:
     max_segments: most runs in one step; default `2 * max_seqs`.
     max_width: most packed tokens in one step (static buffer size); default `max_seqs * max_write`,
         at most MAX_STEP_TOKENS.
-    buckets, tail_step: flat row schedule. Empty `buckets` doubles from 256; otherwise the first
-        bucket that fits, then steps of `tail_step` past the last (0: past the last bucket, exactly
-        the rows needed, so each longer sequence reallocates). Rows never exceed `capacity`.
+    buckets, tail_step: row schedule of a sequence's extent when it grows (`rows_for`) and of a
+        pool that grows on demand (`pool_rows_for`). Empty `buckets` doubles from 256; otherwise
+        the first bucket that fits, then steps of `tail_step` past the last (0: past the last
+        bucket, exactly the rows needed). An extent never exceeds `capacity` rows.
+    pool_rows: rows of the flat layers' pool, every sequence's extent and the scratch rows
+        together (ring layers' pools hold at most as many). 0: pools start at the schedule's first
+        size and grow on demand (each growth moves storage: a new `generation`), up to every
+        sequence at full capacity; > 0: allocated whole at construction and never grown, so a
+        sequence that finds no room is refused instead.
     """
 
     num_layers: int
@@ -80,12 +87,13 @@ class CacheConfig:
     max_width: int = 0
     buckets: tuple[int, ...] = ()
     tail_step: int = 0
+    pool_rows: int = 0
     _ring_rows: tuple[int, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim", "max_seqs", "capacity", "max_write"):
             object.__setattr__(self, name, int_arg(f"CacheConfig.{name}", getattr(self, name), 1, MAX_POSITIONS))
-        for name in ("max_segments", "max_width", "tail_step"):  # 0: the default
+        for name in ("max_segments", "max_width", "tail_step", "pool_rows"):  # 0: the default
             object.__setattr__(self, name, int_arg(f"CacheConfig.{name}", getattr(self, name), 0, MAX_POSITIONS))
         buckets = int_args("CacheConfig.buckets", self.buckets, 1, MAX_POSITIONS)
         object.__setattr__(self, "buckets", buckets)
@@ -113,6 +121,12 @@ class CacheConfig:
         max_width = self.max_width or min(self.max_seqs * self.max_write, MAX_STEP_TOKENS)
         if max_width > MAX_STEP_TOKENS:
             raise ConfigError(f"CacheConfig.max_width is {max_width}; one step packs at most {MAX_STEP_TOKENS} tokens")
+        scratch = min(SCRATCH_ROWS, max_width) if max_width > 1 else 0
+        if self.pool_rows and self.pool_rows <= scratch:
+            raise ConfigError(
+                f"CacheConfig.pool_rows is {self.pool_rows}; it must hold the {scratch} scratch rows and at least "
+                "one position (0: grow on demand)"
+            )
         if list(buckets) != sorted(set(buckets)):
             raise ConfigError(f"CacheConfig.buckets {buckets} must be strictly increasing")
         ring_rows = tuple(
@@ -125,41 +139,48 @@ class CacheConfig:
         object.__setattr__(self, "_ring_rows", ring_rows)
 
     @property
-    def columns(self) -> int:
-        """Columns per layer: `max_seqs` leased ones plus the scratch column (none when max_width is 1)."""
-        return self.max_seqs + (1 if self.max_width > 1 else 0)
-
-    @property
-    def scratch(self) -> int:
-        """Index of the scratch column: padded tokens write there, no segment reads it.
-
-        Equal to `columns` (no such column) when max_width is 1: then no token is ever padding.
-        """
-        return self.max_seqs
+    def scratch_rows(self) -> int:
+        """Rows of every pool that padded tokens write to (no segment reads them); none when
+        max_width is 1: a one-token step never pads."""
+        return min(SCRATCH_ROWS, self.max_width) if self.max_width > 1 else 0
 
     def ring_rows(self, layer: int) -> int:
         """Full row count of a ring layer (0 for a flat layer)."""
         return self._ring_rows[layer]
 
     def rows_for(self, needed: int) -> int:
-        """Flat rows allocated to hold `needed` positions per sequence (never past capacity)."""
+        """Rows of a sequence's extent that holds `needed` positions (never past capacity)."""
+        return min(self._schedule(needed), self.capacity)
+
+    def pool_rows_for(self, needed: int, ring: int = 0) -> int:
+        """Rows a pool that grows on demand takes to hold `needed` rows: the row schedule, never past
+        the most its extents can hold (`max_pool_rows`)."""
+        return min(max(self._schedule(needed), needed), self.max_pool_rows(ring))
+
+    def max_pool_rows(self, ring: int = 0) -> int:
+        """Rows of a pool holding every sequence at full capacity (a ring group: full rings) and the
+        scratch rows; at most `pool_rows` rows when that is set."""
+        full = self.max_seqs * (min(ring, self.capacity) if ring else self.capacity) + self.scratch_rows
+        return min(full, self.pool_rows) if self.pool_rows else full
+
+    def _schedule(self, needed: int) -> int:
         needed = max(1, needed)
         if not self.buckets:
-            rows = min(FIRST_ROWS, self.capacity)
+            rows = FIRST_ROWS
             while rows < needed:
                 rows *= 2
-            return min(rows, self.capacity)
+            return rows
         for bucket in self.buckets:
             if needed <= bucket:
-                return min(bucket, self.capacity)
+                return bucket
         last = self.buckets[-1]
         if self.tail_step == 0:
-            return min(max(last, needed), self.capacity)
-        steps = -(-(needed - last) // self.tail_step)
-        return min(last + steps * self.tail_step, self.capacity)
+            return max(last, needed)
+        return last + -(-(needed - last) // self.tail_step) * self.tail_step
 
     def layer_rows(self, layer: int, flat_rows: int) -> int:
-        """Rows of `layer` while the flat layers hold `flat_rows`: a ring grows with them until full."""
+        """Rows of a sequence's extent in `layer` while its flat extent has `flat_rows`: a ring
+        grows with it until full."""
         ring = self._ring_rows[layer]
         return min(ring, flat_rows) if ring else flat_rows
 
@@ -172,24 +193,26 @@ class CacheConfig:
     def planes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Storage planes of every layer: name -> (shape after the row axis, dtype).
 
-        k, v: (columns, Hkv, D) in kv_dtype; for e4m3 storage also k_scale, v_scale: (columns, Hkv)
-        fp32. Every plane is indexed by row first, so growth, clones and writes treat them alike
-        (scale planes are stored rows last, `batchkv.ops.support.empty_scales`, and viewed so).
+        k, v: (1, Hkv, D) in kv_dtype; for e4m3 storage also k_scale, v_scale: (1, Hkv) fp32. The
+        axis of size 1 is the kernels' column axis: a pool is one column whose rows the sequences'
+        extents share (a segment's `col` is its extent's first row). Every plane is indexed by row
+        first, so growth, clones and writes treat them alike (scale planes are stored rows last,
+        `batchkv.ops.support.empty_scales`, and viewed so).
         """
-        rows = (self.columns, self.kv_heads, self.head_dim)
-        planes = {"k": (rows, self.kv_dtype), "v": (rows, self.kv_dtype)}
+        row = (1, self.kv_heads, self.head_dim)
+        planes = {"k": (row, self.kv_dtype), "v": (row, self.kv_dtype)}
         if self.quantized:
-            planes |= {name: (rows[:2], SCALE_DTYPE) for name in SCALE_PLANES}
+            planes |= {name: (row[:2], SCALE_DTYPE) for name in SCALE_PLANES}
         return planes
 
-    def bytes_per_row(self) -> int:
-        """Bytes one row of every layer's planes (K, V and any scales) takes, across all columns."""
-        return self.num_layers * self._layer_row_bytes()
+    def bytes_per_position(self) -> int:
+        """Bytes one position of one sequence takes in every layer's planes (K, V and any scales)."""
+        return self.num_layers * self.layer_row_bytes()
 
-    def store_bytes(self, flat_rows: int) -> int:
-        """Bytes of every layer's planes while the flat layers hold `flat_rows` rows."""
-        rows = sum(self.layer_rows(layer, flat_rows) for layer in range(self.num_layers))
-        return rows * self._layer_row_bytes()
-
-    def _layer_row_bytes(self) -> int:
+    def layer_row_bytes(self) -> int:
+        """Bytes one row (one position of one sequence) of one layer's planes takes."""
         return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.planes.values())
+
+    def extent_bytes(self, reach: int) -> int:
+        """Bytes a sequence whose extent holds `reach` positions takes, every layer (rings capped)."""
+        return sum(self.layer_rows(layer, reach) for layer in range(self.num_layers)) * self.layer_row_bytes()

@@ -14,7 +14,8 @@ one-token step, so `attend` writes slot n - 1 and reads [0, n) from the staged d
 exactly as the original wrote at `length - 1` and attended `seqused` positions.
 
 Costs against the original: storage is `[rows, 1, Hkv, D]` per layer, the original's bytes (a
-store whose steps are one token wide never pads, so it has no scratch column); `set_length` is a
+store whose steps are one token wide never pads, so it has no scratch rows, and its pool is the one
+sequence's extent); `set_length` is a
 declare/prepare on the host (~20 us of Python and two small host-to-device copies) where the
 original launched two `fill_`s.
 
@@ -132,7 +133,7 @@ class PagedDecodeCache:
 
     @property
     def bucket(self) -> int:
-        return self._cache.rows
+        return self._cache.reach(self._seq)
 
     @property
     def generation(self) -> int:
@@ -144,11 +145,11 @@ class PagedDecodeCache:
 
     @property
     def k(self) -> list[torch.Tensor]:
-        return [self._cache.k_store(i)[:, self._seq] for i in range(self.num_layers)]
+        return [self._cache.column(self._seq, i)["k"] for i in range(self.num_layers)]
 
     @property
     def v(self) -> list[torch.Tensor]:
-        return [self._cache.v_store(i)[:, self._seq] for i in range(self.num_layers)]
+        return [self._cache.column(self._seq, i)["v"] for i in range(self.num_layers)]
 
     @property
     def seqused(self) -> torch.Tensor:
@@ -184,7 +185,7 @@ class PagedDecodeCache:
         """
         n = int_arg("set_length: n", n, 0, error=PositionError)
         if n > self.bucket:
-            self._cache.reserve(n)  # a refusal here leaves everything as it was
+            self._cache.reserve(self._seq, self.bucket_for(n))  # a refusal here leaves everything as it was
         self._cache._set_length(self._seq, max(n - 1, 0))
         if n:
             self._cache.declare_step([self._seq])
@@ -201,7 +202,7 @@ class PagedDecodeCache:
         """
         if self.bucket_for(length) <= self.bucket:  # bucket_for refuses a non-integer length
             return False
-        self._cache.reserve(length)
+        self._cache.reserve(self._seq, self.bucket_for(length))
         self.set_length(self._length)  # re-stage over the new storage
         return True
 

@@ -1,8 +1,8 @@
 """Host planning of one step: segments from a declaration, and the static device buffers it fills.
 
 `StepPlan` is pure bookkeeping (no tensors). `StepBuffers` owns the fixed-address device tensors a
-captured graph reads (positions, write slots, `seq_info`) and fills them through `Staging`: one
-host-to-device copy per dtype, from pinned memory on CUDA.
+captured graph reads (positions, write slots, `seq_info` per layer group) and fills them through
+`Staging`: one host-to-device copy per dtype, from pinned memory on CUDA.
 """
 
 from __future__ import annotations
@@ -75,55 +75,64 @@ class StepPlan:
         return out
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a group's extents are: `base[seq]`, `rows[seq]` of the step's sequences, and the scratch extent."""
+
+    base: dict[int, int]
+    rows: dict[int, int]
+    scratch_base: int
+    scratch_rows: int
+
+
 class StepBuffers:
     """Fixed-address device tensors for one step, sized by the config's maxima.
 
-    positions: int64 [max_width]; slots: int64 [groups, max_width] (one row per distinct layer row
-    count); seq_info: int32 [max_segments, 4]. Only `copy_` ever writes them, so their addresses
-    never change and a captured graph stays valid across steps.
+    positions: int64 [max_width]; slots: int64 [groups, max_width] (one row per layer group: its
+    pool's rows); seq_info: int32 [groups, max_segments, 4] (a segment's `col` is its extent's
+    first row in that group's pool). Only `copy_` ever writes them, so their addresses never
+    change and a captured graph stays valid.
     """
 
-    def __init__(self, max_width: int, groups: int, max_segments: int, device: torch.device) -> None:
-        self.max_width = max_width
+    def __init__(self, max_width: int, groups: int, max_segments: int, max_seqs: int, device: torch.device) -> None:
+        self.max_width, self.max_seqs = max_width, max_seqs
         self._staging = Staging(self.sizes(max_width, groups, max_segments), device)
         i64 = self._staging.device_buffers[torch.int64]  # [positions w | slots groups * w]
-        self.seq_info = self._staging.device_buffers[torch.int32].view(max_segments, 4)
+        self.seq_info = self._staging.device_buffers[torch.int32].view(groups, max_segments, 4)
         self.positions = i64[:max_width]
         self.slots = i64[max_width:].view(groups, max_width)
 
     @staticmethod
     def sizes(max_width: int, groups: int, max_segments: int) -> dict[torch.dtype, int]:
         """Elements per dtype of the staged buffers."""
-        return {torch.int64: (1 + groups) * max_width, torch.int32: 4 * max_segments}
+        return {torch.int64: (1 + groups) * max_width, torch.int32: 4 * groups * max_segments}
 
-    def fill(
-        self,
-        layout: list[tuple[int, int, int, int]],
-        group_rows: Sequence[int],
-        columns: int,
-        scratch: int,
-        width: int | None = None,
-    ) -> None:
-        """Fill positions, slots (unplanned tokens -> scratch column) and seq_info for one step.
+    def fill(self, layout: list[tuple[int, int, int, int]], placements: Sequence[Placement], width: int) -> None:
+        """Fill positions, slots (unplanned tokens -> the scratch rows) and seq_info for one step.
 
-        Only the first `width` (default max_width) tokens are written: a step of width W reads
-        positions[:W] and slots[:, :W], so what lies past them may stay from an earlier step.
+        Only the first `width` tokens are written: a step of width W reads positions[:W] and
+        slots[:, :W], so what lies past them may stay from an earlier step. The slot of position p
+        in a group is `base + p % rows` of its sequence's extent there.
         """
         staged = self._staging.begin()
         w, host = self.max_width, staged[torch.int64]
-        n = w if width is None else width
-        pos = host[:n]
-        cols = np.full(n, scratch, dtype=np.int64)
+        pos = host[:width]
+        seqs = np.full(width, -1, dtype=np.int64)
         pos[:] = 0
-        pad_rows = np.arange(n, dtype=np.int64)  # padded tokens spread over scratch rows; nothing reads them
-        info = staged[torch.int32].reshape(-1, 4)
+        info = staged[torch.int32].reshape(len(placements), -1, 4)
         info[:] = 0
-        for s, (q_start, q_len, col, kv_end) in enumerate(layout):
+        for s, (q_start, q_len, seq, kv_end) in enumerate(layout):
             pos[q_start : q_start + q_len] = np.arange(kv_end - q_len, kv_end)
-            cols[q_start : q_start + q_len] = col
-            info[s] = (q_start, q_len, col, kv_end)
-        real = cols != scratch
-        for g, rows in enumerate(group_rows):
-            row = np.where(real, pos % rows, pad_rows % rows)
-            host[w * (1 + g) : w * (1 + g) + n] = row * columns + cols
+            seqs[q_start : q_start + q_len] = seq
+            for g, place in enumerate(placements):
+                info[g, s] = (q_start, q_len, place.base[seq], kv_end)
+        real = seqs >= 0
+        ids = np.where(real, seqs, 0)
+        pad = np.arange(width, dtype=np.int64)  # padded tokens spread over the scratch rows; nothing reads them
+        for g, place in enumerate(placements):
+            base, rows = np.zeros(self.max_seqs, dtype=np.int64), np.ones(self.max_seqs, dtype=np.int64)
+            for seq in place.base:
+                base[seq], rows[seq] = place.base[seq], place.rows[seq]
+            slot = np.where(real, base[ids] + pos % rows[ids], place.scratch_base + pad % max(place.scratch_rows, 1))
+            host[w * (1 + g) : w * (1 + g) + width] = slot
         self._staging.upload()

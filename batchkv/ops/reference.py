@@ -12,7 +12,9 @@ Contract (`sdpa_varlen`), for each row s of `seq_info` = (q_start, q_len, col, k
 - query i in [0, q_len) is packed row `q_start + i` and sits at position `p_i = kv_end - q_len + i`;
 - causal rows attend keys t in [lo_i, p_i], lo_i = max(0, p_i - window + 1) when windowed, else 0;
 - non-causal rows attend t in [lo, kv_end), lo = max(0, kv_end - window) when windowed, else 0;
-- only t >= kv_end - rows is resident (ring storage); key t lives at store[t % rows, col];
+- only t >= kv_end - rows is resident (ring storage); key t lives at slot `(t % rows) * C + col` of the
+  store viewed [R * C, Hkv, D], which is store[t % rows, col] (`rows` defaults to the store's R); with
+  one column (C = 1, a pool of extents) `col` is the first row of the segment's extent;
 - GQA: query head h reads KV head h // (Hq // Hkv);
 - rows of q no segment covers, and rows with no resident key, come out as exact zeros.
 """
@@ -78,14 +80,15 @@ def sdpa_varlen_reference(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    rows: int | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over the column store, computed in float32.
 
-    q: [T, Hq, D]; k_store, v_store: [rows, C, Hkv, D]; seq_info: int [S, 4] (any device);
-    k_scale, v_scale: fp32 [rows, C, Hkv] for e4m3 stores (the value is code * scale), else None.
+    q: [T, Hq, D]; k_store, v_store: [R, C, Hkv, D]; seq_info: int [S, 4] (any device);
+    k_scale, v_scale: fp32 [R, C, Hkv] for e4m3 stores (the value is code * scale), else None.
     write: (k, v, slots) rows `kv_write_reference` stores first into the stores viewed
-    [rows * C, Hkv, D], or None. Returns [T, Hq, D] in q's dtype. Not graph-capturable (reads
-    seq_info on the host).
+    [R * C, Hkv, D], or None. rows: the ring modulus (default R; see the module docstring).
+    Returns [T, Hq, D] in q's dtype. Not graph-capturable (reads seq_info on the host).
 
     >>> out = sdpa_varlen_reference(q, k, v, torch.tensor([[0, 3, 1, 3]], dtype=torch.int32))
     """
@@ -93,7 +96,8 @@ def sdpa_varlen_reference(
         kv_write_reference(k_store.view(-1, *k_store.shape[2:]), v_store.view(-1, *v_store.shape[2:]), *write,
                            k_scale, v_scale)  # fmt: skip
     num_tokens, num_q_heads, head_dim = q.shape
-    rows, _, num_kv_heads, _ = k_store.shape
+    columns, num_kv_heads = k_store.shape[1:3]
+    rows = k_store.shape[0] if rows is None else rows
     group = num_q_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
@@ -104,8 +108,10 @@ def sdpa_varlen_reference(
         if lo_resident >= kv_end:
             continue
         t = torch.arange(lo_resident, kv_end, device=q.device)  # resident key positions
-        keys = _read(k_store, k_scale, (t % rows, col)).repeat_interleave(group, dim=1)  # [N, Hq, D]
-        values = _read(v_store, v_scale, (t % rows, col)).repeat_interleave(group, dim=1)
+        slot = (t % rows) * columns + col
+        at = (slot // columns, slot % columns)
+        keys = _read(k_store, k_scale, at).repeat_interleave(group, dim=1)  # [N, Hq, D]
+        values = _read(v_store, v_scale, at).repeat_interleave(group, dim=1)
         p = torch.arange(kv_end - q_len, kv_end, device=q.device)  # [q_len] query positions
         if causal:
             allowed = t[None, :] <= p[:, None]

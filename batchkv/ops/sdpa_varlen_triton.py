@@ -3,8 +3,10 @@
 Contract (the same as `sdpa_varlen_reference`): for each row s of `seq_info` = (q_start, q_len,
 col, kv_end), query i of the segment is packed row `q_start + i` at position
 `p_i = kv_end - q_len + i`; causal rows attend keys [lo_i, p_i], non-causal rows [lo, kv_end); a
-window trims lo; only t >= kv_end - rows is resident, key t at store[t % rows, col]. GQA: query
-head h*G + g reads KV head h (G = Hq // Hkv). Uncovered rows and rows with no key are zeros.
+window trims lo; only t >= kv_end - rows is resident, key t at store[t % rows, col] (`rows` the
+store's rows unless given). A store of one column (C = 1) is a pool of extents: `col` is the first
+row of the segment's extent and key t sits at row `col + t % rows`. GQA: query head h*G + g reads KV
+head h (G = Hq // Hkv). Uncovered rows and rows with no key are zeros.
 
 How (device code in `sdpa_varlen_kernels.py` and `sdpa_varlen_long.py`):
 - short segments (q_len <= q_short: decode, verify blocks) go through a stream-K split kernel on a
@@ -172,6 +174,7 @@ def sdpa_varlen(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    rows: int | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over the column store (Triton; contract in the module docstring).
 
@@ -199,12 +202,18 @@ def sdpa_varlen(
     stores viewed [rows * C, Hkv, D] (which must be contiguous over rows and columns), so the
     attention sees them; checked like `kv_write`'s arguments. None: the stores are only read.
 
+    rows: the ring modulus and residency bound (default the stores' row count): key t of a segment
+    is read at row `t % rows` of its column, and keys below kv_end - rows are not resident. With a
+    one-column pool ([P, 1, Hkv, D]) pass the longest extent a flat layer may have (any bound on
+    kv_end) or a ring layer's full ring; extents shorter than the ring never wrap.
+
     >>> info = torch.tensor([[0, 1, 3, 700], [1, 4, 0, 52]], dtype=torch.int32, device="cuda")
     >>> out = sdpa_varlen(q, k_store, v_store, info)  # q [5, 32, 128], stores [1024, 65, 8, 128]
     """
     _check(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = q.shape
-    rows, _, num_kv_heads, _ = k_store.shape
+    columns, num_kv_heads = k_store.shape[1:3]
+    rows = k_store.shape[0] if rows is None else int_arg("sdpa_varlen: rows", rows, 1, 2**31 - 1, error=ContractError)
     num_segments = seq_info.shape[0]
     out = torch.empty_like(q) if out is None else out
     group = num_q_heads // num_kv_heads
@@ -226,7 +235,11 @@ def sdpa_varlen(
     cvt_asm = quant and e4m3_cvt_asm(q.device)  # e4m3 codes converted by inline PTX (NVIDIA sm_89+)
     k_scale, v_scale = (k_scale, v_scale) if quant else (k_store, v_store)  # unread without QUANT
     scale_strides = k_scale.stride() if quant else (0, 0, 0)  # (row, column, head)
-    strides = (q.stride(0), q.stride(1), *k_store.stride()[:3], *scale_strides, out.stride(0), out.stride(1))
+    store_strides = k_store.stride()[:3]
+    if columns == 1:  # a pool: `col` counts rows (the stride of a size-1 axis is arbitrary in torch)
+        store_strides = (store_strides[0], store_strides[0], store_strides[2])
+        scale_strides = (scale_strides[0], scale_strides[0], scale_strides[2])
+    strides = (q.stride(0), q.stride(1), *store_strides, *scale_strides, out.stride(0), out.stride(1))
     common = dict(
         QUANT=quant,
         CAUSAL=bool(causal),
