@@ -11,6 +11,7 @@ from batchkv import BatchedSequenceCache, CacheConfig, LayerSpec, from_manifest,
 from batchkv.cache import PagedDecodeCache
 from batchkv.compat import DecodeGraphRunner
 from batchkv.errors import (
+    CapacityError,
     CheckpointError,
     ConfigError,
     ContractError,
@@ -142,7 +143,11 @@ VERBS = {
     "can_admit negative": (lambda c, a: c.can_admit(a, -1), PositionError, "n"),
     "prepare float width": (lambda c, a: c.prepare_step(4.0), StepError, "width"),
     "prepare bool width": (lambda c, a: c.prepare_step(True), StepError, "width"),
-    "reserve float": (lambda c, a: c.reserve(16.5), PositionError, "length"),
+    "reserve float": (lambda c, a: c.reserve(a, 16.5), PositionError, "length"),
+    "reserve unknown id": (lambda c, a: c.reserve(7, 16), UnknownSequenceError, "7"),
+    "seq_new float reach": (lambda c, a: c.seq_new(reach=8.5), CapacityError, "reach"),
+    "seq_new reach past capacity": (lambda c, a: c.seq_new(reach=10**6), CapacityError, "reach"),
+    "clone reach below upto": (lambda c, a: c.seq_clone(a, reach=1), CapacityError, "reach"),
     "k_store bool layer": (lambda c, a: c.k_store(True), ContractError, "layer"),
     "planes past layers": (lambda c, a: c.planes(2), ContractError, "layer"),  # was an IndexError
     "planes negative layer": (lambda c, a: c.planes(-1), ContractError, "layer"),  # was the last layer's

@@ -70,9 +70,9 @@ def test_a_sequence_reaches_exactly_its_capacity_and_not_one_more():
         cache.declare_step([a, a])
     pair.step([a])
     assert cache.pos(a) == 7 and not cache.can_admit(a, 1) and cache.can_admit(a, 0)
-    assert cache.reserve(7) is False
+    assert cache.reserve(a, 7) is False
     with pytest.raises(CapacityError):
-        cache.reserve(8)
+        cache.reserve(a, 8)
 
 
 def test_step_limits_accept_their_maximum_and_refuse_one_more():
@@ -155,13 +155,17 @@ def test_n_parallel_samples_take_up_to_the_logits_rows_and_not_one_more():
 
 
 # ---- admission and storage -----------------------------------------------------------------------
-def run_recording_generations(engine: Engine, request: Request) -> tuple[list[int], list[int]]:
+def run_recording_generations(engine: Engine, request: Request) -> tuple[list[int], list[int], set[int]]:
+    """Run one request; the store's generation after each step, its tokens, and its column's reaches."""
     engine.submit(request)
-    generations, tokens = [], []
-    while engine.has_work:
+    generations, tokens, reaches = [], [], set()
+    for _ in range(1000):
+        if not engine.has_work:
+            return generations, tokens, reaches
+        reaches |= {engine.cache.reach(seq) for seq in engine.cache.sequences}
         tokens += [e.token for e in engine.step() if e.token is not None]
         generations.append(engine.cache.generation)
-    return generations, tokens
+    raise AssertionError("the request did not finish in 1000 steps")
 
 
 @pytest.mark.parametrize("longest", [16, 17])
@@ -170,17 +174,17 @@ def test_admission_reserves_every_position_a_request_can_reach_so_decode_never_g
     prompt = list(range(1, 9))
     engine = Engine(ToyModel(seed=1), max_seqs=2, capacity=64, max_step_tokens=8, prefill_chunk=8, row_buckets=(16, 32))
     params = SamplingParams(max_new_tokens=longest - len(prompt) + 1)
-    generations, tokens = run_recording_generations(engine, Request(prompt, params))
+    generations, tokens, reaches = run_recording_generations(engine, Request(prompt, params))
     assert len(tokens) == params.max_new_tokens
     assert len(set(generations)) == 1, generations  # no growth from the first step to the last
-    assert engine.cache.rows == (16 if longest <= 16 else 32)  # and no more than the request can reach
+    assert reaches == {longest}  # its column holds what the request can reach, no more
 
 
 def test_a_prompt_one_short_of_capacity_is_admitted_and_one_at_capacity_refused():
     engine = Engine(ToyModel(seed=1), max_seqs=2, capacity=12, max_step_tokens=8, prefill_chunk=8)
     with pytest.raises(RequestError, match="capacity is 12"):
         engine.submit(Request(list(range(12)), SamplingParams(max_new_tokens=4)))
-    _, tokens = run_recording_generations(engine, Request(list(range(11)), SamplingParams(max_new_tokens=4)))
+    _, tokens, _ = run_recording_generations(engine, Request(list(range(11)), SamplingParams(max_new_tokens=4)))
     assert len(tokens) == 2  # the first is written at position 11, the second can never be
 
 

@@ -32,6 +32,11 @@ def make_pair(
     return Pair(BatchedSequenceCache(cfg, "cpu", attention="reference"), seed=seed)
 
 
+def base(cache: BatchedSequenceCache, seq: int, group: int = 0) -> int:
+    """First row of `seq`'s extent in a layer group's pool (the `col` of its segments)."""
+    return cache._store.base(group, seq)
+
+
 def decode(pair: Pair, seqs: list[int], steps: int) -> None:
     for _ in range(steps):
         pair.step(list(seqs))
@@ -59,7 +64,8 @@ def test_a_sequence_spanned_twice_in_one_step_continues_across_both_runs():
     pair.step([a, a, b, a], width=5)
     assert pair.cache.pos(a) == 4
     info = pair.cache.seq_info[:3].tolist()
-    assert info == [[0, 2, a, 3], [2, 1, b, 2], [3, 1, a, 4]]
+    col_a, col_b = base(pair.cache, a), base(pair.cache, b)  # `col` is the extent's first row
+    assert info == [[0, 2, col_a, 3], [2, 1, col_b, 2], [3, 1, col_a, 4]]
 
 
 def test_a_ring_layer_wraps_while_a_neighbour_decodes():
@@ -68,7 +74,7 @@ def test_a_ring_layer_wraps_while_a_neighbour_decodes():
     pair.step([a, a, a, b])
     decode(pair, [a, b], 10)  # ring rows = 4 + 3 - 1 = 6; both sequences pass them
     pair.step([a, a, a, b])
-    assert pair.cache.k_store(0).shape[0] == 6
+    assert pair.cache.column(a, 0)["k"].shape[0] == pair.cache.column(b, 0)["k"].shape[0] == 6
 
 
 def test_clone_copies_the_prefix_then_diverges_on_different_tokens():
@@ -181,22 +187,27 @@ def test_a_removed_id_is_reused_and_starts_at_zero():
 
 def test_padding_rows_are_zero_and_never_touch_live_columns():
     pair = make_pair()
+    cache = pair.cache
     a, b = pair.new(), pair.new()
     pair.step([a, a, b])
-    for layer in range(2):  # poison everything not yet written, the scratch column included
-        for store in (pair.cache.k_store(layer), pair.cache.v_store(layer)):
-            store[2:, a] = float("nan")
-            store[1:, b] = float("nan")
-            store[:, 2:] = float("nan")
-    before = [pair.cache.k_store(layer).clone() for layer in range(2)]
-    pair.step([a, b], width=8)  # 6 padding rows write into the scratch column
-    scratch = pair.cache.config.scratch
+    live = {(base(cache, a, g) + r, g) for g in range(2) for r in range(2)}  # positions 0, 1 of a
+    live |= {(base(cache, b, g), g) for g in range(2)}  # position 0 of b
+    scratch = {(base(cache, "scratch", g) + r, g) for g in range(2) for r in range(cache.config.scratch_rows)}
+    groups = cache._store.group_of
+    for layer in range(2):  # poison every row not yet written, the scratch rows included
+        for store in (cache.k_store(layer), cache.v_store(layer)):
+            for row in range(store.shape[0]):
+                if (row, groups[layer]) not in live:
+                    store[row] = float("nan")
+    before = [cache.k_store(layer).clone() for layer in range(2)]
+    pair.step([a, b], width=8)  # 6 padding rows write into the scratch rows
     for layer in range(2):
-        after = pair.cache.k_store(layer)
+        g, after = groups[layer], cache.k_store(layer)
         same = (after == before[layer]) | (after.isnan() & before[layer].isnan())
-        changed = {tuple(rc) for rc in (~same).any(dim=(2, 3)).nonzero().tolist() if rc[1] != scratch}
-        assert changed == {(2, a), (1, b)}
-        assert not after[:, scratch].isnan().all(), "padding rows were written to the scratch column"
+        changed = {row for row in (~same).any(dim=(1, 2, 3)).nonzero().flatten().tolist() if (row, g) not in scratch}
+        assert changed == {base(cache, a, g) + 2, base(cache, b, g) + 1}
+        rows = [row for row, group in scratch if group == g]
+        assert not after[rows].isnan().all(), "padding rows were written to the scratch rows"
 
 
 def test_a_non_causal_block_sees_itself_both_ways():
@@ -216,19 +227,22 @@ def test_a_non_causal_step_refuses_a_sequence_split_in_two_runs():
         pair.cache.update_and_attend(0, torch.zeros(3, 4, 8), x, x, causal=False)
 
 
-def test_growth_keeps_history_and_bumps_generation():
+def test_growth_keeps_history_moves_only_the_sequence_that_grows_and_bumps_generation_with_the_pool():
     pair = make_pair(capacity=1024, max_write=8, buckets=(8, 16, 64), tail_step=64)
+    cache = pair.cache
     a, b = pair.new(), pair.new()
-    assert pair.cache.rows == 8
-    generation = pair.cache.generation
+    assert cache.reach(a) == cache.reach(b) == 8
+    generation = cache.generation
     pair.step([a] * 6 + [b] * 2)
     pair.step([a] * 4 + [b])  # a reaches 10 > 8 rows
-    assert pair.cache.rows == 16 and pair.cache.generation == generation + 1
+    assert cache.reach(a) == 16 and cache.reach(b) == 8  # memory follows each sequence's own length
     for _ in range(8):
         pair.step([a] * 8)  # 74: through 64 into the tail step
-    assert pair.cache.rows == 128 and pair.cache.generation == generation + 3
+    assert cache.reach(a) == 128 and cache.reach(b) == 8
+    assert cache.generation > generation  # the pool grew (storage moved) on the way
     decode(pair, [a, b], 2)
-    assert pair.cache.k_store(1).shape[0] == 4 + 8 - 1  # the ring stopped at its full size
+    assert cache.column(a, 1)["k"].shape[0] == 4 + 8 - 1  # the ring extent stopped at its full size
+    assert cache.column(b, 1)["k"].shape[0] == 8  # a short sequence's ring extent never reached it
 
 
 def test_an_allocation_that_fails_part_way_through_growth_leaves_the_cache_as_it_was():
@@ -261,12 +275,12 @@ def test_an_allocation_that_fails_part_way_through_growth_leaves_the_cache_as_it
     calls["fail_at"] = None
     pair.naive.rewind(a, 6)
     pair.step([a] * 4)  # the declaration still stands; a retry grows and succeeds
-    assert pair.cache.rows == 64 and pair.cache.generation == generation + 1
+    assert pair.cache.reach(a) == 64 and pair.cache.generation == generation + 1
 
 
 def test_a_one_token_wide_store_has_no_scratch_column_and_still_decodes():
     pair = make_pair(max_seqs=2, max_write=1, max_width=1)
-    assert pair.cache.config.columns == 2 and pair.cache.k_store(0).shape[1] == 2
+    assert pair.cache.config.scratch_rows == 0 and "scratch" not in pair.cache._store.groups[0].pool.extents
     a, b = pair.new(), pair.new()
     for _ in range(9):  # wraps the ring (4 rows)
         pair.step([a])

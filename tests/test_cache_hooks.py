@@ -41,7 +41,8 @@ def load(pair: Pair, seq: int, n: int) -> None:
 
 def state(cache: BatchedSequenceCache) -> tuple:
     stores = [(cache.k_store(i).clone(), cache.v_store(i).clone()) for i in range(cache.config.num_layers)]
-    return dict(cache._lengths), dict(cache._high_water), cache.generation, cache.rows, stores
+    reaches = {seq: cache.reach(seq) for seq in cache.sequences}
+    return dict(cache._lengths), dict(cache._high_water), cache.generation, reaches, stores
 
 
 def assert_same(before: tuple, after: tuple) -> None:
@@ -55,7 +56,7 @@ def test_a_loaded_prefix_is_attended_like_a_decoded_one_beside_a_neighbour():
     a, b = pair.new(), pair.new()
     pair.step([b, b])
     load(pair, a, 11)  # past the 8-row bucket and past the ring's 5 rows
-    assert pair.cache.pos(a) == 11 and pair.cache.rows == 16
+    assert pair.cache.pos(a) == 11 and pair.cache.reach(a) == 16
     for _ in range(3):
         pair.step([a, b])
     pair.step([a, a, b])

@@ -148,12 +148,12 @@ def test_rope_t_is_tracked_apart_from_the_kv_position(model):
     assert outputs[ids[0]].tokens != outputs[ids[1]].tokens  # the offset reached the model
 
 
-def test_steps_respect_the_token_budget_chunk_size_and_64_sampling_rows(model):
-    every_width = tuple(range(1, 129))  # no padding, so no prompt chunk is trimmed to a bucket
-    engine = Engine(model, max_seqs=72, capacity=16, max_step_tokens=128, prefill_chunk=4, width_buckets=every_width,
-                    prefill_budget=128)  # fmt: skip
+def test_steps_respect_the_token_budget_chunk_size_and_256_sampling_rows(model):
+    every_width = tuple(range(1, 513))  # no padding, so no prompt chunk is trimmed to a bucket
+    engine = Engine(model, max_seqs=264, capacity=16, max_step_tokens=512, prefill_chunk=4, width_buckets=every_width,
+                    prefill_budget=512)  # fmt: skip
     rng = random.Random(6)
-    schedule = [(0, Request(random_prompt(rng, 2, 6), greedy(rng.randint(2, 4)))) for _ in range(72)]
+    schedule = [(0, Request(random_prompt(rng, 2, 6), greedy(rng.randint(6, 9)))) for _ in range(264)]
     seen = []
     launch = engine.runner.launch
 
@@ -164,8 +164,9 @@ def test_steps_respect_the_token_budget_chunk_size_and_64_sampling_rows(model):
     engine.runner.launch = spy
     outputs, ids = drive(engine, schedule)
     assert_matches_oracle(model, outputs, ids, schedule, capacity=16)
+    assert MAX_SAMPLE_ROWS == 256
     assert max(rows for _, rows, _, _ in seen) == MAX_SAMPLE_ROWS  # the cap was reached and held
-    assert all(tokens <= 128 and rows <= MAX_SAMPLE_ROWS and per_seq <= 4 for tokens, rows, _, per_seq in seen)
+    assert all(tokens <= 512 and rows <= MAX_SAMPLE_ROWS and per_seq <= 4 for tokens, rows, _, per_seq in seen)
     assert all(width in engine.buckets and width >= tokens for tokens, _, width, _ in seen)
 
 
@@ -176,7 +177,7 @@ def test_storage_growth_mid_run_keeps_every_history(model):
     engine = engine_for(model, capacity=64, row_buckets=(16, 32), row_step=16)
     outputs, ids = drive(engine, schedule)
     assert_matches_oracle(model, outputs, ids, schedule, capacity=64)
-    assert engine.metrics.growths >= 1 and engine.cache.rows >= 50
+    assert engine.metrics.growths >= 1 and engine.cache.pool_rows >= 50
     engine.metrics = engine.metrics.fresh()  # counting from now: the growths above are not counted again
     drive(engine, [(0, Request(random_prompt(rng, 3, 10), greedy(4)))])
     assert (engine.metrics.growths, engine.metrics.steps > 0) == (0, True)

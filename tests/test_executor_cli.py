@@ -102,7 +102,7 @@ def test_run_sizes_the_store_to_memory_and_reports_what_it_chose(tmp_path, capsy
     argv += ["--max-seqs", "auto", "--memory-fraction", "0.5", "--capacity", "64", "--prefill-budget", "8"]
     assert cli.main([*argv, "--overlap", "off", "--json", str(out)]) == 0
     captured = capsys.readouterr()
-    assert "sized the store: 64 sequences x 64 positions" in captured.err
+    assert "sized the store: a pool of 16384 positions for at most 256 sequences" in captured.err
     for label in ("first token p99", "step time", "store", "max_seqs 64, capacity 64, prefill budget 8"):
         assert label in captured.out
     metrics = json.loads(out.read_text())

@@ -1,4 +1,4 @@
-"""Sizing the store to a memory budget: columns that fit at full capacity, refusals that say what to lower."""
+"""Sizing the store to a memory budget: the positions that fit, refusals that say what to lower."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from batchkv.cache import BatchedSequenceCache, CacheConfig, LayerSpec
-from batchkv.errors import CapacityError, ConfigError
-from batchkv.executor.sizing import ACTIVATION_COPIES, column_bytes, device_memory, plan
+from batchkv.errors import CapacityError, ConfigError, RequestError
+from batchkv.executor.sizing import ACTIVATION_COPIES, device_memory, plan, store_bytes
 
 GIB = 2**30
 
@@ -17,39 +17,48 @@ def config(**kw) -> CacheConfig:
     return CacheConfig(**{**base, **kw})
 
 
-def test_a_column_at_capacity_is_what_the_store_allocates_per_column():
-    cfg = config(layers=(LayerSpec(), LayerSpec("ring", window=32), LayerSpec(), LayerSpec("flat", window=16)))
-    one, three = (BatchedSequenceCache(config(layers=cfg.layers, max_seqs=n), "cpu") for n in (1, 3))
-    for cache in (one, three):
-        cache.reserve(cfg.capacity)
-    assert three.nbytes - one.nbytes == 2 * column_bytes(cfg)
-    # 3 flat layers of 1024 rows and a ring of 32 + 8 - 1 rows, K and V, fp16
-    assert column_bytes(cfg) == (3 * 1024 + 39) * 2 * 2 * 16 * 2
+def test_store_bytes_are_what_a_whole_store_allocates_with_rings_capped_at_their_ring():
+    layers = (LayerSpec(), LayerSpec("ring", window=32), LayerSpec(), LayerSpec("flat", window=16))
+    for pool_rows in (100, 3 * 1024 + 16):
+        cfg = config(layers=layers, max_seqs=3, pool_rows=pool_rows)
+        assert BatchedSequenceCache(cfg, "cpu").nbytes == store_bytes(cfg, pool_rows)
+    # 3 flat layers of the pool's rows, and a ring pool of at most 3 rings of 32 + 8 - 1 rows and the
+    # 8 scratch rows (max_width = 3 * 8 ... capped at 16 scratch rows: min(16, 24)); K and V, fp16
+    cfg = config(layers=layers, max_seqs=3)
+    assert store_bytes(cfg, 1000) == (3 * 1000 + min(1000, 3 * 39 + 16)) * 2 * 2 * 16 * 2
 
 
-def test_plan_gives_every_column_that_fits_after_weights_and_activations():
-    cfg = config()
-    per = column_bytes(cfg)
-    total, in_use, act = 100 * per, 30 * per, 5 * per
+def test_plan_gives_every_position_that_fits_after_weights_and_activations():
+    cfg = config(max_seqs=64)
+    per = cfg.bytes_per_position()
+    total, in_use, act = 10_000 * per, 3_000 * per, 500 * per
     sizing = plan(cfg, total=total, in_use=in_use, activations=act, memory_fraction=0.9)
     room = int(0.9 * total) - in_use - ACTIVATION_COPIES * act
-    assert sizing.max_seqs == (room - per) // per  # one column's worth goes to the scratch column
-    assert sizing.store_bytes == (sizing.max_seqs + 1) * per <= room
-    assert sizing.store_bytes + per > room  # one more column would not fit
+    scratch = cfg.scratch_rows
+    assert sizing.positions == room // per - scratch  # the scratch rows are paid for too
+    assert sizing.store_bytes == store_bytes(cfg, sizing.positions + scratch) <= room
+    assert store_bytes(cfg, sizing.positions + scratch + 1) > room  # one more position would not fit
 
 
-def test_a_decode_only_store_has_no_scratch_column_to_pay_for():
-    cfg = config(max_write=1, max_width=1)
-    per = column_bytes(cfg)
-    assert plan(cfg, total=10 * per, in_use=0, activations=0, memory_fraction=1.0).max_seqs == 10
+def test_plan_takes_no_more_than_every_sequence_at_full_capacity():
+    cfg = config(max_seqs=2, capacity=100)
+    per = cfg.bytes_per_position()
+    assert plan(cfg, total=10_000 * per, in_use=0, activations=0, memory_fraction=1.0).positions == 200
+
+
+def test_a_decode_only_store_has_no_scratch_rows_to_pay_for():
+    cfg = config(max_write=1, max_width=1, max_seqs=10)
+    per = cfg.bytes_per_position()
+    assert plan(cfg, total=10 * 1024 * per, in_use=0, activations=0, memory_fraction=1.0).positions == 10 * 1024
 
 
 def test_plan_refuses_when_not_one_sequence_fits_and_says_what_to_lower():
     cfg = config()
     with pytest.raises(CapacityError, match="lower capacity, raise memory_fraction"):
         plan(cfg, total=GIB, in_use=GIB - 1, activations=0, memory_fraction=0.9)
-    with pytest.raises(CapacityError, match="8 sequence"):
-        plan(cfg, total=8 * column_bytes(cfg), in_use=0, activations=0, memory_fraction=1.0, max_seqs=8)
+    with pytest.raises(CapacityError, match="8000 positions"):
+        plan(cfg, total=8 * cfg.capacity * cfg.bytes_per_position(), in_use=0, activations=0, memory_fraction=1.0,
+             positions=8000)  # fmt: skip
 
 
 @pytest.mark.parametrize("fraction", [0.0, 1.5, -0.1])
@@ -70,23 +79,20 @@ def _toy():
     return ToyModel(seed=0)
 
 
-def _template(model, capacity: int) -> CacheConfig:
-    return CacheConfig(**model.cache_spec(), max_seqs=1, capacity=capacity, max_write=8, max_width=16)
-
-
-def test_auto_max_seqs_takes_the_columns_that_fit_and_allocates_them_up_front(monkeypatch):
-    from batchkv.executor import Engine, Request, SamplingParams, gather
+def test_auto_max_seqs_takes_the_positions_that_fit_and_allocates_them_up_front(monkeypatch):
+    from batchkv.executor import MAX_SAMPLE_ROWS, Engine, Request, SamplingParams, gather
     from batchkv.executor import sizing as sizing_module
     from tests.executor_helpers import oracle
 
     model = _toy()
-    per = column_bytes(_template(model, 48))
-    monkeypatch.setattr(sizing_module, "device_memory", lambda device: (100 * per, 90 * per))
+    per = CacheConfig(**model.cache_spec(), max_seqs=1, capacity=48).bytes_per_position()
+    monkeypatch.setattr(sizing_module, "device_memory", lambda device: (10_000 * per, 9_000 * per))
     engine = Engine(model, max_seqs="auto", memory_fraction=0.95, capacity=48, max_step_tokens=16, prefill_chunk=8)
-    # budget 95 columns' worth, 90 in use: 5 left, one of them the scratch column
-    assert engine.sizing.max_seqs == engine.cache.max_seqs == 4 == engine.metrics.max_seqs
-    assert engine.cache.rows == 48 and engine.cache.nbytes == engine.sizing.store_bytes  # allocated whole
-    assert "4 sequences x 48 positions" in engine.sizing.describe()
+    # budget 9,500 positions' worth, 9,000 in use: 500 left, 16 of them the scratch rows
+    assert engine.cache.max_seqs == MAX_SAMPLE_ROWS == engine.metrics.max_seqs
+    assert engine.sizing.positions == 500 - 16 and engine.cache.pool_rows == 500
+    assert engine.cache.nbytes == engine.sizing.store_bytes  # allocated whole
+    assert "a pool of 484 positions" in engine.sizing.describe()
     request = Request([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=6))
     rid = engine.submit(request)
     out = gather(engine.run_until_done())[rid]
@@ -94,16 +100,32 @@ def test_auto_max_seqs_takes_the_columns_that_fit_and_allocates_them_up_front(mo
     assert engine.metrics.growths == 0
 
 
-def test_auto_max_seqs_stops_at_64_columns_and_refuses_when_none_fits(monkeypatch):
-    from batchkv.executor import MAX_SAMPLE_ROWS, Engine
+def test_a_whole_store_holds_short_requests_by_their_reach_and_makes_a_long_one_wait_its_turn():
+    from batchkv.executor import Engine, Request, SamplingParams, gather
+    from tests.executor_helpers import oracle
+
+    model = _toy()
+    engine = Engine(model, max_seqs=16, kv_positions=64, capacity=48, max_step_tokens=16, prefill_chunk=8)
+    short = [Request([1 + i, 2, 3], SamplingParams(max_new_tokens=6)) for i in range(8)]  # reach 8 each: 64 rows
+    long = Request(list(range(1, 30)), SamplingParams(max_new_tokens=10))  # reach 38
+    ids = [engine.submit(r) for r in short] + [engine.submit(long)]
+    events = engine.step()
+    assert len(engine.cache.sequences) == 8 and engine.num_waiting == 1  # eight short ones at once, by reach
+    outputs = gather(events + engine.run_until_done())
+    for rid, request in zip(ids, [*short, long], strict=True):
+        assert (outputs[rid].tokens[0], outputs[rid].finish_reasons[0]) == oracle(model, request, 48)
+    with pytest.raises(RequestError, match="more than the store's 64 together"):  # 2 samples of reach 47
+        engine.submit(Request(list(range(1, 40)), SamplingParams(max_new_tokens=9, n=2)))
+    engine.assert_idle()
+
+
+def test_auto_max_seqs_refuses_when_not_one_sequence_fits(monkeypatch):
+    from batchkv.executor import Engine
     from batchkv.executor import sizing as sizing_module
 
     model = _toy()
-    per = column_bytes(_template(model, 32))
-    monkeypatch.setattr(sizing_module, "device_memory", lambda device: (1000 * per, 0))
-    engine = Engine(model, max_seqs="auto", capacity=32, max_step_tokens=16, prefill_chunk=8)
-    assert engine.cache.max_seqs == MAX_SAMPLE_ROWS  # a step samples at most 64 rows
-    monkeypatch.setattr(sizing_module, "device_memory", lambda device: (10 * per, 9 * per))
+    per = CacheConfig(**model.cache_spec(), max_seqs=1, capacity=32).bytes_per_position()
+    monkeypatch.setattr(sizing_module, "device_memory", lambda device: (1000 * per, 990 * per))
     with pytest.raises(CapacityError, match="lower capacity"):
         Engine(model, max_seqs="auto", capacity=32, max_step_tokens=16, prefill_chunk=8)
     with pytest.raises(ConfigError, match="memory_fraction"):

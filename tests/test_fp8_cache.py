@@ -28,8 +28,8 @@ def test_kv_dtype_defaults_to_dtype_and_then_the_store_is_k_and_v_as_before():
     assert cfg == CacheConfig(**GEOMETRY, dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
     cache = BatchedSequenceCache(cfg, "cpu")
     assert set(cache.planes(0)) == {"k", "v"} and cache.k_store(0).dtype == torch.bfloat16
-    assert cfg.bytes_per_row() == 2 * 2 * cfg.columns * 2 * 16 * 2  # layers x K/V x columns x heads x D x 2 B
-    assert cache.nbytes == cache.rows * cfg.bytes_per_row()
+    assert cfg.bytes_per_position() == 2 * 2 * 2 * 16 * 2  # layers x K/V x heads x D x 2 B
+    assert cache.nbytes == cache.pool_rows * cfg.bytes_per_position()
 
 
 def test_e4m3_rows_take_half_the_bytes_plus_an_fp32_scale_per_position_and_head():
@@ -37,14 +37,14 @@ def test_e4m3_rows_take_half_the_bytes_plus_an_fp32_scale_per_position_and_head(
     cache = BatchedSequenceCache(cfg, "cpu")
     planes = cache.planes(1)
     assert {name: (tuple(t.shape), t.dtype) for name, t in planes.items()} == {
-        "k": ((cache.rows, 4, 2, 16), FP8),
-        "v": ((cache.rows, 4, 2, 16), FP8),
-        "k_scale": ((cache.rows, 4, 2), torch.float32),
-        "v_scale": ((cache.rows, 4, 2), torch.float32),
+        "k": ((cache.pool_rows, 1, 2, 16), FP8),
+        "v": ((cache.pool_rows, 1, 2, 16), FP8),
+        "k_scale": ((cache.pool_rows, 1, 2), torch.float32),
+        "v_scale": ((cache.pool_rows, 1, 2), torch.float32),
     }
     bf16 = CacheConfig(**GEOMETRY, dtype=torch.bfloat16)
-    assert cfg.bytes_per_row() * 2 * 16 == bf16.bytes_per_row() * (16 + 4)  # (D + 4) / (2 D) of bf16
-    assert cache.nbytes == cache.rows * cfg.bytes_per_row()
+    assert cfg.bytes_per_position() * 2 * 16 == bf16.bytes_per_position() * (16 + 4)  # (D + 4) / (2 D) of bf16
+    assert cache.nbytes == cache.pool_rows * cfg.bytes_per_position()
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e5m2, torch.int8, torch.float64])
@@ -92,7 +92,7 @@ def test_e4m3_storage_matches_the_oracle_through_growth_clone_rewind_and_a_ring_
     generation = pair.cache.generation
     for _ in range(4):
         pair.step([a, a, a, b])  # a reaches 15 > 8 rows: growth moves codes and scales; the ring wraps
-    assert pair.cache.generation > generation and pair.cache.rows == 16
+    assert pair.cache.generation > generation and pair.cache.reach(a) == 16
     c = pair.clone(a, upto=13)  # above the ring floor (15 - 3)
     pair.step([c, a, b])
     pair.rewind(a, 13)
@@ -133,10 +133,10 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def resident(cache, layer: int, seq: int) -> dict[str, torch.Tensor]:
     """Every plane's rows of the positions `seq` holds and `layer` keeps, in position order, as bits."""
-    planes, n = cache.planes(layer), cache.pos(seq)
+    planes, n = cache.column(seq, layer), cache.pos(seq)
     rows = planes["k"].shape[0]
     at = torch.arange(max(0, n - rows), n, device=planes["k"].device) % rows
-    return {name: bits(plane[at, seq]) for name, plane in planes.items()}
+    return {name: bits(plane[at]) for name, plane in planes.items()}
 
 
 def test_triton_e4m3_cache_matches_reference_e4m3_cache_through_growth_clone_and_rewind():
@@ -170,7 +170,8 @@ def test_triton_e4m3_cache_matches_reference_e4m3_cache_through_growth_clone_and
             cache.commit_step()
         for got, want in zip(*outs, strict=True):
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
-    assert caches[0].generation == 2 and caches[0].rows == 32 and caches[0].pos(0) > cfg.ring_rows(1)
+    assert caches[0].generation == caches[1].generation > 1 and caches[0].reach(0) == 32
+    assert caches[0].pos(0) > cfg.ring_rows(1)
     for layer in range(2):  # the Triton write stored the reference write's codes and scales, bit for bit
         for seq in (0, 1, 2):
             got, want = (resident(cache, layer, seq) for cache in caches)

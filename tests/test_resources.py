@@ -40,10 +40,16 @@ class Flaky:
         return torch.empty(*args, **kwargs)
 
 
+def pool_bytes(cfg: CacheConfig, rows: int) -> int:
+    """Bytes of a store whose (flat) layers' pools have `rows` rows."""
+    return rows * cfg.num_layers * cfg.layer_row_bytes()
+
+
 @pytest.mark.parametrize("kind", list(FAILURES))
 def test_failed_growth_and_reserve_are_capacity_errors_with_the_bytes_and_change_nothing(kind):
     alloc = Flaky(FAILURES[kind])
     cache = BatchedSequenceCache(CFG, "cpu", attention="reference", alloc=alloc)
+    assert cache.pool_rows == 32  # 8 scratch rows and one first extent of 8, on the bucket schedule
     a = cache.seq_new()
     cache.declare_step([a] * 4)
     cache.prepare_step(4)
@@ -51,28 +57,32 @@ def test_failed_growth_and_reserve_are_capacity_errors_with_the_bytes_and_change
         cache.update_and_attend(layer, torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8))
     cache.commit_step()
     alloc.failing = True
-    for call, rows in ((lambda: cache.reserve(20), 32), (lambda: cache.reserve(64), 64)):
+    assert cache.reserve(a, 20) and cache.reach(a) == 20  # in place, from the free rows: nothing to allocate
+    # 28 rows held (scratch and a): a's 44 more rows need 72, a new sequence of 40, 68 (past the last bucket)
+    for call, rows in ((lambda: cache.reserve(a, 64), 72), (lambda: cache.seq_new(reach=40), 68)):
         before = snapshot(cache)
         with pytest.raises(CapacityError) as info:
             call()
-        assert f"allocating {CFG.store_bytes(rows)} bytes" in str(info.value)
+        assert f"allocating {pool_bytes(CFG, rows)} bytes" in str(info.value)
         assert_same(before, snapshot(cache))
-    cache.declare_step([a] * 4)
-    cache.prepare_step(4)  # within the 8 rows held: no allocation, so it succeeds
-    cache.commit_step()
+        assert cache.sequences == [a] and cache.reach(a) == 20
+    for _ in range(4):
+        cache.declare_step([a] * 4)
+        cache.prepare_step(4)  # within the 20 rows held: no allocation, so it succeeds
+        cache.commit_step()
     cache.declare_step([a])
-    with pytest.raises(CapacityError, match=f"allocating {CFG.store_bytes(32)} bytes"):
-        cache.prepare_step(1)  # position 8 needs the next bucket
+    with pytest.raises(CapacityError, match=f"allocating {pool_bytes(CFG, 64)} bytes"):
+        cache.prepare_step(1)  # position 20 needs the next bucket: 12 more rows, 4 free
     alloc.failing = False
     cache.prepare_step(1)
-    assert cache.rows == 32
+    assert cache.reach(a) == 32 and cache.pool_rows == 64
 
 
 @pytest.mark.parametrize("kind", list(FAILURES))
 def test_a_failed_first_allocation_is_a_capacity_error_for_the_cache_and_the_paged_facade(kind):
     alloc = Flaky(FAILURES[kind])
     alloc.failing = True
-    with pytest.raises(CapacityError, match=f"allocating {CFG.store_bytes(8)} bytes"):
+    with pytest.raises(CapacityError, match=f"allocating {pool_bytes(CFG, 32)} bytes"):
         BatchedSequenceCache(CFG, "cpu", alloc=alloc)
     with pytest.raises(CapacityError, match="allocating"):
         PagedDecodeCache(2, 2, 16, 8, "cpu", torch.float32, alloc=alloc)
@@ -88,11 +98,11 @@ def test_other_runtime_errors_of_an_allocator_are_not_taken_for_out_of_memory():
 
 
 def test_a_store_larger_than_the_host_is_a_capacity_error_naming_its_bytes():
-    # 2^52 bytes of K per layer: past any host's address space, so the allocator refuses at once.
-    cfg = CacheConfig(num_layers=1, kv_heads=256, head_dim=256, max_seqs=2**14 - 1, capacity=2**20, buckets=(2**20,))
+    # 2^48 bytes of K per layer: past any host's address space, so the allocator refuses at once.
+    cfg = CacheConfig(num_layers=1, kv_heads=256, head_dim=256, max_seqs=2**14 - 1, capacity=2**20, pool_rows=2**31 - 1)
     with pytest.raises(CapacityError) as info:
         BatchedSequenceCache(cfg, "cpu")
-    assert f"allocating {cfg.store_bytes(2**20)} bytes" in str(info.value) and "lower max_seqs" in str(info.value)
+    assert f"allocating {pool_bytes(cfg, 2**31 - 1)} bytes" in str(info.value) and "lower max_seqs" in str(info.value)
     with pytest.raises(CapacityError, match="allocating"):
         Engine(ToyModel(), max_seqs=2**31 - 1, capacity=256, max_step_tokens=8, prefill_chunk=8)
 

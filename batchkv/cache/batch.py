@@ -79,7 +79,7 @@ class BatchedSequenceCache:
         self._store = ColumnStore(config, self.device, alloc)
         sizes = (config.max_width, len(self._store.groups), config.max_segments)
         with allocating("the step buffers", Staging.nbytes(StepBuffers.sizes(*sizes)), "lower max_width or max_seqs"):
-            self._buffers = StepBuffers(*sizes, config.max_seqs, self.device)
+            self._buffers = StepBuffers(*sizes, self.device)
         self._lengths: dict[int, int] = {}  # id -> positions held
         self._high_water: dict[int, int] = {}  # id -> most positions ever written (ring floor)
         self._height: dict[int, int] = {}  # id -> rows of its flat extent (positions it holds without moving)

@@ -94,8 +94,8 @@ class StepBuffers:
     change and a captured graph stays valid.
     """
 
-    def __init__(self, max_width: int, groups: int, max_segments: int, max_seqs: int, device: torch.device) -> None:
-        self.max_width, self.max_seqs = max_width, max_seqs
+    def __init__(self, max_width: int, groups: int, max_segments: int, device: torch.device) -> None:
+        self.max_width = max_width
         self._staging = Staging(self.sizes(max_width, groups, max_segments), device)
         i64 = self._staging.device_buffers[torch.int64]  # [positions w | slots groups * w]
         self.seq_info = self._staging.device_buffers[torch.int32].view(groups, max_segments, 4)
@@ -115,24 +115,22 @@ class StepBuffers:
         in a group is `base + p % rows` of its sequence's extent there.
         """
         staged = self._staging.begin()
-        w, host = self.max_width, staged[torch.int64]
+        w, host, groups = self.max_width, staged[torch.int64], len(placements)
         pos = host[:width]
-        seqs = np.full(width, -1, dtype=np.int64)
         pos[:] = 0
-        info = staged[torch.int32].reshape(len(placements), -1, 4)
+        info = staged[torch.int32].reshape(groups, -1, 4)
         info[:] = 0
+        # Per token and group: its extent's first row and rows; padded tokens spread over the scratch rows.
+        base = np.empty((groups, width), dtype=np.int64)
+        rows = np.empty((groups, width), dtype=np.int64)
+        for g, place in enumerate(placements):
+            base[g], rows[g] = place.scratch_base, max(place.scratch_rows, 1)
+        pos_or_pad = np.arange(width, dtype=np.int64)  # a padded token's index; nothing reads its row
         for s, (q_start, q_len, seq, kv_end) in enumerate(layout):
-            pos[q_start : q_start + q_len] = np.arange(kv_end - q_len, kv_end)
-            seqs[q_start : q_start + q_len] = seq
+            span = slice(q_start, q_start + q_len)
+            pos_or_pad[span] = pos[span] = np.arange(kv_end - q_len, kv_end)
             for g, place in enumerate(placements):
                 info[g, s] = (q_start, q_len, place.base[seq], kv_end)
-        real = seqs >= 0
-        ids = np.where(real, seqs, 0)
-        pad = np.arange(width, dtype=np.int64)  # padded tokens spread over the scratch rows; nothing reads them
-        for g, place in enumerate(placements):
-            base, rows = np.zeros(self.max_seqs, dtype=np.int64), np.ones(self.max_seqs, dtype=np.int64)
-            for seq in place.base:
-                base[seq], rows[seq] = place.base[seq], place.rows[seq]
-            slot = np.where(real, base[ids] + pos % rows[ids], place.scratch_base + pad % max(place.scratch_rows, 1))
-            host[w * (1 + g) : w * (1 + g) + width] = slot
+                base[g, span], rows[g, span] = place.base[seq], place.rows[seq]
+        host[w : w * (1 + groups)].reshape(groups, w)[:, :width] = base + pos_or_pad % rows
         self._staging.upload()

@@ -69,15 +69,15 @@ class ColumnStore:
         for layer, g in enumerate(self.group_of):
             self.groups[g].layers.append(layer)
         self.planes: dict[str, list[torch.Tensor]] = {name: [] for name in config.planes}  # name -> per layer
-        first = config.rows_for(1) + config.scratch_rows
+        first, scratch = config.rows_for(1), config.scratch_rows  # room for the scratch rows and one sequence
         sizes = [
-            config.max_pool_rows(g.ring) if config.pool_rows else config.pool_rows_for(g.extent_rows(first), g.ring)
+            config.max_pool_rows(g.ring) if config.pool_rows else config.pool_rows_for(g.extent_rows(first) + scratch, g.ring)
             for g in self.groups
         ]
-        self._grow(sizes, "the first rows of K/V")
-        if config.scratch_rows:
+        self._grow(sizes, f"the first {sizes[0]} rows of K/V")
+        if scratch:
             for group in self.groups:
-                group.pool.place(SCRATCH, config.scratch_rows)
+                assert group.pool.place(SCRATCH, scratch) == 0
 
     # ---- geometry -----------------------------------------------------------------------------
     @property

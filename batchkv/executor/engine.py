@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -47,11 +48,16 @@ class Engine:
     model: callable as model(input_ids [W] int64, indexes [3, W] int64, cache, logits_rows [R]
         int64) -> float32 [R, vocab]; exposes cache_spec() -> dict(num_layers, kv_heads, head_dim,
         layers, dtype), vocab_size and device (and optionally max_positions).
-    max_seqs: resident sequences (columns); a request with n samples holds n of them. "auto": as
-        many as fit in `memory_fraction` of the device at full capacity, at most 64 (a step samples
-        at most 64 rows); the store is then allocated whole up front (`Engine.sizing` says how).
-    memory_fraction: with max_seqs="auto", the share of the device's total memory this process may
-        use for everything (weights, activations, graphs, K/V), like vLLM's gpu_memory_utilization.
+    max_seqs: resident sequences (columns); a request with n samples holds n of them. Every
+        running sample decodes in every step, up to MAX_SAMPLE_ROWS (256) logits rows a step (past
+        that they take turns). "auto": 256, with `kv_positions="auto"`.
+    kv_positions: positions the store holds for all sequences together, each request taking what it
+        can reach (prompt + max_new_tokens). "auto": as many as fit in `memory_fraction` of the
+        device, allocated whole up front (`Engine.sizing` says what it chose); an int: that many,
+        allocated whole; None (the default unless max_seqs is "auto"): grown on demand, up to every
+        sequence at full capacity. With a whole store a request waits until its rows are free.
+    memory_fraction: with kv_positions="auto", the share of the device's total memory this process
+        may use for everything (weights, activations, graphs, K/V), like vLLM's gpu_memory_utilization.
     capacity: most positions (prompt + generated) one sequence may hold; None: the model's
         `max_positions` when it has one, else `DEFAULT_CAPACITY` (4096).
     max_step_tokens: token budget of one step (decode tokens + prompt chunks).
@@ -104,9 +110,10 @@ class Engine:
         overlap: bool | str = "auto",
         prefill_budget: int | None = None,
         memory_fraction: float = 0.9,
+        kv_positions: int | str | None = None,
     ) -> None:
-        auto = max_seqs == "auto"
-        max_seqs = MAX_SAMPLE_ROWS if auto else max_seqs  # auto: sizes the widths; the store takes what fits
+        if max_seqs == "auto":
+            max_seqs, kv_positions = MAX_SAMPLE_ROWS, "auto" if kv_positions is None else kv_positions
         capacity = model_capacity(model) if capacity is None else capacity
         max_seqs = int_arg("Engine max_seqs", max_seqs, 1, MAX_POSITIONS, why=" (or 'auto')")
         why = " (one step's tokens: static buffers are sized by it)"
@@ -156,12 +163,14 @@ class Engine:
         self.pipeline = Pipeline.for_engine(overlap, speculating=speculative is not None, device=self.device)
         check_fraction(memory_fraction)
         self.sizing: Sizing | None = None
-        if auto:  # as many columns as fit, allocated whole now: no growth (or recapture) while serving
-            config, self.sizing = size_store(model, config, memory_fraction, limit=MAX_SAMPLE_ROWS)
-            max_seqs = config.max_seqs
+        sample_rows = min(MAX_SAMPLE_ROWS, max_seqs)
+        if kv_positions == "auto":  # as many positions as fit, allocated whole now: no growth while serving
+            config, self.sizing = size_store(model, config, memory_fraction, sample_rows)
+        elif kv_positions is not None:
+            why = " (or 'auto', or None: grown on demand)"
+            kv_positions = int_arg("Engine kv_positions", kv_positions, capacity, MAX_POSITIONS, why=why)
+            config = replace(config, pool_rows=kv_positions + config.scratch_rows)
         self.cache = BatchedSequenceCache(config, self.device, attention=attention)
-        if self.sizing is not None:
-            self.cache.reserve(capacity)
         capturable = self.device.type == "cuda" and self.cache.attention != "reference"
         if use_graphs is True and not capturable:
             raise ConfigError(
@@ -171,13 +180,13 @@ class Engine:
         graphs = GraphSet(self.device) if use_graphs is not False and capturable else None
         self.buckets = buckets
         self.vocab_size = int(model.vocab_size)
-        self.scheduler = Scheduler(self.cache, max_step_tokens, prefill_chunk, buckets, prefill_budget)
+        self.scheduler = Scheduler(self.cache, max_step_tokens, prefill_chunk, buckets, prefill_budget, sample_rows)
         self.metrics = Metrics(max_seqs, generation=self.cache.generation)
-        what, nbytes = "the step inputs and logits", ModelRunner.nbytes(buckets[-1], self.vocab_size)
+        what, nbytes = "the step inputs and logits", ModelRunner.nbytes(buckets[-1], self.vocab_size, sample_rows)
         with allocating(what, nbytes, "lower max_step_tokens, or free device memory"):
             if speculative is None:
                 self.runner = ModelRunner(
-                    model, self.cache, buckets[-1], graphs=graphs, pad_rows=self.device.type == "cuda"
+                    model, self.cache, buckets[-1], graphs=graphs, pad_rows=self.device.type == "cuda", rows=sample_rows
                 )
                 self.speculator: Speculator | NoSpeculation = NoSpeculation()
             else:
@@ -226,6 +235,12 @@ class Engine:
             )
         elif params.n > cache.max_seqs:
             problem = f"n={params.n} samples need {params.n} columns; max_seqs is {cache.max_seqs} (lower n)"
+        elif cache.config.pool_rows and params.n * self._reach(request) > cache.config.pool_rows - cache.config.scratch_rows:
+            held = cache.config.pool_rows - cache.config.scratch_rows
+            problem = (
+                f"its {params.n} sample(s) can reach {self._reach(request)} positions each, more than the store's "
+                f"{held} together (lower max_new_tokens or n, or give the store more positions)"
+            )
         elif params.n > self.scheduler.max_step_tokens:
             problem = (
                 f"n={params.n} samples sample in one step, whose budget is max_step_tokens="
@@ -243,6 +258,9 @@ class Engine:
         self.scheduler.add(RequestState(request_id, request, seed, time.perf_counter()))
         self.metrics.submitted += 1
         return request_id
+
+    def _reach(self, request: Request) -> int:
+        return min(self.cache.capacity, len(request.prompt_ids) + request.params.max_new_tokens - 1)
 
     def cancel(self, request_id: int) -> bool:
         """Stop a request now and free its columns; False when it is not live (finished or unknown).
@@ -276,7 +294,7 @@ class Engine:
         if batch is None:
             return None
         self.speculator.extend(batch)  # decode rows become verify segments [anchor, drafts...]
-        # At least as wide as its sampling rows: the LM head runs on min(width, 64) rows.
+        # At least as wide as its sampling rows: the LM head runs on min(width, sample rows) rows.
         width = self._bucket(max(len(batch.seq_ids), len(batch.rows)))
         self.cache.declare_step(batch.seq_ids)
         self.cache.prepare_step(width)

@@ -15,7 +15,7 @@ from batchkv.checks import int_arg, int_args, real_arg
 from batchkv.errors import RequestError
 
 FINISH_REASONS = ("stop", "length", "capacity", "cancelled")
-MAX_SAMPLE_ROWS = 64  # most rows one step sends through the LM head
+MAX_SAMPLE_ROWS = 256  # most rows one step sends through the LM head (float32 [256, vocab] logits)
 MAX_SEED = 2**64 - 1  # seeds feed splitmix64
 MAX_TOP_K = 2**31 - 1  # staged as int64 each step; any k at or past the vocabulary keeps every token
 

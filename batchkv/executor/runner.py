@@ -3,13 +3,13 @@ and sampling, queued without waiting for the device.
 
 Every per-step input lives in fixed-address device tensors sized at the largest width bucket:
 token ids int64 [W], RoPE indexes int64 [3, W] (contiguous per width), the logits selector int64
-[64], the sampling parameters [64], the token sources int64 [W], and the logits out float32 [64,
-vocab]. The host writes them through `Staging` (one pinned buffer per dtype, copied over
+[R], the sampling parameters [R], the token sources int64 [W], and the logits out float32 [R,
+vocab], R the engine's logits rows per step (min(max_seqs, MAX_SAMPLE_ROWS)). The host writes them through `Staging` (one pinned buffer per dtype, copied over
 asynchronously); nothing else crosses. With a `GraphSet` the forward is captured once per (width
 bucket, cache generation, module fingerprint) and replayed afterwards; a new mix of lengths only
 changes the contents of the cache's buffers.
 
-Sampled tokens stay on the device: `sampled` int64 [2, 64] holds two launches' tokens (slots
+Sampled tokens stay on the device: `sampled` int64 [2, R] holds two launches' tokens (slots
 alternate between consecutive launches), and a row whose token source is r >= 0 takes its id from
 the previous launch's slot, row r, gathered inside the captured forward. Each launch also queues a
 copy of its tokens into a pinned host slot and records an event; `SampledTokens.read()` waits on
@@ -32,9 +32,6 @@ from batchkv.executor.graphs import AdapterGuard, GraphSet, ModuleFingerprint
 from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform
 from batchkv.executor.scheduler import Batch
-
-R = MAX_SAMPLE_ROWS
-
 
 class StepModel(Protocol):
     """What the engine drives (see `batchkv.models`): a forward over one packed step and the
@@ -79,9 +76,10 @@ class ModelRunner:
     """Runs planned steps of `model` over `cache`.
 
     model(input_ids [W], indexes [3, W], cache, logits_rows [rows]) -> float32 [rows, vocab].
-    pad_rows: pad the selector to min(width, 64) rows (padding reads row 0), so the LM head has one
+    rows: most logits rows a step samples (R, at most MAX_SAMPLE_ROWS).
+    pad_rows: pad the selector to min(width, R) rows (padding reads row 0), so the LM head has one
     shape per width: needed for graphs, and used by eager CUDA runs too so both give identical
-    numbers. A one-token decode step runs the head on one row, not 64. The engine picks a width
+    numbers. A one-token decode step runs the head on one row, not R. The engine picks a width
     of at least the step's sampling rows.
     """
 
@@ -93,13 +91,15 @@ class ModelRunner:
         *,
         graphs: GraphSet | None = None,
         pad_rows: bool = False,
+        rows: int = MAX_SAMPLE_ROWS,
     ) -> None:
         self._bind(model, cache, max_width, graphs)
         self.pad_rows = pad_rows or graphs is not None
+        self.rows = R = rows
         w, device = max_width, cache.device
         # int64: [input_ids w | indexes 3w | logits_rows R | top_k R | token_src w];
         # float32: [temperature | top_p | draws]
-        self._staging = Staging(self.sizes(w), device)
+        self._staging = Staging(self.sizes(w, R), device)
         self._dev_i64 = self._staging.device_buffers[torch.int64]
         self.logits_rows = self._dev_i64[4 * w : 4 * w + R]
         self.top_k = self._dev_i64[4 * w + R : 4 * w + 2 * R]
@@ -112,15 +112,15 @@ class ModelRunner:
         self._read = [torch.cuda.Event() for _ in range(2)] if pin else [None, None]
 
     @staticmethod
-    def sizes(max_width: int) -> dict[torch.dtype, int]:
+    def sizes(max_width: int, rows: int) -> dict[torch.dtype, int]:
         """Elements per dtype of the staged step inputs."""
-        return {torch.int64: 5 * max_width + 2 * R, torch.float32: 3 * R}
+        return {torch.int64: 5 * max_width + 2 * rows, torch.float32: 3 * rows}
 
     @staticmethod
-    def nbytes(max_width: int, vocab_size: int) -> int:
-        """Bytes a runner allocates: staged inputs (host and device), the float32 logits [64, vocab],
+    def nbytes(max_width: int, vocab_size: int, rows: int = MAX_SAMPLE_ROWS) -> int:
+        """Bytes a runner allocates: staged inputs (host and device), the float32 logits [rows, vocab],
         and the sampled tokens (two slots, device and host)."""
-        return Staging.nbytes(ModelRunner.sizes(max_width)) + 4 * R * vocab_size + 4 * 8 * R
+        return Staging.nbytes(ModelRunner.sizes(max_width, rows)) + 4 * rows * vocab_size + 4 * 8 * rows
 
     def _bind(self, model: StepModel, cache: BatchedSequenceCache, max_width: int, graphs: GraphSet | None) -> None:
         self.model, self.cache, self.max_width, self.graphs = model, cache, max_width, graphs
@@ -146,7 +146,7 @@ class ModelRunner:
     def _stage(self, batch: Batch, width: int, previous: SampledTokens | None) -> bool:
         """Write the step's inputs to the device buffers; True when some row samples (not greedy)."""
         staged = self._staging.begin()  # waits for the previous upload (queued before the last forward)
-        w, n, rows = self.max_width, len(batch.input_ids), len(batch.rows)
+        w, n, rows, R = self.max_width, len(batch.input_ids), len(batch.rows), self.rows
         host = staged[torch.int64]
         host[:width] = 0  # padding feeds token 0; its K/V go to the scratch column
         host[:n] = batch.input_ids
@@ -210,7 +210,7 @@ class ModelRunner:
         """
         slot = 1 - previous.slot if previous is not None else 0
         sampling = self._stage(batch, width, previous)
-        rows = min(R, width) if self.pad_rows else len(batch.rows)
+        rows = min(self.rows, width) if self.pad_rows else len(batch.rows)
         logits = self.execute(width, lambda: self._forward(width, rows))
         real = len(batch.rows)
         logits = logits[:real]

@@ -16,9 +16,10 @@ still pending decodes from the device: its row's id is gathered from the launche
 tokens (`Batch.token_src`).
 
 Columns: admission takes one column per request and holds back n - 1 more for its forks, so a
-fork can never find the store full. Storage is reserved at admission for the request's longest
-possible history (prompt + max_new_tokens - 1), so growth happens when a request arrives, not in
-the middle of its decode.
+fork can never find the store full. Each column is an extent as tall as the request's longest
+possible history (its *reach*: prompt + max_new_tokens - 1, at most capacity), placed at admission,
+so a request costs memory for what it can reach and storage never grows in the middle of its
+decode; the rows of its forks are held back too. A request waits while its n extents do not fit.
 """
 
 from __future__ import annotations
@@ -53,10 +54,12 @@ class Scheduler:
         prefill_chunk: int,
         buckets: tuple[int, ...] = (),
         prefill_budget: int | None = None,
+        sample_rows: int = MAX_SAMPLE_ROWS,
     ) -> None:
         if prefill_budget is not None:
             prefill_budget = int_arg("prefill_budget", prefill_budget, 1, why=" (or None: the default)")
         self.cache = cache
+        self.sample_rows = sample_rows  # logits rows a step may take
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
         # prompt tokens per step while samples are running, all prompts (with none running a step takes
@@ -84,18 +87,24 @@ class Scheduler:
     def free_columns(self) -> int:
         return self.cache.max_seqs - len(self.cache.sequences) - self.spare
 
+    def free_rows(self) -> int:
+        """Rows the store can still give, less those held back for the forks of prompts in flight."""
+        return self.cache.free_rows - sum(r.spare * self.reach(r) for r in self.prefilling)
+
+    def reach(self, state: RequestState) -> int:
+        """Positions one of a request's samples can hold: its prompt and every generated token but
+        the last, which is never written."""
+        return min(self.cache.capacity, len(state.prompt) + state.request.params.max_new_tokens - 1)
+
     def admit(self) -> None:
-        """Give columns to waiting requests, oldest first, while their n columns are free."""
-        while self.waiting and self.free_columns() >= self.waiting[0].request.params.n:
+        """Give columns to waiting requests, oldest first, while their n columns and the rows of
+        their n extents are free."""
+        while self.waiting:
             state = self.waiting[0]
-            params = state.request.params
-            seq = self.cache.seq_new()
-            try:
-                # The last generated token is never written: the longest history is one shorter.
-                self.cache.reserve(min(self.cache.capacity, len(state.prompt) + params.max_new_tokens - 1))
-            except BaseException:
-                self.cache.seq_rm(seq)
-                raise
+            params, reach = state.request.params, self.reach(state)
+            if self.free_columns() < params.n or self.free_rows() < params.n * reach:
+                return
+            seq = self.cache.seq_new(reach=reach)
             self.waiting.popleft()
             state.samples[0].seq, state.spare = seq, params.n - 1
             self.prefilling.append(state)
@@ -104,8 +113,8 @@ class Scheduler:
     def plan(self) -> Batch | None:
         """Pack the next step, or None when nothing is admitted."""
         batch = Batch()
-        # A step's sampling rows fit its width (the LM head runs on min(width, 64) rows).
-        budget, rows = self.max_step_tokens, min(MAX_SAMPLE_ROWS, self.max_step_tokens)
+        # A step's sampling rows fit its width (the LM head runs on min(width, sample_rows) rows).
+        budget, rows = self.max_step_tokens, min(self.sample_rows, self.max_step_tokens)
         decode_tokens, decode_rows = budget, rows
         # prompts share the step with running samples, whose next token waits for it: the prefill budget
         # binds (with nothing running, the step is the prompts' alone)

@@ -1,16 +1,19 @@
-"""Size the column store to the device: how many columns (and positions per column) fit.
+"""Size the store to the device: how many positions the pools hold for all sequences together.
 
 `Engine(model, max_seqs="auto", memory_fraction=0.9)` works like vLLM's `gpu_memory_utilization`:
 this process may use `memory_fraction` of the device's total memory for everything (weights,
 activations, CUDA graphs and the KV store). What the process and others already hold is measured
 (`torch.cuda.mem_get_info`), the activations of the widest step are measured by one forward
 (`measure_activation_bytes`) and reserved twice over (the graph pool holds one copy of the widest
-step's intermediates, eager warm-ups another), and the rest goes to K/V columns at full capacity,
-so a sequence can always reach `capacity` without growing past the budget.
+step's intermediates, eager warm-ups another), and the rest goes to the store's pools, allocated
+whole: serving then never grows storage (or recaptures a graph), and a request waits for rows
+rather than the store growing past the budget.
 
-Store bytes are linear in the column count: every layer holds `rows_l x (max_seqs + 1) x Hkv x D`
-elements of K and of V (the + 1 is the scratch column), with `rows_l = capacity` for flat layers and
-the ring size for ring layers (`CacheConfig` owns both rules).
+A position costs `CacheConfig.layer_row_bytes()` in every layer: the flat layers' pool holds P rows
+(every sequence's extent and the scratch rows), a ring layer's pool min(P, max_seqs x ring + scratch)
+(no extent is taller than its ring), so the store's bytes grow with P and `plan` takes the largest
+P that fits. A request of reach r then costs r rows (a ring layer's at most its ring), whatever the
+other requests' lengths.
 """
 
 from __future__ import annotations
@@ -33,29 +36,30 @@ class Sizing:
 
     max_seqs: int
     capacity: int
+    positions: int  # rows of the flat pool that extents may take (the scratch rows excluded)
     budget: int  # total * memory_fraction
     in_use: int  # held on the device before the store (weights, context, other processes)
     activations: int  # reserved for step intermediates
-    column_bytes: int  # one column at full capacity, every layer, K and V
-    store_bytes: int  # the store at max_seqs columns (+ scratch) at full capacity
+    position_bytes: int  # one position of one sequence, every layer (a flat layer's worth for rings)
+    store_bytes: int  # the store: every layer's pool
 
     def describe(self) -> str:
         gib = 2**30
+        full = min(self.max_seqs, self.positions // self.capacity)
         return (
-            f"{self.max_seqs} sequences x {self.capacity} positions: store {self.store_bytes / gib:.2f} GiB "
-            f"({self.column_bytes / gib:.3f} GiB per sequence) within {self.budget / gib:.1f} GiB, of which "
+            f"a pool of {self.positions} positions for at most {self.max_seqs} sequences ({full} at the full "
+            f"{self.capacity} positions, or more shorter ones): store {self.store_bytes / gib:.2f} GiB "
+            f"({self.position_bytes / 2**10:.1f} KiB per position) within {self.budget / gib:.1f} GiB, of which "
             f"{self.in_use / gib:.1f} GiB were in use and {self.activations / gib:.2f} GiB kept for activations"
         )
 
 
-def column_bytes(config: CacheConfig) -> int:
-    """Bytes one column holds at full capacity: every layer's rows, K and V."""
-    per_row_column = config.bytes_per_row() // config.columns
-    return sum(_full_rows(config, layer) for layer in range(config.num_layers)) * per_row_column // config.num_layers
-
-
-def _full_rows(config: CacheConfig, layer: int) -> int:
-    return config.ring_rows(layer) or config.capacity
+def store_bytes(config: CacheConfig, pool_rows: int) -> int:
+    """Bytes of every layer's pool when the flat pool has `pool_rows` rows (what `ColumnStore`
+    allocates for a `CacheConfig(pool_rows=pool_rows)`)."""
+    sized = replace(config, pool_rows=pool_rows)
+    rows = sum(sized.max_pool_rows(sized.ring_rows(layer)) for layer in range(config.num_layers))
+    return rows * config.layer_row_bytes()
 
 
 def plan(
@@ -65,32 +69,37 @@ def plan(
     in_use: int,
     activations: int,
     memory_fraction: float,
-    max_seqs: int | None = None,
+    positions: int | None = None,
 ) -> Sizing:
-    """Columns (when `max_seqs` is None) for `config.capacity` positions each, within the budget.
+    """The pool's positions (when `positions` is None: as many as fit) for `config.max_seqs`
+    sequences within the budget.
 
-    `config` is a template: its max_seqs is ignored. Refuses (CapacityError) when not even one
-    sequence fits, naming what to lower. Pure arithmetic: no device is touched.
+    Refuses (CapacityError) when not even one sequence at full capacity fits, or the asked
+    `positions` do not, naming what to lower. Pure arithmetic: no device is touched.
     """
     check_fraction(memory_fraction)
     budget = int(total * memory_fraction)
-    per_column = column_bytes(replace(config, max_seqs=1))
-    scratch = per_column if config.max_width > 1 else 0
     room = budget - in_use - ACTIVATION_COPIES * activations
-    fit = (room - scratch) // per_column if room > scratch else 0
-    if max_seqs is None:
-        max_seqs = fit
-    if max_seqs < 1 or max_seqs > fit:
+    scratch = config.scratch_rows
+    most = config.max_seqs * config.capacity  # every sequence at full capacity: more rows would idle
+    lo, hi = 0, most
+    while lo < hi:  # the largest position count whose pools fit the room (bytes grow with it)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if store_bytes(config, mid + scratch) <= room else (lo, mid - 1)
+    fit = lo
+    want = fit if positions is None else positions
+    if want < config.capacity or want > fit:
         gib = 2**30
+        need = max(want, config.capacity)
         raise CapacityError(
-            f"{max(max_seqs, 1)} sequence(s) of {config.capacity} positions need "
-            f"{(max(max_seqs, 1) * per_column + scratch) / gib:.2f} GiB of K/V, but only {max(room, 0) / gib:.2f} GiB "
-            f"of the {budget / gib:.1f} GiB budget (memory_fraction={memory_fraction}) are left after "
-            f"{in_use / gib:.1f} GiB in use and {ACTIVATION_COPIES * activations / gib:.2f} GiB for activations; "
-            "lower capacity, raise memory_fraction or free device memory"
+            f"{need} positions of K/V (one sequence of {config.capacity} at least) need "
+            f"{store_bytes(config, need + scratch) / gib:.2f} GiB, but only {max(room, 0) / gib:.2f} GiB of the "
+            f"{budget / gib:.1f} GiB budget (memory_fraction={memory_fraction}) are left after {in_use / gib:.1f} GiB "
+            f"in use and {ACTIVATION_COPIES * activations / gib:.2f} GiB for activations; lower capacity, raise "
+            "memory_fraction or free device memory"
         )
-    return Sizing(max_seqs, config.capacity, budget, in_use, ACTIVATION_COPIES * activations, per_column,
-                  max_seqs * per_column + scratch)  # fmt: skip
+    return Sizing(config.max_seqs, config.capacity, want, budget, in_use, ACTIVATION_COPIES * activations,
+                  config.bytes_per_position(), store_bytes(config, want + scratch))  # fmt: skip
 
 
 def check_fraction(memory_fraction: float) -> None:
@@ -106,18 +115,15 @@ def model_capacity(model: object) -> int:
     return getattr(model, "max_positions", None) or DEFAULT_CAPACITY
 
 
-def size_store(model, config: CacheConfig, memory_fraction: float, limit: int) -> tuple[CacheConfig, Sizing]:
-    """`config` with as many columns as fit on its model's device (at most `limit`), and the
-    `Sizing` that chose them: the device's memory in use now (weights loaded, store not yet
-    allocated) and the activations of one forward at `config.max_width` are measured first."""
+def size_store(model, config: CacheConfig, memory_fraction: float, rows: int) -> tuple[CacheConfig, Sizing]:
+    """`config` with a pool of as many positions as fit on its model's device, and the `Sizing`
+    that chose them: the device's memory in use now (weights loaded, store not yet allocated) and
+    the activations of one forward at `config.max_width` with `rows` logits rows are measured first."""
     device = torch.device(model.device)
     total, in_use = device_memory(device)
-    rows = min(limit, config.max_width)
-    activations = measure_activation_bytes(model, config, config.max_width, rows)
-    fit = plan(config, total=total, in_use=in_use, activations=activations, memory_fraction=memory_fraction)
-    chosen = plan(config, total=total, in_use=in_use, activations=activations, memory_fraction=memory_fraction,
-                  max_seqs=min(fit.max_seqs, limit))  # fmt: skip
-    return replace(config, max_seqs=chosen.max_seqs, max_segments=0), chosen
+    activations = measure_activation_bytes(model, config, config.max_width, min(rows, config.max_width))
+    chosen = plan(config, total=total, in_use=in_use, activations=activations, memory_fraction=memory_fraction)
+    return replace(config, pool_rows=chosen.positions + config.scratch_rows), chosen
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:
@@ -134,15 +140,15 @@ def device_memory(device: torch.device) -> tuple[int, int]:
 
 def measure_activation_bytes(model, config: CacheConfig, width: int, rows: int) -> int:
     """Peak bytes one eager forward of `width` tokens and `rows` logits rows allocates beyond what is
-    held before it (CUDA; 0 elsewhere), with a one-column store of `width` positions as its cache."""
+    held before it (CUDA; 0 elsewhere), with a one-sequence store of `width` positions as its cache."""
     from batchkv.cache import BatchedSequenceCache
 
     device = torch.device(model.device)
     if device.type != "cuda":
         return 0
-    probe = replace(config, max_seqs=1, capacity=width, max_write=width, max_width=width, max_segments=0)
+    probe = replace(config, max_seqs=1, capacity=width, max_write=width, max_width=width, max_segments=0, pool_rows=0)
     cache = BatchedSequenceCache(probe, device)
-    seq = cache.seq_new()
+    seq = cache.seq_new(reach=width)
     cache.declare_step([seq] * width)
     cache.prepare_step(width)
     ids = torch.zeros(width, dtype=torch.int64, device=device)

@@ -160,8 +160,6 @@ class DFlashProposer:
         h["t"][n:width] = 0
         h["rows"][r:rows] = 0
         self._staging.upload()
-        if self.cache.rows < self.target_cache.rows:  # grow with the target (admission), not mid-decode
-            self.cache.reserve(self.target_cache.rows)
         self.cache.declare_step(seq_ids)
         self.cache.prepare_step(width)
         if r:
@@ -216,8 +214,9 @@ class DFlashProposer:
         for state, chunk in batch.prefill:
             head = state.samples[0]
             st = self.states.get(head)
-            if st is None:
-                st = self.states[head] = DraftState(self.cache.seq_new())
+            if st is None:  # as far as the target's column, and a block past it (drafts are rewound)
+                reach = min(self.cache.capacity, self.target_cache.reach(head.seq) + self.block)
+                st = self.states[head] = DraftState(self.cache.seq_new(reach=reach))
             st.pending = list(range(end, end + chunk))
             end += chunk
         for state in batch.completed:
