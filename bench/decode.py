@@ -61,8 +61,7 @@ def single_sequence(model, device, prompt_len: int, new_tokens: int, graphs: boo
     """ms/token of one greedy sequence: the second of two identical requests (the first warms up)."""
     length = prompt_len + new_tokens + 1
     engine = Engine(model, max_seqs=1, capacity=length, max_step_tokens=prompt_len, prefill_chunk=prompt_len,
-                    width_buckets=(1, prompt_len), use_graphs=graphs, device=device)  # fmt: skip
-    engine.cache.reserve(length)
+                    width_buckets=(1, prompt_len), use_graphs=graphs, device=device, kv_positions=length)  # fmt: skip
     prompt = np.random.default_rng(0).integers(0, model.vocab_size, prompt_len).tolist()
     for _ in range(2):
         engine.metrics.inter_token.clear()
@@ -81,8 +80,8 @@ def serving_engine(model, device, prompts, outputs, max_seqs: int = 64) -> Engin
     """The serving configuration: 64 sequences, 1024-token steps, 512-token prompt chunks, storage reserved."""
     capacity = max(map(len, prompts)) + max(outputs) + 1
     engine = Engine(model, max_seqs=max_seqs, capacity=capacity, max_step_tokens=1024,
-                    prefill_chunk=min(512, capacity), use_graphs=device.type == "cuda", device=device)  # fmt: skip
-    engine.cache.reserve(capacity)  # no growth (and recapture) mid-run
+                    prefill_chunk=min(512, capacity), use_graphs=device.type == "cuda", device=device,
+                    kv_positions=max_seqs * capacity)  # fmt: skip  # allocated whole: no growth mid-run
     return engine
 
 

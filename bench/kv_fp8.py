@@ -373,8 +373,7 @@ def serve_one(model, prompts, outputs, capacity, device, kv, seqs, qk) -> dict:
 
     with qk_long(qk):  # graphs are captured inside: the variant is baked into them
         engine = Engine(model, max_seqs=seqs, capacity=capacity, max_step_tokens=1024, prefill_chunk=512,
-                        device=device, kv_dtype=kv)  # fmt: skip
-        engine.cache.reserve(capacity)
+                        device=device, kv_dtype=kv, kv_positions=seqs * capacity)  # fmt: skip
         for p in prompts[:seqs]:  # warm-up: captures the step widths outside the timed run
             engine.submit(Request(p, SamplingParams(max_new_tokens=8)))
         engine.run_until_done()

@@ -64,8 +64,8 @@ def serving_engine(
         device=device,
         overlap=overlap,
         kv_dtype=kv_dtype,
+        kv_positions=max_seqs * capacity,  # allocated whole: no growth (and recapture) mid-run
     )
-    engine.cache.reserve(capacity)  # no growth (and recapture) mid-run
     return engine
 
 

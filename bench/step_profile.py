@@ -41,8 +41,7 @@ def profile_step(preset: str, rows: int, context: int, device: torch.device) -> 
     model = build_model(preset, device, seed=0)
     cfg = CacheConfig(**model.cache_spec(), max_seqs=max(rows, 1), capacity=context + 8, max_write=1)
     cache = BatchedSequenceCache(cfg, device)
-    seqs = [cache.seq_new() for _ in range(rows)]
-    cache.reserve(context + 1)
+    seqs = [cache.seq_new(reach=context + 1) for _ in range(rows)]
     for seq in seqs:
         cache._set_length(seq, context)  # histories of `context` positions (their K/V content is irrelevant)
     cache.declare_step(seqs)

@@ -196,6 +196,34 @@ class Engine:
         self._next_id = 0
         self._idle = False
 
+    closed = False  # set by close(); the instance then holds nothing else
+
+    def close(self) -> None:
+        """Free the store, the CUDA graphs and every buffer now; what leaving `with Engine(...)` does.
+
+        Live requests are dropped without events. Afterwards every use of the engine is a StepError.
+        (Without close, the engine's memory is freed when the last reference to it goes: it holds no
+        reference cycle, so no `gc.collect()` is needed.)
+        """
+        if self.closed:
+            return
+        graphs = self.runner.graphs
+        if graphs is not None:
+            graphs.retain(lambda key: False)  # destroy the captured graphs (and their pool's hold) now
+        self.__dict__.clear()
+        self.closed = True
+
+    def __getattr__(self, name: str) -> object:
+        if self.__dict__.get("closed"):
+            raise StepError(f"the engine is closed (Engine.close() or its `with` block ended); {name} is gone")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def uses_graphs(self) -> bool:
         return self.runner.graphs is not None

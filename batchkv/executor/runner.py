@@ -124,9 +124,10 @@ class ModelRunner:
 
     def _bind(self, model: StepModel, cache: BatchedSequenceCache, max_width: int, graphs: GraphSet | None) -> None:
         self.model, self.cache, self.max_width, self.graphs = model, cache, max_width, graphs
-        self.fingerprint = ModelFingerprint(model)
+        self.fingerprint = fingerprint = ModelFingerprint(model)
         # Adapter wrappers (LoRA) switch branches without changing the tree: no graph while they exist.
-        self.adapters = AdapterGuard(self.fingerprint, lambda: [m for _, m in self.fingerprint.modules()])
+        # (The lambda holds the fingerprint, not the runner: no reference cycle keeps a dropped engine alive.)
+        self.adapters = AdapterGuard(fingerprint, lambda: [m for _, m in fingerprint.modules()])
         self._bound: tuple[int, int] | None = None  # (generation, fingerprint) the kept graphs bind
 
     def input_ids(self, width: int) -> torch.Tensor:
