@@ -11,6 +11,13 @@ Bandwidth and peak are measured in the same run (bench/ceilings.py).
 
 Bytes-only roofline (the earlier figure): weights once per step of `batch` decode tokens and each
 output token's KV prefix once, over a bandwidth; it ignores the prompts' compute.
+
+Workload limit (from the request list alone, not the engine's schedule): the FLOPs every request
+needs (its prompt and every generated token but the last through the body, every generated token
+through the LM head, each attended pair) at the matmul peak, and the bytes (each fed decode token
+reads its KV prefix once, with every request resident; the weights once per step over the steps the
+longest output needs) at the read bandwidth; tokens/s with the two times perfectly overlapped
+(their max) and not at all (their sum).
 """
 
 from __future__ import annotations
@@ -88,6 +95,25 @@ def bytes_only_tokens_per_s(
     tokens = sum(outputs)
     kv = sum(cost.kv_bytes_per_pos * (len(p) * o + o * (o + 1) // 2) for p, o in zip(prompts, outputs, strict=True))
     return tokens / ((tokens / batch * cost.weight_bytes + kv) / (gbps * 1e9))
+
+
+def workload_limit(
+    prompts: Sequence[Sequence[int]], outputs: Sequence[int], cost: ModelCost, read_gbps: float, matmul_tflops: float
+) -> dict:
+    """The workload's own limit (module docstring): {"overlap", "no_overlap"} tokens/s and the terms."""
+    flops = kv_bytes = 0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        p, fed = len(prompt), out - 1  # the last generated token is never fed back
+        flops += 2 * cost.body_params * (p + fed) + 2 * cost.head_params * out
+        flops += cost.attn_flops_per_pair * (causal_pairs(p, p) + fed * p + fed * (fed + 1) // 2 + fed)
+        kv_bytes += cost.kv_bytes_per_pos * (fed * (p + 1) + fed * (fed + 1) // 2)  # decode token i reads p + i + 1
+    steps = max(outputs)  # the longest output's decode steps, one weight read each
+    flop_s = flops / (matmul_tflops * 1e12)
+    byte_s = (kv_bytes + steps * cost.weight_bytes) / (read_gbps * 1e9)
+    tokens = sum(outputs)
+    return {"overlap": tokens / max(flop_s, byte_s), "no_overlap": tokens / (flop_s + byte_s), "flops": flops,
+            "flop_s": flop_s, "kv_read_bytes": kv_bytes, "weight_steps": steps, "byte_s": byte_s,
+            "output_tokens": tokens}  # fmt: skip
 
 
 def model_cost(model, q_heads: int) -> ModelCost:

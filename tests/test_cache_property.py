@@ -24,6 +24,18 @@ LAYOUTS = [
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_verbs_and_steps_match_the_oracle(data):
+    run_random_verbs(data, pool_rows=0)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_verbs_and_steps_in_a_store_too_small_for_every_sequence_match_the_oracle(data):
+    # 40 rows for three sequences of up to 24 positions: extents move, the pool compacts, and a
+    # sequence that finds no room is refused (and that refusal changes nothing)
+    run_random_verbs(data, pool_rows=40)
+
+
+def run_random_verbs(data, pool_rows: int) -> None:
     layers = data.draw(st.sampled_from(LAYOUTS), label="layers")
     max_write = data.draw(st.integers(1, 3), label="max_write")
     cfg = CacheConfig(
@@ -37,6 +49,7 @@ def test_random_verbs_and_steps_match_the_oracle(data):
         dtype=torch.float32,
         buckets=(4, 8, 16),
         tail_step=8,
+        pool_rows=pool_rows,
     )
     pair = Pair(BatchedSequenceCache(cfg, "cpu", attention="reference"), hq=2, seed=data.draw(st.integers(0, 99)))
     cache = pair.cache

@@ -119,6 +119,50 @@ def test_a_whole_store_holds_short_requests_by_their_reach_and_makes_a_long_one_
     engine.assert_idle()
 
 
+def test_rows_a_long_request_held_serve_the_next_one_when_it_ends_without_the_store_growing():
+    from batchkv.executor import Engine, Request, SamplingParams, gather
+    from tests.executor_helpers import oracle
+
+    model = _toy()
+    engine = Engine(model, max_seqs=8, kv_positions=48, capacity=48, max_step_tokens=16, prefill_chunk=8)
+    nbytes, generation = engine.cache.nbytes, engine.cache.generation
+    first = Request(list(range(1, 31)), SamplingParams(max_new_tokens=9))  # reach 38 of the 48 positions
+    second = Request(list(range(2, 32)), SamplingParams(max_new_tokens=9))  # 38 more: waits for the first's
+    short = Request([5, 6, 7], SamplingParams(max_new_tokens=4))  # reach 6: fits beside the first
+    ids = [engine.submit(r) for r in (first, second, short)]
+    events, seen = [], []
+    for _ in range(200):
+        if not engine.has_work:
+            break
+        events += engine.step()
+        seen.append((len(engine.cache.sequences), engine.num_waiting))
+    assert not engine.has_work
+    # the second waited (and the short one behind it: admission is FIFO) while the first held its rows,
+    # then took them when the first ended, and the short one came in beside it
+    assert seen[0] == (1, 2) and (2, 0) in seen
+    assert engine.cache.nbytes == nbytes and engine.cache.generation == generation  # reused, never grown
+    outputs = gather(events)
+    for rid, request in zip(ids, (first, second, short), strict=True):
+        assert (outputs[rid].tokens[0], outputs[rid].finish_reasons[0]) == oracle(model, request, 48)
+    engine.assert_idle()
+
+
+def test_a_short_request_beside_a_long_one_costs_its_own_reach_not_the_long_ones():
+    from batchkv.executor import Engine, Request, SamplingParams
+
+    engine = Engine(_toy(), max_seqs=8, capacity=256, max_step_tokens=16, prefill_chunk=8)
+    engine.submit(Request([1 + i % 90 for i in range(199)], SamplingParams(max_new_tokens=40)))  # reach 238
+    for _ in range(4):
+        engine.submit(Request([1, 2, 3], SamplingParams(max_new_tokens=5)))  # reach 7 each
+    engine.step()
+    reaches = sorted(engine.cache.reach(seq) for seq in engine.cache.sequences)
+    assert reaches == [7, 7, 7, 7, 238]
+    held = engine.cache.config.max_pool_rows() - engine.cache.free_rows  # (free_rows counts the room to grow)
+    assert held == 4 * 7 + 238 + engine.cache.config.scratch_rows  # rows held: the reaches and the scratch rows
+    engine.run_until_done()
+    engine.assert_idle()
+
+
 def test_auto_max_seqs_refuses_when_not_one_sequence_fits(monkeypatch):
     from batchkv.executor import Engine
     from batchkv.executor import sizing as sizing_module

@@ -395,7 +395,21 @@ class BatchedSequenceCache:
                     f"sequence {seq} needs {self._lengths[seq] + n} positions; capacity is {cfg.capacity} "
                     "(raise capacity or finish the sequence)"
                 )
+        growth = self._growth(plan.layout(self._lengths))
+        more = sum(h - self._height[seq] for seq, h in growth.items())
+        if more > self.free_rows:
+            raise CapacityError(
+                f"declare_step: the sequences {sorted(growth)} need {more} more rows and the store can give "
+                f"{self.free_rows}; finish or remove sequences, or give the store more rows (pool_rows)"
+            )
         self._plan, self._width = plan, None
+
+    def _growth(self, layout: list[tuple[int, int, int, int]]) -> dict[int, int]:
+        """The extent heights the sequences of a step's layout must grow to (those that must)."""
+        ends: dict[int, int] = {}
+        for _, _, seq, kv_end in layout:
+            ends[seq] = max(ends.get(seq, 0), kv_end)
+        return {seq: self.config.rows_for(end) for seq, end in ends.items() if end > self._height[seq]}
 
     def prepare_step(self, width: int) -> None:
         """Grow storage if the declared step needs it, then stage its device buffers.
@@ -413,12 +427,8 @@ class BatchedSequenceCache:
                 f"and be at most max_width={self.config.max_width}"
             )
         layout = plan.layout(self._lengths)
-        # Grow before staging, so a refusal leaves the cache as it was.
-        ends: dict[int, int] = {}
-        for _, _, seq, kv_end in layout:
-            ends[seq] = max(ends.get(seq, 0), kv_end)
-        self._resize({seq: self.config.rows_for(end) for seq, end in ends.items() if end > self._height[seq]})
-        self._buffers.fill(layout, self._placements(ends), width)
+        self._resize(self._growth(layout))  # grow before staging, so a refusal leaves the cache as it was
+        self._buffers.fill(layout, self._placements({seq for _, _, seq, _ in layout}), width)
         for _, _, seq, kv_end in layout:
             # Written on the device from now on, whether or not the step commits.
             self._high_water[seq] = max(self._high_water[seq], kv_end)
