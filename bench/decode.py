@@ -5,9 +5,14 @@ Parts, in order, each under the run's budget (`--budget-s`), each written to the
 1. ceilings: read bandwidth, copy bandwidth, bf16 GEMM peak (bench/ceilings.py);
 2. b1: one sequence, prompt 512, 256 new tokens, greedy, ms/token (median inter-token latency of
    a second, warmed-up request), batchkv with CUDA graphs and eager;
-3. serve: 256 requests, prompts U[64, 2048], outputs U[64, 1024], seed 0, at most 64 sequences,
-   all submitted at once: output tokens/s; the fair roofline over the steps the engine ran and the
-   bytes-only roofline (bench/roofline.py);
+3. serve: 256 requests, prompts U[64, 2048], outputs U[64, 1024], seed 0, all submitted at once,
+   on the configuration the README recommends (`max_seqs="auto"`: 256 sequences decoding every
+   step, the store sized to the device, each request holding what it can reach): output tokens/s,
+   TTFT and inter-token p50/p99; the workload's own limit from the request list (its FLOPs and
+   bytes, perfectly overlapped and not at all), the fair roofline over the steps the engine ran and
+   the bytes-only roofline (bench/roofline.py); serve_e4m3, the same with e4m3 K/V; serve_max64,
+   the configuration before (64 sequences, every column at capacity) in the same run; budgets, the
+   prefill budgets 256, 512 and 1,024 at 256 sequences (inter-token p99 against p50);
 4. online: three Poisson arrival rates (0.25, 0.5 and 0.9 of the offline run's requests/s), each
    over the first `rate * --online-window-s` requests of the same list, on the engine the offline
    run warmed (bench/online.py): tokens/s, TTFT (from arrival) and inter-token p50/p99;
@@ -37,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ceilings import copy_ceiling, matmul_peak, read_ceiling
 from online import poisson_arrivals, run_online
-from roofline import StepLog, bytes_only_tokens_per_s, fair_seconds, model_cost
+from roofline import StepLog, bytes_only_tokens_per_s, fair_seconds, model_cost, workload_limit
 from timing import Deadline
 
 from batchkv.executor import Engine, Request, SamplingParams
@@ -49,6 +54,13 @@ RATE_FRACTIONS = {"light": 0.25, "medium": 0.5, "near_saturation": 0.9}
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def release(device: torch.device) -> None:
+    """Give a closed engine's memory back to the device before the next one sizes itself."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int, seed: int = 0):
@@ -76,13 +88,14 @@ def single_sequence(model, device, prompt_len: int, new_tokens: int, graphs: boo
             "tokens": sum(e.token is not None for e in events), "captures": engine.metrics.captures}  # fmt: skip
 
 
-def serving_engine(model, device, prompts, outputs, max_seqs: int = 64) -> Engine:
-    """The serving configuration: 64 sequences, 1024-token steps, 512-token prompt chunks, storage reserved."""
+def serving_engine(model, device, prompts, outputs, max_seqs: int | str = "auto", kv_dtype=None) -> Engine:
+    """The serving configuration: 1024-token steps, 512-token prompt chunks, capacity the longest
+    request, the store allocated whole. max_seqs "auto" (the README's): 256 sequences, the store
+    sized to the device; an int: that many, each column at capacity (the configuration before)."""
     capacity = max(map(len, prompts)) + max(outputs) + 1
-    engine = Engine(model, max_seqs=max_seqs, capacity=capacity, max_step_tokens=1024,
-                    prefill_chunk=min(512, capacity), use_graphs=device.type == "cuda", device=device,
-                    kv_positions=max_seqs * capacity)  # fmt: skip  # allocated whole: no growth mid-run
-    return engine
+    kv_positions = "auto" if max_seqs == "auto" else max_seqs * capacity
+    return Engine(model, max_seqs=max_seqs, capacity=capacity, max_step_tokens=1024, prefill_chunk=min(512, capacity),
+                  use_graphs=device.type == "cuda", device=device, kv_positions=kv_positions, kv_dtype=kv_dtype)  # fmt: skip
 
 
 WARM_UP = "the first 64 prompts with at most 16 new tokens each, untimed (graphs captured, kernels compiled)"
@@ -176,29 +189,73 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
             r["b1"][f"{name}_ms"] = d["ms_per_token_p50"]
             print(f"b1 {name}: {d['ms_per_token_p50']:.3f} ms/token", flush=True)
 
-    def serve():
-        ctx.engine = engine = serving_engine(ctx.model(), dev, ctx.prompts, ctx.outputs)
+    def serve_entry(engine: Engine, d: dict, log: StepLog, warm_captures: int) -> dict:
+        cost = ctx.cost()
+        fair_s = fair_seconds(log.steps, cost, r["read_gbps"], r["matmul_tflops"])
+        limit = workload_limit(ctx.prompts, ctx.outputs, cost, r["read_gbps"], r["matmul_tflops"])
+        return {
+            "requests": len(ctx.prompts), "max_seqs": engine.cache.max_seqs, "tokens_per_s": d["output_tokens_per_s_wall"],
+            "requests_per_s": len(ctx.prompts) / d["wall_s"], "kv_dtype": str(engine.cache.config.kv_dtype),
+            "store": engine.sizing.describe() if engine.sizing else f"{engine.cache.max_seqs} columns at capacity",
+            "store_bytes": engine.cache.nbytes, "decode_rows_per_step": d["decode_tokens"] / max(len(log.steps), 1),
+            "workload_limit_tokens_per_s": {k: limit[k] for k in ("overlap", "no_overlap")}, "workload_limit": limit,
+            "fair_roofline_tokens_per_s": d["generated_tokens"] / fair_s,
+            "bytes_only_roofline_tokens_per_s": bytes_only_tokens_per_s(ctx.prompts, ctx.outputs, cost, r["read_gbps"],
+                                                                        engine.cache.max_seqs),
+            "p50_itl_ms": d["itl_ms_p50"], "p99_itl_ms": d["itl_ms_p99"], "ttft_p50_ms": d["ttft_ms_p50"],
+            "ttft_p99_ms": d["ttft_ms_p99"], "captures": d["captures"] - warm_captures,
+            "captures_warm_up": warm_captures, "steps": len(log.steps), "fair_roofline_s": fair_s,
+            "wall_s": d["wall_s"], "prefill_budget": engine.scheduler.prefill_budget, "overlap": engine.overlap,
+            "warm_up": WARM_UP,
+        }  # fmt: skip
+
+    def run_serve(max_seqs, kv_dtype=None) -> tuple[Engine, dict]:
+        engine = serving_engine(ctx.model(), dev, ctx.prompts, ctx.outputs, max_seqs, kv_dtype)
         warm_up(engine, dev, ctx.prompts, ctx.outputs)
         warm_captures = engine.runner.captures
         log = StepLog(engine)
-        r["serve_detail"] = d = serve_offline(engine, dev, ctx.prompts, ctx.outputs)
-        cost = ctx.cost()
-        fair_s = fair_seconds(log.steps, cost, r["read_gbps"], r["matmul_tflops"])
-        bytes_only = bytes_only_tokens_per_s(ctx.prompts, ctx.outputs, cost, r["read_gbps"], 64)
-        r.setdefault("serve", {}).update({  # (the peer's parts keep their entries here on a resumed run)
-            "requests": len(ctx.prompts), "max_seqs": 64, "tokens_per_s": d["output_tokens_per_s_wall"],
-            "requests_per_s": len(ctx.prompts) / d["wall_s"],
-            "fair_roofline_tokens_per_s": d["generated_tokens"] / fair_s,
-            "bytes_only_roofline_tokens_per_s": bytes_only,
-            "p50_itl_ms": d["itl_ms_p50"], "p99_itl_ms": d["itl_ms_p99"],
-            "captures": d["captures"] - warm_captures, "captures_warm_up": warm_captures,
-            "steps": len(log.steps), "fair_roofline_s": fair_s, "wall_s": d["wall_s"],
-            "prefill_budget": engine.scheduler.prefill_budget, "overlap": engine.overlap, "warm_up": WARM_UP,
-            "full_chunk_step_ms": full_chunk_step_ms(engine, dev, ctx.prompts),
-        })  # fmt: skip
+        d = serve_offline(engine, dev, ctx.prompts, ctx.outputs)
+        return engine, {**serve_entry(engine, d, log, warm_captures), "detail": d}
+
+    def serve():
+        ctx.engine, entry = run_serve("auto")
+        r["serve_detail"] = entry.pop("detail")
+        r.setdefault("serve", {}).update(entry)  # (the peer's parts keep their entries here on a resumed run)
+        r["serve"]["full_chunk_step_ms"] = full_chunk_step_ms(ctx.engine, dev, ctx.prompts)
         for row in r["serve"].get("online", []):  # rows of a resumed run: in this unit
             row["ttft_p50_in_full_chunk_steps"] = row["ttft_p50_ms"] / r["serve"]["full_chunk_step_ms"]
-        print(f"serve: {d['output_tokens_per_s_wall']:.0f} tok/s (fair roofline {d['generated_tokens'] / fair_s:.0f})")
+        print(f"serve: {entry['tokens_per_s']:.0f} tok/s (workload limit {entry['workload_limit_tokens_per_s']})")
+
+    def budgets():
+        engine = ctx.engine if ctx.engine is not None else run_serve("auto")[0]
+        rows = r["serve"]["budgets"] = []
+        for budget in (256, 512, 1024):
+            engine.scheduler.prefill_budget = budget
+            engine.metrics = engine.metrics.fresh()
+            d = serve_offline(engine, dev, ctx.prompts, ctx.outputs)
+            rows.append({"prefill_budget": budget, "tokens_per_s": d["output_tokens_per_s_wall"],
+                         "p50_itl_ms": d["itl_ms_p50"], "p99_itl_ms": d["itl_ms_p99"],
+                         "p99_over_p50": d["itl_ms_p99"] / d["itl_ms_p50"], "ttft_p50_ms": d["ttft_ms_p50"]})  # fmt: skip
+            parts.save()
+            print(f"budget {budget}: {rows[-1]}", flush=True)
+        engine.scheduler.prefill_budget = r["serve"]["prefill_budget"]
+        within = [row for row in rows if row["p99_over_p50"] <= 2.5]
+        r["serve"]["budget_p99_within_2_5x"] = max((row["prefill_budget"] for row in within), default=None)
+
+    def other(key: str, max_seqs, kv_dtype=None):
+        def part():
+            if ctx.engine is not None:  # its store holds the device: let it go first
+                ctx.engine.close()
+                ctx.engine = None
+                release(dev)
+            engine, entry = run_serve(max_seqs, kv_dtype)
+            entry.pop("detail")
+            r[key] = entry
+            engine.close()
+            release(dev)
+            print(f"{key}: {entry['tokens_per_s']:.0f} tok/s", flush=True)
+
+        return part
 
     def online():
         if ctx.engine is None:  # resumed without the offline run: warm a new engine on a short pass
@@ -227,6 +284,9 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
     parts.run("b1_batchkv", b1, need_s=20)
     parts.run("serve_batchkv", serve, need_s=60)
     parts.run("online_batchkv", online, need_s=3 * args.online_window_s + 20)
+    parts.run("budgets_batchkv", budgets, need_s=60)
+    parts.run("serve_e4m3_batchkv", other("serve_e4m3", "auto", torch.float8_e4m3fn), need_s=40)
+    parts.run("serve_max64_batchkv", other("serve_max64", 64), need_s=50)
 
 
 def main() -> None:
@@ -284,10 +344,12 @@ def main() -> None:
     if not args.skip_hf:
         from decode_hf import hf_parts
 
-        ctx.engine = None  # the peer gets the memory of batchkv's serving cache
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        if ctx.engine is not None:  # the peer gets the memory of batchkv's serving cache
+            ctx.engine.close()
+            ctx.engine = None
+        for engine in engines.values():
+            engine.close()
+        release(device)
         hf_parts(parts, ctx, args)
     parts.save()
 

@@ -24,7 +24,8 @@ def storage_refs(engine: Engine) -> list[weakref.ref]:
     runner's accepted tokens): alive while their memory is held."""
     cache, runner = engine.cache, engine.runner
     planes = [t for layer in range(cache.config.num_layers) for t in cache.planes(layer).values()]
-    return [weakref.ref(t) for t in [*planes, getattr(runner, "logits", None) or runner.result]]
+    output = runner.logits if hasattr(runner, "logits") else runner.result
+    return [weakref.ref(t) for t in [*planes, output]]
 
 
 @pytest.mark.parametrize("speculative", [None, SpeculativeConfig("ngram")])

@@ -357,25 +357,30 @@ def _expected_rows(m: Manifest, layer_id: int) -> int:
 
 
 def assert_geometry(cache, m: Manifest) -> None:
-    """At full reservation every layer's K and V are [rows, max_seqs + 1, kv_heads, head_dim] of the
-    storage dtype, with fp32 scales [rows, max_seqs + 1, kv_heads] beside e4m3 ones."""
+    """Every layer's K and V pools are [rows, 1, kv_heads, head_dim] of the storage dtype, with fp32
+    scales [rows, 1, kv_heads] beside e4m3 ones; allocated whole at full capacity (`pool_rows`) they
+    hold every sequence at capacity (a ring layer: its ring) and the scratch rows, the manifest's
+    `kv_bytes`."""
     seqs = m.max_seqs if m.layout == "batched-sequence" else 1
     assert (cache.max_seqs, cache.capacity, cache.config.max_write) == (seqs, m.maximum_capacity, m.max_write)
     assert cache.config.max_segments == (m.max_segments if isinstance(m.max_segments, int) else 2 * seqs)
     by_id = {e.layer_id: e for e in m.layers}
     assert cache.config.layers == tuple(LayerSpec(by_id[i].policy, by_id[i].window) for i in range(m.num_layers))
-    cache.reserve(m.maximum_capacity)
+    assert cache.config.scratch_rows == m.scratch_rows == (min(16, seqs * m.max_write) if seqs * m.max_write > 1 else 0)
+    full = from_manifest(m, "meta", pool_rows=max(m.pool_rows(i) for i in by_id))  # allocated whole
     for layer_id in range(m.num_layers):
-        shape = (_expected_rows(m, layer_id), seqs + 1, m.kv_heads, m.head_dim)
-        for store in (cache.k_store(layer_id), cache.v_store(layer_id)):
+        rows = seqs * _expected_rows(m, layer_id) + m.scratch_rows
+        assert m.pool_rows(layer_id) == rows
+        shape = (rows, 1, m.kv_heads, m.head_dim)
+        for store in (full.k_store(layer_id), full.v_store(layer_id)):
             assert tuple(store.shape) == shape and store.dtype == TORCH[m.storage_dtype]
-        scales = [t for name, t in cache.planes(layer_id).items() if name.endswith("_scale")]
+        scales = [t for name, t in full.planes(layer_id).items() if name.endswith("_scale")]
         assert [(tuple(t.shape), t.dtype) for t in scales] == [(shape[:3], torch.float32)] * len(scales)
         assert len(scales) == (2 if m.storage_dtype == "float8_e4m3fn" else 0)
-    expected_bytes = sum(_expected_rows(m, i) for i in range(m.num_layers)) * (seqs + 1)
+    expected_rows = sum(seqs * _expected_rows(m, i) + m.scratch_rows for i in range(m.num_layers))
     scale_bytes = 4 if m.storage_dtype == "float8_e4m3fn" else 0
-    expected_bytes *= 2 * m.kv_heads * (m.head_dim * ELEM[m.storage_dtype] + scale_bytes)
-    assert cache.nbytes == expected_bytes == m.kv_bytes
+    expected_bytes = expected_rows * 2 * m.kv_heads * (m.head_dim * ELEM[m.storage_dtype] + scale_bytes)
+    assert full.nbytes == expected_bytes == m.kv_bytes
     assert (cache.config.dtype, cache.config.kv_dtype) == (TORCH[m.dtype], TORCH[m.storage_dtype])
 
 

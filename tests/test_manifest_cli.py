@@ -28,14 +28,18 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def full_capacity_bytes(m: Manifest) -> int:
-    """K+V bytes with every layer at its full rows, computed from the file's fields alone."""
+    """K+V bytes with every sequence at capacity in every layer (a ring layer: its ring) and each
+    layer's scratch rows (min(16, tokens a step writes), none when steps are one token wide),
+    computed from the file's fields alone."""
     seqs = m.max_seqs if m.layout == "batched-sequence" else 1
+    step_tokens = seqs * m.max_write
+    scratch = min(16, step_tokens) if step_tokens > 1 else 0
     rows = 0
     for e in m.layers:
         ring = e.policy == "ring"
-        rows += min(m.maximum_capacity, e.window + m.max_write - 1) if ring else m.maximum_capacity
+        rows += seqs * (min(m.maximum_capacity, e.window + m.max_write - 1) if ring else m.maximum_capacity) + scratch
     kv = m.kv_dtype if isinstance(m.kv_dtype, str) else m.dtype
-    return rows * (seqs + 1) * 2 * m.kv_heads * (m.head_dim * ELEM[kv] + SCALE.get(kv, 0))
+    return rows * 2 * m.kv_heads * (m.head_dim * ELEM[kv] + SCALE.get(kv, 0))
 
 
 def test_export_kv_dtype_fp8_then_inspect_shows_e4m3_storage_and_its_bytes(tmp_path, capsys):
@@ -52,8 +56,7 @@ def test_export_kv_dtype_fp8_then_inspect_shows_e4m3_storage_and_its_bytes(tmp_p
     assert f"({per_token} B: K+V of every layer, scales included)" in out
     assert f"{per_token / (42 * 2 * 8 * 128 * 2):.3f}x the bytes of bfloat16" in out
     assert f"({full_capacity_bytes(m)} B of K/V" in out
-    cache = from_manifest(m, "meta")
-    cache.reserve(m.maximum_capacity)
+    cache = from_manifest(m, "meta", pool_rows=m.pool_rows(0))  # every sequence at capacity, allocated whole
     assert cache.nbytes == m.kv_bytes
 
 
@@ -81,21 +84,20 @@ def test_export_then_inspect_round_trips_through_the_file(tmp_path, capsys, suff
 
     code, out, err = run(capsys, "inspect", str(out_path))
     assert (code, err) == (0, "")
-    assert "batched-sequence" in out and "6 (+1 scratch column)" in out
+    assert "batched-sequence" in out and "6 (+16 scratch rows)" in out
     table = [re.split(r"\s{2,}", line) for line in out.splitlines() if line[:1].isdigit()]
-    per_layer_row = 7 * 2 * preset.kv_heads * preset.head_dim * ELEM[preset.dtype]
+    per_layer_row = 2 * preset.kv_heads * preset.head_dim * ELEM[preset.dtype]  # one position of one layer
     ring_rows = 64 + 16 - 1  # window + max_write - 1
     assert [row[:4] for row in table] == [
         ["0-2 (even)", "flat", "-", "1000"],
         ["1-3 (odd)", "ring", "64", str(ring_rows)],
     ]
     assert [row[4] for row in table] == [
-        human_bytes(2 * 1000 * per_layer_row),
-        human_bytes(2 * ring_rows * per_layer_row),
+        human_bytes(2 * (6 * 1000 + 16) * per_layer_row),  # six sequences at capacity and the scratch rows
+        human_bytes(2 * (6 * ring_rows + 16) * per_layer_row),
     ]
     per_token = 2 * preset.num_layers * preset.kv_heads * preset.head_dim * ELEM[preset.dtype]
     assert f"({per_token} B: K+V of every layer)" in out
-    assert f"({per_token * 7} B: every layer, 7 columns)" in out
     assert f"({full_capacity_bytes(m)} B of K/V" in out
 
 
@@ -208,13 +210,12 @@ def test_each_shipped_manifest_validates_inspects_and_builds(path, capsys):
     m = load_manifest(path)
     assert run(capsys, "inspect", str(path))[0] == 0
     # Full geometry on the meta device (no memory), then a tiny CPU build of the same layer pattern.
-    cache = from_manifest(m, "meta")
-    cache.reserve(m.maximum_capacity)
+    cache = from_manifest(m, "meta", pool_rows=max(m.pool_rows(e.layer_id) for e in m.layers))  # allocated whole
     assert cache.nbytes == full_capacity_bytes(m) == m.kv_bytes
     fewer = {"max_seqs": 2} if m.layout == "batched-sequence" else {}
     tiny = from_manifest(m, "cpu", capacity=64, max_write=8, **fewer)
     shapes = {tuple(tiny.k_store(i).shape[1:]) for i in range(m.num_layers)}
-    assert shapes == {(tiny.max_seqs + 1, m.kv_heads, m.head_dim)}
+    assert shapes == {(1, m.kv_heads, m.head_dim)}
     assert tiny.config.layers == cache.config.layers
 
 

@@ -370,8 +370,8 @@ def test_a_preset_serves_token_ids_as_the_engine_does_refuses_text_and_shuts_dow
             cutting.wait().url + "/v1/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0}
         )
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected[torch.float8_e4m3fn]
-        sized = re.search(r"sized the store: (\d+) sequences x 2048 positions", cutting.output())
-        assert sized and metrics(cutting)["batchkv_kv_columns_total"] == int(sized[1]) >= 2
+        sized = re.search(r"sized the store: a pool of (\d+) positions for at most (\d+) sequences", cutting.output())
+        assert sized and int(sized[1]) >= 2048 and metrics(cutting)["batchkv_kv_columns_total"] == int(sized[2]) == 256
         r = httpx.post(url, json={"prompt": "text", "max_tokens": 3})
         assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
         # SIGTERM with a request in flight: it finishes, then the server exits 0.
@@ -397,7 +397,7 @@ def test_a_preset_serves_token_ids_as_the_engine_does_refuses_text_and_shuts_dow
         assert code == 0, out
         assert "Traceback" not in out, out
     assert "speculative ngram (block 4)" in results[0][1]
-    assert f"max_seqs {sized[1]}, capacity 2048, kv fp8, prefill budget 3" in results[1][1]
+    assert f"max_seqs {sized[2]}, capacity 2048, kv fp8, prefill budget 3" in results[1][1]
     assert "(eager, overlap)" in results[1][1]
 
 

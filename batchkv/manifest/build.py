@@ -31,6 +31,7 @@ OVERRIDES = (
     "max_width",
     "buckets",
     "tail_step",
+    "pool_rows",
     "dtype",
     "kv_dtype",
 )
@@ -41,8 +42,9 @@ def cache_config(manifest: Manifest, **overrides: object) -> CacheConfig:
     """The `CacheConfig` a manifest describes; `overrides` replace `CacheConfig` fields.
 
     Overrides (`capacity`, `max_seqs`, `max_write`, `max_segments`, `max_width`, `buckets`,
-    `tail_step`, `dtype`, `kv_dtype`; dtypes as torch dtypes or manifest names) serve tests and
-    small machines: the same layer pattern at a smaller scale. Lowering `max_seqs` without
+    `tail_step`, `pool_rows`, `dtype`, `kv_dtype`; dtypes as torch dtypes or manifest names) serve
+    tests and small machines: the same layer pattern at a smaller scale (`pool_rows`: a store
+    allocated whole, e.g. the manifest's `pool_rows(0)` for every sequence at capacity). Lowering `max_seqs` without
     `max_segments` resets it to its default `2 * max_seqs`.
     """
     if manifest.layout == "cell":
@@ -88,8 +90,9 @@ def from_manifest(
 ) -> BatchedSequenceCache:
     """Build the cache a manifest (a `Manifest`, a file path, or the file's bytes) describes.
 
-    Storage starts small and grows toward `maximum_capacity` as sequences lengthen (see
-    `BatchedSequenceCache.reserve`). The manifest's `causal` is not a cache setting: whoever drives
+    Storage starts small and grows as sequences are placed and lengthen, each holding what it can
+    reach, up to every sequence at `maximum_capacity` (see `BatchedSequenceCache.reserve`; pass
+    `pool_rows=manifest.pool_rows(0)` to allocate that whole at once). The manifest's `causal` is not a cache setting: whoever drives
     the model passes `manifest.is_causal` to `update_and_attend` (the cache takes it per call).
 
     Example:

@@ -60,11 +60,11 @@ def _storage(m: Manifest) -> str:
 
 def describe(m: Manifest) -> str:
     """Multi-line summary: layout, sequences, geometry, per-layer storage, bytes and full-capacity memory."""
-    per_layer_row = m.bytes_per_row // m.num_layers
+    per_layer_row = m.bytes_per_token // m.num_layers  # one position of one layer
     if m.layout == "cell":
         seqs = f"shared pool of {m.max_cells} cells (one position of any sequence each)"
     else:
-        scratch = " (+1 scratch column)" if m.columns > m.sequences else " (no padding, no scratch column)"
+        scratch = f" (+{m.scratch_rows} scratch rows)" if m.scratch_rows else " (no padding, no scratch rows)"
         causal = "causal" if m.is_causal else "non-causal"
         extra = "" if m.layout == "sequence" else f"; max_segments {m.segments}; {causal}"
         seqs = f"{m.sequences}{scratch}{extra}"
@@ -81,17 +81,17 @@ def describe(m: Manifest) -> str:
     lines = [f"{label:<16} {value}" for label, value in rows]
     table = [("layers", "policy", "window", "rows", "memory")]
     for ids, policy, window, layer_rows in layer_groups(m):
-        memory = human_bytes(len(ids) * layer_rows * per_layer_row)
+        pool = layer_rows if m.layout == "cell" else m.sequences * layer_rows + m.scratch_rows
+        memory = human_bytes(len(ids) * pool * per_layer_row)
         table.append((describe_ids(ids), policy, str(window or "-"), str(layer_rows), memory))
     width = [max(len(row[i]) for row in table) for i in range(4)]
     lines.append("")
     lines += ["  ".join(row[i].ljust(width[i]) for i in range(4)) + "  " + row[4] for row in table]
-    cols = "1 column" if m.columns == 1 else f"{m.columns} columns"
     lines += [
         "",
         f"{'bytes per token':<16} {human_bytes(m.bytes_per_token)} ({m.bytes_per_token} B: K+V of every layer"
         + (", scales included)" if m.storage_dtype in SCALE_BYTES else ")"),
-        f"{'bytes per row':<16} {human_bytes(m.bytes_per_row)} ({m.bytes_per_row} B: every layer, {cols})",
-        f"{'full capacity':<16} {human_bytes(m.kv_bytes)} ({m.kv_bytes} B of K/V, every layer at its full rows)",
+        f"{'full capacity':<16} {human_bytes(m.kv_bytes)} ({m.kv_bytes} B of K/V, every sequence at capacity in "
+        "every layer; the store holds what the sequences can reach, up to this)",
     ]
     return "\n".join(lines)

@@ -24,6 +24,7 @@ from typing import Literal
 from msgspec import UNSET, Struct, UnsetType
 
 from batchkv.cache.config import MAX_STEP_TOKENS as CACHE_MAX_STEP_TOKENS
+from batchkv.cache.config import SCRATCH_ROWS
 from batchkv.dtypes import MODEL_DTYPES, STORAGE_DTYPES, dtype_bytes
 from batchkv.errors import ManifestError
 
@@ -117,14 +118,12 @@ class Manifest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         return self.causal if isinstance(self.causal, bool) else True
 
     @property
-    def columns(self) -> int:
-        """Columns per layer: the sequences plus one scratch column (1 for a cell pool).
-
-        A store whose steps are one token wide can never pad, so it has no scratch column.
-        """
-        if self.layout == "cell":
-            return 1
-        return self.sequences + (1 if self.step_tokens > 1 else 0)
+    def scratch_rows(self) -> int:
+        """Rows of each layer's pool that padded tokens write to (`CacheConfig.scratch_rows`'s rule);
+        none for a cell pool or a store whose steps are one token wide (it can never pad)."""
+        if self.layout == "cell" or self.step_tokens <= 1:
+            return 0
+        return min(SCRATCH_ROWS, self.step_tokens)
 
     @property
     def step_tokens(self) -> int:
@@ -136,11 +135,17 @@ class Manifest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         return next(entry for entry in self.layers if entry.layer_id == layer_id)
 
     def rows(self, layer_id: int) -> int:
-        """Rows a layer holds at full capacity: capacity (flat), min(capacity, window + max_write - 1)
-        (ring), or `max_cells` (cell pool, every layer)."""
+        """Rows one sequence holds in a layer at full capacity: capacity (flat), min(capacity, window +
+        max_write - 1) (ring), or `max_cells` (cell pool, every layer, all sequences together)."""
         if self.layout == "cell":
             return self.max_cells  # type: ignore[return-value]
         return _layer_rows(self.layer(layer_id), self.maximum_capacity, self.max_write)
+
+    def pool_rows(self, layer_id: int) -> int:
+        """Rows of a layer's pool with every sequence at full capacity, and the scratch rows."""
+        if self.layout == "cell":
+            return self.max_cells  # type: ignore[return-value]
+        return self.sequences * self.rows(layer_id) + self.scratch_rows
 
     @property
     def storage_dtype(self) -> str:
@@ -154,21 +159,17 @@ class Manifest(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         return 2 * self.num_layers * self.kv_heads * (self.head_dim * KV_DTYPE_BYTES[kv] + SCALE_BYTES.get(kv, 0))
 
     @property
-    def bytes_per_row(self) -> int:
-        """K+V bytes of one storage row of every layer, across all columns."""
-        return self.bytes_per_token * self.columns
-
-    @property
     def kv_bytes(self) -> int:
         """K+V bytes with every layer at its full rows (the most the cache ever allocates)."""
         return _kv_bytes(self, {entry.layer_id: entry for entry in self.layers})
 
 
 def _kv_bytes(m: Manifest, by_id: dict[int, Layer]) -> int:
-    per_row = m.bytes_per_row // m.num_layers
+    per_row = m.bytes_per_token // m.num_layers  # one position of one layer
     if m.layout == "cell":
         return m.num_layers * m.max_cells * per_row  # type: ignore[operator]
-    return sum(_layer_rows(entry, m.maximum_capacity, m.max_write) for entry in by_id.values()) * per_row
+    rows = sum(_layer_rows(entry, m.maximum_capacity, m.max_write) for entry in by_id.values())
+    return (m.sequences * rows + m.scratch_rows * len(by_id)) * per_row
 
 
 def _layer_rows(entry: Layer, capacity: int, max_write: int) -> int:
