@@ -94,8 +94,9 @@ def serving_engine(model, device, prompts, outputs, max_seqs: int | str = "auto"
     sized to the device; an int: that many, each column at capacity (the configuration before)."""
     capacity = max(map(len, prompts)) + max(outputs) + 1
     kv_positions = "auto" if max_seqs == "auto" else max_seqs * capacity
-    return Engine(model, max_seqs=max_seqs, capacity=capacity, max_step_tokens=1024, prefill_chunk=min(512, capacity),
-                  use_graphs=device.type == "cuda", device=device, kv_positions=kv_positions, kv_dtype=kv_dtype)  # fmt: skip
+    return Engine(model, max_seqs=max_seqs, capacity=capacity, max_step_tokens=1024,
+                  prefill_chunk=min(512, capacity), use_graphs=device.type == "cuda", device=device,
+                  kv_positions=kv_positions, kv_dtype=kv_dtype)  # fmt: skip
 
 
 WARM_UP = "the first 64 prompts with at most 16 new tokens each, untimed (graphs captured, kernels compiled)"
@@ -194,8 +195,9 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
         fair_s = fair_seconds(log.steps, cost, r["read_gbps"], r["matmul_tflops"])
         limit = workload_limit(ctx.prompts, ctx.outputs, cost, r["read_gbps"], r["matmul_tflops"])
         return {
-            "requests": len(ctx.prompts), "max_seqs": engine.cache.max_seqs, "tokens_per_s": d["output_tokens_per_s_wall"],
-            "requests_per_s": len(ctx.prompts) / d["wall_s"], "kv_dtype": str(engine.cache.config.kv_dtype),
+            "requests": len(ctx.prompts), "max_seqs": engine.cache.max_seqs,
+            "tokens_per_s": d["output_tokens_per_s_wall"], "requests_per_s": len(ctx.prompts) / d["wall_s"],
+            "kv_dtype": str(engine.cache.config.kv_dtype),
             "store": engine.sizing.describe() if engine.sizing else f"{engine.cache.max_seqs} columns at capacity",
             "store_bytes": engine.cache.nbytes, "decode_rows_per_step": d["decode_tokens"] / max(len(log.steps), 1),
             "workload_limit_tokens_per_s": {k: limit[k] for k in ("overlap", "no_overlap")}, "workload_limit": limit,
@@ -235,7 +237,8 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
             d = serve_offline(engine, dev, ctx.prompts, ctx.outputs)
             rows.append({"prefill_budget": budget, "tokens_per_s": d["output_tokens_per_s_wall"],
                          "p50_itl_ms": d["itl_ms_p50"], "p99_itl_ms": d["itl_ms_p99"],
-                         "p99_over_p50": d["itl_ms_p99"] / d["itl_ms_p50"], "ttft_p50_ms": d["ttft_ms_p50"]})  # fmt: skip
+                         "p99_over_p50": d["itl_ms_p99"] / d["itl_ms_p50"],
+                         "ttft_p50_ms": d["ttft_ms_p50"]})  # fmt: skip
             parts.save()
             print(f"budget {budget}: {rows[-1]}", flush=True)
         engine.scheduler.prefill_budget = r["serve"]["prefill_budget"]

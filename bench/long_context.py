@@ -138,8 +138,10 @@ def main() -> None:
     result["short_vs_alone"] = result["mixed"]["short_tokens_per_s"] / result["alone"]["short_tokens_per_s"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"resident_max {result['resident_max']}, store_over_reach {result['store_over_reach']:.3f}, "
-          f"short_vs_alone {result['short_vs_alone']:.3f}")
+    print(
+        f"resident_max {result['resident_max']}, store_over_reach {result['store_over_reach']:.3f}, "
+        f"short_vs_alone {result['short_vs_alone']:.3f}"
+    )
 
 
 if __name__ == "__main__":

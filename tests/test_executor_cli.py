@@ -106,7 +106,9 @@ def test_run_sizes_the_store_to_memory_and_reports_what_it_chose(tmp_path, capsy
     for label in ("first token p99", "step time", "store", "max_seqs 256, capacity 64, prefill budget 8"):
         assert label in captured.out
     metrics = json.loads(out.read_text())
-    assert metrics["max_seqs"] == 256 and metrics["overlap"] is False and metrics["sizing"].startswith("a pool of 16384")
+    assert (
+        metrics["max_seqs"] == 256 and metrics["overlap"] is False and metrics["sizing"].startswith("a pool of 16384")
+    )
     assert metrics["prefill_budget"] == 8
     assert metrics["generated_tokens"] >= 4 * 2
 

@@ -15,9 +15,9 @@ from tests.test_refusals import assert_same, snapshot
 
 pytestmark = pytest.mark.gpu
 
-# 8 KV heads of 128 in bf16: 4 KiB of K+V per position per column per layer.
+# 8 KV heads of 128 in bf16: 4 KiB of K+V per position per layer.
 CFG = CacheConfig(
-    num_layers=2, kv_heads=8, head_dim=128, max_seqs=64, capacity=1 << 20, max_write=2, dtype=torch.bfloat16
+    num_layers=2, kv_heads=8, head_dim=128, max_seqs=64, capacity=1 << 27, max_write=2, dtype=torch.bfloat16
 )
 
 
@@ -31,8 +31,9 @@ def test_a_real_cuda_out_of_memory_is_a_capacity_error_and_the_cache_still_decod
     cache = BatchedSequenceCache(CFG, "cuda")
     a = cache.seq_new()
     before = snapshot(cache)
-    with pytest.raises(CapacityError, match=f"allocating {CFG.store_bytes(1 << 20)} bytes"):
-        cache.reserve(1 << 20)  # 2 layers x 2^20 rows x 65 columns x 4 KiB: ~520 GiB
+    pool = 1 << 28  # a's 2^27 positions beside the scratch rows: the doubling schedule's next pool
+    with pytest.raises(CapacityError, match=f"allocating {pool * 2 * CFG.layer_row_bytes()} bytes"):
+        cache.reserve(a, 1 << 27)  # 2 layers x 2^28 rows x 4 KiB: 2 TiB
     assert_same(before, snapshot(cache))
     cache.declare_step([a, a])
     cache.prepare_step(2)

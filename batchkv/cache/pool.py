@@ -69,7 +69,7 @@ class RowPool:
         hole is large enough (compact, or grow the pool, first). `key` must not hold one."""
         assert key not in self.extents and rows > 0
         best = None
-        for i, (base, size) in enumerate(self._holes):
+        for i, (_, size) in enumerate(self._holes):
             if size >= rows and (best is None or size < self._holes[best][1]):
                 best = i
         if best is None:

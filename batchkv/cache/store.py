@@ -70,8 +70,9 @@ class ColumnStore:
             self.groups[g].layers.append(layer)
         self.planes: dict[str, list[torch.Tensor]] = {name: [] for name in config.planes}  # name -> per layer
         first, scratch = config.rows_for(1), config.scratch_rows  # room for the scratch rows and one sequence
+        fixed = config.pool_rows > 0
         sizes = [
-            config.max_pool_rows(g.ring) if config.pool_rows else config.pool_rows_for(g.extent_rows(first) + scratch, g.ring)
+            config.max_pool_rows(g.ring) if fixed else config.pool_rows_for(g.extent_rows(first) + scratch, g.ring)
             for g in self.groups
         ]
         self._grow(sizes, f"the first {sizes[0]} rows of K/V")

@@ -263,7 +263,10 @@ class Engine:
             )
         elif params.n > cache.max_seqs:
             problem = f"n={params.n} samples need {params.n} columns; max_seqs is {cache.max_seqs} (lower n)"
-        elif cache.config.pool_rows and params.n * self._reach(request) > cache.config.pool_rows - cache.config.scratch_rows:
+        elif (
+            cache.config.pool_rows
+            and params.n * self._reach(request) > cache.config.pool_rows - cache.config.scratch_rows
+        ):
             held = cache.config.pool_rows - cache.config.scratch_rows
             problem = (
                 f"its {params.n} sample(s) can reach {self._reach(request)} positions each, more than the store's "

@@ -4,7 +4,8 @@ and sampling, queued without waiting for the device.
 Every per-step input lives in fixed-address device tensors sized at the largest width bucket:
 token ids int64 [W], RoPE indexes int64 [3, W] (contiguous per width), the logits selector int64
 [R], the sampling parameters [R], the token sources int64 [W], and the logits out float32 [R,
-vocab], R the engine's logits rows per step (min(max_seqs, MAX_SAMPLE_ROWS)). The host writes them through `Staging` (one pinned buffer per dtype, copied over
+vocab], R the engine's logits rows per step (min(max_seqs, MAX_SAMPLE_ROWS)). The host writes
+them through `Staging` (one pinned buffer per dtype, copied over
 asynchronously); nothing else crosses. With a `GraphSet` the forward is captured once per (width
 bucket, cache generation, module fingerprint) and replayed afterwards; a new mix of lengths only
 changes the contents of the cache's buffers.
@@ -32,6 +33,7 @@ from batchkv.executor.graphs import AdapterGuard, GraphSet, ModuleFingerprint
 from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform
 from batchkv.executor.scheduler import Batch
+
 
 class StepModel(Protocol):
     """What the engine drives (see `batchkv.models`): a forward over one packed step and the

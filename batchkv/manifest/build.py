@@ -92,8 +92,9 @@ def from_manifest(
 
     Storage starts small and grows as sequences are placed and lengthen, each holding what it can
     reach, up to every sequence at `maximum_capacity` (see `BatchedSequenceCache.reserve`; pass
-    `pool_rows=manifest.pool_rows(0)` to allocate that whole at once). The manifest's `causal` is not a cache setting: whoever drives
-    the model passes `manifest.is_causal` to `update_and_attend` (the cache takes it per call).
+    `pool_rows=manifest.pool_rows(0)` to allocate that whole at once). The manifest's `causal` is
+    not a cache setting: whoever drives the model passes `manifest.is_causal` to
+    `update_and_attend` (the cache takes it per call).
 
     Example:
         cache = from_manifest("manifests/sensenova-u1-8b-batched-16.json", "cuda")
