@@ -428,17 +428,18 @@ class BatchedSequenceCache:
             )
         layout = plan.layout(self._lengths)
         self._resize(self._growth(layout))  # grow before staging, so a refusal leaves the cache as it was
-        self._buffers.fill(layout, self._placements({seq for _, _, seq, _ in layout}), width)
+        self._buffers.fill(layout, self._placements(layout), width)
         for _, _, seq, kv_end in layout:
             # Written on the device from now on, whether or not the step commits.
             self._high_water[seq] = max(self._high_water[seq], kv_end)
         self._width = width
 
-    def _placements(self, seqs) -> list[Placement]:
+    def _placements(self, layout: list[tuple[int, int, int, int]]) -> list[Placement]:
+        """Each layer group's extent of every segment's sequence, and its scratch extent."""
         store, scratch = self._store, self.config.scratch_rows
         return [
             Placement(
-                {seq: store.base(g, seq) for seq in seqs}, {seq: store.rows(g, seq) for seq in seqs},
+                [store.base(g, seq) for _, _, seq, _ in layout], [store.rows(g, seq) for _, _, seq, _ in layout],
                 store.base(g, SCRATCH) if scratch else 0, scratch,
             )
             for g in range(len(store.groups))

@@ -77,10 +77,11 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a group's extents are: `base[seq]`, `rows[seq]` of the step's sequences, and the scratch extent."""
+    """Where a layer group's extents are for one step: the first row and the rows of each segment's
+    sequence's extent (aligned with the layout's segments), and the scratch extent's."""
 
-    base: dict[int, int]
-    rows: dict[int, int]
+    base: Sequence[int]
+    rows: Sequence[int]
     scratch_base: int
     scratch_rows: int
 
@@ -112,25 +113,26 @@ class StepBuffers:
 
         Only the first `width` tokens are written: a step of width W reads positions[:W] and
         slots[:, :W], so what lies past them may stay from an earlier step. The slot of position p
-        in a group is `base + p % rows` of its sequence's extent there.
+        in a group is `base + p % rows` of its sequence's extent there; padded token i writes row
+        `i % scratch_rows` of the scratch extent.
         """
         staged = self._staging.begin()
         w, host, groups = self.max_width, staged[torch.int64], len(placements)
-        pos = host[:width]
-        pos[:] = 0
         info = staged[torch.int32].reshape(groups, -1, 4)
         info[:] = 0
-        # Per token and group: its extent's first row and rows; padded tokens spread over the scratch rows.
-        base = np.empty((groups, width), dtype=np.int64)
-        rows = np.empty((groups, width), dtype=np.int64)
+        q_start, q_len, _, kv_end = np.asarray(layout, dtype=np.int64).reshape(-1, 4).T  # [S] each
+        seg = np.repeat(np.arange(len(layout)), q_len)  # the segment of each planned token
+        first = np.cumsum(q_len) - q_len
+        offset = np.arange(seg.size) - first[seg]  # the token's index within its segment
+        at = q_start[seg] + offset  # its packed row
+        pos = host[:width]
+        pos[:] = 0
+        pos[at] = kv_end[seg] - q_len[seg] + offset
+        slots = host[w : w * (1 + groups)].reshape(groups, w)
+        pad = np.arange(width, dtype=np.int64)  # a padded token's index; nothing reads its row
         for g, place in enumerate(placements):
-            base[g], rows[g] = place.scratch_base, max(place.scratch_rows, 1)
-        pos_or_pad = np.arange(width, dtype=np.int64)  # a padded token's index; nothing reads its row
-        for s, (q_start, q_len, seq, kv_end) in enumerate(layout):
-            span = slice(q_start, q_start + q_len)
-            pos_or_pad[span] = pos[span] = np.arange(kv_end - q_len, kv_end)
-            for g, place in enumerate(placements):
-                info[g, s] = (q_start, q_len, place.base[seq], kv_end)
-                base[g, span], rows[g, span] = place.base[seq], place.rows[seq]
-        host[w : w * (1 + groups)].reshape(groups, w)[:, :width] = base + pos_or_pad % rows
+            base, rows = np.asarray(place.base, dtype=np.int64), np.asarray(place.rows, dtype=np.int64)
+            info[g, : len(layout)] = np.stack([q_start, q_len, base, kv_end], 1)
+            slots[g, :width] = place.scratch_base + pad % max(place.scratch_rows, 1)
+            slots[g, at] = base[seg] + pos[at] % rows[seg]
         self._staging.upload()

@@ -122,7 +122,7 @@ class AdapterGuard:
         return self._present
 
 
-_POOLS: dict[int, tuple[object, torch.cuda.CUDAGraph]] = {}
+_POOLS: dict[int, tuple[object, torch.cuda.CUDAGraph, torch.cuda.Stream]] = {}
 
 
 def graph_pool(device: torch.device) -> object:
@@ -134,6 +134,18 @@ def graph_pool(device: torch.device) -> object:
     the process and holds the pool open. One pool per GPU also keeps memory flat when runners are
     rebuilt (a pool per runner is never given back while anything references it).
     """
+    return _pool_entry(device)[0]
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream of a GPU that every `GraphSet` warms up and captures on. cuBLAS keeps a
+    workspace per (handle, stream) for as long as the process lives, so a stream per runner would
+    leave one behind for every engine ever built; with one stream the warm-up creates the workspace
+    the capture uses (none is allocated while capturing), once."""
+    return _pool_entry(device)[2]
+
+
+def _pool_entry(device: torch.device) -> tuple[object, torch.cuda.CUDAGraph, torch.cuda.Stream]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _POOLS:
         handle = torch.cuda.graph_pool_handle()
@@ -144,8 +156,8 @@ def graph_pool(device: torch.device) -> object:
         with torch.cuda.graph(keeper, pool=handle, stream=side):
             counter.add_(1)
         torch.cuda.current_stream(index).wait_stream(side)
-        _POOLS[index] = (handle, keeper)
-    return _POOLS[index][0]
+        _POOLS[index] = (handle, keeper, side)
+    return _POOLS[index]
 
 
 class GraphSet:
@@ -160,10 +172,7 @@ class GraphSet:
         self.device = device
         self.warmup = warmup
         self.pool = graph_pool(device)
-        # One stream warms up and captures every graph: cuBLAS keeps a workspace per (handle,
-        # stream), so the warm-up creates the one the capture uses (none is allocated while
-        # capturing), and no capture leaves a new workspace behind.
-        self._side = torch.cuda.Stream(device)
+        self._side = capture_stream(device)  # the device's one: see `capture_stream`
         self.captures = 0
         self.replays = 0
         self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}
