@@ -11,6 +11,7 @@ from batchkv import CacheConfig, LayerSpec
 from batchkv.errors import CapacityError, PositionError, RequestError, RingFloorError, StepError
 from batchkv.executor import MAX_SAMPLE_ROWS, Engine, Request, SamplingParams
 from batchkv.executor.sampling import sample_tokens
+from tests.executor_helpers import working
 from tests.test_cache import make_pair
 from tests.toy_model import ToyModel
 
@@ -158,7 +159,7 @@ def test_n_parallel_samples_take_up_to_the_logits_rows_and_not_one_more():
 def run_recording_generations(engine: Engine, request: Request) -> tuple[list[int], list[int]]:
     engine.submit(request)
     generations, tokens = [], []
-    while engine.has_work:
+    for _ in working(engine):
         tokens += [e.token for e in engine.step() if e.token is not None]
         generations.append(engine.cache.generation)
     return generations, tokens
@@ -191,6 +192,7 @@ def test_a_prompt_of_exactly_one_chunk_samples_in_its_first_step_and_one_more_to
         steps = 1
         while not [e for e in engine.step() if e.token is not None]:
             steps += 1
+            assert steps <= 4, f"a {prompt_len}-token prompt gave no token in {steps - 1} steps"
         assert steps == steps_to_first_token, prompt_len
 
 
