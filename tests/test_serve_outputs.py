@@ -1,8 +1,9 @@
 """The server's choices (`batchkv.serve.outputs.Tracker`) fed scripted engine events: with n = 2,
 one sample finishing (length, stop id, stop string) leaves the other to run to its own finish; a
 choice that ends by length or stop id while its text ends in part of a stop string releases that
-text at the finish, streamed or not. The tokenizer is a table of strings, so each token's text is
-known; tests/test_serve.py runs the same cases through a real server."""
+text at the finish, streamed or not, and one whose text released at the finish completes a stop
+string ends by "stop". The tokenizer is a table of byte strings, so each token's text is known;
+tests/test_serve.py runs the first cases through a real server."""
 
 from __future__ import annotations
 
@@ -16,14 +17,14 @@ from batchkv.executor import Event
 from batchkv.serve.jobs import Job
 from batchkv.serve.outputs import Tracker, completion_body
 
-PIECES = {1: "ab", 2: " E", 3: "N", 4: "D", 5: " x", 6: " y", 7: "!", 8: "?"}
+PIECES = {1: b"ab", 2: b" E", 3: b"N", 4: b"D", 5: b" x", 6: b" y", 7: b"!", 8: b"?", 9: b"\xc3"}  # 9: half of "é"
 
 
 class Pieces:
-    """A tokenizer whose token i decodes to PIECES[i]."""
+    """A byte-level tokenizer whose token i is the bytes PIECES[i] (a broken character decodes as U+FFFD)."""
 
     def decode(self, ids, **_):
-        return "".join(PIECES[i] for i in ids)
+        return b"".join(PIECES[i] for i in ids).decode("utf-8", errors="replace")
 
 
 class ScriptedStream:
@@ -104,3 +105,11 @@ def test_text_held_as_the_start_of_a_stop_string_is_released_at_a_length_or_stop
     assert deltas[-1].text == "EN" and deltas[-1].finish == reason  # streamed: released with the finish
     choice = completion_body(tracker, "cmpl-x", "m")["choices"][0]
     assert (choice["text"], choice["finish_reason"]) == ("ab EN", reason)  # not streamed
+
+
+def test_a_stop_string_completed_by_the_text_released_at_the_finish_ends_the_choice_by_stop():
+    # " x" is held (it may begin the stop string); the last token is half a character, held by the
+    # detokenizer until the finish, whose U+FFFD completes the stop string
+    tracker, deltas, _ = run([tokens(0, 5), tokens(0, 9, finish="length")], stops=[" x\ufffd"])
+    assert [(d.text, d.finish) for d in deltas] == [("", None), ("", "stop")]
+    assert (tracker.choices[0].finish, "".join(tracker.choices[0].text)) == ("stop", "")
