@@ -2,7 +2,9 @@
 
 Each subcommand adds its own options (`_add_*`) and runs in its own function (`_cmd_*`); `run`
 lives in `batchkv.cli_run`. A user error is one line on stderr and exit status 2, never a
-traceback (`main`); heavy imports happen inside the commands.
+traceback (`main`); heavy imports happen inside the commands. Nothing at this module's top
+imports torch: `batchkv --help` and `--version` answer from a parser of the commands' names and
+help lines alone (`COMMANDS`), without the ~2 s torch import.
 """
 
 from __future__ import annotations
@@ -13,11 +15,15 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from batchkv import __version__
-from batchkv.dtypes import MODEL_DTYPES, STORAGE_DTYPES, dtype_named
 from batchkv.errors import BatchKVError, ConfigError, ManifestError
-from batchkv.presets import KV_PRESETS
 
 EXIT_USER_ERROR, EXIT_REFUSED, EXIT_INTERRUPTED = 2, 1, 130
+COMMANDS = {  # each subcommand's help line, in `batchkv --help` order
+    "run": "replay a workload through the executor and print a summary",
+    "serve": "serve a model over an OpenAI-compatible HTTP API",
+    "export": "write a manifest: the KV cache geometry an exported model needs",
+    "inspect": "validate a manifest, then print its cache geometry and memory",
+}
 
 
 class Parser(argparse.ArgumentParser):
@@ -80,9 +86,12 @@ def one_line(text: str) -> str:
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
+    from batchkv.dtypes import MODEL_DTYPES, STORAGE_DTYPES
+    from batchkv.presets import KV_PRESETS
+
     p = sub.add_parser(
         "export",
-        help="write a manifest: the KV cache geometry an exported model needs",
+        help=COMMANDS["export"],
         description="Write a manifest (JSON or msgpack): the KV cache an exported model needs -- its layout, "
         "sequences, capacity, per-layer flat/ring storage and KV geometry -- for `batchkv inspect` to check and "
         "`batchkv.from_manifest` to build. The geometry comes from --preset or from --num-layers, --kv-heads, "
@@ -124,8 +133,10 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     from batchkv import ops
+    from batchkv.dtypes import dtype_named
     from batchkv.manifest import dump_manifest, make_manifest
     from batchkv.manifest.report import human_bytes
+    from batchkv.presets import KV_PRESETS
 
     preset = KV_PRESETS[args.preset] if args.preset else None
     geometry = {}
@@ -194,13 +205,14 @@ def _export_pair(args: argparse.Namespace, manifest) -> int:
 
 
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="validate a manifest, then print its cache geometry and memory")
+    p = sub.add_parser("inspect", help=COMMANDS["inspect"])
     p.add_argument("file", help="a .json or .msgpack manifest")
     p.set_defaults(func=_cmd_inspect)
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from batchkv import ops
+    from batchkv.dtypes import dtype_named
     from batchkv.manifest import load_manifest
     from batchkv.manifest.pair import decode_pair, is_pair, read_source
     from batchkv.manifest.report import describe
@@ -234,7 +246,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
-        help="serve a model over an OpenAI-compatible HTTP API",
+        help=COMMANDS["serve"],
         description="Serve a transformers model directory (Qwen3, Llama, SenseNova-U1) or a preset over "
         "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics (needs batchkv[serve]).",
     )
@@ -250,22 +262,34 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def build_parser(full: bool = True) -> Parser:
+    """The `batchkv` parser; `full=False` gives the commands their help lines only (no imports)."""
+    top = Parser(prog="batchkv", description=__doc__.splitlines()[0])
+    top.add_argument("--version", action="version", version=f"batchkv {__version__}")
+    sub = top.add_subparsers(dest="command", required=True)
+    if not full:
+        for name, line in COMMANDS.items():
+            sub.add_parser(name, help=line)
+        return top
+    from batchkv.cli_run import add_run  # imports this module: here, not at the top
+
+    add_run(sub)
+    _add_serve(sub)
+    _add_export(sub)
+    _add_inspect(sub)
+    return top
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `batchkv` and `python -m batchkv`; returns the exit status.
 
     A user error (a bad option, an unreadable or unwritable file, a refused configuration) prints
     one line on stderr and returns 2, never a traceback; Ctrl-C returns 130.
     """
-    from batchkv.cli_run import add_run  # imports this module: here, not at the top
-
-    parser = Parser(prog="batchkv", description=__doc__.splitlines()[0])
-    parser.add_argument("--version", action="version", version=f"batchkv {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_run(sub)
-    _add_serve(sub)
-    _add_export(sub)
-    _add_inspect(sub)
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["-h"], ["--help"], ["--version"]):
+        build_parser(full=False).parse_args(argv)  # prints and exits: the top level needs no command's options
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except BatchKVError as exc:

@@ -11,7 +11,7 @@ import os
 import sys
 
 from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
-from batchkv.cli import EXIT_INTERRUPTED, EXIT_REFUSED, Help, bounded, one_line
+from batchkv.cli import COMMANDS, EXIT_INTERRUPTED, EXIT_REFUSED, Help, bounded, one_line
 from batchkv.errors import ConfigError
 from batchkv.executor.report import TOKENS_HELP
 from batchkv.executor.workload import JSONL_HELP
@@ -53,7 +53,7 @@ exit status: 0 done; 1 some request was refused (0 with --allow-refused); 2 a ba
 def add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run",
-        help="replay a workload through the executor and print a summary",
+        help=COMMANDS["run"],
         description="Replay a workload (synthetic by default, or a JSONL file of token-id prompts) through the "
         "continuous-batching engine, with a progress bar on stderr and a summary table at the end.",
         epilog=RUN_EPILOG,

@@ -29,6 +29,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batchkv.models.gemv import _gemv_kernel
+from batchkv.ops.kv_write_triton import _kv_write_kernel
 from batchkv.ops.sdpa_varlen_kernels import split_kernel
 from batchkv.ops.sdpa_varlen_long import long_kernel
 from batchkv.ops.sdpa_varlen_splitkv import splitkv_merge, splitkv_partials
@@ -162,6 +163,14 @@ def gemv(block_n=32, block_k=256, stages=5):
     build(_gemv_kernel, types, consts, 4, stages, label, aligned=("N", "K"))  # as Triton specialises 8B's shapes
 
 
+def kv_write(dtype="bf16", D=128, store="fp8e4nv", heads=8):
+    """The step's K/V write (`kv_write_triton.py`); `store` "fp8e4nv" compiles the quantising path."""
+    types = dict(k_flat=f"*{store}", v_flat=f"*{store}", k=f"*{dtype}", v=f"*{dtype}", slots="*i64",
+                 k_scale="*fp32", v_scale="*fp32")  # fmt: skip
+    consts = dict(HKV=heads, H_POW2=triton.next_power_of_2(heads), HEAD_DIM=D, QUANT=store == "fp8e4nv", GDC=True)
+    build(_kv_write_kernel, types, consts, 4, 3, f"kv_write {'e4m3/' if store != dtype else ''}{dtype} D{D} H{heads}")
+
+
 VARIANTS = [  # (function, keyword arguments)
     (split, {}),  # b1 / narrow steps
     (split, dict(heads=4, block_n=16, warps=4)),  # wide steps (the default from 16 tokens)
@@ -205,6 +214,9 @@ VARIANTS = [  # (function, keyword arguments)
     (splitkv, dict(write=True)),  # SdpaConfig.fuse_write: the step's K/V stored by the partials kernel
     (splitkv, dict(write=True, store="fp8e4nv", block_n=128)),
     (splitkv, dict(write=True, T=16, S=128)),
+    (kv_write, {}),  # the e4m3 write (a row holding a NaN or an infinity: NaN scale, codes 0x7F)
+    (kv_write, dict(dtype="fp32", D=16, heads=3)),
+    (kv_write, dict(store="bf16")),
     (gemv, {}),  # o and down
     (gemv, dict(block_n=64)),  # q/k/v, the LM head
 ]

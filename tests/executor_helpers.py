@@ -4,10 +4,24 @@ compute what each request must produce by decoding it alone with the toy model's
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from functools import cache
+
+import pytest
 
 from batchkv.executor import Engine, Output, Request, SamplingParams, gather
 from tests.toy_model import ToyModel, reference_generate
+
+MAX_STEPS = 2000  # far more than any test's schedule takes: past it the engine has stalled
+
+
+def working(engine, limit: int = MAX_STEPS) -> Iterator[int]:
+    """0, 1, ... while `engine.has_work`; fails the test after `limit` steps instead of hanging."""
+    for step in range(limit):
+        if not engine.has_work:
+            return
+        yield step
+    pytest.fail(f"the engine still has work after {limit} steps: nothing finishes (a stalled scheduler?)")
 
 
 def drive(
@@ -15,14 +29,21 @@ def drive(
     schedule: list[tuple[int, Request]],
     cancels: dict[int, list[int]] | None = None,
     on_step=None,
+    max_steps: int = MAX_STEPS,
 ) -> tuple[dict[int, Output], list[int]]:
     """Submit schedule[i] = (arrival step, request) at its step; cancel cancels[step] (schedule
-    indexes) before that step; step until done. Returns outputs by request id and the ids."""
+    indexes) before that step; step until done, failing the test after `max_steps` steps. Returns
+    outputs by request id and the ids."""
     cancels = cancels or {}
     order = sorted(range(len(schedule)), key=lambda i: schedule[i][0])
     ids: list[int] = [-1] * len(schedule)
     events, step, cursor = [], 0, 0
     while cursor < len(order) or engine.has_work or any(s >= step for s in cancels):
+        if step == max_steps:
+            pytest.fail(
+                f"drive: {max_steps} steps and not done: live requests {sorted(engine.scheduler.live)}, "
+                f"{engine.num_waiting} waiting, {len(order) - cursor} not yet submitted"
+            )
         while cursor < len(order) and schedule[order[cursor]][0] <= step:
             ids[order[cursor]] = engine.submit(schedule[order[cursor]][1])
             cursor += 1

@@ -71,7 +71,10 @@ def greedy_through_cache(
     fed = [0] * len(prompts)  # prompt tokens already in the cache
     outs: list[list[int]] = [[] for _ in prompts]
     live = set(range(len(prompts)))
-    while live:
+    limit = sum(-(-len(p) // max_write) + n for p, n in zip(prompts, max_new, strict=True))  # chunks and tokens in turn
+    for _ in range(limit + 1):
+        if not live:
+            break
         chunks, sample_rows, row = [], {}, 0
         for r in sorted(live):
             prompt = list(prompts[r])
@@ -94,4 +97,6 @@ def greedy_through_cache(
             if len(outs[r]) == max_new[r] or token in stop_ids:
                 live.discard(r)
                 cache.seq_rm(seqs[r])
+    else:
+        raise AssertionError(f"{limit} steps and prompts {sorted(live)} are still decoding")
     return outs

@@ -237,16 +237,19 @@ def test_a_paged_cache_refuses_bad_lengths_and_shapes_and_attends_as_before():
             c.attend(0, *qkv, 0.25)
         c.set_length(6)
     state = (paged.length, paged.bucket, paged.generation, paged.inner.positions.clone())
+    stores = [t.clone().view(torch.int32) for t in (*paged.k, *paged.v)]  # bits: unwritten rows may hold NaN
     for call, error, names in (
         (lambda: paged.set_length(7.5), PositionError, "n"),
         (lambda: paged.set_length(True), PositionError, "n"),
         (lambda: paged.grow(4096.0), PositionError, "length"),
         (lambda: paged.attend(0, torch.randn(1, 4, 2, 16), *qkv[1:], 0.25), ContractError, "query"),
         (lambda: paged.attend(0, qkv[0], torch.randn(1, 2, 1, 8), qkv[2], 0.25), ContractError, "key"),
+        (lambda: paged.attend(0, torch.randn(1, 4, 1, 8), *qkv[1:], 0.25), ContractError, "[1, 4, 1, 8]"),  # D 8 of 16
     ):
         refused(call, error, names)
         assert (paged.length, paged.bucket, paged.generation) == state[:3]
         assert torch.equal(paged.inner.positions, state[3])
+        assert all(torch.equal(t.view(torch.int32), b) for t, b in zip((*paged.k, *paged.v), stores, strict=True))
     assert torch.equal(paged.attend(0, *qkv, 0.25), twin.attend(0, *qkv, 0.25))
 
 

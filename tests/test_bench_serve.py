@@ -16,6 +16,7 @@ from bench import serve_client, serve_trace
 from bench.online import run_online
 from bench.serve_http import ttft_cost
 from bench.serve_standin import StandinEngine
+from tests.executor_helpers import working
 from tests.serve_helpers import Server, free_port
 
 
@@ -76,7 +77,7 @@ def test_the_standin_engine_prefills_in_chunks_then_emits_one_token_per_step():
     a = engine.submit(Request(list(range(9)), SamplingParams(max_new_tokens=2)))  # 3 prefill steps
     b = engine.submit(Request([1], SamplingParams(max_new_tokens=3)))
     steps = []
-    while engine.has_work:
+    for _ in working(engine, limit=20):
         steps.append([(e.request_id, e.finish_reason) for e in engine.step()])
     # overlapped: a step's tokens come out of the next call
     assert steps == [[], [(b, None)], [(b, None)], [(a, None), (b, "length")], [(a, "length")]]

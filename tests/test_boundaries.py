@@ -11,6 +11,7 @@ from batchkv import CacheConfig, LayerSpec
 from batchkv.errors import CapacityError, PositionError, RequestError, RingFloorError, StepError
 from batchkv.executor import MAX_SAMPLE_ROWS, Engine, Request, SamplingParams
 from batchkv.executor.sampling import sample_tokens
+from tests.executor_helpers import working
 from tests.test_cache import make_pair
 from tests.toy_model import ToyModel
 
@@ -159,13 +160,11 @@ def run_recording_generations(engine: Engine, request: Request) -> tuple[list[in
     """Run one request; the store's generation after each step, its tokens, and its column's reaches."""
     engine.submit(request)
     generations, tokens, reaches = [], [], set()
-    for _ in range(1000):
-        if not engine.has_work:
-            return generations, tokens, reaches
+    for _ in working(engine):
         reaches |= {engine.cache.reach(seq) for seq in engine.cache.sequences}
         tokens += [e.token for e in engine.step() if e.token is not None]
         generations.append(engine.cache.generation)
-    raise AssertionError("the request did not finish in 1000 steps")
+    return generations, tokens, reaches
 
 
 @pytest.mark.parametrize("longest", [16, 17])
@@ -195,6 +194,7 @@ def test_a_prompt_of_exactly_one_chunk_samples_in_its_first_step_and_one_more_to
         steps = 1
         while not [e for e in engine.step() if e.token is not None]:
             steps += 1
+            assert steps <= 4, f"a {prompt_len}-token prompt gave no token in {steps - 1} steps"
         assert steps == steps_to_first_token, prompt_len
 
 

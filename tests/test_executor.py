@@ -9,7 +9,7 @@ import pytest
 
 from batchkv.errors import ConfigError, RequestError
 from batchkv.executor import MAX_SAMPLE_ROWS, Engine, Request, SamplingParams, gather
-from tests.executor_helpers import drive, greedy, oracle, random_prompt
+from tests.executor_helpers import drive, greedy, oracle, random_prompt, working
 from tests.toy_model import ToyModel
 
 
@@ -73,7 +73,7 @@ def test_n_samples_fork_after_the_prompt_into_their_own_columns(model):
     engine = engine_for(model)
     rid = engine.submit(Request(random_prompt(random.Random(3), 20, 20), greedy(6, n=3)))
     held = []
-    while engine.has_work:
+    for _ in working(engine):
         engine.step()
         held.append(len(engine.cache.sequences))
     assert held[0] == 1  # prefilling: one column (two more held back for the forks)

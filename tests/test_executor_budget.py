@@ -1,5 +1,6 @@
 """The prefill budget: its default, and that it binds every step while samples are running (and
-only then), with tokens equal to the oracle's."""
+only then), with tokens equal to the oracle's; trimming a step to a width bucket never starves a
+waiting prompt."""
 
 from __future__ import annotations
 
@@ -98,3 +99,20 @@ def test_small_and_equal_step_and_chunk_budgets_keep_the_oracles_tokens(model, s
     plans = record_plans(engine)
     assert_oracle(model, engine, schedule)
     assert all(prompt <= engine.scheduler.prefill_budget for running, _, prompt in plans if running)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_decode_rows_that_fill_a_bucket_still_leave_a_waiting_prompt_its_chunk(model, overlap):
+    # four decoding samples fill the 4-wide bucket exactly, and with the prompt's 8-token chunk the step would be
+    # 12 wide, between buckets 4 and 16: trimming the step to a bucket must not trim the chunk to nothing (the
+    # prompt would wait for the decoders to finish)
+    engine = Engine(model, max_seqs=5, capacity=CAPACITY, max_step_tokens=16, prefill_chunk=8,
+                    width_buckets=(1, 2, 4, 16), overlap=overlap)  # fmt: skip
+    plans = record_plans(engine)
+    rng = random.Random(4)
+    schedule = [(0, Request(random_prompt(rng, 1, 1), greedy(20))) for _ in range(4)]
+    schedule.append((3, Request(random_prompt(rng, 12, 12), greedy(3))))
+    assert_oracle(model, engine, schedule)
+    prompt_tokens = [prompt for _, _, prompt in plans]
+    assert prompt_tokens[:6] == [4, 0, 0, 8, 4, 0]  # its two chunks in the two steps after it arrives
+    assert [decode for _, decode, prompt in plans if prompt == 8] == [4]  # beside all four decode rows

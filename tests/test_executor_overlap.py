@@ -8,9 +8,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from batchkv.errors import ConfigError
 from batchkv.executor import Engine, Request, SamplingParams, SpeculativeConfig, gather
+from batchkv.executor.pipeline import Pipeline
 from tests.executor_helpers import drive, greedy, oracle, random_prompt
 from tests.toy_model import ToyModel
 
@@ -129,6 +131,31 @@ def test_a_stop_seen_one_step_late_discards_the_planned_token_and_frees_the_colu
     decoded = [step["decode"].count((ids[0], 0)) for step in launches]
     assert sum(decoded) == 4  # 3 rows fed tokens 1-3, and one more was planned before the stop was read
     fast.assert_idle()
+
+
+def test_the_last_request_ending_on_a_stop_keeps_has_work_until_the_step_in_flight_is_finished(model):
+    prompt = [5, 17, 33, 2]
+    request = Request(prompt, greedy(12, stop_token_ids=(stop_after(model, prompt, 3),)))
+    engine = engine_for(model, True)
+    rid = engine.submit(request)
+    seen = []  # (has_work, a step in flight) after each step
+    for _ in range(20):
+        if not engine.has_work:
+            break
+        events = engine.step()
+        seen.append((engine.has_work, engine.pipeline.in_flight is not None))
+    else:
+        pytest.fail(f"20 steps and still has_work: {seen}")
+    assert events == []  # the last step only discarded the token planned past the stop
+    assert seen[-2] == (True, True) and seen[-1] == (False, False)  # the stop was read with a step still in flight
+    engine.assert_idle()
+    again = engine_for(model, True)
+    again.submit(request)
+    got = gather(again.run_until_done(), {rid: 1})[rid]
+    assert again.pipeline.in_flight is None
+    again.assert_idle()
+    assert (got.tokens[0], got.finish_reasons[0]) == oracle(model, request, CAPACITY)
+    assert got.finish_reasons[0] == "stop"
 
 
 def test_length_and_capacity_finishes_are_never_scheduled_past_and_free_the_column_at_launch(model):
@@ -291,6 +318,16 @@ def test_speculating_engines_run_without_overlap(model):
     got, spec_ids = drive(spec, schedule)
     assert [got[i] for i in spec_ids] == [expected[i] for i in plain_ids]
     spec.assert_idle()
+
+
+def test_auto_overlaps_on_cuda_only_and_never_while_speculating():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # device objects only: no GPU is needed
+    assert Pipeline.for_engine("auto", speculating=False, device=cuda).overlap
+    assert not Pipeline.for_engine("auto", speculating=True, device=cuda).overlap
+    assert not Pipeline.for_engine("auto", speculating=False, device=cpu).overlap
+    assert Pipeline.for_engine(True, speculating=False, device=cpu).overlap
+    assert not Pipeline.for_engine(False, speculating=False, device=cuda).overlap
+    assert not Pipeline.for_engine(False, speculating=True, device=cuda).overlap
 
 
 def test_the_prefill_budget_caps_prompt_tokens_per_step(model):

@@ -1,5 +1,6 @@
-"""The e4m3 attention kernels compile for sm_90 (no GPU needed): the interpreter, which runs the CPU
-tests, checks no Triton shape rule, so a tile the GPU compiler refuses passes every CPU test.
+"""The e4m3 attention kernels and the K/V write compile for sm_90 (no GPU needed): the interpreter,
+which runs the CPU tests, checks no Triton shape rule, so a tile the GPU compiler refuses passes
+every CPU test.
 
 Runs `bench/compile_sm90.py` on its head_dim 16 e4m3 variants, where each dot over a half-width
 (D / 2 = 8) pair tile would contract fewer than the 16 columns tl.dot takes on NVIDIA GPUs.
@@ -43,3 +44,15 @@ def test_the_e4m3_qk_long_variant_dots_k_codes_straight_from_shared_memory(tmp_p
     fp8_dots = re.findall(r"warp_group_dot .*xf8E4M3FN.* \* !ttg\.memdesc<[0-9x]+xf8E4M3FN", ir)
     converted = re.findall(r"tt\.fp_to_fp .*xf8E4M3FN, #\w+> -> tensor<[0-9x]+xf16", ir)
     assert len(fp8_dots) == 3 and len(converted) == 3, (len(fp8_dots), len(converted))
+
+
+@pytest.mark.skipif(not (NVIDIA / "bin" / "ptxas").exists(), reason="this Triton has no NVIDIA backend")
+def test_the_kv_write_kernel_compiles_for_sm90_with_its_nonfinite_row_handling():
+    # the NaN scale and 0x7F codes of a row holding a NaN or an infinity are plain Triton ops (a bitcast
+    # of the e4m3 codes to uint8 and back): the interpreter takes ops the GPU compiler may refuse
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "bench/compile_sm90.py", "kv_write"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("kv_write")]
+    assert proc.returncode == 0 and len(lines) == 3, proc.stdout + proc.stderr[-2000:]
+    assert not [line for line in lines if "FAILED" in line], proc.stdout

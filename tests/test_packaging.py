@@ -1,6 +1,7 @@
 """What the package promises about its dependencies: the CPU path needs neither Triton nor
-transformers, a missing optional dependency is a DependencyError naming the extra, and the ranges
-in pyproject.toml are the ones the code states."""
+transformers, a missing optional dependency is a DependencyError naming the extra, `batchkv --help`
+and `--version` answer without importing torch, and the ranges in pyproject.toml are the ones the
+code states."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import batchkv
+from batchkv import cli
 from batchkv.models import hf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +51,35 @@ def test_the_cpu_path_runs_without_triton_or_transformers_and_says_which_extra_i
     triton, transformers = done.stdout.splitlines()
     assert "pip install 'batchkv[triton]'" in triton and "attention='reference'" in triton
     assert "pip install 'batchkv[hf]'" in transformers and hf.TRANSFORMERS_RANGE in transformers
+
+
+WITHOUT_TORCH = """
+import runpy, sys
+sys.argv = ["batchkv", {arg!r}]
+try:
+    if {entry!r} == "console script":  # pyproject's [project.scripts] batchkv = "batchkv.cli:main"
+        from batchkv.cli import main
+        sys.exit(main())
+    runpy.run_module("batchkv", run_name="__main__", alter_sys=True)  # python -m batchkv
+except SystemExit as exc:
+    assert exc.code in (0, None), exc.code
+imported = sorted(name for name in sys.modules if name == "torch" or name.startswith("torch."))
+assert not imported, "imported " + ", ".join(imported[:5])
+"""
+
+
+@pytest.mark.parametrize("entry", ["console script", "python -m"])
+@pytest.mark.parametrize("arg", ["--help", "-h", "--version"])
+def test_help_and_version_answer_without_importing_torch(arg, entry):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    code = WITHOUT_TORCH.format(arg=arg, entry=entry)
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"batchkv {batchkv.__version__}" if arg == "--version" else "usage: batchkv")
+
+
+def test_the_quick_top_level_help_is_the_full_parsers():
+    assert cli.build_parser(full=False).format_help() == cli.build_parser().format_help()
 
 
 def extra(name: str) -> str:

@@ -56,9 +56,11 @@ def step_case(segments, *, rows, columns=4, kv_heads=2, group=2, head_dim=16, e4
     return q, planes, info, (new_k, new_v, torch.tensor(slots, device=DEVICE))
 
 
-def run_both(segments, config, **case):
-    """(out, planes after) of sdpa_varlen with `write`, and of kv_write_reference then the reference."""
+def run_both(segments, config, poison=None, **case):
+    """(out, planes after) of sdpa_varlen with `write`, and of kv_write_reference then the reference;
+    `poison(write)` may change the step's (k, v, slots) first."""
     q, planes, info, write = step_case(segments, **case)
+    write = poison(write) if poison else write
     ref_planes = {name: t.clone() for name, t in planes.items()}
     scales = {name: planes[name] for name in ("k_scale", "v_scale") if name in planes}
     out = sdpa_varlen(q, planes["k"], planes["v"], info, config=config, write=write, **scales)

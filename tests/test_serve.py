@@ -214,6 +214,45 @@ def test_stop_token_ids_end_a_choice_at_that_token_whose_text_is_not_output(serv
     assert out.choices[0].text == tokenizer.decode(ids[:k], skip_special_tokens=True)
 
 
+def test_text_held_as_the_start_of_a_stop_string_is_released_at_a_length_or_stop_id_finish(server, client, hf):
+    tokenizer = hf[1]
+    ids, _ = oracle(hf, tokenizer.encode("How are you"), 20)
+    texts = [tokenizer.decode(ids[:k], skip_special_tokens=True) for k in range(20)]
+    # a stop id first seen at k, after text ending in two whole characters (no space, no U+FFFD)
+    k = next(k for k in range(3, 20) if ids[k] not in ids[:k] and len(texts[k][-2:].strip().strip("\ufffd")) == 2)
+    text = texts[k]
+    stop = text[-2:] + "\x00"  # the text's last two characters begin it, so they are held until the finish
+    client = client.with_options(timeout=60)
+    for reason, extra in (("length", {"max_tokens": k}), ("stop", {"max_tokens": 20, "stop_token_ids": [ids[k]]})):
+        args = dict(model="tiny", prompt="How are you", temperature=0, stop=[stop], extra_body=extra)
+        out = client.completions.create(**args)
+        assert (out.choices[0].text, out.choices[0].finish_reason) == (text, reason)
+        chunks = list(client.completions.create(**args, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == text and chunks[-1].choices[0].finish_reason == reason
+
+
+def test_one_of_two_samples_finishing_leaves_the_other_to_its_own_finish(server, client, hf):
+    args = dict(model="tiny", prompt="Hello", max_tokens=16, temperature=1.0, n=2, seed=7)
+    client = client.with_options(timeout=60)
+    free = client.completions.create(**args, extra_body={"return_token_ids": True}).choices
+    first, second = free[0].token_ids, free[1].token_ids
+    k = next(k for k in range(1, len(first) - 1) if first[k] not in first[:k] + second)
+    stopped = client.completions.create(**args, extra_body={"return_token_ids": True, "stop_token_ids": [first[k]]})
+    assert (stopped.choices[0].token_ids, stopped.choices[0].finish_reason) == (first[: k + 1], "stop")
+    other = stopped.choices[1]  # decodes on alone after the stop (its draws need not repeat the free run's)
+    assert other.token_ids[: k + 1] == second[: k + 1] and len(other.token_ids) > k + 1
+    assert other.finish_reason == "stop" or (other.finish_reason == "length" and len(other.token_ids) == 16)
+    # a stop string only the first sample's text holds: the engine decodes both on, as in the free run
+    text, other_text = free[0].text, free[1].text
+    stop = next(text[i : i + 3] for i in range(1, len(text) - 3) if text[i : i + 3] not in text[:i] + other_text)
+    cut = client.completions.create(**args, stop=[stop])
+    assert [(c.text, c.finish_reason) for c in cut.choices] == [
+        (text[: text.index(stop)], "stop"),
+        (other_text, free[1].finish_reason),
+    ]
+    assert wait_idle(server)["batchkv_kv_columns_in_use"] == 0
+
+
 def test_sixteen_concurrent_streams_each_equal_their_own_generate(server, hf):
     tokenizer = hf[1]
     cases = [(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), 8 + 3 * i) for i in range(16)]

@@ -11,6 +11,7 @@ import pytest
 from batchkv.executor import SpeculativeConfig
 from batchkv.executor.speculative.policy import MAX_WAIT, DraftLengths
 from batchkv.executor.state import RequestState, SampleState
+from tests.executor_helpers import working
 from tests.spec_helpers import ForcedProposer, plain_and_speculative
 from tests.test_speculative import OPTS, repetitive_schedule
 from tests.toy_model import ToyModel
@@ -126,7 +127,7 @@ def test_a_step_that_raises_leaves_every_draft_length_as_it_was(fail_at):
         engine.runner.launch = failing
         rid = engine.submit(request)
         events = []
-        while engine.has_work:
+        for _ in working(engine):
             try:
                 events += engine.step()
             except RuntimeError:

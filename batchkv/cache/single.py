@@ -298,10 +298,11 @@ class PagedDecodeCache:
         """
         kv = (1, self.kv_heads, 1, self.head_dim)
         shapes = [tuple(getattr(t, "shape", ())) for t in (query_bhsd, key_bhsd, value_bhsd)]
-        if len(shapes[0]) != 4 or shapes[0][0::2] != (1, 1) or shapes[1:] != [kv, kv]:
+        query_ok = len(shapes[0]) == 4 and shapes[0][0::2] == (1, 1) and shapes[0][3] == self.head_dim
+        if not query_ok or shapes[1:] != [kv, kv]:
             raise ContractError(
-                f"attend: query must be [1, Hq, 1, D] and key, value {list(kv)} (one token of one sequence); "
-                f"got {', '.join(str(list(s)) for s in shapes)}"
+                f"attend: query must be [1, Hq, 1, {self.head_dim}] and key, value {list(kv)} (one token of one "
+                f"sequence); got {', '.join(str(list(s)) for s in shapes)}"
             )
         heads, dim = query_bhsd.shape[1], query_bhsd.shape[3]
         q = query_bhsd.reshape(1, heads, dim).contiguous()  # [W=1, Hq, D]

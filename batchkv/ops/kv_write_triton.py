@@ -11,7 +11,10 @@ max(amax / 448, 2^-126) (IEEE divisions, `div_rn`) and codes e4m3(x / scale), bi
 `quantize_fp8` stores. The rounding to e4m3 is done in fp32 first (`round_e4m3`), so the cast
 only moves exact values: Triton's interpreter rounds fp32 -> e4m3 half-up and drops the carry into
 the exponent (1.97 becomes 1.0), and the explicit rounding makes CPU runs store what the GPU
-stores. Scale planes are [rows, C, Hkv] with any strides (the store's are rows last): slot s's
+stores. A row holding a NaN or an infinity stores a NaN scale and every code 0x7F (e4m3fn's NaN), as
+`quantize_fp8` does, so it reads back NaN on every device: the codes are set as bits, since the
+interpreter's cast turns NaN into a finite code and decodes 0x7F as 480 (the NaN scale still poisons
+it there). Scale planes are [rows, C, Hkv] with any strides (the store's are rows last): slot s's
 scales sit at (s // C, s % C), one int64 division per program.
 """
 
@@ -27,6 +30,7 @@ from batchkv.ops.support import COMPUTE_DTYPES, FP8_MAX, SCALE_FLOOR, quantized,
 
 E4M3_MAX = tl.constexpr(FP8_MAX)
 E4M3_FLOOR = tl.constexpr(SCALE_FLOOR)
+E4M3_NAN = tl.constexpr(0x7F)  # e4m3fn's NaN code, sign bit clear (the one torch's cast gives)
 
 
 @triton.jit
@@ -50,12 +54,15 @@ def _store_rows(flat, scale, x, dst, ok, s_dst, s_ok, QUANT: tl.constexpr):
     """Store rows x [H, D] at `flat + dst`; e4m3 stores also get one scale per row, at `scale + s_dst` [H]."""
     if QUANT:
         x = x.to(tl.float32)
-        s = tl.maximum(tl.div_rn(tl.max(tl.abs(x), 1), E4M3_MAX), E4M3_FLOOR)  # [H]
-        # A NaN element stays NaN (its code is e4m3's NaN), as in bf16 storage. (The enum is spelled out
-        # in each call: Triton 3.6 cannot pass it through a local variable.)
-        y = tl.maximum(tl.div_rn(x, s[:, None]), -E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-        y = tl.minimum(y, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(flat + dst, round_e4m3(y).to(flat.dtype.element_ty), mask=ok)
+        s = tl.maximum(tl.div_rn(tl.max(tl.abs(x), 1), E4M3_MAX), E4M3_FLOOR)  # [H]; tl.max skips a NaN
+        # A row holding a NaN or an infinity (|x| < inf is false for both) reads back NaN: NaN scale, every
+        # code 0x7F. The codes are set as bits: the interpreter's cast turns NaN into a finite code (0x7C).
+        bad = tl.min((tl.abs(x) < float("inf")).to(tl.int32), 1) == 0  # [H]
+        s = tl.where(bad, float("nan"), s)
+        y = tl.minimum(tl.maximum(tl.div_rn(x, s[:, None]), -E4M3_MAX), E4M3_MAX)
+        codes = round_e4m3(y).to(flat.dtype.element_ty).to(tl.uint8, bitcast=True)
+        codes = tl.where(bad[:, None], E4M3_NAN, codes).to(tl.uint8)
+        tl.store(flat + dst, codes.to(flat.dtype.element_ty, bitcast=True), mask=ok)
         tl.store(scale + s_dst, s, mask=s_ok)
     else:
         tl.store(flat + dst, x.to(flat.dtype.element_ty), mask=ok)
@@ -147,8 +154,9 @@ def kv_write(
     contiguous); k, v: [W, Hkv, D] fp16/bf16/fp32 (cast on write); slots: int64 (or int32) [W]
     on the same device. D a power of two from 16 to 256. e4m3 stores (`torch.float8_e4m3fn`) need
     k_scale, v_scale: fp32 scale planes [rows, C, Hkv] (one set of strides, any; slot s's scales
-    are [s // C, s % C]), and get codes and scales as `quantize_fp8` makes them. Capturable (no
-    host reads). On sm_90+ a programmatic dependent launch (`ops/pdl.py`).
+    are [s // C, s % C]), and get codes and scales as `quantize_fp8` makes them (a row holding a NaN
+    or an infinity: NaN scale, codes 0x7F, read back as NaN). Capturable (no host reads). On sm_90+
+    a programmatic dependent launch (`ops/pdl.py`).
 
     >>> views = cache._store.write_views(0)  # k, v [rows * C, 8, 128] (+ k_scale, v_scale [rows, C, 8])
     >>> kv_write(views["k"], views["v"], k, v, slots, views.get("k_scale"), views.get("v_scale"))  # k, v [W, 8, 128]

@@ -33,12 +33,17 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     scale = max(amax / 448, 2^-126); code = e4m3(x / scale) rounded to nearest even (the division
     is IEEE fp32 and |x / scale| <= 448 after a clamp). `codes.float() * scale` is the stored value.
+    A row holding a NaN or an infinity (e4m3 has none) gets a NaN scale and every code 0x7F, e4m3fn's
+    NaN with the sign bit clear, whatever the NaN's sign: the whole row reads back NaN (as the
+    rounding of a NaN query row does), never a finite value.
 
     >>> codes, scales = quantize_fp8(torch.randn(5, 8, 128))  # [5, 8, 128] e4m3, [5, 8] fp32
     """
     x = x.float()
-    scale = _row_scales(x)
-    return (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    bad = ~x.isfinite().all(-1)  # [...] rows holding a NaN or an infinity
+    scale = _row_scales(x).masked_fill(bad, float("nan"))
+    y = (x / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).masked_fill(bad[..., None], float("nan"))  # NaN: 0x7F
+    return y.to(FP8), scale
 
 
 def _row_scales(x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ head) keeps e4m3 codes and one fp32 scale, `scale = max(amax / 448, 2^-126)` wit
 max-abs, so `code * scale` is the value. 448 is e4m3fn's largest finite value; the floor (the
 smallest normal fp32) gives an all-zero row codes 0 and a finite scale, which dequantise to exact
 zeros. Scales are fp32 rather than 16-bit: amax / 448 is then exact IEEE arithmetic for any
-amax (fp16 would go subnormal below amax ~ 0.027).
+amax (fp16 would go subnormal below amax ~ 0.027). A row holding a NaN or an infinity (e4m3 has
+none) stores a NaN scale and every code 0x7F, so the whole row reads back NaN, never a finite value.
 
 Scale planes are logically [rows, C, Hkv] (row first, like K and V, so torch code indexes them
 alike) but stored [C, Hkv, rows] (`empty_scales`): an attention program walks one (column, KV
