@@ -118,6 +118,18 @@ def test_one_automaton_serves_many_choices_each_with_its_own_state():
     assert second.feed("d") == "ENd" and second.flush() == ""
 
 
+def test_json_nested_past_the_limit_is_refused_not_a_recursion_error():
+    for depth in (10, 5_000):
+        raw = b'{"messages": [], "chat_template_kwargs": {"x": ' + b"[" * depth + b"]" * depth + b"}}"
+        with pytest.raises(APIError) as info:
+            decode_body(raw, ChatCompletionRequest, max_depth=8)
+        assert info.value.status == 400 and info.value.code == "json_too_deep"
+    raw = b'{"messages": [], "chat_template_kwargs": {"x": [[[]]]}}'  # 5 levels with the body's own
+    assert decode_body(raw, ChatCompletionRequest, max_depth=5).chat_template_kwargs == {"x": [[[]]]}
+    with pytest.raises(APIError):
+        decode_body(raw, ChatCompletionRequest, max_depth=4)
+
+
 def test_a_body_with_an_unknown_field_is_refused_naming_it():
     with pytest.raises(APIError) as info:
         decode_body(b'{"prompt": "x", "max_tokenz": 3}', CompletionRequest)
