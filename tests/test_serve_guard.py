@@ -160,3 +160,23 @@ def test_a_server_on_a_non_loopback_address_without_a_key_warns_at_startup(tmp_p
     assert "warning" not in capsys.readouterr().err
     assert main([*serve, "--api-key", " "]) == 2
     assert "--api-key is empty" in capsys.readouterr().err
+
+
+def test_the_host_rule_defaults_to_loopback_names_on_a_loopback_address_and_to_any_elsewhere():
+    import argparse
+
+    from batchkv.serve.options import access_from, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    def hosts(bound: str, *argv: str) -> tuple[str, ...] | None:
+        return access_from(parser.parse_args(["--model", "m", *argv]), bound).allowed_hosts
+
+    assert set(hosts("127.0.0.1")) == {"localhost", "127.0.0.1", "::1"}
+    assert "127.0.0.2" in hosts("127.0.0.2") and "::1" in hosts("::1")
+    assert hosts("0.0.0.0") is None and hosts("127.0.0.1", "--allowed-hosts", "*") is None
+    assert hosts("0.0.0.0", "--allowed-hosts", "api.example, Other.Example") == ("api.example", "Other.Example")
+    refusal = guard.Guard(None, Access(allowed_hosts=("api.example",))).refusal
+    assert refusal("GET", "/health", {"host": "API.example:8000"}) is None
+    assert refusal("GET", "/health", {"host": "localhost:8000"}).code == "invalid_host"
