@@ -250,7 +250,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         description="Serve a transformers model directory (Qwen3, Llama, SenseNova-U1) or a preset over "
         "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics (needs batchkv[serve]).",
     )
-    from batchkv.serve.server import add_arguments  # argparse only; the server's imports wait for _cmd_serve
+    from batchkv.serve.options import add_arguments  # argparse only; the server's imports wait for _cmd_serve
 
     add_arguments(p)
     p.set_defaults(func=_cmd_serve)

@@ -61,13 +61,14 @@ def make_tokenizer():
 
 
 @torch.no_grad()
-def make_model_dir(path: Path) -> Path:
+def make_model_dir(path: Path, max_positions: int = GEOMETRY["max_position_embeddings"]) -> Path:
     """Qwen3 with random, peaky weights (clear greedy winners) and the tokenizer, saved to `path`."""
     import transformers
 
     tokenizer = make_tokenizer()
+    geometry = {**GEOMETRY, "max_position_embeddings": max_positions}
     cfg = transformers.Qwen3Config(
-        **GEOMETRY, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, dtype="float32"
+        **geometry, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, dtype="float32"
     )
     model = transformers.Qwen3ForCausalLM(cfg)
     gen = torch.Generator().manual_seed(0)
@@ -92,12 +93,20 @@ def free_port() -> int:
 class Server:
     """`batchkv serve` in a subprocess on a free port. Starts at construction; `wait()` returns
     once /health answers, so the caller can do other work while it boots. `launcher`: what runs
-    `serve ...` (a script that takes the CLI's arguments, such as bench/serve_trace.py)."""
+    `serve ...` (a script that takes the CLI's arguments, such as bench/serve_trace.py); `env`: added
+    to the environment it runs in."""
 
-    def __init__(self, model: str, *args: str, device: str = "cpu", launcher: tuple[str, ...] = ("-m", "batchkv.cli")):
+    def __init__(
+        self,
+        model: str,
+        *args: str,
+        device: str = "cpu",
+        launcher: tuple[str, ...] = ("-m", "batchkv.cli"),
+        env: dict[str, str] | None = None,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         # A file, not a pipe: a full pipe would stall the server. Closed with the object.
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
         command = [sys.executable, *launcher, "serve", "--model", model, "--port", str(self.port)]
@@ -133,3 +142,59 @@ class Server:
             self.proc.kill()
             self.proc.wait()
         return self.proc.returncode, self.output()
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's peak resident memory so far (VmHWM), in bytes (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/{pid}/status has no VmHWM")
+
+
+def polling_health(url: str, work, *, headers: dict[str, str] | None = None, most: int = 10_000):
+    """Run `work()` while another thread times GET /health round trips back to back (at most `most`
+    of them); returns (what work returned, the round-trip seconds, at least one)."""
+    import threading
+
+    done, times = threading.Event(), []
+
+    def poll() -> None:
+        with httpx.Client(timeout=60) as client:
+            for _ in range(most):
+                start = time.perf_counter()
+                assert client.get(url + "/health", headers=headers).status_code == 200
+                times.append(time.perf_counter() - start)
+                if done.wait(0.01):
+                    return
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    try:
+        time.sleep(0.05)  # a few round trips before the work starts
+        result = work()
+    finally:
+        done.set()
+        thread.join()
+    return result, times
+
+
+# /health round trips while a hostile request is refused or served. The server once stalled for
+# 9-88 s; on an idle machine a round trip takes a few ms. Generous for a loaded two-core machine.
+HEALTH_MAX_S = 0.5
+HEALTH_MEDIAN_S = 0.1
+
+
+def assert_health_answered(times: list[float]) -> None:
+    """No /health round trip stalled (see HEALTH_MAX_S)."""
+    import statistics
+
+    assert max(times) < HEALTH_MAX_S and statistics.median(times) < HEALTH_MEDIAN_S, times
+
+
+def error(r: httpx.Response, status: int) -> dict:
+    """The OpenAI error body of `r`, which must have `status`."""
+    assert r.status_code == status, r.text
+    body = r.json()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and body["message"]
+    return body

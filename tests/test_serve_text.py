@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("msgspec")
 pytest.importorskip("tokenizers")
 
-from batchkv.serve.detok import IncrementalDetokenizer, StopMatcher
+from batchkv.serve.detok import IncrementalDetokenizer, StopMatcher, StopStrings
 from batchkv.serve.jobs import ModelInfo, completion_prompts, make_job
 from batchkv.serve.protocol import (
     NULL_MEANS_DEFAULT,
@@ -81,6 +81,53 @@ def test_the_earliest_of_several_stop_strings_wins():
 def test_nothing_comes_out_after_a_stop():
     m = StopMatcher(["."])
     assert m.feed("a.b") == "a" and m.feed("c") == "" and m.flush() == ""
+
+
+def _first_completed(stops: list[str], text: str) -> tuple[str, bool]:
+    """Brute force: the text before the stop string that completes first (the longest one completing
+    at that character), and whether one did."""
+    for end in range(1, len(text) + 1):
+        longest = max((len(s) for s in stops if s and text[:end].endswith(s)), default=0)
+        if longest:
+            return text[: end - longest], True
+    return text, False
+
+
+def test_the_stop_automaton_cuts_where_a_brute_force_search_does_however_the_text_is_split():
+    rng = random.Random(0)
+    for _ in range(2000):
+        stops = ["".join(rng.choice("ab c") for _ in range(rng.randint(0, 5))) for _ in range(rng.randint(1, 6))]
+        text = "".join(rng.choice("abc d") for _ in range(rng.randint(0, 30)))
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 6))))
+        deltas = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        out, tail, stopped = _run(stops, deltas)
+        assert ("".join(out) + tail, stopped) == _first_completed(stops, text), (stops, deltas)
+
+
+def test_a_stop_string_inside_a_longer_one_cuts_where_it_completes_whatever_the_deltas():
+    for deltas in (["xabcd"], ["xab", "cd"], ["x", "a", "b", "c", "d"]):
+        out, _, stopped = _run(["abcd", "bc"], deltas)
+        assert "".join(out) == "xa" and stopped
+
+
+def test_one_automaton_serves_many_choices_each_with_its_own_state():
+    automaton = StopStrings([f"never {i}" for i in range(10_000)] + ["END"])
+    first, second = StopMatcher(automaton), StopMatcher(automaton)
+    assert first.feed("one E") == "one " and second.feed("two EN") == "two "
+    assert first.feed("ND") == "" and first.stopped and not second.stopped
+    assert second.feed("d") == "ENd" and second.flush() == ""
+
+
+def test_json_nested_past_the_limit_is_refused_not_a_recursion_error():
+    for depth in (10, 5_000):
+        raw = b'{"messages": [], "chat_template_kwargs": {"x": ' + b"[" * depth + b"]" * depth + b"}}"
+        with pytest.raises(APIError) as info:
+            decode_body(raw, ChatCompletionRequest, max_depth=8)
+        assert info.value.status == 400 and info.value.code == "json_too_deep"
+    raw = b'{"messages": [], "chat_template_kwargs": {"x": [[[]]]}}'  # 5 levels with the body's own
+    assert decode_body(raw, ChatCompletionRequest, max_depth=5).chat_template_kwargs == {"x": [[[]]]}
+    with pytest.raises(APIError):
+        decode_body(raw, ChatCompletionRequest, max_depth=4)
 
 
 def test_a_body_with_an_unknown_field_is_refused_naming_it():

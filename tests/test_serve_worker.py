@@ -15,6 +15,7 @@ from batchkv.executor import Event, Request, SamplingParams
 from batchkv.serve import worker as worker_module
 from batchkv.serve.metrics import ServerMetrics
 from batchkv.serve.protocol import APIError
+from batchkv.serve.stream import Deadlines
 from batchkv.serve.worker import EngineWorker
 
 
@@ -219,3 +220,13 @@ def test_a_submit_queued_behind_stop_is_answered_503():
             await asyncio.to_thread(worker.stop)
 
     asyncio.run(asyncio.wait_for(main(), 60))  # a hang fails the test instead of the suite
+
+
+def test_deadlines_come_due_in_order_and_those_of_finished_requests_do_not_pile_up():
+    deadlines = Deadlines()
+    for rid in range(5000):
+        deadlines.add(rid, at=1000.0 + rid)
+    live = {4998, 4999}
+    assert deadlines.due(0.0, live) == [] and len(deadlines._heap) == 2  # pruned to the live ones
+    deadlines.add(7, at=5.0)
+    assert deadlines.due(6000.0, {7, 4999}) == [7, 4999]

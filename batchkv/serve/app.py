@@ -2,10 +2,14 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streamed as server-sent events with
 `stream: true`: `data: {json}` per engine step, then `data: [DONE]`), GET /v1/models, GET /health,
-GET /metrics (Prometheus text). Bodies are decoded with msgspec (see `protocol`), answers encoded
-with msgspec. Every refusal is an OpenAI-style JSON error with its status; unexpected failures are
-500s of the same shape. A client that disconnects, streamed or not, cancels its request: the
-handler is cancelled and the tracker's cleanup posts the cancel to the engine thread.
+GET /metrics (Prometheus text). `Guard` (see `guard`) checks the Host, the API key and the
+Content-Type first and marks every answer with `x-request-id`. A body is read up to the limit
+(413 past it), then decoded with msgspec (see `protocol`), tokenised and templated on a worker
+thread, so the event loop (and /health, and every other stream) never waits on one request's
+preparation. Answers are encoded with msgspec. Every refusal is an OpenAI-style JSON error with
+its status; unexpected failures are 500s of the same shape that name the request id, not the
+exception. A client that disconnects, streamed or not, cancels its request: the handler is
+cancelled and the tracker's cleanup posts the cancel to the engine thread.
 """
 
 from __future__ import annotations
@@ -21,10 +25,13 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from batchkv.serve import jobs, outputs
+from batchkv.serve.guard import REQUEST_ID, Access, Guard, internal_error
+from batchkv.serve.limits import read_body
 from batchkv.serve.metrics import ServerMetrics
 from batchkv.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, decode_body, refuse_unsupported
 from batchkv.serve.worker import EngineWorker
@@ -77,8 +84,11 @@ def _sse(body: Any) -> bytes:
     return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
 
-def build_app(worker: EngineWorker, info: jobs.ModelInfo, metrics: ServerMetrics) -> FastAPI:
-    """The FastAPI application. The worker's thread starts and stops with the app's lifespan."""
+def build_app(
+    worker: EngineWorker, info: jobs.ModelInfo, metrics: ServerMetrics, access: Access | None = None
+) -> FastAPI:
+    """The FastAPI application. The worker's thread starts and stops with the app's lifespan;
+    `info.limits` bound each request, `access` (default: open, any Host) says who may ask."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -89,10 +99,22 @@ def build_app(worker: EngineWorker, info: jobs.ModelInfo, metrics: ServerMetrics
             worker.stop()
 
     app = FastAPI(title="batchkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    access = access or Access()
+    app.add_middleware(Guard, access=access, count=lambda status: metrics.refused.labels(str(status)).inc())
+    if access.allowed_origins:  # added last, so outermost: preflights are answered before the key is asked
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(access.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["authorization", "content-type", "x-request-id"],
+            expose_headers=["x-request-id"],
+        )
+    limits = info.limits
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
         metrics.refused.labels(str(exc.status)).inc()
+        log.info("request %s refused (%d): %s", REQUEST_ID.get(), exc.status, exc.message)
         return _json(exc.body(), exc.status)
 
     @app.exception_handler(HTTPException)
@@ -102,13 +124,8 @@ def build_app(worker: EngineWorker, info: jobs.ModelInfo, metrics: ServerMetrics
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return _json(APIError(400, str(exc)).body(), 400)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("request failed")
-        body = APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").body()
-        return _json(body, 500)
+        log.info("request %s refused (400): %s", REQUEST_ID.get(), exc)
+        return _json(APIError(400, "the request does not match this route's parameters").body(), 400)
 
     @app.get("/health")
     async def health() -> Response:
@@ -134,12 +151,18 @@ def build_app(worker: EngineWorker, info: jobs.ModelInfo, metrics: ServerMetrics
         prefix: str,
     ) -> Response:
         arrival = time.perf_counter()
-        body = decode_body(await request.body(), kind)
-        jobs.check_model(body, info)
-        refuse_unsupported(body)
-        job = jobs.make_job(body, prompts(body), info)
+        raw = await read_body(request, limits.max_body_bytes)
+
+        def prepare() -> outputs.Tracker:  # on a worker thread: decoding, templating, tokenising
+            body = decode_body(raw, kind, max_depth=limits.max_json_depth)
+            jobs.check_model(body, info)
+            refuse_unsupported(body)
+            worker.refuse_batch(jobs.prompt_count(body))
+            return outputs.Tracker(jobs.make_job(body, prompts(body), info), info.tokenizer)
+
+        tracker = await asyncio.to_thread(prepare)
+        job = tracker.job
         stream = await worker.submit(job.requests, arrival)
-        tracker = outputs.Tracker(job, info.tokenizer)
         rid, model = outputs.new_id(prefix), info.name
         if job.stream:
             return EventStream(_chunks(tracker, stream, rid, model, chunk, chat=prefix == "chatcmpl"))
@@ -193,9 +216,9 @@ async def _chunks(
                 shown = [d for d in deltas if d.text or d.finish or job.token_ids]
                 if shown:
                     yield _sse(chunk(shown, rid, model, created, job.token_ids))
-    except Exception as exc:  # the engine failed mid-stream: say so in the stream
-        log.exception("stream failed")
-        yield _sse(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").body())
+    except Exception:  # the engine failed mid-stream: say so in the stream, the detail in the log
+        log.exception("request %s failed mid-stream", REQUEST_ID.get())
+        yield _sse(internal_error(REQUEST_ID.get()).body())
     if job.include_usage:
         object_ = "chat.completion.chunk" if chat else "text_completion"
         yield _sse({"id": rid, "object": object_, "created": created, "model": model, "choices": [],

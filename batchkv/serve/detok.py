@@ -9,7 +9,12 @@ that drop a leading space when decoding a word on its own (SentencePiece) still 
 
 `StopMatcher` sits after it: text that could still be the start of a stop string is held back;
 once a stop string appears, the text before it is released, nothing after it ever is, and
-`stopped` is set. A stop string may span any number of tokens.
+`stopped` is set. A stop string may span any number of tokens. The stop strings are one
+Aho-Corasick automaton (`StopStrings`, built once per request and shared by its choices), so each
+character costs amortised O(1) however many stop strings there are, and the text held back is
+exactly the automaton state's depth (the longest tail that begins some stop string). The cut is
+where a stop string first completes (the longest of those completing there), the same whatever
+the deltas' boundaries.
 """
 
 from __future__ import annotations
@@ -56,15 +61,57 @@ class IncrementalDetokenizer:
         return text[len(before) :]
 
 
+class StopStrings:
+    """The Aho-Corasick automaton of a set of stop strings (empty strings are ignored).
+
+    States are trie nodes; `depth[s]` is the length of the prefix node s spells, `match[s]` the
+    length of the longest stop string that is a suffix of it (0: none). Building costs O(total
+    characters); `step` is amortised O(1) per character.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.goto: list[dict[str, int]] = [{}]
+        self.depth, self.match = [0], [0]
+        for stop in stops:
+            node = 0
+            for ch in stop:
+                nxt = self.goto[node].get(ch)
+                if nxt is None:
+                    nxt = self.goto[node][ch] = len(self.goto)
+                    self.goto.append({})
+                    self.depth.append(self.depth[node] + 1)
+                    self.match.append(0)
+                node = nxt
+            if stop:
+                self.match[node] = len(stop)
+        self.fail = [0] * len(self.goto)
+        queue = list(self.goto[0].values())  # breadth first (fail links point shallower); depth 1 fails to 0
+        for node in queue:
+            for ch, child in self.goto[node].items():
+                self.fail[child] = self.step(self.fail[node], ch)
+                self.match[child] = max(self.match[child], self.match[self.fail[child]])
+                queue.append(child)
+
+    def __bool__(self) -> bool:
+        return len(self.goto) > 1
+
+    def step(self, state: int, ch: str) -> int:
+        """The state after `ch`."""
+        goto, fail = self.goto, self.fail
+        while state and ch not in goto[state]:
+            state = fail[state]
+        return goto[state].get(ch, 0)
+
+
 class StopMatcher:
     """Cuts a text stream at the first occurrence of any stop string.
 
     >>> m = StopMatcher(["\\n\\n"]); m.feed("a\\n") + m.feed("\\nb")   # -> "a"; m.stopped is True
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.longest = max((len(s) for s in self.stops), default=0)
+    def __init__(self, stops: Sequence[str] | StopStrings) -> None:
+        self.automaton = stops if isinstance(stops, StopStrings) else StopStrings(stops)
+        self.state = 0
         self.held = ""
         self.stopped = False
 
@@ -72,12 +119,16 @@ class StopMatcher:
         """Add text; returns what can be released now (never text from a stop string on)."""
         if self.stopped:
             return ""
-        text = self.held + delta
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped, self.held = True, ""
-            return text[: min(hits)]
-        keep = self._partial(text)
+        if not self.automaton:
+            return delta
+        text, automaton, state = self.held + delta, self.automaton, self.state
+        for i in range(len(self.held), len(text)):
+            state = automaton.step(state, text[i])
+            if automaton.match[state]:
+                self.stopped, self.held = True, ""
+                return text[: i + 1 - automaton.match[state]]
+        self.state = state
+        keep = automaton.depth[state]
         self.held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
 
@@ -85,11 +136,3 @@ class StopMatcher:
         """The held-back tail once generation ended without a stop string."""
         text, self.held = self.held, ""
         return "" if self.stopped else text
-
-    def _partial(self, text: str) -> int:
-        """Length of the longest suffix of `text` that begins some stop string."""
-        for k in range(min(len(text), self.longest - 1), 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                return k
-        return 0

@@ -1,18 +1,24 @@
 """From a decoded request body to engine requests: prompts tokenised, limits checked, sampling set.
 
 A `Job` is what one HTTP request asks for: one engine `Request` per prompt (each with n samples),
-the stop strings applied to the text, and how to answer. Every refusal is an `APIError` raised
-before anything reaches the engine, except those only the engine can judge (token ids outside the
-vocabulary, n beyond its columns), which `Engine.submit` refuses and the worker turns into 400s.
+the stop strings applied to the text (one automaton for all its choices), and how to answer.
+Every refusal is an `APIError` raised before anything reaches the engine, except those only the
+engine can judge (token ids outside the vocabulary, n beyond its columns), which `Engine.submit`
+refuses and the worker turns into 400s. The `Limits` of `info` are checked before the work they
+bound: a text prompt's characters before it is tokenised, the number of stop strings before the
+automaton is built. These functions run on a worker thread (`app`), never on the event loop.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from batchkv.errors import RequestError
 from batchkv.executor import Request, SamplingParams
+from batchkv.serve import templates
+from batchkv.serve.detok import StopStrings
+from batchkv.serve.limits import Limits
 from batchkv.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
 
 
@@ -24,6 +30,7 @@ class ModelInfo:
     tokenizer: Any | None
     capacity: int  # positions per sequence: prompt + max_tokens must fit
     eos_ids: tuple[int, ...] = ()
+    limits: Limits = field(default_factory=Limits)
 
 
 @dataclass
@@ -32,7 +39,7 @@ class Job:
 
     prompts: list[list[int]]
     requests: list[Request]
-    stops: list[str]
+    stops: StopStrings
     n: int
     stream: bool
     include_usage: bool
@@ -61,6 +68,14 @@ def _need_tokenizer(info: ModelInfo, what: str, param: str):
     return info.tokenizer
 
 
+def prompt_count(body: SamplingFields) -> int:
+    """How many prompts (engine requests) a body holds, before anything is tokenised."""
+    prompt = getattr(body, "prompt", None)
+    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
+        return len(prompt)
+    return 1
+
+
 def completion_prompts(body: CompletionRequest, info: ModelInfo) -> list[list[int]]:
     """A string, a token-id list, or a batch of either -> one token-id list per prompt."""
     prompt = body.prompt
@@ -80,7 +95,21 @@ def completion_prompts(body: CompletionRequest, info: ModelInfo) -> list[list[in
             param="prompt",
         )
     tokenizer = _need_tokenizer(info, "a text prompt", "prompt")
+    limit = info.limits.prompt_chars(info.capacity)
+    for text in texts:
+        _check_chars(len(text), limit, "prompt")
     return [tokenizer.encode(text) for text in texts]
+
+
+def _check_chars(chars: int, limit: int, param: str) -> None:
+    if chars > limit:
+        raise APIError(
+            400,
+            f"the prompt has {chars} characters; this server tokenises at most {limit} per prompt (the server's "
+            "--max-prompt-chars): shorten it",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def _message_text(message: Any, index: int) -> str:
@@ -98,36 +127,83 @@ def _message_text(message: Any, index: int) -> str:
 
 
 def chat_prompt(body: ChatCompletionRequest, info: ModelInfo) -> list[int]:
-    """The conversation through the tokenizer's chat template, as token ids."""
+    """The conversation through the chat template (see `templates`), as token ids."""
     tokenizer = _need_tokenizer(info, "chat", "messages")
     if not body.messages:
         raise APIError(400, "messages is empty; give at least one message", param="messages")
-    if not getattr(tokenizer, "chat_template", None):
+    if not getattr(tokenizer, "chat_template", None) and templates.requested(body) is None:
         raise APIError(400, f"{info.name!r} has no chat template; use /v1/completions", param="messages")
     messages = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(body.messages)]
-    try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=body.add_generation_prompt,
-            **(body.chat_template_kwargs or {}),
-        )
-    except Exception as exc:  # the template raised (jinja raise_exception, bad roles, ...)
-        raise APIError(400, f"the chat template refused the messages: {exc}", param="messages") from exc
+    limits = info.limits
+    limit = limits.prompt_chars(info.capacity)
+    _check_chars(sum(len(m["content"]) + len(m["role"]) for m in messages), limit, "messages")  # before rendering
+    trusted, seconds = limits.trust_request_chat_template, limits.chat_template_timeout
+    text = templates.render(tokenizer, messages, body, trusted=trusted, seconds=seconds)
+    _check_chars(len(text), limit, "messages")  # the template's own text counts too
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _stops(body: SamplingFields, limits: Limits) -> list[str]:
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stops) > limits.max_stop_strings:
+        raise APIError(
+            400,
+            f"stop has {len(stops)} strings; this server takes at most {limits.max_stop_strings} (the server's "
+            "--max-stop-strings)",
+            param="stop",
+        )
+    longest = max((len(s) for s in stops), default=0)
+    if longest > limits.max_stop_length:
+        raise APIError(
+            400,
+            f"a stop string has {longest} characters; this server takes at most {limits.max_stop_length} (the "
+            "server's --max-stop-length)",
+            param="stop",
+        )
+    if len(body.stop_token_ids) > limits.max_stop_token_ids:
+        raise APIError(
+            400,
+            f"stop_token_ids has {len(body.stop_token_ids)} ids; this server takes at most "
+            f"{limits.max_stop_token_ids} (the server's --max-stop-token-ids)",
+            param="stop_token_ids",
+        )
+    return stops
+
+
+def _max_tokens(body: SamplingFields) -> int | None:
+    """max_completion_tokens (chat's newer name) before max_tokens; an explicit 0 is refused, not unset."""
+    completion = getattr(body, "max_completion_tokens", None)
+    name, value = ("max_completion_tokens", completion) if completion is not None else ("max_tokens", body.max_tokens)
+    if value is not None and value < 1:
+        raise APIError(400, f"{name} is {value}; ask for at least 1 token (or leave it unset)", param=name)
+    return value
 
 
 def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) -> Job:
     """Engine requests for `prompts` with the body's sampling fields; APIError(400) on any bad value."""
-    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    limits = info.limits
+    stops = _stops(body, limits)
     if stops:
         _need_tokenizer(info, "stop strings", "stop")
     if body.top_k < -1:
         raise APIError(400, f"top_k is {body.top_k}; use -1 or 0 (off) or a positive integer", param="top_k")
-    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if body.n > limits.max_n:
+        raise APIError(
+            400, f"n is {body.n}; this server takes at most {limits.max_n} (the server's --max-n)", param="n"
+        )
+    max_tokens = _max_tokens(body)
     stop_ids = tuple(body.stop_token_ids) + (() if body.ignore_eos else info.eos_ids)
+    most = limits.prompt_tokens(info.capacity)
     requests = []
     for prompt in prompts:
+        if len(prompt) > most:
+            raise APIError(
+                400,
+                f"the prompt has {len(prompt)} tokens; this server takes at most {most} per prompt (the server's "
+                "--max-prompt-tokens and --capacity): shorten it",
+                param="prompt" if isinstance(body, CompletionRequest) else "messages",
+                code="context_length_exceeded",
+            )
         room = info.capacity - len(prompt)
         if room < 1 or (max_tokens is not None and max_tokens > room):
             raise APIError(
@@ -157,7 +233,7 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
     return Job(
         prompts=prompts,
         requests=requests,
-        stops=stops,
+        stops=StopStrings(stops),
         n=body.n,
         stream=body.stream,
         include_usage=bool(options and options.include_usage),

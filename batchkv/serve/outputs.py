@@ -7,7 +7,8 @@ the engine may still be decoding it: once every sample of a prompt has finished 
 tracker cancels that prompt's engine request so its columns free at once.
 
 Finish reasons: the engine's stop -> "stop", length and capacity -> "length", cancelled -> "abort"
-(vLLM's word for a request ended by the server).
+(vLLM's word for a request ended by the server), and the worker's "timeout" (a request past the
+server's --request-timeout) -> "timeout".
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from typing import Any
 from batchkv.executor import Event
 from batchkv.serve.detok import IncrementalDetokenizer, StopMatcher
 from batchkv.serve.jobs import Job
-from batchkv.serve.worker import Stream
+from batchkv.serve.stream import Stream
 
-FINISH = {"stop": "stop", "length": "length", "capacity": "length", "cancelled": "abort"}
+FINISH = {"stop": "stop", "length": "length", "capacity": "length", "cancelled": "abort", "timeout": "timeout"}
 
 
 @dataclass

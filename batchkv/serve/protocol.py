@@ -5,7 +5,11 @@ server does not know are all `APIError(400)` naming the field. OpenAI fields tha
 implement (logprobs, penalties, logit_bias, echo, suffix, tools, ...) are declared so that their
 default values pass and anything else is refused by `refuse_unsupported` with the field named,
 rather than being silently ignored. Extensions that vLLM also accepts: `top_k`, `stop_token_ids`,
-`ignore_eos`, `return_token_ids`; for chat also `add_generation_prompt` and `chat_template_kwargs`.
+`ignore_eos`, `return_token_ids`; for chat also `add_generation_prompt`, `chat_template_kwargs` and
+`chat_template` (refused unless the operator trusts request templates: see `templates`).
+
+Free-form fields (`chat_template_kwargs`, `tools`, `tool_choice`, `response_format`) may nest no
+deeper than the server's limit: deeper is a 400 naming it, as is JSON too deep to decode at all.
 
 Errors answer `{"error": {"message", "type", "param", "code"}}` as OpenAI does.
 """
@@ -121,6 +125,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     add_generation_prompt: bool = True
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
@@ -150,10 +155,34 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-def decode_body(raw: bytes, kind: type[msgspec.Struct]) -> Any:
-    """Decode a JSON body into `kind`; APIError(400) naming the field on any problem."""
+FREE_FORM = ("chat_template_kwargs", "tools", "tool_choice", "response_format")  # fields of any JSON
+
+
+def _too_deep(limit: int) -> APIError:
+    return APIError(
+        400,
+        f"the request body nests JSON deeper than this server accepts ({limit} levels; the server's --max-json-depth)",
+        code="json_too_deep",
+    )
+
+
+def _depth_past(value: Any, limit: int) -> bool:
+    """Whether `value` (decoded JSON) nests more than `limit` arrays/objects; iterative, stops early."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth >= limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
+
+
+def decode_body(raw: bytes, kind: type[msgspec.Struct], *, max_depth: int = 32) -> Any:
+    """Decode a JSON body into `kind`; APIError(400) naming the field on any problem, and when a
+    free-form field nests more than `max_depth` levels (counted from the body's top level)."""
     try:
-        return msgspec.json.decode(raw, type=kind)
+        body = msgspec.json.decode(raw, type=kind)
     except msgspec.ValidationError as exc:
         text = str(exc)
         param = text.rsplit("at `$.", 1)[1].rstrip("`").split("[")[0].split(".")[0] if "at `$." in text else None
@@ -163,6 +192,12 @@ def decode_body(raw: bytes, kind: type[msgspec.Struct]) -> Any:
         raise APIError(400, text, param=param) from exc
     except msgspec.DecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON ({exc})") from exc
+    except RecursionError:  # deeper than the decoder goes (about 1,000 levels)
+        raise _too_deep(max_depth) from None
+    for name in FREE_FORM:
+        if _depth_past(getattr(body, name, None), max_depth - 1):  # the body's own object is level 1
+            raise _too_deep(max_depth)
+    return body
 
 
 def _is_off(value: Any, off: tuple[Any, ...]) -> bool:

@@ -14,20 +14,11 @@ import signal
 import socket
 import sys
 
-from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
-from batchkv.cli import bounded
 from batchkv.errors import ConfigError
-from batchkv.frontend import (
-    MODES,
-    add_engine_options,
-    add_scheduling_options,
-    kv_dtype_option,
-    scheduling_kwargs,
-    speculative_option,
-)
+from batchkv.frontend import MODES, kv_dtype_option, scheduling_kwargs, speculative_option
+from batchkv.serve.options import DEFAULT_CAPACITY, access_from, add_arguments, api_key, is_loopback, limits_from
 
-DEFAULT_CAPACITY = 4096
-MAX_DRAIN_SECONDS = 86400.0
+__all__ = ["add_arguments", "serve"]
 
 
 def _ignore(signum: int, frame: object) -> None:
@@ -89,7 +80,16 @@ def serve(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = _device(args.device)
+    key = api_key(args)
     sock = _listen(args.host, args.port)
+    bound = sock.getsockname()[0]
+    if key is None and not is_loopback(bound):
+        print(
+            f"batchkv serve: warning: listening on {args.host} (not a loopback address) without an API key: anyone "
+            "who reaches this address can use the server (set --api-key or BATCHKV_API_KEY)",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         return _serve(args, uvicorn, sock, device)
     finally:
@@ -123,10 +123,12 @@ def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) 
     )
     max_seqs = engine.cache.max_seqs  # what --max-seqs auto chose, else --max-seqs
     metrics = ServerMetrics(max_seqs)
-    worker = EngineWorker(engine, metrics, max_waiting=args.max_waiting)
+    limits = limits_from(args)
+    worker = EngineWorker(engine, metrics, max_waiting=args.max_waiting, request_timeout=limits.request_timeout)
     name = args.served_model_name or args.model
-    info = ModelInfo(name, served.tokenizer, capacity, served.eos_ids)
-    app = build_app(worker, info, metrics)
+    info = ModelInfo(name, served.tokenizer, capacity, served.eos_ids, limits)
+    access = access_from(args, sock.getsockname()[0])
+    app = build_app(worker, info, metrics, access)
     mode = ("graphs" if engine.uses_graphs else "eager") + (", overlap" if engine.overlap else "")
     text = "text and token ids" if served.tokenizer is not None else "token ids only (no tokenizer)"
     extras = f", kv {args.kv_dtype}" if args.kv_dtype != "model" else ""
@@ -135,6 +137,7 @@ def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) 
     if args.prefill_budget is not None:
         extras += f", prefill budget {args.prefill_budget}"
     host, port = sock.getsockname()[:2]
+    extras += ", API key required" if access.api_key else ""
     print(
         f"batchkv serve: {name} ({served.kind}, {text}) on {device} ({mode}), max_seqs {max_seqs}, "
         f"capacity {capacity}{extras}; http://{args.host}:{port}/v1",
@@ -161,67 +164,3 @@ def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) 
             signal.signal(sig, handler)
         worker.stop()
     return 0 if server.started else 1
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `batchkv serve`."""
-    m = p.add_argument_group("model")
-    m.add_argument(
-        "--model", required=True, metavar="PATH_OR_PRESET", help="a transformers model directory or a preset"
-    )
-    m.add_argument("--served-model-name", metavar="NAME", help="the name clients send as `model` (default: --model)")
-    m.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto (default): cuda when available"
-    )
-    m.add_argument(
-        "--dtype",
-        choices=("auto", "bfloat16", "float16", "float32"),
-        default="auto",
-        help="auto (default): the config's",
-    )
-    m.add_argument(
-        "--seed", type=bounded(int, 0), default=0, help="seed of a preset's random weights and of unseeded sampling (0)"
-    )
-    e = p.add_argument_group("engine")
-    add_scheduling_options(e, max_seqs=16, help_max_seqs="resident sequences (cache columns); n samples take n")
-    e.add_argument(
-        "--capacity",
-        type=bounded(int, 2, MAX_POSITIONS),
-        help=f"positions per sequence, prompt + max_tokens (default min({DEFAULT_CAPACITY}, max_position_embeddings))",
-    )
-    e.add_argument(
-        "--max-step-tokens",
-        type=bounded(int, 1, MAX_STEP_TOKENS),
-        default=512,
-        help="token budget of one step (%(default)s)",
-    )
-    e.add_argument(
-        "--prefill-chunk",
-        type=bounded(int, 1),
-        default=256,
-        help="most prompt tokens per sequence per step (%(default)s)",
-    )
-    e.add_argument(
-        "--max-waiting",
-        type=bounded(int, 1),
-        default=256,
-        help="requests queued for columns before 429s (%(default)s)",
-    )
-    e.add_argument("--graphs", choices=tuple(MODES), default="auto", help="CUDA graphs (auto, the default: on CUDA)")
-    e.add_argument(
-        "--threads", type=bounded(int, 0, 4096), default=0, help="CPU threads for torch (0: torch's default)"
-    )
-    add_engine_options(p.add_argument_group("storage and speculative decoding"))
-    h = p.add_argument_group("http")
-    h.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
-    h.add_argument("--port", type=bounded(int, 0, 65535), default=8000, help="0: any free port (%(default)s)")
-    h.add_argument(
-        "--drain-timeout",
-        type=bounded(float, 0.0, MAX_DRAIN_SECONDS),
-        default=30.0,
-        help="seconds in-flight requests get at shutdown (%(default)s)",
-    )
-    h.add_argument(
-        "--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info", help="(%(default)s)"
-    )
-    h.add_argument("--access-log", action="store_true", help="log every HTTP request")

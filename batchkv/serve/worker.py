@@ -7,21 +7,13 @@ each step's events to the loop in one `call_soon_threadsafe`, which puts them on
 asyncio queues. A step that raises fails every live request (they see the exception) and the
 thread goes on serving.
 
-Latency. The two threads share the GIL, and the engine thread holds it while it plans a step (a
-few ms of Python). So that planning does not sit on the HTTP path:
-- Tokens go out before the next plan: an overlapping engine (whose next step is already queued on
-  the device while the host plans) waits, at most `HANDOFF_S`, until the loop has run the readers
-  a step's events woke, i.e. written their chunks to the sockets. Without the wait the loop thread,
-  woken by `call_soon_threadsafe`, queued for the GIL behind the whole plan (up to 3 ms of host
-  time per step at 64 sequences on the H200: bench/results/serve-profile-h200.json, overlap off).
-  A non-overlapping engine does not wait: its device idles while the host plans, and the loop's
-  writes run in the GIL-free device wait that follows.
-- Streams that get a first token are handed to the loop before the others, so the readers the
-  loop runs first (it runs them in order) are the ones whose client still waits for a first token.
-- While the engine thread runs, the interpreter's switch interval is `SWITCH_INTERVAL_S` (CPython's
-  default is 5 ms), so a request that arrives while a step is planned waits at most that long for
-  the GIL at each hop (accept, parse, post) instead of up to the whole plan; it is restored when
-  the thread ends (`ShortSwitch`: workers whose lifetimes overlap restore it when the last ends).
+Latency (measured and explained in docs/design.md, "HTTP server"). The two threads share the GIL,
+and the engine thread holds it while it plans a step. So that planning does not sit on the HTTP
+path: an overlapping engine waits after each step, at most `HANDOFF_S`, until the loop has run the
+readers the step's events woke (their chunks are in the sockets); a non-overlapping engine does
+not wait (its device idles while the host plans, and the loop writes in the device wait). Streams
+that get a first token are handed over first. While the thread runs, the interpreter's switch
+interval is `SWITCH_INTERVAL_S` (CPython's default is 5 ms), restored when it ends (`ShortSwitch`).
 
 Shutdown: `drain(seconds)` (safe to call from a signal handler) refuses new submits with 503 and,
 once the seconds pass, cancels every live request; each stream then ends with its samples'
@@ -29,8 +21,12 @@ once the seconds pass, cancels every live request; each stream then ends with it
 step (a failed step is survived) ends the thread: every live stream gets it, and submits the thread
 did not take are answered 503, so no handler waits on a thread that is gone.
 
-A `Stream` is one HTTP request's view: it may hold several engine requests (a batch of prompts),
-each with n samples; items on its queue are lists of `(prompt_index, Event)`, or an exception.
+Request time: with `request_timeout`, a request still live that many seconds after it arrived is
+cancelled between steps, waiting or running; its samples end with finish reason "timeout" and its
+columns are free for the next step. A batch of more prompts than `max_waiting` could never be
+queued: `refuse_batch` answers it 400, never a 429 a client would retry forever.
+
+`Stream`, `Route` and `Deadlines` live in `stream`.
 """
 
 from __future__ import annotations
@@ -41,13 +37,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 from batchkv.errors import RequestError
 from batchkv.executor import Engine, Event, Request
 from batchkv.serve.metrics import ServerMetrics
 from batchkv.serve.protocol import APIError
+from batchkv.serve.stream import Deadlines, Route, Stream, route_events
 from batchkv.serve.switch import ShortSwitch
 
 log = logging.getLogger("batchkv.serve")
@@ -56,50 +52,18 @@ SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval while the engine thread runs
 HANDOFF_S = 0.002  # most an overlapping engine waits, per step, for the loop to write that step's tokens
 
 
-class Stream:
-    """Events of one HTTP request's engine requests, delivered on the asyncio loop."""
-
-    def __init__(self, worker: EngineWorker) -> None:
-        self.worker = worker
-        self.queue: asyncio.Queue[list[tuple[int, Event]] | BaseException] = asyncio.Queue()
-        self.ids: list[int] = []  # engine request ids, by prompt index (engine thread only)
-
-    def __aiter__(self) -> AsyncIterator[list[tuple[int, Event]]]:
-        return self._items()
-
-    async def _items(self) -> AsyncIterator[list[tuple[int, Event]]]:
-        """Everything queued so far, as one list: a reader that falls behind catches up in one go."""
-        while True:
-            items = [await self.queue.get()]
-            while not self.queue.empty():
-                items.append(self.queue.get_nowait())
-            for item in items:
-                if isinstance(item, BaseException):
-                    raise item
-            yield [event for item in items for event in item]  # type: ignore[union-attr]
-
-    def cancel(self, prompt_index: int | None = None) -> None:
-        """Cancel one prompt's engine request, or all of them; frees their columns (thread-safe)."""
-        self.worker.post(("cancel", self, prompt_index))
-
-
-@dataclass(eq=False)
-class _Route:
-    stream: Stream
-    prompt_index: int
-    samples: int
-    arrival: float
-    last: dict[int, float] = field(default_factory=dict)  # sample -> time of its last token
-    finished: int = 0
-
-
 class EngineWorker:
-    """Owns `engine` on a thread of its own. `max_waiting`: most requests queued for columns."""
+    """Owns `engine` on a thread of its own. `max_waiting`: most requests queued for columns;
+    `request_timeout`: seconds from arrival before a live request is ended (None: never)."""
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics, *, max_waiting: int) -> None:
+    def __init__(
+        self, engine: Engine, metrics: ServerMetrics, *, max_waiting: int, request_timeout: float | None = None
+    ) -> None:
         self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
+        self.request_timeout = request_timeout
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._routes: dict[int, _Route] = {}  # engine request id -> where its events go
+        self._routes: dict[int, Route] = {}  # engine request id -> where its events go
+        self._expiry = Deadlines()  # engine request ids by the end of their time (request_timeout)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="batchkv-engine", daemon=True)
         self._steps = 0
@@ -137,6 +101,12 @@ class EngineWorker:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def refuse_batch(self, prompts: int) -> None:
+        """APIError(400) for a batch of more prompts than the queue could ever hold (any thread: the
+        HTTP layer asks before it tokenises them; `submit` asks again)."""
+        if prompts > self.max_waiting:
+            raise _batch_error(prompts, self.max_waiting)
 
     def post(self, command: tuple) -> None:
         """Queue a command for the engine thread (any thread; signal-handler safe)."""
@@ -213,6 +183,7 @@ class EngineWorker:
             if self._deadline is not None and time.monotonic() >= self._deadline:
                 for rid in list(self._routes):  # routes stay: the "cancelled" events end the streams
                     engine.cancel(rid)
+            self._expire()
             if engine.has_work:
                 self._step()
             else:
@@ -234,27 +205,38 @@ class EngineWorker:
         if self._deadline is None or deadline < self._deadline:
             self._deadline = deadline
 
+    def _expire(self) -> None:
+        """Cancel the requests past their time; their "cancelled" events become "timeout" (`_deliver`)."""
+        for rid in self._expiry.due(time.perf_counter(), self._routes.keys()):
+            self._routes[rid].timed_out = True
+            self.engine.cancel(rid)
+
+    def _refusal(self, prompts: int) -> APIError | None:
+        """Why a submit of `prompts` engine requests is refused now, or None."""
+        waiting, most = self.engine.num_waiting, self.max_waiting
+        if self._deadline is not None:
+            return APIError(503, "the server is shutting down; retry on another replica", type="server_error")
+        if prompts > most:
+            return _batch_error(prompts, most)
+        if waiting + prompts > most:
+            message = (f"the server is busy: {waiting} requests are waiting for columns and the queue holds {most} "
+                       "(retry later; the server's --max-waiting sets the queue)")  # fmt: skip
+            return APIError(429, message, type="rate_limit_error", code="queue_full")
+        return None
+
     def _submit(self, stream: Stream, requests: list[Request], arrival: float, done: asyncio.Future) -> None:
         engine = self.engine
-        if self._deadline is not None:
-            error = APIError(503, "the server is shutting down; retry on another replica", type="server_error")
-            self._call(self._resolve, done, error)
-            return
-        if engine.num_waiting + len(requests) > self.max_waiting:
-            error = APIError(
-                429,
-                f"the server is busy: {engine.num_waiting} requests are waiting for columns and the queue holds "
-                f"{self.max_waiting} (retry later; the server's --max-waiting sets the queue)",
-                type="rate_limit_error",
-                code="queue_full",
-            )
+        error = self._refusal(len(requests))
+        if error is not None:
             self._call(self._resolve, done, error)
             return
         try:
             for index, request in enumerate(requests):
                 rid = engine.submit(request)
                 stream.ids.append(rid)
-                self._routes[rid] = _Route(stream, index, request.params.n, arrival)
+                self._routes[rid] = Route(stream, index, request.params.n, arrival)
+                if self.request_timeout is not None:
+                    self._expiry.add(rid, arrival + self.request_timeout)
         except RequestError as exc:
             self._cancel(stream, None)
             self._call(self._resolve, done, APIError(400, str(exc)))
@@ -291,32 +273,8 @@ class EngineWorker:
         self._deliver(events)
 
     def _deliver(self, events: list[Event]) -> None:
-        now = time.perf_counter()
-        deliveries: dict[Stream, list] = {}
-        firsts: dict[Stream, None] = {}  # streams with a sample's first token, in event order
-        for event in events:
-            if event.finish_reason is not None:
-                self.metrics.finished.labels(event.finish_reason).inc()
-            route = self._routes.get(event.request_id)
-            if route is None:
-                continue
-            if event.token is not None:
-                self.metrics.generated.inc()
-                last = route.last.get(event.sample)
-                if last is None:
-                    self.metrics.ttft.observe(now - route.arrival)
-                    firsts[route.stream] = None
-                else:
-                    self.metrics.itl.observe(now - last)
-                route.last[event.sample] = now
-            if event.finish_reason is not None:
-                route.finished += 1
-                if route.finished == route.samples:
-                    del self._routes[event.request_id]
-            deliveries.setdefault(route.stream, []).append((route.prompt_index, event))
+        deliveries = route_events(self._routes, events, self.metrics, time.perf_counter())
         if deliveries:
-            # Readers run in this order: first tokens (a client waiting out its TTFT) before the rest.
-            deliveries = {stream: deliveries[stream] for stream in firsts} | deliveries
             written = threading.Event()
             self._call(self._dispatch, deliveries, written)
             if self._handoff:
@@ -330,6 +288,12 @@ class EngineWorker:
             columns=len(engine.cache.sequences),
             captures=engine.runner.captures,
         )
+
+
+def _batch_error(prompts: int, most: int) -> APIError:
+    message = (f"the request holds {prompts} prompts; this server queues at most {most} (the server's "
+               "--max-waiting), so it could never be admitted: send fewer prompts per request")  # fmt: skip
+    return APIError(400, message, param="prompt", code="batch_too_large")
 
 
 def _ended_error() -> APIError:
