@@ -86,7 +86,7 @@ def test_sdpa_varlens_write_stores_nonfinite_rows_as_the_reference_does_bit_for_
 def test_attention_over_a_written_nonfinite_v_row_gives_nan_not_a_finite_value(config, value):
     poison = poisoned(v_at=(2, 0, 7), value=value)  # sequence 1's second token, KV head 0 (query heads 0 and 1)
     (out, _), (ref, _) = run_both([(1, 0, 40), (2, 1, 9)], config, rows=48, e4m3=True, poison=poison)
-    nan = torch.zeros(4, 4, dtype=torch.bool)  # [token, query head]; token 3 is the padding row
+    nan = torch.zeros(4, 4, dtype=torch.bool, device=out.device)  # [token, query head]; token 3 is the padding row
     nan[1:3, :2] = True  # both of sequence 1's queries: the earlier one's masked p = 0 times NaN too, as in bf16
     assert torch.equal(out.isnan().any(-1), nan) and torch.equal(ref.isnan().any(-1), nan)
     torch.testing.assert_close(out[~nan], ref[~nan], atol=2e-5, rtol=1e-4)

@@ -53,6 +53,24 @@ def test_the_cpu_path_runs_without_triton_or_transformers_and_says_which_extra_i
     assert "pip install 'batchkv[hf]'" in transformers and hf.TRANSFORMERS_RANGE in transformers
 
 
+WITHOUT_SERVE = """
+import sys
+for name in ("fastapi", "starlette", "uvicorn", "prometheus_client"):  # as if `pip install .` alone
+    sys.modules[name] = None
+from batchkv.cli import main
+sys.exit(main(["run", "--requests", "2", "--prompt-len", "4:6", "--output-len", "2:3"]))
+"""
+
+
+def test_batchkv_run_works_without_the_serve_extra():
+    # The README's main command installs no extra: building the CLI (which describes `serve` too)
+    # must not import the HTTP stack.
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", WITHOUT_SERVE], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "generated" in done.stdout or "tokens" in done.stdout
+
+
 WITHOUT_TORCH = """
 import runpy, sys
 sys.argv = ["batchkv", {arg!r}]

@@ -18,53 +18,23 @@ exception text; the traceback goes to the log with the id. CORS headers come onl
 from __future__ import annotations
 
 import contextvars
-import hmac
 import logging
 import re
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from batchkv.serve.access import Access, host_name, key_matches
 from batchkv.serve.protocol import APIError
 
 log = logging.getLogger("batchkv.serve")
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("batchkv_request_id", default="-")
 OPEN_PATHS = frozenset({"/health"})
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-
-
-@dataclass(frozen=True)
-class Access:
-    """Access rules. `api_key` None: no key. `allowed_hosts` None: any Host header (names are
-    compared without the port, case-insensitively). `allowed_origins`: CORS origins (none: no
-    CORS headers at all)."""
-
-    api_key: str | None = None
-    public_metrics: bool = False
-    allowed_hosts: tuple[str, ...] | None = None
-    allowed_origins: tuple[str, ...] = ()
-
-
-def key_matches(header: str | None, key: str) -> bool:
-    """Whether an Authorization header carries `Bearer <key>`; constant time in the key's bytes."""
-    scheme, _, given = (header or "").partition(" ")
-    if scheme.lower() != "bearer":
-        given = ""
-    return hmac.compare_digest(given.strip().encode(), key.encode())
-
-
-def host_name(host: str) -> str:
-    """A Host header's name without its port, lowercased: `[::1]:8000` -> `::1`."""
-    host = host.strip().lower()
-    if host.startswith("["):
-        return host[1 : host.find("]")] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def error_response(status: int, body: dict[str, Any], request_id: str) -> tuple[Message, Message]:
@@ -150,8 +120,3 @@ class Guard:
                     code="unsupported_media_type",
                 )
         return None
-
-
-def loopback_hosts(bound: str) -> tuple[str, ...]:
-    """The Host names a server bound to the loopback address `bound` answers to by default."""
-    return tuple(dict.fromkeys([*LOOPBACK_NAMES, host_name(bound)]))

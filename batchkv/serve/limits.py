@@ -11,10 +11,12 @@ renderer (`templates`). The defaults suit a server facing untrusted clients; the
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from starlette.requests import Request
+from typing import TYPE_CHECKING
 
 from batchkv.serve.protocol import APIError
+
+if TYPE_CHECKING:  # the server's options read `Limits` without the HTTP stack installed
+    from starlette.requests import Request
 
 CHARS_PER_TOKEN = 8  # a text prompt may have this many characters per token of --max-prompt-tokens
 

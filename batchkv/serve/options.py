@@ -16,7 +16,7 @@ from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
 from batchkv.cli import bounded
 from batchkv.errors import ConfigError
 from batchkv.frontend import MODES, add_engine_options, add_scheduling_options
-from batchkv.serve.guard import Access, loopback_hosts
+from batchkv.serve.access import Access, loopback_hosts
 from batchkv.serve.limits import Limits
 
 DEFAULT_CAPACITY = 4096
