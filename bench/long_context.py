@@ -54,10 +54,14 @@ def serve(engine: Engine, prompts, outputs, device) -> dict:
     reach = {rid: min(engine.cache.capacity, len(p) + o - 1) for rid, p, o in zip(ids, prompts, outputs, strict=True)}
     done_at: dict[int, float] = {}
     tokens: dict[int, int] = dict.fromkeys(ids, 0)
-    resident_max = reach_max = 0
+    resident_max = reach_max = steps = 0
     sync(device)
     start = time.perf_counter()
     while engine.has_work:
+        steps += 1
+        if steps % 500 == 0:
+            print(f"  step {steps} at {time.perf_counter() - start:.1f} s: {len(done_at)} done, "
+                  f"{len(engine.cache.sequences)} columns held, {engine.num_waiting} waiting", flush=True)  # fmt: skip
         for event in engine.step():
             if event.token is not None:
                 tokens[event.request_id] += 1
@@ -124,6 +128,9 @@ def main() -> None:
     result["resident_max"] = mixed["resident_max"]
     result["store_over_reach"] = store / (mixed["reach_max_positions"] * per_position)
     engine.close()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")  # the mixed run, in case the rest is cut short
+    print(f"mixed: {json.dumps({k: v for k, v in result['mixed'].items() if k != 'summary'})}", flush=True)
 
     short = [(p, o) for p, o, long in zip(prompts, outputs, is_long, strict=True) if not long]
     alone_capacity = max(len(p) + o for p, o in short)
