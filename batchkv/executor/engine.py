@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -171,6 +172,7 @@ class Engine:
         graphs = GraphSet(self.device) if use_graphs is not False and capturable else None
         self.buckets = buckets
         self.vocab_size = int(model.vocab_size)
+        self.eos_token_ids = tuple(getattr(model, "eos_token_ids", None) or ())  # merged into requests' stops
         self.scheduler = Scheduler(self.cache, max_step_tokens, prefill_chunk, buckets, prefill_budget)
         self.metrics = Metrics(max_seqs, generation=self.cache.generation)
         what, nbytes = "the step inputs and logits", ModelRunner.nbytes(buckets[-1], self.vocab_size)
@@ -238,6 +240,7 @@ class Engine:
             self.metrics.refused += 1
             raise RequestError(f"request refused: {problem}")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        request = replace(request, params=params.stopping_at(self.eos_token_ids))  # unless ignore_eos
         request_id = self._next_id
         self._next_id += 1
         self.scheduler.add(RequestState(request_id, request, seed, time.perf_counter()))

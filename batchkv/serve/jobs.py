@@ -125,6 +125,8 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
     if body.top_k < -1:
         raise APIError(400, f"top_k is {body.top_k}; use -1 or 0 (off) or a positive integer", param="top_k")
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    # The engine also stops at its model's own EOS ids unless ignore_eos; info.eos_ids covers models
+    # whose object carries none (SenseNova-U1 directories: their generation_config's).
     stop_ids = tuple(body.stop_token_ids) + (() if body.ignore_eos else info.eos_ids)
     requests = []
     for prompt in prompts:
@@ -147,6 +149,7 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
                 seed=body.seed,
                 stop_token_ids=stop_ids,
                 n=body.n,
+                ignore_eos=body.ignore_eos,
             )
             requests.append(Request(prompt, params))
         except RequestError as exc:  # the message starts with the field: "top_p is 1.5", "prompt_ids[1] is -2"

@@ -167,7 +167,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `batchkv serve`."""
     m = p.add_argument_group("model")
     m.add_argument(
-        "--model", required=True, metavar="PATH_OR_PRESET", help="a transformers model directory or a preset"
+        "--model",
+        required=True,
+        metavar="PATH_OR_PRESET",
+        help="a transformers model directory, a GGUF file or a preset",
     )
     m.add_argument("--served-model-name", metavar="NAME", help="the name clients send as `model` (default: --model)")
     m.add_argument(
