@@ -306,7 +306,7 @@ class EngineWorker:
                 if last is None:
                     self.metrics.ttft.observe(now - route.arrival)
                     firsts[route.stream] = None
-                else:
+                elif last != now:  # tokens accepted in one verify step arrive together: one gap, not zeros
                     self.metrics.itl.observe(now - last)
                 route.last[event.sample] = now
             if event.finish_reason is not None:
