@@ -28,7 +28,11 @@ class Parser(argparse.ArgumentParser):
 
 
 class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults after each option; the epilog (the workload format) printed as written."""
+    """Defaults after each option (none where the default is None: the help says what None
+    means); the epilog (the workload format) printed as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def bounded(kind: type, lo: float, hi: float | None = None, *, open_lo: bool = False):

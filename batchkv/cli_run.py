@@ -14,6 +14,7 @@ from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
 from batchkv.cli import EXIT_INTERRUPTED, EXIT_REFUSED, Help, bounded, one_line
 from batchkv.errors import ConfigError
 from batchkv.executor.report import TOKENS_HELP
+from batchkv.executor.sizing import DEFAULT_CAPACITY, DEFAULT_PREFILL_CHUNK, DEFAULT_STEP_TOKENS
 from batchkv.executor.workload import JSONL_HELP
 from batchkv.frontend import (
     MODES,
@@ -97,12 +98,17 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     e.add_argument(
         "--capacity",
         type=or_auto(bounded(int, 2, positions)),
-        default=256,
-        help="most positions per sequence; auto: the model's limit, else 4096",
+        help=f"most positions per sequence (default: min({DEFAULT_CAPACITY}, the model's limit), as serve; "
+        f"auto: the model's limit, else {DEFAULT_CAPACITY})",
     )
     steps = bounded(int, 1, MAX_STEP_TOKENS)
-    e.add_argument("--max-step-tokens", type=steps, default=64, help="token budget of one step")
-    e.add_argument("--prefill-chunk", type=bounded(int, 1), default=32, help="most prompt tokens per sequence per step")
+    e.add_argument("--max-step-tokens", type=steps, default=DEFAULT_STEP_TOKENS, help="token budget of one step")
+    e.add_argument(
+        "--prefill-chunk",
+        type=bounded(int, 1),
+        help=f"most prompt tokens per sequence per step (default: {DEFAULT_PREFILL_CHUNK}, within --capacity "
+        "and --max-step-tokens)",
+    )
     e.add_argument("--graphs", choices=tuple(MODES), default="auto", help="CUDA graphs (auto: on CUDA)")
     e.add_argument(
         "--threads",
@@ -133,6 +139,13 @@ def _build_model(preset: str, device: str, seed: int):
             f"model {preset!r} is unavailable: batchkv.models.sensenova cannot be imported ({exc})"
         ) from exc
     return build_model(preset, device, seed=seed)
+
+
+def _capacity(flag: int | str | None, limit: int | None) -> int | None:
+    """--capacity: None (the default) min(4096, the model's limit); auto: the Engine's (the limit, else 4096)."""
+    if flag == "auto":
+        return None
+    return flag if flag is not None else min(DEFAULT_CAPACITY, limit or DEFAULT_CAPACITY)
 
 
 def _check_writable(path: str, flag: str) -> None:
@@ -194,13 +207,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = _build_model(args.model, device, args.seed)
+    capacity = _capacity(args.capacity, getattr(model, "max_positions", None))
     speculative = speculative_option(args, model)
     engine = Engine(
         model,
         **scheduling_kwargs(args),
-        capacity=None if args.capacity == "auto" else args.capacity,
+        capacity=capacity,
         max_step_tokens=args.max_step_tokens,
-        prefill_chunk=args.prefill_chunk,
+        prefill_chunk=args.prefill_chunk,  # None: the Engine's default, within capacity and the step budget
         device=device,
         use_graphs=MODES[args.graphs],
         seed=args.seed,

@@ -27,7 +27,14 @@ from batchkv.executor.pipeline import InFlight, Pipeline
 from batchkv.executor.request import MAX_SAMPLE_ROWS, Event, Request
 from batchkv.executor.runner import ModelRunner, StepModel
 from batchkv.executor.scheduler import RequestState, Scheduler
-from batchkv.executor.sizing import Sizing, check_fraction, model_capacity, size_store
+from batchkv.executor.sizing import (
+    DEFAULT_STEP_TOKENS,
+    Sizing,
+    check_fraction,
+    default_prefill_chunk,
+    model_capacity,
+    size_store,
+)
 from batchkv.executor.speculative import NoSpeculation, SpeculativeConfig, Speculator, build_speculator
 
 
@@ -55,8 +62,10 @@ class Engine:
         use for everything (weights, activations, graphs, K/V), like vLLM's gpu_memory_utilization.
     capacity: most positions (prompt + generated) one sequence may hold; None: the model's
         `max_positions` when it has one, else `DEFAULT_CAPACITY` (4096).
-    max_step_tokens: token budget of one step (decode tokens + prompt chunks).
-    prefill_chunk: most prompt tokens one sequence writes in one step (the cache's max_write).
+    max_step_tokens: token budget of one step (decode tokens + prompt chunks); default
+        `DEFAULT_STEP_TOKENS` (1,024), as `batchkv run` and `batchkv serve`.
+    prefill_chunk: most prompt tokens one sequence writes in one step (the cache's max_write);
+        None: `DEFAULT_PREFILL_CHUNK` (512) within capacity and max_step_tokens.
     prefill_budget: most prompt tokens per step, all prompts together, while samples are running
         (with none running a step fills the step budget). None: half of max_step_tokens, at least one
         prefill_chunk (`default_prefill_budget`, measured on the H200). Lower keeps steps short while
@@ -91,8 +100,8 @@ class Engine:
         *,
         max_seqs: int | str = 8,
         capacity: int | None = None,
-        max_step_tokens: int = 128,
-        prefill_chunk: int = 64,
+        max_step_tokens: int = DEFAULT_STEP_TOKENS,
+        prefill_chunk: int | None = None,
         width_buckets: Sequence[int] | None = None,
         device: torch.device | str | None = None,
         use_graphs: bool | str = "auto",
@@ -115,6 +124,8 @@ class Engine:
         why = " (a prompt and a generated token; positions are int32)"
         capacity = int_arg("Engine capacity", capacity, 2, MAX_POSITIONS, why=why)
         why = f" (at most capacity={capacity} and max_step_tokens={max_step_tokens})"
+        if prefill_chunk is None:
+            prefill_chunk = default_prefill_chunk(capacity, max_step_tokens)
         prefill_chunk = int_arg("Engine prefill_chunk", prefill_chunk, 1, min(capacity, max_step_tokens), why=why)
         seed = int_arg("Engine seed", seed)
         row_buckets = int_args("Engine row_buckets", row_buckets, 1, MAX_POSITIONS)

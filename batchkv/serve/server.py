@@ -17,6 +17,7 @@ import sys
 from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
 from batchkv.cli import bounded
 from batchkv.errors import ConfigError
+from batchkv.executor.sizing import DEFAULT_CAPACITY, DEFAULT_PREFILL_CHUNK, DEFAULT_STEP_TOKENS
 from batchkv.frontend import (
     MODES,
     add_engine_options,
@@ -26,7 +27,6 @@ from batchkv.frontend import (
     speculative_option,
 )
 
-DEFAULT_CAPACITY = 4096
 MAX_DRAIN_SECONDS = 86400.0
 
 
@@ -114,7 +114,7 @@ def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) 
         **scheduling_kwargs(args),
         capacity=capacity,
         max_step_tokens=args.max_step_tokens,
-        prefill_chunk=min(args.prefill_chunk, capacity, args.max_step_tokens),
+        prefill_chunk=args.prefill_chunk,  # None: the Engine's default, within capacity and the step budget
         device=device,
         use_graphs=MODES[args.graphs],
         seed=args.seed,
@@ -195,14 +195,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--max-step-tokens",
         type=bounded(int, 1, MAX_STEP_TOKENS),
-        default=512,
+        default=DEFAULT_STEP_TOKENS,
         help="token budget of one step (%(default)s)",
     )
     e.add_argument(
         "--prefill-chunk",
         type=bounded(int, 1),
-        default=256,
-        help="most prompt tokens per sequence per step (%(default)s)",
+        help=f"most prompt tokens per sequence per step (default {DEFAULT_PREFILL_CHUNK}, within --capacity and "
+        "--max-step-tokens)",
     )
     e.add_argument(
         "--max-waiting",
