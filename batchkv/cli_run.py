@@ -62,7 +62,13 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     )
     positions = MAX_POSITIONS  # int32 positions on the device
     m = p.add_argument_group("model")
-    m.add_argument("--model", choices=MODELS, default=CPU_MODEL, help="model preset (random weights)")
+    m.add_argument(
+        "--model",
+        default=CPU_MODEL,
+        metavar="PRESET_OR_PATH",
+        help=f"a preset ({', '.join(MODELS)}: random weights) or a real model: a transformers directory "
+        "(Llama, Qwen3, SenseNova-U1) or a GGUF file",
+    )
     m.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available")
     m.add_argument("--seed", type=bounded(int, 0), default=0, help="seed of the weights, the workload and the sampling")
     w = p.add_argument_group("workload")
@@ -131,7 +137,12 @@ def add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _build_model(preset: str, device: str, seed: int):
-    """The SenseNova-U1 language model with random weights (imported lazily: heavy, and optional)."""
+    """A preset's SenseNova-U1 model with random weights, or the model a path names (a transformers
+    directory or a GGUF file, loaded as `batchkv serve` loads it). Imported lazily: heavy, optional."""
+    if preset not in MODELS:
+        from batchkv.serve.loading import load_served_model
+
+        return load_served_model(preset, device, seed=seed).model
     try:
         from batchkv.models import build_model
     except ImportError as exc:
@@ -169,7 +180,11 @@ def _run_device(args: argparse.Namespace) -> str:
     from batchkv import ops
 
     cuda = torch.cuda.is_available()
-    small = args.model == CPU_MODEL
+    if args.model not in MODELS and not os.path.exists(args.model):
+        raise ConfigError(
+            f"--model {args.model}: neither a preset ({', '.join(MODELS)}) nor an existing directory or GGUF file"
+        )
+    small = args.model not in MODELS or args.model == CPU_MODEL  # a real model runs wherever it fits
     device = ("cuda" if cuda else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not cuda:
         fix = "use --device cpu (or auto)" if small else f"{args.model} needs a GPU: here use --model {CPU_MODEL}"
