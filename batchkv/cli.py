@@ -1,4 +1,4 @@
-"""The `batchkv` command: run | serve | export | inspect (benchmarks live in bench/, run as scripts).
+"""The `batchkv` command: run | serve | score | export | inspect (benchmarks live in bench/, run as scripts).
 
 Each subcommand adds its own options (`_add_*`) and runs in its own function (`_cmd_*`); `run`
 lives in `batchkv.cli_run`. A user error is one line on stderr and exit status 2, never a
@@ -23,6 +23,7 @@ COMMANDS = {  # each subcommand's help line, in `batchkv --help` order
     "serve": "serve a model over an OpenAI-compatible HTTP API",
     "export": "write a manifest: the KV cache geometry an exported model needs",
     "inspect": "validate a manifest, then print its cache geometry and memory",
+    "score": "check a K/V storage dtype on your own text: perplexity, top-1 agreement, KL",
 }
 
 
@@ -34,7 +35,11 @@ class Parser(argparse.ArgumentParser):
 
 
 class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults after each option; the epilog (the workload format) printed as written."""
+    """Defaults after each option (none where the default is None: the help says what None
+    means); the epilog (the workload format) printed as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def bounded(kind: type, lo: float, hi: float | None = None, *, open_lo: bool = False):
@@ -262,6 +267,58 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def _add_score(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "score",
+        help=COMMANDS["score"],
+        description="Teacher-force each text file through the model twice, K/V stored as --kv-dtype and as "
+        "--reference (batchkv.score), and print perplexity under each, top-1 agreement and mean KL.",
+        formatter_class=Help,
+    )
+    p.add_argument("--model", required=True, metavar="PATH", help="a transformers directory or a GGUF file")
+    p.add_argument("files", nargs="+", metavar="FILE", help="UTF-8 text files (tokenized with the model's tokenizer)")
+    p.add_argument("--kv-dtype", default="fp8", help="storage dtype tested (fp8 is e4m3)")
+    p.add_argument("--reference", default="bfloat16", help="storage dtype compared against")
+    p.add_argument("--chunk", type=bounded(int, 1, 1 << 16), default=64, help="tokens per prompt chunk")
+    p.add_argument("--max-tokens", type=bounded(int, 2), default=4096, help="score at most this many tokens per file")
+    p.add_argument("--key-rotation", action="store_true", help="rotate e4m3 keys (CacheConfig.key_rotation)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available")
+    p.add_argument("--threads", type=bounded(int, 0, 4096), default=0, help="CPU threads for torch (0: its default)")
+    p.set_defaults(func=_cmd_score)
+
+
+def _cmd_score(args: argparse.Namespace) -> int:
+    import torch
+
+    from batchkv.dtypes import dtype_named
+    from batchkv.score import make_cache, score_caches
+    from batchkv.serve.loading import load_served_model
+
+    texts = []
+    for path in args.files:
+        with open(path, encoding="utf-8") as f:
+            texts.append(f.read())
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    tested_dtype, reference_dtype = (dtype_named("float8_e4m3fn" if d == "fp8" else d) for d in
+                                     (args.kv_dtype, args.reference))  # fmt: skip
+    served = load_served_model(args.model, device)
+    if served.tokenizer is None:
+        raise ConfigError(f"--model {args.model} has no tokenizer; batchkv score reads text")
+    print(f"{'file':<32} {'tokens':>7} {'ppl ' + args.reference:>14} {'ppl ' + args.kv_dtype:>14} "
+          f"{'change':>8} {'top-1':>7} {'KL':>9}")  # fmt: skip
+    for path, text in zip(args.files, texts, strict=True):
+        ids = served.tokenizer(text).input_ids[: args.max_tokens]
+        extra = {"key_rotation": True} if args.key_rotation else {}
+        tested = make_cache(served.model, tested_dtype, max(len(ids), 2), args.chunk, **extra)
+        reference = make_cache(served.model, reference_dtype, max(len(ids), 2), args.chunk)
+        s = score_caches(served.model, ids, [tested], reference, args.chunk)[0]
+        print(f"{path[-32:]:<32} {s.tokens:>7} {s.reference_ppl:>14.4f} {s.ppl:>14.4f} {s.ppl_change:>+8.2%} "
+              f"{s.top1_agreement:>7.2%} {s.kl_mean:>9.5f}")  # fmt: skip
+    return 0
+
+
 def build_parser(full: bool = True) -> Parser:
     """The `batchkv` parser; `full=False` gives the commands their help lines only (no imports)."""
     top = Parser(prog="batchkv", description=__doc__.splitlines()[0])
@@ -277,6 +334,7 @@ def build_parser(full: bool = True) -> Parser:
     _add_serve(sub)
     _add_export(sub)
     _add_inspect(sub)
+    _add_score(sub)
     return top
 
 

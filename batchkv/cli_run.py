@@ -14,6 +14,7 @@ from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
 from batchkv.cli import COMMANDS, EXIT_INTERRUPTED, EXIT_REFUSED, Help, bounded, one_line
 from batchkv.errors import ConfigError
 from batchkv.executor.report import TOKENS_HELP
+from batchkv.executor.sizing import DEFAULT_CAPACITY, DEFAULT_PREFILL_CHUNK, DEFAULT_STEP_TOKENS
 from batchkv.executor.workload import JSONL_HELP
 from batchkv.frontend import (
     MODES,
@@ -61,7 +62,13 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     )
     positions = MAX_POSITIONS  # int32 positions on the device
     m = p.add_argument_group("model")
-    m.add_argument("--model", choices=MODELS, default=CPU_MODEL, help="model preset (random weights)")
+    m.add_argument(
+        "--model",
+        default=CPU_MODEL,
+        metavar="PRESET_OR_PATH",
+        help=f"a preset ({', '.join(MODELS)}: random weights) or a real model: a transformers directory "
+        "(Llama, Qwen3, SenseNova-U1) or a GGUF file",
+    )
     m.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available")
     m.add_argument("--seed", type=bounded(int, 0), default=0, help="seed of the weights, the workload and the sampling")
     w = p.add_argument_group("workload")
@@ -97,12 +104,17 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     e.add_argument(
         "--capacity",
         type=or_auto(bounded(int, 2, positions)),
-        default=256,
-        help="most positions per sequence; auto: the model's limit, else 4096",
+        help=f"most positions per sequence (default: min({DEFAULT_CAPACITY}, the model's limit), as serve; "
+        f"auto: the model's limit, else {DEFAULT_CAPACITY})",
     )
     steps = bounded(int, 1, MAX_STEP_TOKENS)
-    e.add_argument("--max-step-tokens", type=steps, default=64, help="token budget of one step")
-    e.add_argument("--prefill-chunk", type=bounded(int, 1), default=32, help="most prompt tokens per sequence per step")
+    e.add_argument("--max-step-tokens", type=steps, default=DEFAULT_STEP_TOKENS, help="token budget of one step")
+    e.add_argument(
+        "--prefill-chunk",
+        type=bounded(int, 1),
+        help=f"most prompt tokens per sequence per step (default: {DEFAULT_PREFILL_CHUNK}, within --capacity "
+        "and --max-step-tokens)",
+    )
     e.add_argument("--graphs", choices=tuple(MODES), default="auto", help="CUDA graphs (auto: on CUDA)")
     e.add_argument(
         "--threads",
@@ -125,7 +137,12 @@ def add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _build_model(preset: str, device: str, seed: int):
-    """The SenseNova-U1 language model with random weights (imported lazily: heavy, and optional)."""
+    """A preset's SenseNova-U1 model with random weights, or the model a path names (a transformers
+    directory or a GGUF file, loaded as `batchkv serve` loads it). Imported lazily: heavy, optional."""
+    if preset not in MODELS:
+        from batchkv.serve.loading import load_served_model
+
+        return load_served_model(preset, device, seed=seed).model
     try:
         from batchkv.models import build_model
     except ImportError as exc:
@@ -133,6 +150,13 @@ def _build_model(preset: str, device: str, seed: int):
             f"model {preset!r} is unavailable: batchkv.models.sensenova cannot be imported ({exc})"
         ) from exc
     return build_model(preset, device, seed=seed)
+
+
+def _capacity(flag: int | str | None, limit: int | None) -> int | None:
+    """--capacity: None (the default) min(4096, the model's limit); auto: the Engine's (the limit, else 4096)."""
+    if flag == "auto":
+        return None
+    return flag if flag is not None else min(DEFAULT_CAPACITY, limit or DEFAULT_CAPACITY)
 
 
 def _check_writable(path: str, flag: str) -> None:
@@ -156,7 +180,11 @@ def _run_device(args: argparse.Namespace) -> str:
     from batchkv import ops
 
     cuda = torch.cuda.is_available()
-    small = args.model == CPU_MODEL
+    if args.model not in MODELS and not os.path.exists(args.model):
+        raise ConfigError(
+            f"--model {args.model}: neither a preset ({', '.join(MODELS)}) nor an existing directory or GGUF file"
+        )
+    small = args.model not in MODELS or args.model == CPU_MODEL  # a real model runs wherever it fits
     device = ("cuda" if cuda else "cpu") if args.device == "auto" else args.device
     if device == "cuda" and not cuda:
         fix = "use --device cpu (or auto)" if small else f"{args.model} needs a GPU: here use --model {CPU_MODEL}"
@@ -194,13 +222,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = _build_model(args.model, device, args.seed)
+    capacity = _capacity(args.capacity, getattr(model, "max_positions", None))
     speculative = speculative_option(args, model)
     engine = Engine(
         model,
         **scheduling_kwargs(args),
-        capacity=None if args.capacity == "auto" else args.capacity,
+        capacity=capacity,
         max_step_tokens=args.max_step_tokens,
-        prefill_chunk=args.prefill_chunk,
+        prefill_chunk=args.prefill_chunk,  # None: the Engine's default, within capacity and the step budget
         device=device,
         use_graphs=MODES[args.graphs],
         seed=args.seed,

@@ -219,3 +219,15 @@ def test_seeded_speculative_sampling_is_reproducible_whatever_the_batch(model):
         crowded.submit(Request([i, 9, i, 9, i], SamplingParams(max_new_tokens=10, temperature=1.0, seed=i)))
     rid = crowded.submit(request)
     assert gather(crowded.run_until_done())[rid].tokens == tokens
+
+
+def test_inter_token_latency_under_speculation_is_one_gap_per_verify_step_never_zero(model):
+    schedule = repetitive_schedule(3)
+    spec = SpeculativeConfig("ngram", block_size=5)
+    _, _, engine = plain_and_speculative(model, schedule, spec, proposer=partial(ForcedProposer, vocab=97), **OPTS)
+    m = engine.metrics
+    summary = m.summary()
+    assert summary["itl_per"] == "verify step" and summary["itl_ms_p50"] > 0
+    assert min(m.inter_token) > 0  # tokens accepted together are one arrival, not gaps of 0 ms
+    samples = sum(request.params.n for _, request in schedule)
+    assert len(m.inter_token) < m.generated_tokens - samples  # fewer gaps than tokens after the first

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from batchkv import ops
+from batchkv.cache import rotation
 from batchkv.cache.config import CacheConfig
 from batchkv.cache.contract import check_attend_args
 from batchkv.cache.staging import Staging
@@ -80,6 +81,7 @@ class BatchedSequenceCache:
         sizes = (config.max_width, len(self._store.groups), config.max_segments)
         with allocating("the step buffers", Staging.nbytes(StepBuffers.sizes(*sizes)), "lower max_width or max_seqs"):
             self._buffers = StepBuffers(*sizes, self.device)
+        self._rotation = rotation.build_rotation(config, self.device)  # None unless e4m3 keys rotate
         self._lengths: dict[int, int] = {}  # id -> positions held
         self._high_water: dict[int, int] = {}  # id -> most positions ever written (ring floor)
         self._height: dict[int, int] = {}  # id -> rows of its flat extent (positions it holds without moving)
@@ -350,6 +352,8 @@ class BatchedSequenceCache:
         if not 0 < n <= cfg.capacity:
             raise CapacityError(f"_load_prefix: {n} positions is outside [1, capacity={cfg.capacity}]")
         self._resize({seq: cfg.rows_for(n)})
+        if self._rotation is not None:  # the store holds rotated keys
+            keys = [self._rotation.rotate_keys(k) for k in keys]
         for layer in range(cfg.num_layers):
             self._store.write_column(seq, layer, keys[layer], values[layer])
         self._lengths[seq] = n
@@ -362,7 +366,8 @@ class BatchedSequenceCache:
         Host side; package-internal (the facade's `to_dynamic_cache`)."""
         self._known(seq)
         pairs = [self._store.read_column(seq, layer, n) for layer in range(self.config.num_layers)]
-        return [k for k, _ in pairs], [v for _, v in pairs]
+        keys = [k if self._rotation is None else self._rotation.unrotate(k) for k, _ in pairs]
+        return keys, [v for _, v in pairs]
 
     # ---- step protocol (host) -----------------------------------------------------------------
     def declare_step(self, seq_ids: Sequence[int]) -> None:
@@ -481,6 +486,8 @@ class BatchedSequenceCache:
         width, cfg = self._width, self.config
         if not causal and self._plan is not None and self._plan.split:
             raise StepError("a non-causal step needs each sequence's tokens in one run (a draft block is one segment)")
+        if self._rotation is not None:  # e4m3 keys: rotate q and k alike (q . k unchanged), V as is
+            q, k = self._rotation.rotate(q, k)
         store, group = self._store.layer(layer), self._store.group_of[layer]
         slots = self._buffers.slots[group, :width]
         return self._attend(  # the step's K/V written first (a kv_write launch, or inside the attention)

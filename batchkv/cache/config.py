@@ -22,6 +22,7 @@ FIRST_ROWS = 256  # first extent (and pool) height when no bucket schedule is gi
 SCRATCH_ROWS = 16  # rows padded tokens write to (spread over a few rows; nothing reads them)
 MAX_POSITIONS = 2**31 - 1  # kv_end and positions travel as int32 in seq_info
 MAX_STEP_TOKENS = 1 << 20  # packed tokens of one step: sizes the static step buffers
+ROTATE_E4M3_KEYS = False  # key_rotation=None on an e4m3 store: off, short of the accuracy target (docs)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,11 @@ class CacheConfig:
     kv_dtype: storage dtype (default `dtype`: K/V are cast to it on write). `torch.float8_e4m3fn`
         stores e4m3 codes plus an fp32 scale per (position, KV head) beside them (see
         `batchkv.ops.support`): half the bytes of bf16 per position, and 3% for the scales.
+    key_rotation: rotate q and k per head by a normalised Walsh-Hadamard matrix before e4m3
+        quantisation (`batchkv.cache.rotation`; q . k and the output unchanged in exact arithmetic,
+        less rounding error on a trained model's keys: docs/design.md has the numbers). None
+        (default): `ROTATE_E4M3_KEYS` (off) for e4m3 stores of a power-of-two head_dim, off
+        otherwise; True needs such a store.
     max_segments: most runs in one step; default `2 * max_seqs`.
     max_width: most packed tokens in one step (static buffer size); default `max_seqs * max_write`,
         at most MAX_STEP_TOKENS.
@@ -83,6 +89,7 @@ class CacheConfig:
     layers: tuple[LayerSpec, ...] = ()
     dtype: torch.dtype = torch.bfloat16
     kv_dtype: torch.dtype | None = None
+    key_rotation: bool | None = None
     max_segments: int = 0
     max_width: int = 0
     buckets: tuple[int, ...] = ()
@@ -115,6 +122,16 @@ class CacheConfig:
         problem = refusal(kv_dtype, self.head_dim, backend="reference")
         if problem:
             raise ConfigError(f"CacheConfig: {problem}")
+        if self.key_rotation not in (None, True, False):
+            raise ConfigError(f"CacheConfig.key_rotation is {self.key_rotation!r}; use None (auto), True or False")
+        power_of_two = self.head_dim & (self.head_dim - 1) == 0  # a Walsh-Hadamard size
+        if self.key_rotation and not (quantized(kv_dtype) and power_of_two):
+            raise ConfigError(
+                f"CacheConfig.key_rotation=True needs an e4m3 store and a power-of-two head_dim; "
+                f"kv_dtype is {kv_dtype}, head_dim {self.head_dim} (use key_rotation=None or False)"
+            )
+        rotate = quantized(kv_dtype) and power_of_two and ROTATE_E4M3_KEYS
+        key_rotation = rotate if self.key_rotation is None else self.key_rotation
         max_segments = self.max_segments or 2 * self.max_seqs
         if max_segments < self.max_seqs:
             raise ConfigError(f"CacheConfig.max_segments is {max_segments}; it must be >= max_seqs ({self.max_seqs})")
@@ -134,6 +151,7 @@ class CacheConfig:
         )
         object.__setattr__(self, "layers", layers)
         object.__setattr__(self, "kv_dtype", kv_dtype)
+        object.__setattr__(self, "key_rotation", key_rotation)
         object.__setattr__(self, "max_segments", max_segments)
         object.__setattr__(self, "max_width", max_width)
         object.__setattr__(self, "_ring_rows", ring_rows)

@@ -27,7 +27,14 @@ from batchkv.executor.pipeline import InFlight, Pipeline
 from batchkv.executor.request import MAX_SAMPLE_ROWS, Event, Request
 from batchkv.executor.runner import ModelRunner, StepModel
 from batchkv.executor.scheduler import RequestState, Scheduler
-from batchkv.executor.sizing import Sizing, check_fraction, model_capacity, size_store
+from batchkv.executor.sizing import (
+    DEFAULT_STEP_TOKENS,
+    Sizing,
+    check_fraction,
+    default_prefill_chunk,
+    model_capacity,
+    size_store,
+)
 from batchkv.executor.speculative import NoSpeculation, SpeculativeConfig, Speculator, build_speculator
 
 
@@ -60,8 +67,10 @@ class Engine:
         may use for everything (weights, activations, graphs, K/V), like vLLM's gpu_memory_utilization.
     capacity: most positions (prompt + generated) one sequence may hold; None: the model's
         `max_positions` when it has one, else `DEFAULT_CAPACITY` (4096).
-    max_step_tokens: token budget of one step (decode tokens + prompt chunks).
-    prefill_chunk: most prompt tokens one sequence writes in one step (the cache's max_write).
+    max_step_tokens: token budget of one step (decode tokens + prompt chunks); default
+        `DEFAULT_STEP_TOKENS` (1,024), as `batchkv run` and `batchkv serve`.
+    prefill_chunk: most prompt tokens one sequence writes in one step (the cache's max_write);
+        None: `DEFAULT_PREFILL_CHUNK` (512) within capacity and max_step_tokens.
     prefill_budget: most prompt tokens per step, all prompts together, while samples are running
         (with none running a step fills the step budget). None: half of max_step_tokens, at least one
         prefill_chunk (`default_prefill_budget`, measured on the H200). Lower keeps steps short while
@@ -96,8 +105,8 @@ class Engine:
         *,
         max_seqs: int | str = 8,
         capacity: int | None = None,
-        max_step_tokens: int = 128,
-        prefill_chunk: int = 64,
+        max_step_tokens: int = DEFAULT_STEP_TOKENS,
+        prefill_chunk: int | None = None,
         width_buckets: Sequence[int] | None = None,
         device: torch.device | str | None = None,
         use_graphs: bool | str = "auto",
@@ -121,6 +130,8 @@ class Engine:
         why = " (a prompt and a generated token; positions are int32)"
         capacity = int_arg("Engine capacity", capacity, 2, MAX_POSITIONS, why=why)
         why = f" (at most capacity={capacity} and max_step_tokens={max_step_tokens})"
+        if prefill_chunk is None:
+            prefill_chunk = default_prefill_chunk(capacity, max_step_tokens)
         prefill_chunk = int_arg("Engine prefill_chunk", prefill_chunk, 1, min(capacity, max_step_tokens), why=why)
         seed = int_arg("Engine seed", seed)
         row_buckets = int_args("Engine row_buckets", row_buckets, 1, MAX_POSITIONS)
@@ -180,6 +191,7 @@ class Engine:
         graphs = GraphSet(self.device) if use_graphs is not False and capturable else None
         self.buckets = buckets
         self.vocab_size = int(model.vocab_size)
+        self.eos_token_ids = tuple(getattr(model, "eos_token_ids", None) or ())  # merged into requests' stops
         self.scheduler = Scheduler(self.cache, max_step_tokens, prefill_chunk, buckets, prefill_budget, sample_rows)
         self.metrics = Metrics(max_seqs, generation=self.cache.generation)
         what, nbytes = "the step inputs and logits", ModelRunner.nbytes(buckets[-1], self.vocab_size, sample_rows)
@@ -284,6 +296,7 @@ class Engine:
             self.metrics.refused += 1
             raise RequestError(f"request refused: {problem}")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        request = replace(request, params=params.stopping_at(self.eos_token_ids))  # unless ignore_eos
         request_id = self._next_id
         self._next_id += 1
         self.scheduler.add(RequestState(request_id, request, seed, time.perf_counter()))

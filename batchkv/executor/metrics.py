@@ -4,7 +4,10 @@ Times are host wall-clock seconds. A step's time is one `Engine.step()` call tha
 planning and queueing it, and finishing a step (reading its tokens, bookkeeping). With overlap the
 call finishes the previous step, so in steady state its time is the device's time per step (or the
 host's, whichever is longer); without, it is the whole step end to end. A token's time is when the
-host read it. Inter-token latency is the gap between two consecutive tokens of one sample; time to
+host read it. Inter-token latency is the gap between two consecutive arrivals of one sample's
+tokens: one token per step without speculation; under speculation one verify step's accepted run,
+so it is reported per verify step (`itl_per` says which), never as the 0 ms between tokens that
+arrived together. Time to
 first token runs from submit to a request's first token, once per request (its n samples take their
 first tokens from the same step: counting each would weigh a request by its n).
 """
@@ -103,22 +106,22 @@ class Metrics:
     def record_tokens(self, now: float, previous: float | None, submitted: float | None, count: int = 1) -> None:
         """`count` tokens of one sample arriving together (a verify segment's accepted run);
         `previous` is the sample's last token time (None before its first); `submitted` the request's
-        submit time when this sample's first token counts as the request's (None: it does not). The
-        tokens after the first of a run arrive with it: their inter-token latency is 0."""
-        for _ in range(count):
-            self.generated_tokens += 1
-            if previous is None:
-                if submitted is not None:
-                    self.first_token.append(now - submitted)
-            else:
-                self.inter_token.append(now - previous)
-            previous = now
+        submit time when this sample's first token counts as the request's (None: it does not). A run
+        is one arrival: one inter-token gap (per verify step), not one per token."""
+        if count <= 0:
+            return
+        self.generated_tokens += count
+        if previous is None:
+            if submitted is not None:
+                self.first_token.append(now - submitted)
+        else:
+            self.inter_token.append(now - previous)
 
     @property
     def elapsed(self) -> float:
         return 0.0 if self.first_start is None else self.last_end - self.first_start
 
-    def summary(self) -> dict[str, float | int | dict[str, int]]:
+    def summary(self) -> dict[str, float | int | str | dict[str, int]]:
         """Derived metrics: throughput, latency percentiles (ms), occupancy, graph counters."""
         elapsed = self.elapsed
         steps = max(self.steps, 1)
@@ -138,6 +141,7 @@ class Metrics:
             "step_ms_mean": 1e3 * sum(self.step_times) / steps,
             "step_ms_p50": 1e3 * _percentile(self.step_times, 50),
             "step_ms_p99": 1e3 * _percentile(self.step_times, 99),
+            "itl_per": "verify step" if self.spec_segments else "token",  # what one inter-token gap spans
             "itl_ms_p50": 1e3 * _percentile(self.inter_token, 50),
             "itl_ms_p99": 1e3 * _percentile(self.inter_token, 99),
             "ttft_ms_p50": 1e3 * _percentile(self.first_token, 50),

@@ -53,6 +53,7 @@ def summary_table(summary: dict, title: str, *, graphs: bool, sizing: str | None
     graph captures); `sizing` is `Sizing.describe()` when the store was sized to the device."""
     finished = summary.get("finished", {})
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(finished.items()) if v)
+    itl = "inter-token" if summary.get("itl_per", "token") == "token" else "per verify step"
     rows = [
         ("requests", f"{summary['requests_submitted']} submitted, {summary['requests_refused']} refused ({reasons})"),
         (
@@ -62,8 +63,8 @@ def summary_table(summary: dict, title: str, *, graphs: bool, sizing: str | None
         ),
         ("time", f"{summary['elapsed_s']:.2f} s over {summary['steps']} steps ({summary['step_ms_mean']:.2f} ms/step)"),
         ("tokens/s", f"{summary['tokens_per_s']:.1f} generated ({summary['processed_tokens_per_s']:.1f} processed)"),
-        ("inter-token p50", f"{summary['itl_ms_p50']:.2f} ms"),
-        ("inter-token p99", f"{summary['itl_ms_p99']:.2f} ms"),
+        (f"{itl} p50", f"{summary['itl_ms_p50']:.2f} ms"),
+        (f"{itl} p99", f"{summary['itl_ms_p99']:.2f} ms"),
         ("first token p50", f"{summary['ttft_ms_p50']:.1f} ms"),
         ("first token p99", f"{summary['ttft_ms_p99']:.1f} ms"),
         ("step time", "{step_ms_mean:.2f} ms mean, {step_ms_p50:.2f} p50, {step_ms_p99:.2f} p99".format(**summary)),

@@ -8,7 +8,7 @@ reaches the engine. Rules that depend on the engine (capacity, max_seqs, vocabul
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from batchkv.cache.config import MAX_POSITIONS
 from batchkv.checks import int_arg, int_args, real_arg
@@ -37,6 +37,10 @@ class SamplingParams:
         whatever else is batched with it. None: the engine draws one from its own seed.
     stop_token_ids: generating one of these ends the sample (the stop token is emitted).
     n: parallel samples; each forks from the prompt with `seq_clone` and decodes on its own stream.
+    ignore_eos: False (the default) also stops at the model's EOS ids (`model.eos_token_ids`,
+        merged in by `Engine.submit`), as vLLM and transformers `generate` do; True decodes past
+        them (stop_token_ids still stop). Models without EOS ids (the random-weight presets) stop
+        at stop_token_ids only.
     """
 
     max_new_tokens: int = 16
@@ -46,6 +50,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -64,6 +69,15 @@ class SamplingParams:
         if self.seed is not None:
             put("seed", int_arg("seed", self.seed, 0, MAX_SEED, error=RequestError, why=" (or None)"))
         put("n", int_arg("n", self.n, 1, MAX_SAMPLE_ROWS, error=RequestError, why=" parallel samples"))
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"ignore_eos is {self.ignore_eos!r}; use True or False")
+
+    def stopping_at(self, eos_ids: Sequence[int]) -> SamplingParams:
+        """These params with the model's `eos_ids` added to stop_token_ids, unless ignore_eos."""
+        extra = tuple(e for e in eos_ids if e not in self.stop_token_ids)
+        if self.ignore_eos or not extra:
+            return self
+        return replace(self, stop_token_ids=self.stop_token_ids + extra)
 
     @property
     def greedy(self) -> bool:

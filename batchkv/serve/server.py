@@ -114,7 +114,7 @@ def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) 
         **scheduling_kwargs(args),
         capacity=capacity,
         max_step_tokens=args.max_step_tokens,
-        prefill_chunk=min(args.prefill_chunk, capacity, args.max_step_tokens),
+        prefill_chunk=args.prefill_chunk,  # None: the Engine's default, within capacity and the step budget
         device=device,
         use_graphs=MODES[args.graphs],
         seed=args.seed,

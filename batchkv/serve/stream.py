@@ -72,7 +72,7 @@ class Route:
         last = self.last.get(event.sample)
         if last is None:
             metrics.ttft.observe(now - self.arrival)
-        else:
+        elif last != now:  # tokens accepted in one verify step arrive together: one gap, not zeros
             metrics.itl.observe(now - last)
         self.last[event.sample] = now
         return last is None

@@ -1,0 +1,148 @@
+"""Check a model's K/V storage dtype on your own text: perplexity, top-1 agreement and KL.
+
+`score(model, ids, kv_dtype=e4m3, reference_dtype=bf16)` runs the text teacher-forced through two
+batchkv caches side by side, one storing K/V as `kv_dtype`, the other as `reference_dtype`, in
+prompt chunks of `chunk` tokens (what serving does: each chunk writes its K/V, then attends over
+the stored history). At each position it compares the two next-token distributions:
+
+- perplexity: exp(mean negative log-likelihood of the text's next token), under each storage;
+- top-1 agreement: the share of positions whose argmax token is the same under both;
+- mean KL: KL(reference || tested) in nats, averaged over positions (fp32 log-softmax).
+
+Logits are computed for every position of a chunk and dropped after it, so memory does not grow
+with the text. The default comparison is e4m3 against bf16 storage: bf16 is what a model served
+without `--kv-dtype fp8` stores, so the numbers say what switching to e4m3 costs. On the CPU the
+attention is the torch reference, whose e4m3 arithmetic is the Triton kernels' with exact queries.
+
+`batchkv score --model PATH FILE...` (batchkv/cli.py) prints this for each file.
+
+>>> result = score(HFModel.from_pretrained(path), ids)   # ids: int token ids of a text
+>>> result.ppl_change, result.top1_agreement, result.kl_mean
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from batchkv.cache import BatchedSequenceCache, CacheConfig
+from batchkv.checks import int_arg
+from batchkv.errors import ConfigError
+
+E4M3 = torch.float8_e4m3fn
+DEFAULT_CHUNK = 64  # tokens per prompt chunk: short enough that most keys are read back from storage
+
+
+@dataclass(frozen=True)
+class Score:
+    """One text scored under two K/V storage dtypes (see the module docstring)."""
+
+    tokens: int  # positions scored: len(ids) - 1
+    kv_dtype: str
+    reference_dtype: str
+    ppl: float  # under kv_dtype storage
+    reference_ppl: float  # under reference_dtype storage
+    top1_agreement: float  # in [0, 1]
+    kl_mean: float  # nats
+    kl_max: float  # nats, the worst position
+
+    @property
+    def ppl_change(self) -> float:
+        """Relative perplexity change of kv_dtype against the reference (0.003 is +0.3%)."""
+        return self.ppl / self.reference_ppl - 1.0
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "ppl_change": self.ppl_change}
+
+
+def _chunk_logits(model, cache: BatchedSequenceCache, seq: int, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Write ids [n] at positions start.. and return their next-token logits, float32 [n, vocab]."""
+    n = ids.shape[0]
+    cache.declare_step([seq] * n)
+    cache.prepare_step(width=n)
+    indexes = torch.zeros(3, n, dtype=torch.int64, device=ids.device)
+    indexes[0] = torch.arange(start, start + n, device=ids.device)
+    logits = model(ids, indexes, cache, torch.arange(n, device=ids.device))
+    cache.commit_step()
+    return logits.float()
+
+
+@torch.no_grad()
+def score(
+    model,
+    ids: Sequence[int],
+    *,
+    kv_dtype: torch.dtype = E4M3,
+    reference_dtype: torch.dtype = torch.bfloat16,
+    chunk: int = DEFAULT_CHUNK,
+    attention: str = "auto",
+) -> Score:
+    """Score token `ids` (at least 2) under `kv_dtype` against `reference_dtype` storage.
+
+    `model` follows the batchkv model interface (an `HFModel`, a SenseNova-U1 model); both caches
+    take its geometry and compute dtype. ConfigError for a text too short or a bad chunk.
+    """
+    chunk = int_arg("score chunk", chunk, 1, 1 << 16, why=" (tokens per prompt chunk)")
+    capacity = max(len(ids), 2)
+    tested, reference = (make_cache(model, dt, capacity, chunk, attention) for dt in (kv_dtype, reference_dtype))
+    return score_caches(model, ids, [tested], reference, chunk)[0]
+
+
+def make_cache(model, kv_dtype: torch.dtype, capacity: int, chunk: int, attention: str = "auto", **config):
+    """A one-sequence cache for scoring: the model's geometry, K/V stored as `kv_dtype`; `config`
+    overrides other CacheConfig fields (e.g. key_rotation=False)."""
+    spec = {**model.cache_spec(), "kv_dtype": kv_dtype, **config}
+    return BatchedSequenceCache(CacheConfig(**spec, max_seqs=1, capacity=capacity, max_write=chunk), model.device,
+                                attention=attention)  # fmt: skip
+
+
+@torch.no_grad()
+def score_caches(
+    model, ids: Sequence[int], tested: Sequence[BatchedSequenceCache], reference, chunk: int
+) -> list[Score]:
+    """`score` of each of `tested` (fresh caches, each one sequence of capacity >= len(ids)) against
+    `reference`, sharing the reference's forwards."""
+    ids = list(ids)
+    if len(ids) < 2:
+        raise ConfigError(f"scoring needs at least 2 tokens (one to predict from); the text has {len(ids)}")
+    caches = [*tested, reference]
+    seqs = [cache.seq_new() for cache in caches]
+    text = torch.tensor(ids, dtype=torch.int64, device=model.device)
+    n = len(tested)
+    nll = torch.zeros(n + 1, dtype=torch.float64)
+    agree, kl_sum, kl_max = torch.zeros(n), torch.zeros(n, dtype=torch.float64), torch.zeros(n)
+    count = 0
+    for start in range(0, len(ids) - 1, chunk):
+        piece = text[start : min(start + chunk, len(ids) - 1)]  # the last token predicts nothing
+        target = text[start + 1 : start + 1 + piece.shape[0]]
+        logps = [_chunk_logits(model, c, s, piece, start).log_softmax(-1) for c, s in zip(caches, seqs, strict=True)]
+        ref = logps[-1]
+        for i, logp in enumerate(logps):
+            nll[i] -= logp.gather(1, target[:, None]).sum().double().cpu()
+        for i, logp in enumerate(logps[:-1]):
+            agree[i] += int((logp.argmax(-1) == ref.argmax(-1)).sum())
+            kl = (ref.exp() * (ref - logp)).sum(-1)  # KL(ref || tested) per position
+            kl_sum[i] += float(kl.double().sum())
+            kl_max[i] = max(float(kl_max[i]), float(kl.max()))
+        count += piece.shape[0]
+    ppl = torch.exp(nll / count).tolist()
+    name = _name(reference.config.kv_dtype)
+    return [
+        Score(
+            count,
+            _name(c.config.kv_dtype),
+            name,
+            ppl[i],
+            ppl[-1],
+            float(agree[i]) / count,
+            float(kl_sum[i]) / count,
+            float(kl_max[i]),
+        )
+        for i, c in enumerate(tested)
+    ]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
