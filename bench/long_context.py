@@ -58,6 +58,8 @@ def serve(engine: Engine, prompts, outputs, device) -> dict:
     sync(device)
     start = time.perf_counter()
     while engine.has_work:
+        if steps > 1_000_000:
+            raise RuntimeError("the engine made no end of a finite workload in a million steps")
         steps += 1
         if steps % 500 == 0:
             print(f"  step {steps} at {time.perf_counter() - start:.1f} s: {len(done_at)} done, "

@@ -108,3 +108,14 @@ def test_close_and_del_give_the_device_memory_back_without_a_gc_pass(model, how)
         assert torch.cuda.memory_allocated() == base
     finally:
         gc.enable()
+
+
+def test_an_engine_sized_after_another_was_closed_gets_its_memory(model):
+    # The closed engine's blocks stay in torch's cache; sizing gives them back before it measures,
+    # so the second engine's store is as large as the first's, not what the cache left over.
+    first = engine(model, True, max_seqs="auto", memory_fraction=0.5, capacity=256)
+    positions = first.sizing.positions
+    first.close()
+    second = engine(model, True, max_seqs="auto", memory_fraction=0.5, capacity=256)
+    assert second.sizing.positions >= 0.95 * positions, (second.sizing.describe(), positions)
+    second.close()

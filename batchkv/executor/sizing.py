@@ -139,6 +139,9 @@ def size_store(model, config: CacheConfig, memory_fraction: float, rows: int) ->
 def device_memory(device: torch.device) -> tuple[int, int]:
     """(total, in use) bytes of `device`: CUDA from the driver, CPU from the OS (physical memory)."""
     if device.type == "cuda":
+        # Blocks this process's allocator caches but no tensor holds (an engine closed or dropped
+        # before this one) are free for this process: give them back first, or they count as in use.
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         return total, total - free
     try:
