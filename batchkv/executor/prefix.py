@@ -152,9 +152,6 @@ class PrefixCache:
     def held_columns(self) -> int:
         return len(self.cached)
 
-    def held_rows(self) -> int:
-        return sum(self.cache.reach(h.seq) for h in self.cached)
-
     # ---- matching --------------------------------------------------------------------------------
     def lookup(self, state: RequestState) -> Match:
         """The longest reusable prefix of `state`'s prompt (at most its length less one), and whether
