@@ -192,7 +192,7 @@ def test_the_jit_environment_finds_curand_headers_and_link_libraries_a_bare_tool
     assert env["FLASHINFER_EXTRA_CUDAFLAGS"] == f"-isystem {tmp_path / 'pkg' / 'extra_include'}"
 
 
-def test_the_kernel_benchmark_without_flashinfer_records_it_unavailable_and_times_the_other_peers(tmp_path):
+def test_the_kernel_benchmark_without_flashinfer_records_it_unavailable_and_goes_on_to_the_other_peers(tmp_path):
     out = tmp_path / "k.json"
     args = ["bench/kernels.py", "--small", "--cases", "b1-l200", "--budget-s", "20", "--flex-budget-s", "5"]
     proc = subprocess.run([sys.executable, *args, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
@@ -204,4 +204,5 @@ def test_the_kernel_benchmark_without_flashinfer_records_it_unavailable_and_time
     why = report["flashinfer"]["why"]
     assert case["peers"]["flashinfer"] is None
     assert case["peer_candidates"]["flashinfer"] == [{"refused": f"RuntimeError: unavailable: {why}"}]
-    assert case["batchkv_us"] > 0 and case["peers"]["sdpa_exact"]["us"] > 0
+    assert case["batchkv_us"] > 0  # and the run went on to the other peers (timed, or cut by the wall-clock budget)
+    assert all(case["peer_candidates"][peer] for peer in ("sdpa_exact", "sdpa_padded_mask", "varlen", "flex"))
