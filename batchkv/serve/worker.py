@@ -251,8 +251,9 @@ class EngineWorker:
 
     def _fail_submit(self, done: asyncio.Future, exc: Exception) -> None:
         """The engine thread fails while a submit waits for its answer (it ends; `_run` fails the
-        live streams): the submitter gets a 500, not a wait that never ends."""
-        error = APIError(500, f"the engine thread failed ({type(exc).__name__}: {exc})", type="server_error")
+        live streams and logs `exc`): the submitter gets a 500 that names no internals, not a wait
+        that never ends."""
+        error = APIError(500, "the engine thread failed; the server log has the detail", type="server_error")
         self._call(self._resolve, done, error)
 
     def _cancel(self, stream: Stream, prompt_index: int | None) -> None:
