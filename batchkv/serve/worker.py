@@ -244,14 +244,14 @@ class EngineWorker:
                 return
             self.metrics.prompted.inc(sum(len(r.prompt_ids) for r in requests))
             self._observe()  # before the answer: a client that got its 200 sees itself counted
-        except Exception as exc:
-            self._fail_submit(done, exc)
+        except Exception:
+            self._fail_submit(done)
             raise
         self._call(self._resolve, done, None)
 
-    def _fail_submit(self, done: asyncio.Future, exc: Exception) -> None:
+    def _fail_submit(self, done: asyncio.Future) -> None:
         """The engine thread fails while a submit waits for its answer (it ends; `_run` fails the
-        live streams and logs `exc`): the submitter gets a 500 that names no internals, not a wait
+        live streams and logs the error): the submitter gets a 500 that names no internals, not a wait
         that never ends."""
         error = APIError(500, "the engine thread failed; the server log has the detail", type="server_error")
         self._call(self._resolve, done, error)
