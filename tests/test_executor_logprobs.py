@@ -187,3 +187,28 @@ def test_the_logprob_slots_are_counted_in_the_runners_bytes():
     held = sum(t.numel() * t.element_size() for t in (slots._values, slots._ids))
     held += 2 * slots._plan.device_buffers[torch.int64].numel() * 8  # host and device
     assert LogprobSlots.nbytes(rows) == held
+
+
+def test_a_scoring_prompt_takes_half_the_logits_rows_from_a_step_full_of_decoding_samples():
+    engine = Engine(ToyModel(seed=0), max_seqs=8, capacity=96, max_step_tokens=8, prefill_chunk=8)
+    for i in range(7):
+        engine.submit(Request([1 + i, 2], SamplingParams(max_new_tokens=60)))
+    while len(engine.scheduler.running) < 7:
+        engine.step()
+    seen = []
+    launch = engine.runner.launch
+
+    def spy(batch, width, previous=None):
+        seen.append((batch.decode_tokens, len(batch.score_rows), batch.logits_rows))
+        return launch(batch, width, previous)
+
+    engine.runner.launch = spy
+    rid = engine.submit(Request(list(range(3, 23)), SamplingParams(max_new_tokens=1, prompt_logprobs=0)))
+    events = []
+    for _ in working(engine):
+        events += engine.step()
+    prompt = gather(events)[rid].prompt_logprobs
+    assert len(prompt) == 20 and all(e.top == () for e in prompt[1:])
+    scoring = [s for s in seen if s[1]]
+    assert scoring[0] == (4, 4, 8)  # 4 rows decode (of 7 samples), 4 score the prompt
+    assert len(scoring) == 5 and all(rows <= 8 for _, _, rows in seen)  # 19 scored tokens, 4 a step
