@@ -52,6 +52,7 @@ class RequestState:
     seed: int
     submitted: float
     prefilled: int = 0  # prompt tokens written to the cache
+    cached: int = 0  # of them, those reused from the prefix cache (not computed)
     spare: int = 0  # columns held back for forks
     samples: list[SampleState] = field(default_factory=list)
     # prompt_logprobs so far (entry 0 None: the first token has no prefix); handed out with the first token
