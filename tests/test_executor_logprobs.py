@@ -2,7 +2,9 @@
 generated token's logprob and top k equal torch.log_softmax of transformers' logits over the same
 history, whatever the sampling parameters; prompt_logprobs give transformers' own loss, also when the
 prompt's chunks are cut by the logits rows a step has; overlap changes no number; a step where nobody
-asks computes and copies nothing for them; a speculating engine refuses them."""
+asks computes and copies nothing for them; a speculating engine refuses them. With the prefix
+cache: a prompt that asks for prompt_logprobs is scored whole (it reuses nothing), and a prompt that
+reused a cached or shared prefix gets the same logprobs as one computed whole, 256 rows a step too."""
 
 from __future__ import annotations
 
@@ -212,3 +214,61 @@ def test_a_scoring_prompt_takes_half_the_logits_rows_from_a_step_full_of_decodin
     scoring = [s for s in seen if s[1]]
     assert scoring[0] == (4, 4, 8)  # 4 rows decode (of 7 samples), 4 score the prompt
     assert len(scoring) == 5 and all(rows <= 8 for _, _, rows in seen)  # 19 scored tokens, 4 a step
+
+
+def test_a_prompt_the_prefix_cache_holds_is_still_scored_whole_when_it_asks_for_prompt_logprobs(hf):
+    prompt = PROMPTS[1] * 3  # 42 tokens: past the prefix cache's 16-token blocks
+    engine = Engine(HFModel(hf), prefix_cache=True, **OPTS)
+    plain = run(engine, [Request(prompt, SamplingParams(max_new_tokens=2))])[0]
+    again = run(engine, [Request(prompt, SamplingParams(max_new_tokens=2))])[0]
+    assert engine.metrics.prefix_hits == 1 and again.tokens == plain.tokens  # the cache held the prompt
+    scored = run(engine, [Request(prompt, SamplingParams(max_new_tokens=2, prompt_logprobs=1))])[0]
+    assert engine.metrics.prefix_hits == 1 and engine.metrics.prefix_admitted == 3
+    assert len(scored.prompt_logprobs) == len(prompt) and scored.tokens == plain.tokens
+    assert_matches(scored.prompt_logprobs[1:], prompt, 1, oracle_logprobs(hf, prompt), 1)
+
+
+def test_logprobs_of_a_prompt_that_hit_the_prefix_cache_equal_those_of_its_first_computation(hf):
+    prompt = PROMPTS[1] * 3
+    engine = Engine(HFModel(hf), **OPTS)
+    params = SamplingParams(max_new_tokens=6, logprobs=3, ignore_eos=True)
+    first = run(engine, [Request(prompt, params)])[0]
+    again = run(engine, [Request(prompt, params)])[0]
+    assert engine.metrics.prefix_hits == 1 and engine.metrics.prefix_reused == len(prompt) - 1
+    assert again.tokens == first.tokens
+    for a, b in zip(first.logprobs[0], again.logprobs[0], strict=True):
+        assert (a.token, [t for t, _ in a.top]) == (b.token, [t for t, _ in b.top])
+        assert [a.logprob, *(v for _, v in a.top)] == pytest.approx([b.logprob, *(v for _, v in b.top)], abs=1e-5)
+    history = prompt + first.tokens[0]
+    assert_matches(again.logprobs[0], history, len(prompt), oracle_logprobs(hf, history), 3)
+    turn = [*history, 7]  # the conversation goes on: it adopts a cached column whole (no copy)
+    reused, copies = engine.metrics.prefix_reused, []
+    clone = engine.cache.seq_clone
+    engine.cache.seq_clone = lambda *a, **k: copies.append(a) or clone(*a, **k)
+    later = run(engine, [Request(turn, params)])[0]
+    assert engine.metrics.prefix_hits == 2 and engine.metrics.prefix_reused - reused == len(history) - 1
+    assert copies == []
+    history = turn + later.tokens[0]
+    assert_matches(later.logprobs[0], history, len(turn), oracle_logprobs(hf, history), 3)
+
+
+def test_256_samples_decoding_in_one_step_beside_a_cloned_prefix_get_transformers_logprobs(hf):
+    system = (PROMPTS[1] * 3)[:40]
+    prompts = [[*system, 200 + s, s] for s in range(8)]  # 8 histories (greedy), 32 requests each
+    engine = Engine(HFModel(hf), max_seqs=256, capacity=64, max_step_tokens=512, prefill_chunk=8)
+    rows = []
+    launch = engine.runner.launch
+    engine.runner.launch = lambda batch, width, previous=None: (
+        rows.append(len(batch.rows)) or launch(batch, width, previous)
+    )
+    params = SamplingParams(max_new_tokens=10, logprobs=2, ignore_eos=True)
+    outs = run(engine, [Request(prompts[i % 8], params) for i in range(256)])
+    assert max(rows) == 256  # one step's 256 sampling rows all asked
+    assert engine.metrics.prefix_hits == 255  # all but the first cloned the shared prefix
+    expected = {}
+    for i, out in enumerate(outs):
+        history = prompts[i % 8] + out.tokens[0]
+        if tuple(history) not in expected:
+            expected[tuple(history)] = oracle_logprobs(hf, history)
+        assert_matches(out.logprobs[0], history, len(prompts[i % 8]), expected[tuple(history)], 2)
+    assert len(expected) == 8  # equal prompts decoded equal tokens
