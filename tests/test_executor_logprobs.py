@@ -228,6 +228,15 @@ def test_a_prompt_the_prefix_cache_holds_is_still_scored_whole_when_it_asks_for_
     assert_matches(scored.prompt_logprobs[1:], prompt, 1, oracle_logprobs(hf, prompt), 1)
 
 
+def test_a_prompt_scored_for_prompt_logprobs_is_kept_for_later_requests_to_reuse(hf):
+    prompt = PROMPTS[1] * 3
+    engine = Engine(HFModel(hf), **OPTS)
+    scored = run(engine, [Request(prompt, SamplingParams(max_new_tokens=2, prompt_logprobs=0))])[0]
+    plain = run(engine, [Request(prompt, SamplingParams(max_new_tokens=2))])[0]
+    assert engine.metrics.prefix_hits == 1 and engine.metrics.prefix_reused == len(prompt) - 1
+    assert plain.tokens == scored.tokens
+
+
 def test_logprobs_of_a_prompt_that_hit_the_prefix_cache_equal_those_of_its_first_computation(hf):
     prompt = PROMPTS[1] * 3
     engine = Engine(HFModel(hf), **OPTS)
