@@ -343,13 +343,14 @@ BAD = [
     ("beyond capacity", {"prompt": "Hello", "max_tokens": CAPACITY}, 400, "max_tokens"),
     ("token id outside the vocabulary", {"prompt": [1, 2, 100000], "max_tokens": 3}, 400, None),
     ("unknown model", {"model": "gpt-5", "prompt": "x", "max_tokens": 3}, 404, "model"),
-    ("unsupported field", {"prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ("unsupported field", {"prompt": "x", "echo": True}, 400, "echo"),
     ("n beyond the columns", {"prompt": "x", "max_tokens": 3, "n": MAX_SEQS + 1}, 400, None),
     ("mixed prompt batch", {"prompt": ["x", [1, 2]], "max_tokens": 3}, 400, "prompt"),
     ("top_p out of range", {"prompt": "x", "max_tokens": 3, "top_p": 1.5}, 400, "top_p"),
     ("max_tokens 0", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("a negative token id", {"prompt": [1, -2], "max_tokens": 3}, 400, "prompt"),
-    ("logprobs 0", {"prompt": "x", "max_tokens": 3, "logprobs": 0}, 400, "logprobs"),
+    ("logprobs past 5", {"prompt": "x", "max_tokens": 3, "logprobs": 6}, 400, "logprobs"),
+    ("logprobs as a bool", {"prompt": "x", "max_tokens": 3, "logprobs": True}, 400, "logprobs"),
 ]
 
 

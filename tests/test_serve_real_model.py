@@ -1,6 +1,6 @@
 """`batchkv serve --model FILE.gguf` on a real trained chat model (SmolLM2-135M-Instruct), driven by
 the official `openai` client: its real tokenizer and chat template, with transformers' own
-`generate` of the same messages as the oracle."""
+`generate` of the same messages as the oracle (and its logits for the logprobs)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
-from tests.real_model import CHATS, chat_ids, gguf_path, hf_greedy, model_dir, threads, tokenizer  # noqa: E402
+from tests.real_model import CHATS, chat_ids, gguf_path, hf_greedy, hf_model, model_dir, threads, tokenizer  # noqa: E402
 from tests.serve_helpers import Server  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -85,3 +86,19 @@ def test_a_completion_of_the_raw_template_text_with_n_2_greedy_gives_two_equal_a
 def test_ignore_eos_answers_past_im_end(client):
     out = _chat(client, CHATS[0], extra_body={"ignore_eos": True, "return_token_ids": True})
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == MAX_NEW
+
+
+def test_a_chat_answers_logprobs_equal_log_softmax_of_transformers_logits(client):
+    ids, text = _oracle(CHATS[1])
+    out = _chat(client, CHATS[1], logprobs=True, top_logprobs=3, extra_body={"return_token_ids": True})
+    choice = out.choices[0]
+    assert choice.token_ids == ids and choice.message.content == text
+    prompt = chat_ids(CHATS[1])
+    with threads(), torch.no_grad():
+        logits = hf_model()(torch.tensor([prompt + ids])).logits[0].float()
+    rows = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
+    content = choice.logprobs.content
+    assert [e.token for e in content] == [tokenizer().decode([t]) for t in ids]
+    assert [e.logprob for e in content] == pytest.approx([rows[i, t].item() for i, t in enumerate(ids)], abs=1e-4)
+    for i, entry in enumerate(content):
+        assert [e.logprob for e in entry.top_logprobs] == pytest.approx(rows[i].topk(3).values.tolist(), abs=1e-4)

@@ -165,11 +165,39 @@ def test_fields_openai_marks_nullable_take_their_defaults_when_null():
     assert chat.logprobs is False
 
 
-def test_completions_logprobs_0_asks_for_logprobs_and_is_refused_not_ignored():
-    with pytest.raises(APIError) as info:
-        refuse_unsupported(decode_body(b'{"prompt": "x", "logprobs": 0}', CompletionRequest))
-    assert info.value.status == 400 and info.value.param == "logprobs"
-    refuse_unsupported(decode_body(b'{"prompt": "x", "logprobs": null, "presence_penalty": 0}', CompletionRequest))
+def test_completions_logprobs_0_asks_for_the_chosen_tokens_logprob_not_for_nothing():
+    info = ModelInfo("m", None, capacity=64)
+    for raw, k in ((b"0", 0), (b"null", None), (b"5", 5)):
+        body = decode_body(b'{"prompt": [1], "max_tokens": 2, "logprobs": ' + raw + b"}", CompletionRequest)
+        refuse_unsupported(body)
+        job = make_job(body, completion_prompts(body, info), info)
+        assert job.logprobs == k and job.requests[0].params.logprobs == k
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'{"prompt": [1], "logprobs": 6}', "logprobs"),
+        (b'{"prompt": [1], "logprobs": -1}', "logprobs"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}', "top_logprobs"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": -1}', "top_logprobs"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', "top_logprobs"),
+    ],
+)
+def test_logprobs_past_openais_bounds_or_top_logprobs_without_logprobs_is_a_400_naming_the_field(raw, param):
+    kind = ChatCompletionRequest if b"messages" in raw else CompletionRequest
+    body = decode_body(raw, kind)
+    with pytest.raises(APIError) as refused:
+        make_job(body, [[1]], ModelInfo("m", None, capacity=64))
+    assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_chat_logprobs_true_without_top_logprobs_asks_for_the_chosen_tokens_only():
+    info = ModelInfo("m", None, capacity=64)
+    body = decode_body(b'{"messages": [{"role": "user", "content": "x"}], "logprobs": true}', ChatCompletionRequest)
+    assert make_job(body, [[1]], info).logprobs == 0
+    body = decode_body(b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 0}', ChatCompletionRequest)
+    assert make_job(body, [[1]], info).logprobs is None
 
 
 def test_a_negative_prompt_token_id_is_a_400_naming_the_prompt():

@@ -24,6 +24,7 @@ class GatedEngine:
     `on_step` and then waits for the test to release `gate` (a semaphore; None: no wait)."""
 
     overlap = True
+    cached_columns = 0  # the worker's prefix-cache hooks: nothing is cached
 
     def __init__(self, on_step=lambda: None, gated: bool = False) -> None:
         self.on_step, self.gate = on_step, threading.Semaphore(0) if gated else None
@@ -53,6 +54,9 @@ class GatedEngine:
 
     def cancel(self, rid: int) -> bool:
         return self.left.pop(rid, None) is not None
+
+    def cached_tokens(self, rid: int) -> int | None:
+        return 0 if rid in self.left else None
 
     def step(self) -> list[Event]:
         self.on_step()

@@ -57,7 +57,8 @@ class Engine:
         layers, dtype), vocab_size and device (and optionally max_positions).
     max_seqs: resident sequences (columns); a request with n samples holds n of them. Every
         running sample decodes in every step, up to MAX_SAMPLE_ROWS (256) logits rows a step (past
-        that they take turns). "auto": 256, with `kv_positions="auto"`.
+        that they take turns). "auto": 256, with `kv_positions="auto"`. The same min(max_seqs, 256)
+        rows bound how many prompt tokens a step scores for `prompt_logprobs`.
     kv_positions: positions the store holds for all sequences together, each request taking what it
         can reach (prompt + max_new_tokens). "auto": as many as fit in `memory_fraction` of the
         device, allocated whole up front (`Engine.sizing` says what it chose); an int: that many,
@@ -302,6 +303,11 @@ class Engine:
         elif min(prompt) < 0 or max(prompt) >= self.vocab_size:
             bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
             problem = f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+        elif params.scores and not isinstance(self.speculator, NoSpeculation):
+            problem = (
+                "logprobs and prompt_logprobs are not computed under speculative decoding (a verify step keeps "
+                "no logits); drop them, or serve this request from an engine without speculative="
+            )
         if problem is not None:
             self.metrics.refused += 1
             raise RequestError(f"request refused: {problem}")
@@ -364,8 +370,8 @@ class Engine:
         if batch is None:
             return None
         self.speculator.extend(batch)  # decode rows become verify segments [anchor, drafts...]
-        # At least as wide as its sampling rows: the LM head runs on min(width, sample rows) rows.
-        width = self._bucket(max(len(batch.seq_ids), len(batch.rows)))
+        # At least as wide as its logits rows: the LM head runs on min(width, sample rows) rows.
+        width = self._bucket(max(len(batch.seq_ids), batch.logits_rows))
         self.cache.declare_step(batch.seq_ids)
         self.cache.prepare_step(width)
         self.metrics.note_generation(self.cache.generation)
@@ -384,7 +390,7 @@ class Engine:
         self.speculator.accept(batch, runs)  # rewind verify segments to their accepted end
         now = time.perf_counter()
         before = [(s.last_emit if s.tokens else None, len(s.tokens)) for s in batch.samples]
-        new = self.scheduler.complete(batch, runs, now)
+        new = self.scheduler.complete(batch, runs, now, step.tokens.logprobs())
         self.speculator.release()
         self.metrics.record_finished(now, batch.samples, before, new)
         return new

@@ -60,6 +60,11 @@ class StepTokens(Protocol):
         """Per sampling row (or verify segment), the tokens it emitted; waits for the device."""
         ...
 
+    def logprobs(self) -> tuple[list, list] | None:
+        """After `read`: the step's logprobs (per sampling row, per prompt scoring row), or None
+        when no row asked (see `batchkv.executor.logprobs`)."""
+        ...
+
 
 @dataclass
 class InFlight:

@@ -6,7 +6,9 @@ history, each a column of the cache:
 - *cached*: a finished sample's column (prompt and generated tokens), kept resident until its
   columns or rows are needed (then evicted least recently used first).
 A new request's prompt is matched at token granularity against both; the last prompt token is
-always computed (it gives the first logits). The request's column then:
+always computed (it gives the first logits); a request with `prompt_logprobs` reuses nothing (the
+logits of every prompt position score a token; vLLM skips its prefix cache for them too), though
+others may reuse what it writes. The request's column then:
 - *adopts* a cached history that the match covers whole (a conversation continuing its own
   history: no copy; the column is rewound to the match and grown to the request's reach),
 - or *clones* the matched prefix (`seq_clone`, a device copy: ~0.13 ms for 1,536 positions of the
@@ -157,8 +159,11 @@ class PrefixCache:
     # ---- matching --------------------------------------------------------------------------------
     def lookup(self, state: RequestState) -> Match:
         """The longest reusable prefix of `state`'s prompt (at most its length less one), and whether
-        a live request still prefilling will write at least one chunk more of it."""
+        a live request still prefilling will write at least one chunk more of it. None for a request
+        with `prompt_logprobs`: every prompt position's logits score a token, so it computes them all."""
         self.lookups += 1
+        if state.request.params.prompt_logprobs is not None:
+            return NO_MATCH
         prompt, offset = state.prompt, state.request.rope_offset
         for history in self.cached:  # tokens read since it was cached make more of it matchable
             if history.matchable() // BLOCK > len(history.blocks):

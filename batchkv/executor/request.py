@@ -18,6 +18,7 @@ FINISH_REASONS = ("stop", "length", "capacity", "cancelled")
 MAX_SAMPLE_ROWS = 256  # most rows one step sends through the LM head (float32 [256, vocab] logits)
 MAX_SEED = 2**64 - 1  # seeds feed splitmix64
 MAX_TOP_K = 2**31 - 1  # staged as int64 each step; any k at or past the vocabulary keeps every token
+MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs bound, vLLM's default max_logprobs)
 
 
 def _int_tuple(values: Iterable[int], what: str) -> tuple[int, ...]:
@@ -41,6 +42,14 @@ class SamplingParams:
         merged in by `Engine.submit`), as vLLM and transformers `generate` do; True decodes past
         them (stop_token_ids still stop). Models without EOS ids (the random-weight presets) stop
         at stop_token_ids only.
+    logprobs: None (off), or k in [0, MAX_LOGPROBS]: each event carries its token's log-probability
+        and the k most likely (token, logprob) pairs (`Event.logprobs`).
+    prompt_logprobs: None (off), or k in [0, MAX_LOGPROBS]: the prompt is scored teacher-forced,
+        each prompt token's log-probability given its prefix and the k most likely at its position
+        (`Event.prompt_logprobs`, on sample 0's first event; entry 0 is None: it has no prefix).
+        Both are log_softmax of the model's raw float32 logits, before temperature, top-k and top-p
+        (vLLM's default "raw" logprobs), so they do not depend on how the token was sampled. A
+        speculating engine refuses both.
     """
 
     max_new_tokens: int = 16
@@ -51,6 +60,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> None:
@@ -71,6 +82,10 @@ class SamplingParams:
         put("n", int_arg("n", self.n, 1, MAX_SAMPLE_ROWS, error=RequestError, why=" parallel samples"))
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos is {self.ignore_eos!r}; use True or False")
+        why = " alternatives per token (or None: off)"
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                put(name, int_arg(name, getattr(self, name), 0, MAX_LOGPROBS, error=RequestError, why=why))
 
     def stopping_at(self, eos_ids: Sequence[int]) -> SamplingParams:
         """These params with the model's `eos_ids` added to stop_token_ids, unless ignore_eos."""
@@ -82,6 +97,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def scores(self) -> bool:
+        """True when the request asks for log-probabilities of its output or of its prompt."""
+        return self.logprobs is not None or self.prompt_logprobs is not None
 
 
 @dataclass(frozen=True)
@@ -109,26 +129,47 @@ class Request:
 
 
 @dataclass(frozen=True)
+class Logprobs:
+    """One token's log-probability (natural log, float32 arithmetic) and the `top` most likely
+    (token, logprob) pairs at its position, most likely first (k of them: the request's k)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Event:
     """One streamed token of one sample of a request.
 
     token is None only for a cancellation (finish_reason "cancelled"). finish_reason is None until
     the sample's last event, then one of stop | length | capacity | cancelled. sample is the index
-    of the parallel sample (0 when n == 1).
+    of the parallel sample (0 when n == 1). logprobs: the token's `Logprobs` when the request asked
+    (`SamplingParams.logprobs`). prompt_logprobs: on sample 0's first event when the request asked
+    (`SamplingParams.prompt_logprobs`), one entry per prompt token, the first None.
     """
 
     request_id: int
     token: int | None
     finish_reason: str | None = None
     sample: int = 0
+    logprobs: Logprobs | None = None
+    prompt_logprobs: tuple[Logprobs | None, ...] | None = None
 
 
 @dataclass
 class Output:
-    """Every token and the finish reason of each sample of one request, gathered from events."""
+    """Every token and the finish reason of each sample of one request, gathered from events;
+    each sample's `Logprobs` (empty lists unless asked) and the prompt's (None unless asked)."""
 
     tokens: list[list[int]]
     finish_reasons: list[str | None]
+    logprobs: list[list[Logprobs]] = field(default_factory=list)
+    prompt_logprobs: list[Logprobs | None] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.logprobs:  # one list per sample, as tokens
+            self.logprobs = [[] for _ in self.tokens]
 
     @property
     def finished(self) -> bool:
@@ -144,8 +185,13 @@ def gather(events: Iterable[Event], n: dict[int, int] | None = None) -> dict[int
         while len(entry.tokens) < size:
             entry.tokens.append([])
             entry.finish_reasons.append(None)
+            entry.logprobs.append([])
         if ev.token is not None:
             entry.tokens[ev.sample].append(ev.token)
+        if ev.logprobs is not None:
+            entry.logprobs[ev.sample].append(ev.logprobs)
+        if ev.prompt_logprobs is not None:
+            entry.prompt_logprobs = list(ev.prompt_logprobs)
         if ev.finish_reason is not None:
             entry.finish_reasons[ev.sample] = ev.finish_reason
     return out

@@ -16,6 +16,11 @@ the previous launch's slot, row r, gathered inside the captured forward. Each la
 copy of its tokens into a pinned host slot and records an event; `SampledTokens.read()` waits on
 that event: the step's one host synchronisation, which the engine defers until the next step is
 queued (see `batchkv.executor.pipeline`).
+
+Log-probabilities (`batchkv.executor.logprobs`) follow the same path when a step's rows ask for
+them: prompt scoring rows join the selector after the sampling rows, and the logprobs are copied
+into pinned host slots before the event, read with the tokens. A step where no row asks stages,
+launches and copies exactly what it did before they existed.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from batchkv.cache import BatchedSequenceCache
 from batchkv.cache.staging import Staging
 from batchkv.errors import StepError
 from batchkv.executor.graphs import AdapterGuard, GraphSet, ModuleFingerprint
+from batchkv.executor.logprobs import LogprobSlots, StepLogprobs
 from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform
 from batchkv.executor.scheduler import Batch
@@ -78,7 +84,8 @@ class ModelRunner:
     """Runs planned steps of `model` over `cache`.
 
     model(input_ids [W], indexes [3, W], cache, logits_rows [rows]) -> float32 [rows, vocab].
-    rows: most logits rows a step samples (R, at most MAX_SAMPLE_ROWS).
+    rows: most logits rows a step takes (R, at most MAX_SAMPLE_ROWS): sampling rows, then prompt
+    scoring rows (prompt_logprobs).
     pad_rows: pad the selector to min(width, R) rows (padding reads row 0), so the LM head has one
     shape per width: needed for graphs, and used by eager CUDA runs too so both give identical
     numbers. A one-token decode step runs the head on one row, not R. The engine picks a width
@@ -112,6 +119,7 @@ class ModelRunner:
         self.sampled = torch.zeros(2, R, dtype=torch.int64, device=device)  # two launches' tokens
         self._host_tokens = torch.zeros(2, R, dtype=torch.int64, pin_memory=pin)
         self._read = [torch.cuda.Event() for _ in range(2)] if pin else [None, None]
+        self.logprob_slots = LogprobSlots(R, device)  # used only by steps whose rows ask
 
     @staticmethod
     def sizes(max_width: int, rows: int) -> dict[torch.dtype, int]:
@@ -121,8 +129,9 @@ class ModelRunner:
     @staticmethod
     def nbytes(max_width: int, vocab_size: int, rows: int = MAX_SAMPLE_ROWS) -> int:
         """Bytes a runner allocates: staged inputs (host and device), the float32 logits [rows, vocab],
-        and the sampled tokens (two slots, device and host)."""
-        return Staging.nbytes(ModelRunner.sizes(max_width, rows)) + 4 * rows * vocab_size + 4 * 8 * rows
+        the sampled tokens (two slots, device and host) and the logprob slots."""
+        staged = Staging.nbytes(ModelRunner.sizes(max_width, rows))
+        return staged + 4 * rows * vocab_size + 4 * 8 * rows + LogprobSlots.nbytes(rows)
 
     def _bind(self, model: StepModel, cache: BatchedSequenceCache, max_width: int, graphs: GraphSet | None) -> None:
         self.model, self.cache, self.max_width, self.graphs = model, cache, max_width, graphs
@@ -166,6 +175,8 @@ class ModelRunner:
         selector, top_k = host[4 * w : 4 * w + R], host[4 * w + R : 4 * w + 2 * R]
         selector[:] = 0
         selector[:rows] = batch.rows
+        if batch.score_rows:  # prompt_logprobs: after the sampling rows
+            selector[rows : rows + len(batch.score_rows)] = batch.score_rows
         params = staged[torch.float32].reshape(3, R)
         params[:] = ((0.0,), (1.0,), (0.0,))  # greedy rows: temperature 0, top_p 1, draw 0
         top_k[:] = 0
@@ -213,23 +224,24 @@ class ModelRunner:
         """
         slot = 1 - previous.slot if previous is not None else 0
         sampling = self._stage(batch, width, previous)
-        rows = min(self.rows, width) if self.pad_rows else len(batch.rows)
+        plan = self.logprob_slots.stage(batch) if batch.logprob_k else None
+        rows = min(self.rows, width) if self.pad_rows else batch.logits_rows
         logits = self.execute(width, lambda: self._forward(width, rows))
         real = len(batch.rows)
-        logits = logits[:real]
         if sampling:
             tokens = sample_tokens(
-                logits, self.temperature[:real], self.top_k[:real], self.top_p[:real], self.draws[:real]
+                logits[:real], self.temperature[:real], self.top_k[:real], self.top_p[:real], self.draws[:real]
             )
         else:
-            tokens = greedy_tokens(logits)
+            tokens = greedy_tokens(logits[:real])
         self.sampled[slot, :real].copy_(tokens)
+        logprobs = self.logprob_slots.launch(plan, logits, tokens, slot) if plan is not None else None
         host = self._host_tokens[slot, :real]
         host.copy_(self.sampled[slot, :real], non_blocking=self._read[slot] is not None)
         event = self._read[slot]
         if event is not None:  # on the stream the copy ran on: the cache's device's
             event.record(torch.cuda.current_stream(self.cache.device))
-        return SampledTokens(host, slot, event)
+        return SampledTokens(host, slot, event, logprobs)
 
     def warm(self, widths: Sequence[int]) -> None:
         """One all-padding step at each width (graphs captured, kernels compiled), its positions in
@@ -259,13 +271,20 @@ class ModelRunner:
 
 class SampledTokens:
     """A launched step's sampled tokens on their way to the host: a pinned slot and the event
-    recorded after the copy into it (None on the CPU, where the copy has already happened)."""
+    recorded after the copy into it (None on the CPU, where the copy has already happened), and
+    the step's logprobs when some row asked (copied before the event)."""
 
-    def __init__(self, host: torch.Tensor, slot: int, event: torch.cuda.Event | None) -> None:
-        self.host, self.slot, self.event = host, slot, event
+    def __init__(
+        self, host: torch.Tensor, slot: int, event: torch.cuda.Event | None, logprobs: StepLogprobs | None = None
+    ) -> None:
+        self.host, self.slot, self.event, self._logprobs = host, slot, event, logprobs
 
     def read(self) -> list[list[int]]:
         """Each sampling row's token as a one-token list; waits for the step on CUDA."""
         if self.event is not None:
             self.event.synchronize()
         return [[token] for token in self.host.tolist()]
+
+    def logprobs(self) -> tuple[list, list] | None:
+        """`StepLogprobs.read()` of the step, or None when no row asked; call after `read`."""
+        return self._logprobs.read() if self._logprobs is not None else None

@@ -15,6 +15,10 @@ once its tokens are on the host (tokens, stop finishes, events). A sample whose 
 still pending decodes from the device: its row's id is gathered from the launched step's sampled
 tokens (`Batch.token_src`).
 
+A prompt chunk with `prompt_logprobs` sends each row through the LM head (the row scores the next
+prompt token), trimmed to the logits rows left; at the head of the queue it keeps up to half of them
+against decode. `Batch.logprob_k` is planned only while a live request asks for logprobs.
+
 Columns: admission takes one column per request and holds back n - 1 more for its forks, so a
 fork can never find the store full. Each column is an extent as tall as the request's longest
 possible history (its *reach*: prompt + max_new_tokens - 1, at most capacity), placed at admission,
@@ -29,6 +33,7 @@ from dataclasses import replace
 
 from batchkv.cache import BatchedSequenceCache
 from batchkv.checks import int_arg
+from batchkv.executor.logprobs import row_ks
 from batchkv.executor.prefix import NO_MATCH, PrefixCache
 from batchkv.executor.request import MAX_SAMPLE_ROWS, Event
 from batchkv.executor.state import Batch, RequestState, SampleState
@@ -76,6 +81,7 @@ class Scheduler:
         self.running: deque[SampleState] = deque()
         self.live: dict[int, RequestState] = {}
         self.cancelled: list[Event] = []
+        self.scoring = 0  # live requests that ask for logprobs or prompt_logprobs
 
     # ---- admission -----------------------------------------------------------------------------
     def add(self, state: RequestState) -> None:
@@ -83,6 +89,14 @@ class Scheduler:
         state.samples = [SampleState(state, i) for i in range(params.n)]
         self.waiting.append(state)
         self.live[state.id] = state
+        self.scoring += params.scores
+
+    def _retire(self, state: RequestState) -> bool:
+        """Forget a request that is no longer live; False when it was not."""
+        if self.live.pop(state.id, None) is None:
+            return False
+        self.scoring -= state.request.params.scores
+        return True
 
     @property
     def spare(self) -> int:
@@ -155,8 +169,9 @@ class Scheduler:
         if self.prefilling:  # the oldest prompt moves every step, and can sample when it is done
             head = self.prefilling[0]
             decode_tokens = budget - 1
-            if head.remaining <= min(self.prefill_chunk, prefill_cap):  # it can finish in this step
-                decode_rows = rows - head.request.params.n
+            chunk = min(head.remaining, self.prefill_chunk, prefill_cap)
+            if chunk == head.remaining or head.request.params.prompt_logprobs is not None:  # its rows
+                decode_rows = rows - min(head.rows_for(chunk), max(rows // 2, head.request.params.n))
         take = min(len(self.running), decode_tokens, decode_rows)
         sources = []
         for _ in range(take):
@@ -182,6 +197,11 @@ class Scheduler:
             tokens = list(state.prompt[start : start + chunk])
             row = batch.add(state.samples[0].seq, tokens, list(range(offset + start, offset + start + chunk)))
             batch.prefill.append((state, chunk))
+            if state.request.params.prompt_logprobs is not None:
+                scored = chunk - (chunk == state.remaining)  # the last prompt row samples instead
+                batch.score_rows += range(row - chunk + 1, row - chunk + 1 + scored)
+                batch.score_tokens += state.prompt[start + 1 : start + 1 + scored]
+                batch.scores.append((state, scored))
             if chunk == state.remaining:
                 batch.completed.append(state)
                 batch.rows += [row] * n
@@ -189,22 +209,20 @@ class Scheduler:
         batch.spans = [1] * len(batch.samples)
         if any(src >= 0 for src in sources):
             batch.token_src = sources + [-1] * (len(batch.seq_ids) - take)
+        if self.scoring:
+            batch.logprob_k = row_ks(batch)
         return batch if batch.seq_ids else None
 
     def _chunks(self, budget: int, rows: int) -> list[tuple[RequestState, int]]:
-        """Prompt chunks (FIFO) that fit `budget` tokens and `rows` sampling rows."""
+        """Prompt chunks (FIFO) that fit `budget` tokens and `rows` logits rows."""
         chunks = []
         for state in self.prefilling:
-            n = state.request.params.n
-            chunk = min(state.remaining, self.prefill_chunk, budget)
-            if chunk == state.remaining and n > rows:
-                chunk -= 1  # its last token must sample; leave it for a step with rows to spare
+            chunk = state.fit(min(state.remaining, self.prefill_chunk, budget), rows)
             if chunk <= 0:
                 continue
             chunks.append((state, chunk))
             budget -= chunk
-            if chunk == state.remaining:
-                rows -= n
+            rows -= state.rows_for(chunk)
         return chunks
 
     # ---- completion ----------------------------------------------------------------------------
@@ -228,18 +246,29 @@ class Scheduler:
                 self._release(sample)
         self.running = deque(s for s in self.running if s.seq >= 0)
 
-    def complete(self, batch: Batch, tokens: list[list[int]], now: float) -> list[Event]:
+    def complete(
+        self, batch: Batch, tokens: list[list[int]], now: float, logprobs: tuple[list, list] | None = None
+    ) -> list[Event]:
         """Apply a launched step's tokens, read on the host: record each sample's new tokens (one,
         or a verify segment's accepted run), finish, free. A finish truncates the run; a sample that
         finished or was cancelled since the step was launched has its token discarded (its column
-        is already free, or freed here: the K/V the step wrote there is never read). Returns events."""
+        is already free, or freed here: the K/V the step wrote there is never read). `logprobs`:
+        the step's (`StepLogprobs.read()`), when some row asked. Returns events."""
         capacity = self.cache.capacity
         events = []
-        for sample, run in zip(batch.samples, tokens, strict=True):
+        sampled, scored = logprobs if logprobs is not None else ([None] * len(batch.samples), [])
+        at = 0
+        for state, count in batch.scores:  # prompt_logprobs, in prompt order
+            state.prompt_logprobs += scored[at : at + count]
+            at += count
+        for sample, run, lp in zip(batch.samples, tokens, sampled, strict=True):
             sample.pending -= 1
             if sample.finish is not None:
                 continue
             state, params = sample.owner, sample.owner.request.params
+            prompt_lps = None
+            if params.prompt_logprobs is not None and sample.index == 0 and not sample.tokens:
+                prompt_lps, state.prompt_logprobs = tuple(state.prompt_logprobs), []
             for token in run:
                 sample.tokens.append(token)
                 sample.last_emit = now
@@ -249,7 +278,8 @@ class Scheduler:
                     sample.finish = "length"
                 elif len(state.prompt) + len(sample.tokens) > capacity:  # no position left to write it
                     sample.finish = "capacity"
-                events.append(Event(state.id, token, sample.finish, sample.index))
+                events.append(Event(state.id, token, sample.finish, sample.index, lp, prompt_lps))
+                prompt_lps = None
                 if sample.finish is not None:
                     break
         for sample in batch.samples:
@@ -258,7 +288,7 @@ class Scheduler:
         self.running = deque(s for s in self.running if s.finish is None)
         for sample in batch.samples:
             if not sample.owner.live():
-                self.live.pop(sample.owner.id, None)
+                self._retire(sample.owner)
         return events
 
     def _release(self, sample: SampleState, keep: bool = True) -> None:
@@ -285,8 +315,8 @@ class Scheduler:
     # ---- cancellation --------------------------------------------------------------------------
     def cancel(self, request_id: int) -> bool:
         """Drop a live request now: its columns are freed; events come out of the next step."""
-        state = self.live.pop(request_id, None)
-        if state is None:
+        state = self.live.get(request_id)
+        if state is None or not self._retire(state):
             return False
         if state in self.waiting:
             self.waiting.remove(state)

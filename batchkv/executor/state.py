@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchkv.executor.request import Request
+from batchkv.executor.request import Logprobs, Request
 
 
 @dataclass(eq=False)
@@ -55,6 +55,8 @@ class RequestState:
     cached: int = 0  # of them, those reused from the prefix cache (not computed)
     spare: int = 0  # columns held back for forks
     samples: list[SampleState] = field(default_factory=list)
+    # prompt_logprobs so far (entry 0 None: the first token has no prefix); handed out with the first token
+    prompt_logprobs: list[Logprobs | None] = field(default_factory=lambda: [None])
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -66,6 +68,23 @@ class RequestState:
 
     def live(self) -> list[SampleState]:
         return [s for s in self.samples if s.finish is None]
+
+    def rows_for(self, chunk: int) -> int:
+        """Logits rows a prompt chunk of `chunk` tokens takes: n when it is the prompt's last (its
+        last row samples n tokens) and, with prompt_logprobs, one per other token (each scores the
+        next prompt token)."""
+        final = chunk == self.remaining
+        scored = chunk - final if self.request.params.prompt_logprobs is not None else 0
+        return scored + (self.request.params.n if final else 0)
+
+    def fit(self, chunk: int, rows: int) -> int:
+        """`chunk` cut to what `rows` logits rows take: the last prompt token waits for a step with
+        its n rows; with prompt_logprobs a chunk that is not the last takes one row per token."""
+        if self.rows_for(chunk) <= rows:
+            return chunk
+        if self.request.params.prompt_logprobs is None:
+            return chunk - 1
+        return min(chunk, self.remaining - 1, rows)
 
 
 @dataclass
@@ -88,10 +107,23 @@ class Batch:
     decode_tokens: int = 0
     prefill: list[tuple[RequestState, int]] = field(default_factory=list)  # prompt chunks written
     completed: list[RequestState] = field(default_factory=list)  # prompts finished this step
+    # prompt_logprobs: packed rows whose logits score the next prompt token (after the sampling rows
+    # in the logits selector), the token each scores, and how many of them each request's chunk has.
+    score_rows: list[int] = field(default_factory=list)
+    score_tokens: list[int] = field(default_factory=list)
+    scores: list[tuple[RequestState, int]] = field(default_factory=list)
+    # Per logits row (sampling rows, then score rows): how many alternatives its logprobs carry, -1
+    # for none. Empty when no row asks: the step then computes no logprobs at all.
+    logprob_k: list[int] = field(default_factory=list)
 
     @property
     def prefill_tokens(self) -> int:
         return sum(chunk for _, chunk in self.prefill)
+
+    @property
+    def logits_rows(self) -> int:
+        """Rows that go through the LM head: sampling rows, then prompt scoring rows."""
+        return len(self.rows) + len(self.score_rows)
 
     def add(self, seq: int, tokens: list[int], t_index: list[int]) -> int:
         """Append one segment; returns the packed row of its last token."""

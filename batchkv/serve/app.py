@@ -213,9 +213,9 @@ async def _chunks(
     try:
         async with contextlib.aclosing(tracker.deltas(stream)) as steps:
             async for deltas in steps:
-                shown = [d for d in deltas if d.text or d.finish or job.token_ids]
+                shown = [d for d in deltas if d.text or d.finish or job.token_ids or d.logprobs]
                 if shown:
-                    yield _sse(chunk(shown, rid, model, created, job.token_ids))
+                    yield _sse(chunk(tracker, shown, rid, model, created))
     except Exception:  # the engine failed mid-stream: say so in the stream, the detail in the log
         log.exception("request %s failed mid-stream", REQUEST_ID.get())
         yield _sse(internal_error(REQUEST_ID.get()).body())

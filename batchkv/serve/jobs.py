@@ -44,6 +44,7 @@ class Job:
     stream: bool
     include_usage: bool
     token_ids: bool  # put token ids in the choices (always when there is no tokenizer)
+    logprobs: int | None = None  # alternatives per token when the answer carries logprobs, else None
 
 
 def check_model(body: SamplingFields, info: ModelInfo) -> None:
@@ -179,6 +180,27 @@ def _max_tokens(body: SamplingFields) -> int | None:
     return value
 
 
+MAX_COMPLETION_LOGPROBS = 5  # the completions API's `logprobs` bound (OpenAI's)
+MAX_TOP_LOGPROBS = 20  # chat's `top_logprobs` bound (OpenAI's)
+
+
+def logprobs_asked(body: SamplingFields) -> int | None:
+    """Alternatives per token the body asks for (completions' `logprobs`, chat's `top_logprobs`
+    with `logprobs: true`), or None; APIError(400) past OpenAI's bounds."""
+    if isinstance(body, CompletionRequest):
+        k, most, name = body.logprobs, MAX_COMPLETION_LOGPROBS, "logprobs"
+    else:
+        k, most, name = body.top_logprobs, MAX_TOP_LOGPROBS, "top_logprobs"  # type: ignore[attr-defined]
+        if not body.logprobs:  # type: ignore[attr-defined]
+            if k:
+                raise APIError(400, f"top_logprobs is {k}; it needs logprobs: true (or leave it unset)", param=name)
+            return None
+        k = k or 0
+    if k is not None and not 0 <= k <= most:
+        raise APIError(400, f"{name} is {k}; it must lie in [0, {most}] (or leave it unset)", param=name)
+    return k
+
+
 def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) -> Job:
     """Engine requests for `prompts` with the body's sampling fields; APIError(400) on any bad value."""
     limits = info.limits
@@ -192,6 +214,7 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
             400, f"n is {body.n}; this server takes at most {limits.max_n} (the server's --max-n)", param="n"
         )
     max_tokens = _max_tokens(body)
+    logprobs = logprobs_asked(body)
     # The engine also stops at its model's own EOS ids unless ignore_eos; info.eos_ids covers models
     # whose object carries none (SenseNova-U1 directories: their generation_config's).
     stop_ids = tuple(body.stop_token_ids) + (() if body.ignore_eos else info.eos_ids)
@@ -226,6 +249,7 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
                 stop_token_ids=stop_ids,
                 n=body.n,
                 ignore_eos=body.ignore_eos,
+                logprobs=logprobs,
             )
             requests.append(Request(prompt, params))
         except RequestError as exc:  # the message starts with the field: "top_p is 1.5", "prompt_ids[1] is -2"
@@ -241,4 +265,5 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
         stream=body.stream,
         include_usage=bool(options and options.include_usage),
         token_ids=body.return_token_ids or info.tokenizer is None,
+        logprobs=logprobs,
     )

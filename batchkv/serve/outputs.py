@@ -9,6 +9,10 @@ tracker cancels that prompt's engine request so its columns free at once.
 Finish reasons: the engine's stop -> "stop", length and capacity -> "length", cancelled -> "abort"
 (vLLM's word for a request ended by the server), and the worker's "timeout" (a request past the
 server's --request-timeout) -> "timeout".
+
+Log-probabilities (when the job asks, `Job.logprobs`): each choice keeps its tokens' `Logprobs`
+(one per id in `token_ids`, so none after a stop string), and the answers write them as OpenAI
+does (`batchkv.serve.logprobs`); a streamed chunk carries those of the tokens it adds.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchkv.executor import Event
+from batchkv.executor.request import Logprobs
 from batchkv.serve.detok import IncrementalDetokenizer, StopMatcher
 from batchkv.serve.jobs import Job
+from batchkv.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from batchkv.serve.stream import Stream
 
 FINISH = {"stop": "stop", "length": "length", "capacity": "length", "cancelled": "abort", "timeout": "timeout"}
@@ -35,9 +41,11 @@ class Delta:
     text: str
     token_ids: list[int]
     finish: str | None
+    logprobs: list[Logprobs] = field(default_factory=list)  # of token_ids, when the job asks
 
     def merge(self, later: Delta) -> Delta:
-        return Delta(self.index, self.text + later.text, self.token_ids + later.token_ids, later.finish)
+        ids, lps = self.token_ids + later.token_ids, self.logprobs + later.logprobs
+        return Delta(self.index, self.text + later.text, ids, later.finish, lps)
 
 
 @dataclass(eq=False)
@@ -51,6 +59,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     finish: str | None = None
     engine_done: bool = False
+    logprobs: list[Logprobs] = field(default_factory=list)
 
     def add(self, event: Event) -> Delta | None:
         """Apply one event; None when it changes nothing visible (tokens after a stop string)."""
@@ -58,10 +67,13 @@ class Choice:
             self.engine_done = True
         if self.finish is not None:
             return None
-        new, text = [], ""
+        new, text, lps = [], "", []
         if event.token is not None:
             new = [event.token]
             self.token_ids.append(event.token)
+            if event.logprobs is not None:
+                lps = [event.logprobs]
+                self.logprobs.append(event.logprobs)
             if self.detok is not None and event.finish_reason != "stop":  # a stop id's text is not output (vLLM)
                 text = self.stops.feed(self.detok.add(event.token))
         if self.stops.stopped:
@@ -72,7 +84,7 @@ class Choice:
                 text += self.stops.flush()
             self.finish = "stop" if self.stops.stopped else FINISH[event.finish_reason]
         self.text.append(text)
-        return Delta(self.index, text, new, self.finish)
+        return Delta(self.index, text, new, self.finish, lps)
 
 
 class Tracker:
@@ -89,6 +101,8 @@ class Tracker:
             for s in range(job.n)
         ]
         self.cancelled: set[int] = set()
+        self.tokens = TokenText(tokenizer)  # logprobs' token texts
+        self.offsets = [0] * len(self.choices)  # streamed completions: text_offset of each choice's next token
         self.cached: dict[int, int] = {}  # prompt index -> tokens reused from the prefix cache
 
     @property
@@ -142,6 +156,8 @@ def completion_body(tracker: Tracker, rid: str, model: str) -> dict[str, Any]:
     job, choices = tracker.job, []
     for c in tracker.choices:
         choice: dict[str, Any] = {"index": c.index, "text": "".join(c.text), "logprobs": None}
+        if job.logprobs is not None:
+            choice["logprobs"] = completion_logprobs(c.logprobs, tracker.tokens)[0]
         choice["finish_reason"] = c.finish
         if job.token_ids:
             choice["token_ids"] = c.token_ids
@@ -164,7 +180,7 @@ def chat_body(tracker: Tracker, rid: str, model: str) -> dict[str, Any]:
         choice: dict[str, Any] = {
             "index": c.index,
             "message": {"role": "assistant", "content": "".join(c.text)},
-            "logprobs": None,
+            "logprobs": chat_logprobs(c.logprobs, tracker.tokens) if job.logprobs is not None else None,
             "finish_reason": c.finish,
         }
         if job.token_ids:
@@ -183,24 +199,28 @@ def chat_body(tracker: Tracker, rid: str, model: str) -> dict[str, Any]:
     return body
 
 
-def completion_chunk(deltas: list[Delta], rid: str, model: str, created: int, token_ids: bool) -> dict[str, Any]:
+def completion_chunk(tracker: Tracker, deltas: list[Delta], rid: str, model: str, created: int) -> dict[str, Any]:
     """One streamed /v1/completions event: the choices one engine step touched."""
     choices = []
     for d in deltas:
         choice: dict[str, Any] = {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish}
-        if token_ids:
+        if d.logprobs:
+            offset = tracker.offsets[d.index]
+            choice["logprobs"], tracker.offsets[d.index] = completion_logprobs(d.logprobs, tracker.tokens, offset)
+        if tracker.job.token_ids:
             choice["token_ids"] = d.token_ids
         choices.append(choice)
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
 
 
-def chat_chunk(deltas: list[Delta], rid: str, model: str, created: int, token_ids: bool) -> dict[str, Any]:
+def chat_chunk(tracker: Tracker, deltas: list[Delta], rid: str, model: str, created: int) -> dict[str, Any]:
     """One streamed /v1/chat/completions event (`chat.completion.chunk`)."""
     choices = []
     for d in deltas:
         delta = {"content": d.text} if d.text or d.finish is None else {}
-        choice: dict[str, Any] = {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": d.finish}
-        if token_ids:
+        lps = chat_logprobs(d.logprobs, tracker.tokens) if d.logprobs else None
+        choice: dict[str, Any] = {"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": d.finish}
+        if tracker.job.token_ids:
             choice["token_ids"] = d.token_ids
         choices.append(choice)
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}

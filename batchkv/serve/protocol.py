@@ -2,7 +2,7 @@
 
 Bodies decode with `decode_body`: malformed JSON, a field of the wrong type and a field this
 server does not know are all `APIError(400)` naming the field. OpenAI fields that batchkv does not
-implement (logprobs, penalties, logit_bias, echo, suffix, tools, ...) are declared so that their
+implement (penalties, logit_bias, echo, suffix, tools, ...) are declared so that their
 default values pass and anything else is refused by `refuse_unsupported` with the field named,
 rather than being silently ignored. Extensions that vLLM also accepts: `top_k`, `stop_token_ids`,
 `ignore_eos`, `return_token_ids`; for chat also `add_generation_prompt`, `chat_template_kwargs` and
@@ -144,8 +144,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0.0,),
     "frequency_penalty": (0.0,),
     "logit_bias": (None, {}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "echo": (False,),
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -201,8 +199,7 @@ def decode_body(raw: bytes, kind: type[msgspec.Struct], *, max_depth: int = 32) 
 
 
 def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
-    """`value` is one of `off`, type included: completions' `logprobs: 0` asks for the sampled
-    token's logprob (OpenAI, vLLM), so it must not pass as `False`."""
+    """`value` is one of `off`, type included (`0` must not pass as `False`, nor `0.0` as `0`)."""
     return any(value == o and type(value) is type(o) for o in off)
 
 

@@ -176,3 +176,7 @@ class AcceptedRuns:
         """Each segment's emitted tokens (accepted drafts, then the correction or bonus)."""
         table = self.table.tolist()  # the step's one host synchronisation
         return [row[1 : 1 + row[0]] for row in table]
+
+    def logprobs(self) -> None:
+        """None: a speculating engine refuses requests that ask for logprobs (`Engine.submit`)."""
+        return None
