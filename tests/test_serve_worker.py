@@ -34,10 +34,6 @@ class GatedEngine:
         self.runner = SimpleNamespace(captures=0)
         self.metrics = SimpleNamespace(step_times=[], inter_token=[], first_token=[])
         self.num_waiting = 0
-        self.cached_columns = 0  # the prefix cache's hooks: nothing reused
-
-    def cached_tokens(self, rid: int) -> int | None:
-        return 0 if rid in self.left else None
 
     @property
     def has_work(self) -> bool:
@@ -245,10 +241,6 @@ def test_an_engine_thread_that_fails_while_taking_a_submit_answers_it_500_instea
         @property
         def cached_columns(self) -> int:  # read when the thread counts the new request
             raise Broken("the engine state could not be read")
-
-        @cached_columns.setter
-        def cached_columns(self, value: int) -> None:
-            pass
 
     engine = Failing()
 
