@@ -228,3 +228,23 @@ def test_a_transformers_qwen3_conversation_reuses_its_history_and_decodes_what_g
     m = e.metrics.summary()
     assert m["prefix_reused_tokens"] >= reusable > 0 and m["prefix_hit_rate"] >= 2 / 3, m
     e.assert_idle()
+
+
+def test_the_sensenova_tiny_model_decodes_with_the_prefix_cache_what_its_reference_decodes():
+    from batchkv.models import build_model
+    from batchkv.models.reference import reference_generate
+
+    sense = build_model("sensenova-u1-tiny", "cpu", seed=0)
+    rng = random.Random(17)
+    system = random_prompt(rng, 40, 40, vocab=sense.vocab_size)
+    schedule = [
+        (i // 2, Request(system + random_prompt(rng, 2, 8, vocab=sense.vocab_size), greedy(6))) for i in range(6)
+    ]
+    e = Engine(sense, max_seqs=4, capacity=96, max_step_tokens=32, prefill_chunk=16)
+    got, ids = drive(e, schedule)
+    for index, (_, request) in enumerate(schedule):
+        expected = reference_generate(sense, request.prompt_ids, request.params.max_new_tokens)
+        assert got[ids[index]].tokens == [expected], f"request {index}"
+    m = e.metrics.summary()
+    assert m["prefix_hit_rate"] >= 5 / 6 and m["prefix_reused_tokens"] >= 5 * 16, m  # each later request reuses
+    e.assert_idle()
