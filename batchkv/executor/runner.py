@@ -33,6 +33,9 @@ from batchkv.executor.graphs import AdapterGuard, GraphSet, ModuleFingerprint
 from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform
 from batchkv.executor.scheduler import Batch
+from batchkv.tp.roles import LOCAL, Local
+
+Role = Local  # the fixed points every tensor-parallel role offers (batchkv.tp.roles)
 
 
 class StepModel(Protocol):
@@ -83,6 +86,8 @@ class ModelRunner:
     shape per width: needed for graphs, and used by eager CUDA runs too so both give identical
     numbers. A one-token decode step runs the head on one row, not R. The engine picks a width
     of at least the step's sampling rows.
+    tp: the engine's tensor-parallel role (`batchkv.tp.roles`); its device step
+    (`_device_step`) runs through `tp.run`, so every rank runs it from the same staged inputs.
     """
 
     def __init__(
@@ -94,6 +99,7 @@ class ModelRunner:
         graphs: GraphSet | None = None,
         pad_rows: bool = False,
         rows: int = MAX_SAMPLE_ROWS,
+        tp: Role = LOCAL,
     ) -> None:
         self._bind(model, cache, max_width, graphs)
         self.pad_rows = pad_rows or graphs is not None
@@ -112,6 +118,8 @@ class ModelRunner:
         self.sampled = torch.zeros(2, R, dtype=torch.int64, device=device)  # two launches' tokens
         self._host_tokens = torch.zeros(2, R, dtype=torch.int64, pin_memory=pin)
         self._read = [torch.cuda.Event() for _ in range(2)] if pin else [None, None]
+        self.tp = tp
+        tp.bind(self, self._staging)
 
     @staticmethod
     def sizes(max_width: int, rows: int) -> dict[torch.dtype, int]:
@@ -214,9 +222,19 @@ class ModelRunner:
         slot = 1 - previous.slot if previous is not None else 0
         sampling = self._stage(batch, width, previous)
         rows = min(self.rows, width) if self.pad_rows else len(batch.rows)
-        logits = self.execute(width, lambda: self._forward(width, rows))
         real = len(batch.rows)
-        logits = logits[:real]
+        self.tp.run(self._device_step, width, rows, real, sampling, slot)
+        host = self._host_tokens[slot, :real]
+        host.copy_(self.sampled[slot, :real], non_blocking=self._read[slot] is not None)
+        event = self._read[slot]
+        if event is not None:  # on the stream the copy ran on: the cache's device's
+            event.record(torch.cuda.current_stream(self.cache.device))
+        return SampledTokens(host, slot, event)
+
+    def _device_step(self, width: int, rows: int, real: int, sampling: bool, slot: int) -> None:
+        """The step's device work from the staged inputs (the same on every tensor-parallel rank):
+        the forward (eager or a graph) and sampling into `sampled[slot]`. No host wait."""
+        logits = self.execute(width, lambda: self._forward(width, rows))[:real]
         if sampling:
             tokens = sample_tokens(
                 logits, self.temperature[:real], self.top_k[:real], self.top_p[:real], self.draws[:real]
@@ -224,12 +242,6 @@ class ModelRunner:
         else:
             tokens = greedy_tokens(logits)
         self.sampled[slot, :real].copy_(tokens)
-        host = self._host_tokens[slot, :real]
-        host.copy_(self.sampled[slot, :real], non_blocking=self._read[slot] is not None)
-        event = self._read[slot]
-        if event is not None:  # on the stream the copy ran on: the cache's device's
-            event.record(torch.cuda.current_stream(self.cache.device))
-        return SampledTokens(host, slot, event)
 
     def run(self, batch: Batch, width: int) -> list[list[int]]:
         """`launch` and read at once: each row's token as a one-token list (the shape a verify
