@@ -75,3 +75,22 @@ def test_serve_on_two_ranks_answers_as_one_process_decodes_and_sigint_stops_ever
     code, output = server.stop(signal.SIGINT)
     assert code == 0 and "tensor parallel 2" in output, output[-3000:]
     assert not any(Path(f"/proc/{pid}").exists() for pid in ranks)
+
+
+def test_under_torchrun_every_rank_runs_the_script_and_rank_0_alone_gets_the_engine():
+    import json
+
+    from batchkv.executor import Engine, Request, SamplingParams
+    from batchkv.models import build_model
+    from tests.tp_torchrun import PROMPTS
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "tests/tp_torchrun.py"]  # fmt: skip
+    proc = subprocess.run(command, env=ROOT_ENV, cwd=ROOT_ENV["PYTHONPATH"], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[[")]
+    engine = Engine(build_model("sensenova-u1-tiny", "cpu", seed=0), max_seqs=4, capacity=128)
+    ids = [engine.submit(Request(p, SamplingParams(max_new_tokens=10))) for p in PROMPTS]
+    events = engine.run_until_done()
+    assert lines == [json.dumps([[e.token for e in events if e.request_id == i and e.token is not None] for i in ids])]

@@ -106,3 +106,10 @@ def test_what_each_rank_could_not_build_is_refused_before_any_process_starts(mod
     with pytest.raises(ConfigError, match=match):
         Engine(model, tensor_parallel=2, **ENGINE, **options)
     assert children() == before and not dist.is_initialized()
+
+
+def test_an_engine_refused_after_its_ranks_started_stops_them_at_once():
+    before = children()
+    with pytest.raises(ConfigError, match="max_step_tokens"):
+        Engine("sensenova-u1-tiny", tensor_parallel=2, max_seqs=2, capacity=64, max_step_tokens=0)
+    assert children() == before and not dist.is_initialized()  # while pytest still holds the traceback

@@ -37,7 +37,7 @@ from batchkv.executor.sizing import (
     size_store,
 )
 from batchkv.executor.speculative import NoSpeculation, SpeculativeConfig, Speculator, build_speculator
-from batchkv.tp.engine import start
+from batchkv.tp.engine import start, stops_ranks_on_failure
 
 
 def default_buckets(max_step_tokens: int) -> tuple[int, ...]:
@@ -109,6 +109,7 @@ class Engine:
             print(event.request_id, event.token, event.finish_reason)
     """
 
+    @stops_ranks_on_failure
     def __init__(
         self,
         model: StepModel,

@@ -33,9 +33,7 @@ from batchkv.executor.graphs import AdapterGuard, GraphSet, ModuleFingerprint
 from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform
 from batchkv.executor.scheduler import Batch
-from batchkv.tp.roles import LOCAL, Local
-
-Role = Local  # the fixed points every tensor-parallel role offers (batchkv.tp.roles)
+from batchkv.tp.roles import LOCAL, Role
 
 
 class StepModel(Protocol):

@@ -15,6 +15,7 @@ rank, so its drafts are the same everywhere.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import traceback
@@ -64,6 +65,23 @@ def start(model: object, tensor_parallel: int, options: dict) -> tuple[Local | L
         group.report(exc)
         group.close(graceful=False)
         raise
+
+
+def stops_ranks_on_failure(init):
+    """`Engine.__init__`, which on any failure first stops the ranks its start launched (they would
+    otherwise wait for a rank 0 that never becomes ready)."""
+
+    @functools.wraps(init)
+    def build(self, *args, **kwargs) -> None:
+        try:
+            init(self, *args, **kwargs)
+        except BaseException:
+            role = self.__dict__.get("tp")
+            if role is not None:
+                role.close()
+            raise
+
+    return build
 
 
 def follow(group: Group, source: ModelSource, options: dict) -> None:

@@ -1,8 +1,9 @@
 """What a tensor-parallel engine is given instead of a model, and how each rank builds its share.
 
 Every rank builds its own shard, so an engine with `tensor_parallel > 1` takes a *model source*:
-- a preset name (`sensenova-u1-tiny`, `sensenova-u1-8b`): SenseNova-U1 with random weights drawn
-  as one rank would draw them (every world size builds the same model);
+- a preset name (`sensenova-u1-tiny`, `sensenova-u1-8b`), or through `load` a `SenseNovaConfig`:
+  SenseNova-U1 with random weights drawn as one rank would draw them (every world size builds the
+  same model);
 - a model directory: SenseNova-U1 (by its config) or a transformers Llama / Qwen3, read slice by
   slice; a GGUF file is converted to such a directory first, once, on rank 0;
 - a picklable callable `factory(shard) -> model` (a module-level function or a
@@ -22,16 +23,19 @@ from pathlib import Path
 import torch
 
 from batchkv.errors import ConfigError
+from batchkv.models.config import SenseNovaConfig
 from batchkv.tp.shard import Shard
 
 
-def load(source: str | os.PathLike, shard: Shard, *, dtype: torch.dtype | None = None, seed: int = 0,
-         kv_dtype: torch.dtype | None = None):  # fmt: skip
-    """Rank `shard.rank`'s share of a preset (random weights from `seed`) or a model directory."""
+def load(source: str | os.PathLike | SenseNovaConfig, shard: Shard, *, dtype: torch.dtype | None = None,
+         seed: int = 0, kv_dtype: torch.dtype | None = None):  # fmt: skip
+    """Rank `shard.rank`'s share of a preset or a `SenseNovaConfig` (random weights from `seed`), or
+    of a model directory."""
     from batchkv.models import MODEL_PRESETS, build_model
 
-    if str(source) in MODEL_PRESETS:
-        return build_model(str(source), shard.device, dtype=dtype, seed=seed, shard=shard)
+    if isinstance(source, SenseNovaConfig) or str(source) in MODEL_PRESETS:
+        preset = source if isinstance(source, SenseNovaConfig) else str(source)
+        return build_model(preset, shard.device, dtype=dtype, seed=seed, shard=shard)
     from batchkv.serve.loading import GENERATION_BRANCH, _read_config, checkpoint_prefix, is_sensenova, sensenova_config
 
     path = Path(source)

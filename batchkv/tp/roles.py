@@ -262,3 +262,6 @@ class Follower(_Ranked):
 
     def close(self) -> None:
         self.group.close(graceful=True)
+
+
+Role = Local | Leader | Follower  # what the engine and its runners hold
