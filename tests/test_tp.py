@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,6 +85,8 @@ def test_two_ranks_replicate_a_single_kv_head_and_agree_with_one_process_to_fp32
     want = first_logits(reference, prompt)
     with tp_engine(one_kv_head, 2) as engine:
         assert engine.cache.config.kv_heads == 1 and model.config.kv_heads == 1  # one head, held by both ranks
+        environ = Path(f"/proc/{engine.tp.group.procs[0].pid}/environ").read_bytes().split(b"\0")
+        assert {b"NCCL_NVLS_ENABLE=0", b"TORCH_SYMM_MEM_DISABLE_MULTICAST=1", b"NVSHMEM_DISABLE_NVLS=1"} <= set(environ)
         assert outputs(engine, plan) == expected
         got = first_logits(engine, prompt)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -108,3 +108,15 @@ def test_every_state_changing_cache_verb_is_mirrored_to_the_other_ranks():
     read-only/internal here (called only by a mirrored verb, or changing nothing)."""
     methods = {n for n, v in vars(BatchedSequenceCache).items() if callable(v) and not n.startswith("__")}
     assert methods - READ_ONLY == set(MIRRORED), f"classify {sorted(methods - READ_ONLY - set(MIRRORED))}"
+
+
+def test_store_sizing_takes_the_fewest_positions_any_rank_fits():
+    from batchkv.cache import CacheConfig
+    from batchkv.executor.sizing import size_store
+
+    model = build_model("sensenova-u1-tiny", "cpu", seed=0)
+    config = CacheConfig(**model.cache_spec(), max_seqs=4, capacity=64, max_write=16, max_width=32)
+    alone, _ = size_store(model, config, 0.9, 4)  # every sequence at capacity: 256 positions
+    agreed, sizing = size_store(model, config, 0.9, 4, agree=lambda n: n - 100)  # another rank fits 100 fewer
+    assert sizing.positions == alone.pool_rows - config.scratch_rows - 100
+    assert agreed.pool_rows == alone.pool_rows - 100
