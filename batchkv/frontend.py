@@ -42,7 +42,7 @@ def add_scheduling_options(group: argparse._ArgumentGroup, *, max_seqs: int, hel
         "--max-seqs",
         type=or_auto(bounded(int, 1, MAX_POSITIONS)),
         default=max_seqs,
-        help=f"{help_max_seqs}; auto: as many as fit in --memory-fraction, at most 64 (default %(default)s)",
+        help=f"{help_max_seqs}; auto: 256, the store sized to --memory-fraction (default %(default)s)",
     )
     group.add_argument(
         "--memory-fraction",
@@ -64,6 +64,12 @@ def add_scheduling_options(group: argparse._ArgumentGroup, *, max_seqs: int, hel
         choices=tuple(MODES),
         default="auto",
         help="plan step N+1 while the device runs step N (default %(default)s: on CUDA unless speculating)",
+    )
+    group.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="recompute every prompt (default: reuse the K/V of prefixes the store holds; off under dflash)",
     )
 
 
@@ -95,6 +101,7 @@ def scheduling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "memory_fraction": args.memory_fraction,
         "prefill_budget": args.prefill_budget,
         "overlap": MODES[args.overlap],
+        "prefix_cache": args.prefix_cache,
     }
 
 

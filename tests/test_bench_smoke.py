@@ -57,3 +57,13 @@ def test_decode_resumed_for_its_single_sequence_part_keeps_the_peers_entries(tmp
                   tmp_path / "decode.json")  # fmt: skip
     assert report["parts"]["b1_batchkv"]["status"] == "done"
     assert report["b1"]["hf_static_compile_ms"] == 7.25 and report["b1"]["batchkv_eager_ms"] > 0
+
+
+def test_prefix_smoke_reuses_the_shared_prefix_only_with_the_cache_on(tmp_path):
+    report = _run(["bench/prefix.py", "--small"], tmp_path / "prefix.json")
+    for workload in ("shared_prefix", "multi_turn", "no_sharing"):
+        assert report[workload]["off"]["prefix_reused_tokens"] == 0 and report[workload]["on_over_off"] > 0
+    on = report["shared_prefix"]["on"]
+    assert on["prefix_reused_tokens"] == 5 * 64 and on["prefix_hit_rate"] > 0.8  # 5 of 6 reuse the 64-token prefix
+    assert report["no_sharing"]["on"]["prefix_reused_tokens"] == 0  # random prompts share nothing
+    assert len(report["multi_turn"]["on"]["ttft_p50_ms_by_turn"]) == 2

@@ -141,7 +141,8 @@ def test_completion_of_token_ids_streamed_equals_transformers_generate(server, h
     assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ids
     assert "".join(c["choices"][0]["text"] for c in chunks) == text
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
-    assert usage == {
+    assert usage["prompt_tokens_details"]["cached_tokens"] < len(prompt)  # the last prompt token is computed
+    assert {k: v for k, v in usage.items() if k != "prompt_tokens_details"} == {
         "prompt_tokens": len(prompt),
         "completion_tokens": len(ids),
         "total_tokens": len(prompt) + len(ids),
@@ -381,6 +382,18 @@ def test_models_health_and_metrics(server):
                  "batchkv_kv_columns_total"):  # fmt: skip
         assert name in m, name
     assert m["batchkv_kv_columns_total"] == MAX_SEQS
+
+
+def test_a_repeated_prompt_reports_the_tokens_it_reused_in_usage_and_metrics(server, client):
+    prompt = "The same long preamble, sent twice, is computed once and then reused: " * 3
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    before = metrics(server)["batchkv_prompt_tokens_cached_total"]
+    second = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
+    assert second.choices[0].text == first.choices[0].text
+    n = second.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens == n - 1  # all but the last prompt token
+    assert metrics(server)["batchkv_prompt_tokens_cached_total"] - before == n - 1
+    assert wait_idle(server)["batchkv_kv_columns_cached"] >= 1  # the histories stay, freed when needed
 
 
 # ---- a preset, and shutdown --------------------------------------------------------------------

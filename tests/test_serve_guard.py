@@ -20,7 +20,7 @@ pytest.importorskip("httpx")
 from starlette.testclient import TestClient
 
 from batchkv.cli import main
-from batchkv.serve import guard
+from batchkv.serve import access, guard
 from batchkv.serve.app import build_app
 from batchkv.serve.guard import Access
 from batchkv.serve.jobs import ModelInfo
@@ -91,7 +91,7 @@ def test_the_api_key_is_compared_with_hmac_compare_digest(monkeypatch):
         seen.append((a, b))
         return compare(a, b)
 
-    monkeypatch.setattr(guard.hmac, "compare_digest", spy)
+    monkeypatch.setattr(access.hmac, "compare_digest", spy)
     with client(FailingWorker(mid_stream=False), Access(api_key="sk-right")) as c:
         assert c.get("/v1/models", headers={"authorization": "Bearer sk-right"}).status_code == 200
         assert c.get("/v1/models", headers={"authorization": "Bearer sk-wrong"}).status_code == 401

@@ -77,7 +77,13 @@ def test_two_ranks_serve_sensenova_tiny_as_one_process_does(case):
 
 
 def test_two_ranks_replicate_a_single_kv_head_and_agree_with_one_process_to_fp32_rounding():
-    plan = schedule(4, 512)
+    requests, cancels = schedule(4, 512)
+    rng, system = random.Random(11), random_prompt(random.Random(10), 20, 20, vocab=512)
+    for arrival in (8, 14, 20):  # a shared prefix: the prefix cache's clone, rewind and reserve run on every rank
+        requests.append(
+            (arrival, Request(system + random_prompt(rng, 1, 6, vocab=512), SamplingParams(max_new_tokens=4)))
+        )
+    plan = (requests, cancels)
     model = one_kv_head(Shard())
     reference = Engine(model, **ENGINE)
     expected = outputs(reference, plan)
@@ -88,6 +94,7 @@ def test_two_ranks_replicate_a_single_kv_head_and_agree_with_one_process_to_fp32
         environ = Path(f"/proc/{engine.tp.group.procs[0].pid}/environ").read_bytes().split(b"\0")
         assert {b"NCCL_NVLS_ENABLE=0", b"TORCH_SYMM_MEM_DISABLE_MULTICAST=1", b"NVSHMEM_DISABLE_NVLS=1"} <= set(environ)
         assert outputs(engine, plan) == expected
+        assert engine.metrics.prefix_hits >= 2 and engine.metrics.prefix_hits == reference.metrics.prefix_hits
         got = first_logits(engine, prompt)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert got.shape == (512,)

@@ -210,12 +210,6 @@ class BatchedSequenceCache:
         why = " (positions the sequence may hold without moving)"
         return int_arg(f"{where}: reach", reach, 1, self.capacity, error=CapacityError, why=why)
 
-    def fits(self, reach: int, count: int = 1) -> bool:
-        """True when `count` more sequences of `reach` positions each could be placed now (with the
-        growth a pool allocated on demand has left)."""
-        height = self._height_arg("fits", reach)
-        return count * height <= self.free_rows
-
     def ring_floor(self, seq: int) -> int:
         """Shortest length `seq` may be rewound or cloned to: past it a ring has lost the window."""
         self._known(seq)

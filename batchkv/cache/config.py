@@ -230,7 +230,3 @@ class CacheConfig:
     def layer_row_bytes(self) -> int:
         """Bytes one row (one position of one sequence) of one layer's planes takes."""
         return sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.planes.values())
-
-    def extent_bytes(self, reach: int) -> int:
-        """Bytes a sequence whose extent holds `reach` positions takes, every layer (rings capped)."""
-        return sum(self.layer_rows(layer, reach) for layer in range(self.num_layers)) * self.layer_row_bytes()

@@ -49,19 +49,11 @@ class RowPool:
     def free(self) -> int:
         return self.size - self.used
 
-    @property
-    def largest_hole(self) -> int:
-        return max((rows for _, rows in self._holes), default=0)
-
     def base(self, key: object) -> int:
         return self.extents[key][0]
 
     def rows(self, key: object) -> int:
         return self.extents[key][1]
-
-    def fits(self, rows: int) -> bool:
-        """True when an extent of `rows` can be placed now (possibly after compaction)."""
-        return rows <= self.free
 
     # ---- changes ------------------------------------------------------------------------------
     def place(self, key: object, rows: int) -> int | None:

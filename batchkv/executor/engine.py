@@ -90,9 +90,13 @@ class Engine:
     seed: draws the sampling seed of requests that do not set one.
     speculative: a `SpeculativeConfig` (n-gram lookup or a DFlash drafter), or None. Each decode
         sample then verifies up to block_size - 1 drafts a step; drafts ride on top of
-        `max_step_tokens` (the widths reach max_step_tokens + min(64, max_seqs) * (block_size - 1)),
+        `max_step_tokens` (the widths reach max_step_tokens + min(256, max_seqs) * (block_size - 1)),
         the cache's max_write is at least block_size, and a step has at most
-        min(64, max_seqs) * block_size logits rows (see `batchkv.executor.speculative`).
+        min(256, max_seqs) * block_size logits rows (see `batchkv.executor.speculative`).
+    prefix_cache: reuse the K/V of prompt prefixes the store already holds (a finished request's
+        history kept until its memory is needed, or a live request's written prompt), so a request
+        prefills only what is new (see `batchkv.executor.prefix`). On by default; off under a DFlash
+        drafter (its own cache would lack the reused positions' context features).
     tensor_parallel: processes, one per GPU of this host (gloo processes on the CPU), that hold the
         model sharded Megatron-style (`batchkv.tp`). `model` is then a model *source*, which each
         rank builds its share of: a preset name, a model directory (SenseNova-U1, a transformers
@@ -131,6 +135,7 @@ class Engine:
         prefill_budget: int | None = None,
         memory_fraction: float = 0.9,
         kv_positions: int | str | None = None,
+        prefix_cache: bool = True,
         tensor_parallel: int = 1,
         _role: Role | None = None,  # batchkv.tp's: the role of a rank > 0
     ) -> None:
@@ -214,7 +219,12 @@ class Engine:
         self.buckets = buckets
         self.vocab_size = int(model.vocab_size)
         self.eos_token_ids = tuple(getattr(model, "eos_token_ids", None) or ())  # merged into requests' stops
-        self.scheduler = Scheduler(self.cache, max_step_tokens, prefill_chunk, buckets, prefill_budget, sample_rows)
+        if not isinstance(prefix_cache, bool):
+            raise ConfigError(f"prefix_cache is {prefix_cache!r}; use True or False")
+        reuse = prefix_cache and not (speculative is not None and speculative.method == "dflash")
+        self.scheduler = Scheduler(
+            self.cache, max_step_tokens, prefill_chunk, buckets, prefill_budget, sample_rows, prefix_cache=reuse
+        )
         self.metrics = Metrics(max_seqs, generation=self.cache.generation)
         what, nbytes = "the step inputs and logits", ModelRunner.nbytes(buckets[-1], self.vocab_size, sample_rows)
         with allocating(what, nbytes, "lower max_step_tokens, or free device memory"):
@@ -331,6 +341,18 @@ class Engine:
     def _reach(self, request: Request) -> int:
         return min(self.cache.capacity, len(request.prompt_ids) + request.params.max_new_tokens - 1)
 
+    @property
+    def cached_columns(self) -> int:
+        """Columns the prefix cache keeps (finished histories, freed when their memory is needed)."""
+        prefix = self.scheduler.prefix
+        return prefix.held_columns if prefix is not None else 0
+
+    def cached_tokens(self, request_id: int) -> int | None:
+        """Prompt tokens a live, admitted request reused from the prefix cache (None: not live or not
+        admitted yet): what OpenAI's `usage.prompt_tokens_details.cached_tokens` reports."""
+        state = self.scheduler.live.get(request_id)
+        return None if state is None or state in self.scheduler.waiting else state.cached
+
     def cancel(self, request_id: int) -> bool:
         """Stop a request now and free its columns; False when it is not live (finished or unknown).
 
@@ -357,7 +379,11 @@ class Engine:
 
     def _launch(self) -> InFlight | None:
         """Admit, plan, and queue the next step on the device; commit it on the host. None: no step."""
+        prefix = self.scheduler.prefix
+        before = prefix.counts() if prefix is not None else None
         self.scheduler.admit()
+        if prefix is not None:
+            self.metrics.note_prefix(before, prefix.counts())  # type: ignore[arg-type]
         batch = self.scheduler.plan()
         self.metrics.note_generation(self.cache.generation)
         if batch is None:
@@ -406,9 +432,17 @@ class Engine:
         """Drain `stream()`; returns every event in order."""
         return list(self.stream())
 
+    def clear_prefix_cache(self) -> None:
+        """Free every cached prefix now (they are freed anyway when their memory is needed)."""
+        if self.scheduler.prefix is not None:
+            self.scheduler.prefix.clear()
+
     def assert_idle(self) -> None:
-        """Raise StepError unless no request is live and every column is free (a leak check)."""
-        held = self.cache.sequences + self.speculator.sequences()
+        """Raise StepError unless no request is live and every column is free but those the prefix
+        cache keeps (a leak check)."""
+        prefix = self.scheduler.prefix
+        cached = {h.seq for h in prefix.cached} if prefix is not None else set()
+        held = [s for s in self.cache.sequences if s not in cached] + self.speculator.sequences()
         if self.scheduler.live or held or self.pipeline.in_flight is not None:
             raise StepError(
                 f"engine not idle: live requests {sorted(self.scheduler.live)}, held columns {held}, "

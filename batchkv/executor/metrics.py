@@ -52,9 +52,21 @@ class Metrics:
     spec_segments: int = 0  # verify segments that carried drafts
     spec_proposed: int = 0  # drafts verified
     spec_accepted: int = 0  # drafts the acceptance rule took (a stop id inside the run may cut what is emitted)
+    prefix_admitted: int = 0  # requests admitted with the prefix cache on
+    prefix_hits: int = 0  # of them, those that reused a cached or live prefix
+    prefix_reused: int = 0  # prompt positions reused (not computed)
+    prefix_evictions: int = 0  # cached histories freed for room
     first_start: float | None = None
     last_end: float = 0.0
     generation: int = 0  # the cache's storage generation last seen (set by the engine)
+
+    def note_prefix(self, before: tuple[int, ...], after: tuple[int, ...]) -> None:
+        """Add what the prefix cache counted between two `PrefixCache.counts()` readings."""
+        admitted, hits, reused, evictions = (a - b for a, b in zip(after, before, strict=True))
+        self.prefix_admitted += admitted
+        self.prefix_hits += hits
+        self.prefix_reused += reused
+        self.prefix_evictions += evictions
 
     def fresh(self) -> Metrics:
         """Empty totals for the same engine, counting from now: the storage generation is carried,
@@ -152,6 +164,9 @@ class Metrics:
             "growths": self.growths,
             "width_buckets_used": len(self.widths),
             "finished": dict(self.finished),
+            "prefix_hit_rate": self.prefix_hits / self.prefix_admitted if self.prefix_admitted else 0.0,
+            "prefix_reused_tokens": self.prefix_reused,
+            "prefix_evictions": self.prefix_evictions,
             "spec_proposed": self.spec_proposed,
             "spec_accepted": self.spec_accepted,
             "spec_acceptance_rate": self.spec_accepted / self.spec_proposed if self.spec_proposed else 0.0,

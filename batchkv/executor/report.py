@@ -73,6 +73,14 @@ def summary_table(summary: dict, title: str, *, graphs: bool, sizing: str | None
     ]
     if sizing is not None:
         rows.append(("store", sizing))
+    if summary.get("prefix_reused_tokens") or summary.get("prefix_evictions"):
+        rows.append(
+            (
+                "prefix cache",
+                f"{100 * summary['prefix_hit_rate']:.0f}% of requests reused a prefix, "
+                f"{summary['prefix_reused_tokens']} prompt tokens reused, {summary['prefix_evictions']} evicted",
+            )
+        )
     if summary.get("spec_proposed"):
         rows.append(
             (

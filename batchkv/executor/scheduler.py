@@ -28,6 +28,7 @@ from collections import deque
 
 from batchkv.cache import BatchedSequenceCache
 from batchkv.checks import int_arg
+from batchkv.executor.prefix import NO_MATCH, PrefixCache
 from batchkv.executor.request import MAX_SAMPLE_ROWS, Event
 from batchkv.executor.state import Batch, RequestState, SampleState
 
@@ -55,10 +56,12 @@ class Scheduler:
         buckets: tuple[int, ...] = (),
         prefill_budget: int | None = None,
         sample_rows: int = MAX_SAMPLE_ROWS,
+        prefix_cache: bool = False,
     ) -> None:
         if prefill_budget is not None:
             prefill_budget = int_arg("prefill_budget", prefill_budget, 1, why=" (or None: the default)")
         self.cache = cache
+        self.prefix = PrefixCache(cache, prefill_chunk) if prefix_cache else None
         self.sample_rows = sample_rows  # logits rows a step may take
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
@@ -98,16 +101,30 @@ class Scheduler:
 
     def admit(self) -> None:
         """Give columns to waiting requests, oldest first, while their n columns and the rows of
-        their n extents are free."""
-        while self.waiting:
-            state = self.waiting[0]
+        their n extents are free (evicting cached prefixes first). With the prefix cache a request
+        starts after the longest prefix it can reuse, and one that shares more with a prompt still
+        being written waits for it while the requests behind it go on."""
+        for state in list(self.waiting):
             params, reach = state.request.params, self.reach(state)
-            if self.free_columns() < params.n or self.free_rows() < params.n * reach:
-                return
-            seq = self.cache.seq_new(reach=reach)
-            self.waiting.popleft()
-            state.samples[0].seq, state.spare = seq, params.n - 1
+            match = self.prefix.lookup(state) if self.prefix is not None else NO_MATCH
+            if match.wait:
+                continue
+            columns, rows = params.n, params.n * reach
+            if self.prefix is not None:
+                columns, rows = self.prefix.room(match, columns, rows)
+                short_cols, short_rows = columns - self.free_columns(), rows - self.free_rows()
+                if short_cols > 0 or short_rows > 0:
+                    self.prefix.evict(max(short_cols, 0), max(short_rows, 0), keep=match.history)
+            if self.free_columns() < columns or self.free_rows() < rows:
+                return  # FIFO: nothing behind a request that does not fit goes before it
+            reused = match.history is not None and self.prefix is not None
+            seq = self.prefix.place(match, reach) if reused else self.cache.seq_new(reach=reach)  # type: ignore[union-attr]
+            self.waiting.remove(state)
+            state.samples[0].seq, state.spare, state.prefilled = seq, params.n - 1, match.length
+            state.cached = match.length
             self.prefilling.append(state)
+            if self.prefix is not None:
+                self.prefix.add_live(state)
 
     # ---- planning ------------------------------------------------------------------------------
     def plan(self) -> Batch | None:
@@ -228,7 +245,14 @@ class Scheduler:
                 self.live.pop(sample.owner.id, None)
         return events
 
-    def _release(self, sample: SampleState) -> None:
+    def _release(self, sample: SampleState, keep: bool = True) -> None:
+        """Free a sample's column, or with the prefix cache (`keep`: it finished) keep it cached."""
+        if self.prefix is not None:
+            if sample.index == 0:
+                self.prefix.end_live(sample.owner)
+            if keep and self.prefix.retire(sample):
+                sample.seq = -1
+                return
         self.cache.seq_rm(sample.seq)
         sample.seq = -1
 
@@ -255,7 +279,7 @@ class Scheduler:
             state.spare = 0
         for sample in state.live():
             if sample.seq >= 0:
-                self._release(sample)
+                self._release(sample, keep=False)
             sample.finish = "cancelled"
             self.cancelled.append(Event(state.id, None, "cancelled", sample.index))
         self.running = deque(s for s in self.running if s.owner is not state)

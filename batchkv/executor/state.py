@@ -52,6 +52,7 @@ class RequestState:
     seed: int
     submitted: float
     prefilled: int = 0  # prompt tokens written to the cache
+    cached: int = 0  # of them, those reused from the prefix cache (not computed)
     spare: int = 0  # columns held back for forks
     samples: list[SampleState] = field(default_factory=list)
 

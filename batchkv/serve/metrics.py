@@ -22,10 +22,12 @@ class ServerMetrics:
         r = self.registry = CollectorRegistry()
         self.running = Gauge("batchkv_requests_running", "Requests prefilling or decoding", registry=r)
         self.waiting = Gauge("batchkv_requests_waiting", "Requests queued for columns", registry=r)
-        self.columns = Gauge("batchkv_kv_columns_in_use", "KV cache columns held by sequences", registry=r)
+        self.columns = Gauge("batchkv_kv_columns_in_use", "KV cache columns held by live requests", registry=r)
+        self.cached_columns = Gauge("batchkv_kv_columns_cached", "KV cache columns the prefix cache keeps", registry=r)
         Gauge("batchkv_kv_columns_total", "KV cache columns (max_seqs)", registry=r).set(max_seqs)
         self.generated = Counter("batchkv_generation_tokens", "Tokens generated", registry=r)
         self.prompted = Counter("batchkv_prompt_tokens", "Prompt tokens accepted", registry=r)
+        self.cached = Counter("batchkv_prompt_tokens_cached", "Prompt tokens reused from the prefix cache", registry=r)
         self.captures = Counter("batchkv_graph_captures", "CUDA graphs captured", registry=r)
         self.finished = Counter(
             "batchkv_request_samples_finished", "Samples finished, by reason", ["reason"], registry=r
@@ -42,11 +44,12 @@ class ServerMetrics:
         )
         self._captures_seen = 0
 
-    def observe_engine(self, *, running: int, waiting: int, columns: int, captures: int) -> None:
+    def observe_engine(self, *, running: int, waiting: int, columns: int, cached: int, captures: int) -> None:
         """The engine's state after a step or a command (engine thread)."""
         self.running.set(running)
         self.waiting.set(waiting)
         self.columns.set(columns)
+        self.cached_columns.set(cached)
         if captures > self._captures_seen:
             self.captures.inc(captures - self._captures_seen)
             self._captures_seen = captures

@@ -89,6 +89,7 @@ class Tracker:
             for s in range(job.n)
         ]
         self.cancelled: set[int] = set()
+        self.cached: dict[int, int] = {}  # prompt index -> tokens reused from the prefix cache
 
     @property
     def done(self) -> bool:
@@ -100,6 +101,7 @@ class Tracker:
         n = self.job.n
         try:
             async for items in stream:
+                self.cached.update(stream.cached)  # written by the engine thread before these events
                 out: dict[int, Delta] = {}  # one delta per choice, even over several steps
                 for prompt, event in items:
                     delta = self.choices[prompt * n + event.sample].add(event)
@@ -120,11 +122,13 @@ class Tracker:
             self.cancelled.add(prompt)
             stream.cancel(prompt)
 
-    def usage(self) -> dict[str, int]:
-        """OpenAI `usage`: prompt tokens of every prompt, completion tokens of every choice."""
+    def usage(self) -> dict:
+        """OpenAI `usage`: prompt tokens of every prompt (and of them those the prefix cache held:
+        `prompt_tokens_details.cached_tokens`), completion tokens of every choice."""
         prompt = sum(len(p) for p in self.job.prompts)
         completion = sum(len(c.token_ids) for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}  # fmt: skip
 
 
 # ---- answers -----------------------------------------------------------------------------------

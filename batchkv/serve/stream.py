@@ -31,6 +31,7 @@ class Stream:
         self.worker = worker
         self.queue: asyncio.Queue[list[tuple[int, Event]] | BaseException] = asyncio.Queue()
         self.ids: list[int] = []  # engine request ids, by prompt index (engine thread only)
+        self.cached: dict[int, int] = {}  # prompt index -> tokens it reused from the prefix cache
 
     def __aiter__(self) -> AsyncIterator[list[tuple[int, Event]]]:
         return self._items()

@@ -273,6 +273,13 @@ class EngineWorker:
         self._deliver(events)
 
     def _deliver(self, events: list[Event]) -> None:
+        for event in events:  # a request's reused prompt tokens, known once it is admitted
+            route = self._routes.get(event.request_id)
+            if route is not None and route.prompt_index not in route.stream.cached:
+                cached = self.engine.cached_tokens(event.request_id)
+                if cached is not None:
+                    route.stream.cached[route.prompt_index] = cached
+                    self.metrics.cached.inc(cached)
         deliveries = route_events(self._routes, events, self.metrics, time.perf_counter())
         if deliveries:
             written = threading.Event()
@@ -282,10 +289,12 @@ class EngineWorker:
 
     def _observe(self) -> None:
         engine = self.engine
+        cached = engine.cached_columns
         self.metrics.observe_engine(
             running=engine.num_running,
             waiting=engine.num_waiting,
-            columns=len(engine.cache.sequences),
+            columns=len(engine.cache.sequences) - cached,
+            cached=cached,
             captures=engine.runner.captures,
         )
 
