@@ -99,13 +99,18 @@ def serving_engine(model, device, prompts, outputs, max_seqs: int | str = "auto"
                   kv_positions=kv_positions, kv_dtype=kv_dtype)  # fmt: skip
 
 
-WARM_UP = "the first 64 prompts with at most 16 new tokens each, untimed (graphs captured, kernels compiled)"
+WARM_UP = (
+    "the first 64 prompts with at most 16 new tokens each, untimed, then Engine.warm_up() (every width's graph "
+    "captured, kernels compiled) and an empty prefix cache"
+)
 
 
 def warm_up(engine: Engine, device, prompts, outputs) -> None:
     """`WARM_UP`, then fresh metrics: a serving engine starts its timed work warm, as the peers' setup
     (model load, compilation, graph capture) is timed apart from their serving."""
     serve_offline(engine, device, prompts[:64], [min(o, 16) for o in outputs[:64]])
+    engine.clear_prefix_cache()
+    engine.warm_up()  # every width's graph, so that no timed step captures one
     engine.metrics = engine.metrics.fresh()
 
 
@@ -125,7 +130,9 @@ def full_chunk_step_ms(engine: Engine, device, prompts, repeats: int = 5) -> flo
 
 
 def serve_offline(engine: Engine, device, prompts, outputs) -> dict:
-    """Every request submitted at once, run to the end; the engine's summary and the wall time."""
+    """Every request submitted at once, run to the end; the engine's summary and the wall time. The
+    prefix cache starts empty: the requests reuse only one another's prefixes, not an earlier run's."""
+    engine.clear_prefix_cache()
     for p, o in zip(prompts, outputs, strict=True):
         engine.submit(Request(p, SamplingParams(max_new_tokens=o)))
     sync(device)

@@ -9,9 +9,13 @@ Ceilings (bench/ceilings.py): device copy and read-only streaming; attention onl
 Peers, each tried every way it runs and the fastest that matches the reference kept (all tries
 are in `peer_candidates`): SDPA over exact prefixes and SDPA padded + mask, in the enable_gqa and
 the folded layouts under every SDPA backend (bench/kernel_peers.py); torch's own varlen attention
-when this torch ships it; flex_attention compiled per case shape with its knobs (bench/flex_peer.py,
-last, since compiles are the slow part; defaults for every case first, then the other knobs while
-the budget lasts). Recompiles are logged (TORCH_LOGS=recompiles) while flex runs.
+when this torch ships it; FlashInfer's paged decode and prefill wrappers at page sizes 16, 32, 64
+and one page per sequence (bench/flashinfer_peer.py; first of the peers), when it is importable:
+its kernels are compiled before the budget starts (bench/flashinfer_jit.py; `flashinfer` in the
+report says what was built, or why the peer is out); flex_attention compiled per case shape with
+its knobs (bench/flex_peer.py, last, since compiles are the slow part; defaults for every case
+first, then the other knobs while the budget lasts). Recompiles are logged (TORCH_LOGS=recompiles)
+while flex runs.
 
     python3 bench/kernels.py [--check] [--sweep] [--out bench/results/kernels-h200.json] [--budget-s 215]
     python bench/kernels.py --small --check --out /tmp/k.json     # CPU smoke run (Triton interpreter)
@@ -29,6 +33,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,6 +42,8 @@ if not torch.cuda.is_available():  # without a GPU the Triton kernels run under 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ceilings import copy_ceiling, read_ceiling
+from flashinfer_jit import load as load_flashinfer
+from flashinfer_peer import at_page, flashinfer
 from flex_peer import flex, knob_sets
 from kernel_cases import CASES, SMALL_CASES, TOLERANCE, Case, build_cases
 from kernel_peers import PEERS, varlen_api
@@ -127,8 +134,11 @@ def new_entry(case: Case, cfg: SdpaConfig | None) -> dict:
     }
 
 
-def bench(cases: dict, k, v, cfg: SdpaConfig | None, report: dict, path: Path, deadline: Deadline, flex_s: float):
-    """batchkv and every peer on every case (flex last, with `flex_s` of the budget kept for it)."""
+def bench(
+    cases: dict, k, v, cfg: SdpaConfig | None, report: dict, path: Path, deadline: Deadline, flex_s: float, peers: dict
+) -> dict:
+    """batchkv and every one of `peers` (name: candidates of a case) on every case, then flex (with `flex_s`
+    of the budget kept for it)."""
     peers_deadline = Deadline(deadline.left() - flex_s)
     entries = {e["name"]: e for e in report["cases"]}
     for name, case in cases.items():
@@ -143,11 +153,13 @@ def bench(cases: dict, k, v, cfg: SdpaConfig | None, report: dict, path: Path, d
                 entry.update(batchkv_us=r.pop("us"), **r)
             except Exception as exc:
                 entry.update(batchkv_us=None, timing=f"failed: {type(exc).__name__}: {exc}"[:300])
-        for peer, build in PEERS.items():
+        for peer, build in peers.items():
             if entry["peers"].get(peer) is None:
                 entry["peer_candidates"].pop(peer, None)
                 run_peer(entry, peer, build(case, k, v), case, k, v, peers_deadline, report)
             write(path, report)
+        if entry["peers"].get("flashinfer"):  # vLLM's default page size, beside the fastest
+            entry["peers"]["flashinfer"]["page16_us"] = at_page(entry["peer_candidates"]["flashinfer"], 16)
         shown = {p: (b or {}).get("us") for p, b in entry["peers"].items()}
         print(f"{name:15s} batchkv {entry['batchkv_us']} us {entry.get('gbps')} GB/s "
               f"{entry.get('pct_of_read')}% of read | {shown}", flush=True)  # fmt: skip
@@ -173,7 +185,7 @@ def bench(cases: dict, k, v, cfg: SdpaConfig | None, report: dict, path: Path, d
     return report
 
 
-def plot(report: dict, path: Path) -> None:
+def plot(report: dict, path: Path, peers: list[str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -182,7 +194,7 @@ def plot(report: dict, path: Path) -> None:
     cases = report["cases"]
     names = [c["name"] for c in cases]
     series = {"batchkv": [c.get("batchkv_us") or float("nan") for c in cases]}
-    for peer in (*PEERS, "flex"):
+    for peer in (*peers, "flex"):
         series[peer] = [(c["peers"].get(peer) or {}).get("us") or float("nan") for c in cases]
     fig, ax = plt.subplots(figsize=(15, 5))
     width = 0.8 / len(series)
@@ -240,11 +252,12 @@ def main() -> None:
     parser.add_argument("--config", default="{}", help="SdpaConfig overrides as JSON, e.g. '{\"occupancy\": 4}'")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--small", action="store_true", help="tiny geometry and cases (a CPU smoke run)")
-    parser.add_argument("--budget-s", type=float, default=215.0, help="wall-clock budget of the whole run")
+    parser.add_argument("--budget-s", type=float, default=215.0, help="wall clock, after FlashInfer's compile")
     parser.add_argument("--flex-budget-s", type=float, default=110.0, help="part of the budget kept for flex")
     parser.add_argument("--resume", type=Path, default=None, help="a result JSON to complete")
+    parser.add_argument("--flashinfer-compile-s", type=float, default=300.0,
+                        help="FlashInfer's JIT compile, before the budget (0: leave FlashInfer out)")  # fmt: skip
     args = parser.parse_args()
-    deadline = Deadline(args.budget_s)
     torch.manual_seed(0)
     names = args.cases.split(",") if args.cases else list(SMALL_CASES if args.small else CASES)
     cuda = torch.cuda.is_available()
@@ -258,17 +271,20 @@ def main() -> None:
         sweep(cases, k, v, copy_ceiling(k.device)[0], args.sweep_out)
         return
     report = json.loads(args.resume.read_text()) if args.resume else {"cases": []}
+    fi, report["flashinfer"] = load_flashinfer(geo.dtype, geo.d, k.device, args.flashinfer_compile_s)
+    peers = {"flashinfer": partial(flashinfer, fi, report["flashinfer"]), **PEERS}  # first: the budget cuts the last
+    deadline = Deadline(args.budget_s)
     if "read_gbps" not in report:
         report.update(header(geo, cfg, k.device))
     print(f"{report['device']}: copy {report['copy_gbps']:.0f} GB/s, read {report['read_gbps']:.0f} GB/s", flush=True)
     if args.check:
         check(cases, k, v, report.setdefault("check_max_abs_err", {}))
     started = time.perf_counter()
-    bench(cases, k, v, cfg, report, args.out, deadline, args.flex_budget_s)
+    bench(cases, k, v, cfg, report, args.out, deadline, args.flex_budget_s, peers)
     report["wall_s"] = round(time.perf_counter() - started, 1)
     write(args.out, report)
     try:
-        plot(report, args.out.with_suffix(".png"))
+        plot(report, args.out.with_suffix(".png"), list(peers))
     except Exception as exc:
         print(f"plot skipped: {type(exc).__name__}: {exc}")
 

@@ -89,6 +89,8 @@ def warm(engine: Engine, prompts, device) -> None:
     for p in prompts[:64]:
         engine.submit(Request(p[:512], SamplingParams(max_new_tokens=8)))
     engine.run_until_done()
+    engine.clear_prefix_cache()  # the timed run reuses no prefix of this pass
+    engine.warm_up()  # every width's graph, so that no timed step captures one
     sync(device)
     engine.metrics = engine.metrics.fresh()
 

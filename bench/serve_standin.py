@@ -83,6 +83,11 @@ class StandinEngine:
     def num_running(self) -> int:
         return len(self.running)
 
+    cached_columns = 0  # the stand-in reuses no prefix
+
+    def cached_tokens(self, rid: int) -> int | None:
+        return 0 if rid in self.running else None
+
     def submit(self, request: Request) -> int:
         if not request.prompt_ids or max(request.prompt_ids) >= self.vocab_size or min(request.prompt_ids) < 0:
             raise RequestError(f"request refused: prompt token ids must lie in [0, {self.vocab_size})")

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from batchkv.errors import StepError
 from batchkv.executor import Engine, Request
 from tests.executor_helpers import drive, greedy, oracle, random_prompt
 from tests.toy_model import ToyModel
@@ -110,3 +111,30 @@ def test_adapter_wrappers_turn_graphs_off_and_drop_the_captures(monkeypatch):
     assert len(graphs) == 0 and graphs.captures == captures  # eager from now on
     tokens = [e.token for e in events if e.request_id == rid and e.token is not None]
     assert (tokens, "length") == oracle(model, request, 96)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_warm_up_captures_every_width_so_serving_captures_nothing_and_decodes_the_same(overlap):
+    model = ToyModel(seed=4)
+    engine, graphs = graph_engine(model, kv_positions=4 * 96, overlap=overlap)  # the store whole: no growth
+    assert engine.warm_up() >= 0
+    assert {width for width, _, _ in graphs.keys} == set(engine.buckets)
+    assert not engine.cache.sequences and not engine.has_work and engine.metrics.steps == 0
+    captured = graphs.captures
+    rng = random.Random(12)
+    schedule = [(rng.randint(0, 20), Request(random_prompt(rng, 1, 40), greedy(rng.randint(1, 25)))) for _ in range(10)]
+    outputs, ids = drive(engine, schedule)
+    for index, (_, request) in enumerate(schedule):  # the warm-up's captured steps serve any length mix
+        assert (outputs[ids[index]].tokens[0], outputs[ids[index]].finish_reasons[0]) == oracle(model, request, 96)
+    assert graphs.captures == captured and graphs.replays > captured
+    engine.assert_idle()
+
+
+def test_warm_up_refuses_an_engine_that_holds_sequences():
+    engine, graphs = graph_engine(ToyModel(seed=5), kv_positions=4 * 96)
+    rid = engine.submit(Request([1, 2, 3], greedy(4)))
+    engine.step()
+    with pytest.raises(StepError, match="holds no sequences"):
+        engine.warm_up()
+    outputs = {e.request_id for e in engine.run_until_done()}
+    assert rid in outputs and not graphs.retired

@@ -186,3 +186,17 @@ def test_the_prefix_cache_is_off_when_asked_and_under_a_dflash_drafter(model):
     drafter = build_drafter(target, num_layers=1, target_layer_ids=(0, 3), block_size=4)
     speculating = Engine(target, max_seqs=2, capacity=64, speculative=SpeculativeConfig("dflash", drafter=drafter))
     assert speculating.scheduler.prefix is None  # the drafter's cache would lack the reused context
+
+
+def test_with_no_room_beside_a_cached_history_its_column_is_taken_over_not_recomputed(model):
+    # One column: the repeated prompt's history cannot be cloned beside itself, so the request
+    # takes that column over (rewound to the match) instead of evicting it and recomputing.
+    e = engine(model, max_seqs=1)
+    prompt = random_prompt(random.Random(8), 30, 30)
+    outs = []
+    for _ in range(2):
+        rid = e.submit(Request(prompt, greedy(5)))
+        outs.append(gather(e.run_until_done())[rid])
+    want = oracle(model, Request(prompt, greedy(5)), CAPACITY)
+    assert all((out.tokens[0], out.finish_reasons[0]) == want for out in outs)
+    assert e.metrics.prefix_reused == len(prompt) - 1 and e.metrics.prefix_evictions == 0

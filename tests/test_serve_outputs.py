@@ -32,6 +32,7 @@ class ScriptedStream:
 
     def __init__(self, steps: list[list[tuple[int, Event]]]) -> None:
         self.steps, self.cancels, self.read = steps, [], 0
+        self.cached: dict[int, int] = {}  # prompt index -> tokens reused (the worker fills it)
 
     def __aiter__(self):
         return self._items()

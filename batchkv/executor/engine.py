@@ -432,6 +432,22 @@ class Engine:
         """Drain `stream()`; returns every event in order."""
         return list(self.stream())
 
+    def warm_up(self) -> float:
+        """Capture the graph of every step width now (compiling the kernels it launches), so that no
+        step of the serving that follows pays for a capture, as a server does before it listens.
+        Needs an engine that holds nothing yet; returns the seconds it took (0 without graphs).
+        Storage that later grows or moves (`kv_positions` not allocated whole) captures again."""
+        if not self.uses_graphs:
+            return 0.0
+        if self.has_work or self.cache.sequences:
+            raise StepError(
+                f"warm_up needs an engine that holds no sequences; this one holds {len(self.cache.sequences)} "
+                "(call it before submitting requests, or after run_until_done() and clear_prefix_cache())"
+            )
+        start = time.perf_counter()
+        self.runner.warm(self.buckets)
+        return time.perf_counter() - start
+
     def clear_prefix_cache(self) -> None:
         """Free every cached prefix now (they are freed anyway when their memory is needed)."""
         if self.scheduler.prefix is not None:

@@ -70,12 +70,14 @@ class Match:
     history: History | None
     length: int
     wait: bool = False
+    take: bool = False  # adopt the cached history even though the match covers only part of it
 
     @property
     def adopts(self) -> bool:
-        """The match covers a cached history whole: the request takes its column over (no copy)."""
+        """The request takes a cached history's column over (no copy): the match covers it whole, or
+        the store has no room for a copy beside it (`take`)."""
         h = self.history
-        return h is not None and h.live is None and self.length == h.matchable()
+        return h is not None and h.live is None and (self.take or self.length == h.matchable())
 
 
 NO_MATCH = Match(None, 0)

@@ -20,7 +20,7 @@ queued (see `batchkv.executor.pipeline`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -240,6 +240,26 @@ class ModelRunner:
         else:
             tokens = greedy_tokens(logits)
         self.sampled[slot, :real].copy_(tokens)
+
+    def warm(self, widths: Sequence[int]) -> None:
+        """One all-padding step at each width (graphs captured, kernels compiled), its positions in
+        sequences made for it and removed after: nothing the engine holds is read or written."""
+        share = self.cache.config.max_write
+        for width in widths:
+            seqs: list[int] = []
+            try:
+                for start in range(0, width, share):
+                    seqs.append(self.cache.seq_new(reach=min(share, width - start)))
+                batch = Batch(rows=[width - 1])
+                for i, seq in enumerate(seqs):
+                    n = min(share, width - i * share)
+                    batch.add(seq, [0] * n, list(range(n)))
+                self.cache.declare_step(batch.seq_ids)
+                self.cache.prepare_step(width)
+                self.launch(batch, width).read()
+            finally:
+                for seq in seqs:
+                    self.cache.seq_rm(seq)
 
     def run(self, batch: Batch, width: int) -> list[list[int]]:
         """`launch` and read at once: each row's token as a one-token list (the shape a verify

@@ -25,6 +25,7 @@ decode; the rows of its forks are held back too. A request waits while its n ext
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 from batchkv.cache import BatchedSequenceCache
 from batchkv.checks import int_arg
@@ -111,10 +112,8 @@ class Scheduler:
                 continue
             columns, rows = params.n, params.n * reach
             if self.prefix is not None:
+                match = self._make_room(match, columns, rows)
                 columns, rows = self.prefix.room(match, columns, rows)
-                short_cols, short_rows = columns - self.free_columns(), rows - self.free_rows()
-                if short_cols > 0 or short_rows > 0:
-                    self.prefix.evict(max(short_cols, 0), max(short_rows, 0), keep=match.history)
             if self.free_columns() < columns or self.free_rows() < rows:
                 return  # FIFO: nothing behind a request that does not fit goes before it
             reused = match.history is not None and self.prefix is not None
@@ -125,6 +124,23 @@ class Scheduler:
             self.prefilling.append(state)
             if self.prefix is not None:
                 self.prefix.add_live(state)
+
+    def _make_room(self, match, columns: int, rows: int):
+        """Evict cached histories (least recently used first) until a request of `columns` samples
+        and `rows` positions fits beside the history it reuses; when even that is not enough, it
+        takes the cached history's column over (better than recomputing the prefix). Returns the
+        match as it will be used."""
+        prefix = self.prefix
+        for attempt in (match, replace(match, take=True)):
+            if attempt is not match and (match.history is None or match.history.live is not None):
+                break
+            need_cols, need_rows = prefix.room(attempt, columns, rows)  # type: ignore[union-attr]
+            short_cols, short_rows = need_cols - self.free_columns(), need_rows - self.free_rows()
+            if short_cols > 0 or short_rows > 0:
+                prefix.evict(max(short_cols, 0), max(short_rows, 0), keep=attempt.history)  # type: ignore[union-attr]
+            if self.free_columns() >= need_cols and self.free_rows() >= need_rows:
+                return attempt
+        return match
 
     # ---- planning ------------------------------------------------------------------------------
     def plan(self) -> Batch | None:

@@ -153,6 +153,10 @@ def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) 
     )
     if engine.sizing is not None:
         print(f"batchkv serve: sized the store: {engine.sizing.describe()}", file=sys.stderr, flush=True)
+    if engine.uses_graphs:  # before it listens: no request's step waits for a capture
+        seconds = engine.warm_up()
+        graphs = f"batchkv serve: captured {len(engine.buckets)} step graphs in {seconds:.1f} s"
+        print(graphs, file=sys.stderr, flush=True)
     config = uvicorn.Config(
         app,
         host=host,
