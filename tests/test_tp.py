@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo): an engine sharded over 2 or 3 processes emits, token for
 token, what the one-process engine emits, for SenseNova tiny (with its KV heads split, and with one
-KV head replicated) and a tiny transformers Qwen3 (fp32), with arrivals, n > 1, a cancellation,
-sampling, overlap, e4m3 storage and speculation; and one step's logits agree within fp32 rounding."""
+KV head replicated), a tiny transformers Qwen3 and a tied Llama with biases (fp32), with arrivals,
+n > 1, a cancellation, sampling, overlap, e4m3 storage, speculation and a warm-up; the transformers
+models' greedy tokens equal their own `generate`; and one step's logits agree within fp32 rounding."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from batchkv.models import build_model
 from batchkv.models.dflash import build_drafter
 from batchkv.tp import Shard
 from tests.executor_helpers import drive, random_prompt
-from tests.tp_helpers import one_kv_head, save_qwen3
+from tests.tp_helpers import hf_greedy, hf_last_logits, one_kv_head, save_hf, save_qwen3
 
 ENGINE = {"max_seqs": 4, "capacity": 64, "max_step_tokens": 32, "prefill_chunk": 16}
 
@@ -41,13 +42,25 @@ def outputs(engine: Engine, plan: tuple[list, dict]) -> list[tuple]:
     return [(got[i].tokens, got[i].finish_reasons) for i in ids]
 
 
-def first_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
-    """The logits the step that writes `prompt` samples its first token from."""
-    engine.submit(Request(prompt, SamplingParams(max_new_tokens=1)))
-    engine.step()
-    logits = engine.runner.logits[0].clone()
-    engine.run_until_done()
-    return logits
+def first_logits(engine: Engine, prompt: list[int], max_steps: int = 8) -> torch.Tensor:
+    """The logits [vocab] of the step that emits `prompt`'s first greedy token (on an idle engine:
+    the step's only row), checked against that token."""
+    rid = engine.submit(Request(prompt, SamplingParams(max_new_tokens=1)))
+    for _ in range(max_steps):  # the first step admits; a later one runs the prompt and samples
+        tokens = [e.token for e in engine.step() if e.request_id == rid and e.token is not None]
+        if tokens:
+            logits = engine.runner.logits[0].clone()
+            assert int(logits.argmax()) == tokens[0]  # the row the token was sampled from
+            engine.assert_idle()
+            return logits
+    pytest.fail(f"{max_steps} steps and no token for a {len(prompt)}-token prompt")
+
+
+def greedy(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """`n` greedy tokens of each prompt, submitted together (EOS ignored, as `hf_greedy` does)."""
+    ids = [engine.submit(Request(p, SamplingParams(max_new_tokens=n, ignore_eos=True))) for p in prompts]
+    events = engine.run_until_done()
+    return [[e.token for e in events if e.request_id == i and e.token is not None] for i in ids]
 
 
 def tp_engine(source, world: int, **options) -> Engine:
@@ -107,19 +120,62 @@ def qwen3_dir(tmp_path_factory):
     return path, save_qwen3(path)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ranks_serve_a_transformers_qwen3_read_by_slices_as_one_process_does(qwen3_dir, world):
+@pytest.mark.parametrize("world, speculative", [(2, SpeculativeConfig("ngram", block_size=4)), (3, None)],
+                         ids=["2 ranks, ngram speculation", "3 ranks"])  # fmt: skip
+def test_ranks_serve_a_transformers_qwen3_read_by_slices_as_one_process_and_transformers_do(
+    qwen3_dir, world, speculative
+):
     from batchkv.models.hf import HFModel
 
     path, hf = qwen3_dir
     plan = schedule(5, 250)
-    reference = Engine(HFModel(hf), **ENGINE)
+    reference = Engine(HFModel(hf), **ENGINE, speculative=speculative)
     expected = outputs(reference, plan)
     prompt = random_prompt(random.Random(7), 9, 9, vocab=250)
-    want = first_logits(reference, prompt)
-    with tp_engine(path, world) as engine:
+    want = first_logits(reference, prompt) if speculative is None else None  # (a verify runner keeps no logits)
+    prompts = [random_prompt(random.Random(s), 3, 17, vocab=250) for s in range(3)]
+    with tp_engine(path, world, speculative=speculative) as engine:
         assert engine.cache.config.kv_heads == 6 // world
         assert outputs(engine, plan) == expected
-        got = first_logits(engine, prompt)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # 250 is not a multiple of 3: padded, then cut
-    assert got.shape == (250,)
+        if speculative is not None:
+            assert engine.metrics.spec_accepted > 0 and engine.metrics.spec_accepted == reference.metrics.spec_accepted
+        got = first_logits(engine, prompt) if speculative is None else None
+        tokens = greedy(engine, prompts, 8)
+    assert tokens == [hf_greedy(hf, p, 8) for p in prompts]
+    if speculative is None:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # 250 is not a multiple of 3: padded, then cut
+        assert got.shape == (250,)
+        torch.testing.assert_close(got, hf_last_logits(hf, prompt), rtol=1e-4, atol=1e-4)  # transformers' attention
+
+
+LLAMA = {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 24, "attention_bias": True,
+         "mlp_bias": True, "tie_word_embeddings": True}  # fmt: skip
+
+
+def test_two_ranks_serve_a_tied_llama_with_biases_and_a_replicated_kv_head_as_transformers_does(tmp_path):
+    from batchkv.models.hf import HFModel
+
+    hf = save_hf(tmp_path, "llama", **LLAMA)
+    plan = schedule(6, 250)
+    expected = outputs(Engine(HFModel(hf), **ENGINE), plan)
+    prompts = [random_prompt(random.Random(s), 3, 17, vocab=250) for s in range(3)]
+    with tp_engine(tmp_path, 2) as engine:
+        part = engine.runner.model.hf  # rank 0's share: half the query heads, the one KV head, a tied head
+        assert engine.cache.config.kv_heads == 1 and part.lm_head.weight is part.model.embed_tokens.weight
+        assert part.model.layers[0].self_attn.o_proj.bias.shape == (96,)  # a row-parallel bias, held whole
+        assert outputs(engine, plan) == expected
+        tokens = greedy(engine, prompts, 8)
+        got = first_logits(engine, prompts[0])
+    assert tokens == [hf_greedy(hf, p, 8) for p in prompts]
+    torch.testing.assert_close(got, hf_last_logits(hf, prompts[0]), rtol=1e-4, atol=1e-4)
+
+
+def test_warming_every_width_on_two_ranks_changes_nothing_they_serve_after():
+    # Engine.warm_up's steps (sequences made for them and removed) run on every rank through the
+    # mirrored verbs; on the CPU (no graphs) the runner's warm is called directly.
+    plan = schedule(8, 512)
+    expected = outputs(Engine(build_model("sensenova-u1-tiny", "cpu", seed=0), **ENGINE), plan)
+    with tp_engine("sensenova-u1-tiny", 2) as engine:
+        engine.runner.warm(engine.buckets)
+        assert not engine.cache.sequences  # removed (the followers' removals travel with the next plan)
+        assert outputs(engine, plan) == expected

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from batchkv.errors import ConfigError, TensorParallelError
 from batchkv.executor import Engine, Request, SamplingParams, SpeculativeConfig
 from batchkv.models import build_model
 from batchkv.models.dflash import build_drafter
+from batchkv.tp.group import Group
 from tests.tp_helpers import faulty
 
 ENGINE = {"max_seqs": 2, "capacity": 64, "max_step_tokens": 32, "prefill_chunk": 16}
@@ -62,6 +64,26 @@ def test_a_rank_that_raises_mid_step_stops_every_rank_and_rank_0_says_which_and_
         step_until_it_fails(engine)  # its 4th forward: a decode step after the prompt's two chunks
     assert time.monotonic() - start < 30
     assert not any(p.is_alive() for p in procs) and children() == before and not dist.is_initialized()
+    with pytest.raises(TensorParallelError, match="cannot step again"):
+        engine.step()
+    engine.close()
+
+
+def test_a_rank_killed_between_steps_ends_the_engine_with_its_exit_code_and_no_process_left():
+    before = children()
+    engine = Engine("sensenova-u1-tiny", tensor_parallel=2, **ENGINE)
+    engine.submit(Request(list(range(1, 20)), SamplingParams(max_new_tokens=30, ignore_eos=True)))
+    for _ in range(3):
+        engine.step()
+    rank = engine.tp.group.procs[0]
+    os.kill(rank.pid, signal.SIGKILL)
+    rank.join(10.0)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 exited with code -9"):
+        for _ in range(40):  # the next step's first collective (or the watcher) sees it
+            engine.step()
+    assert time.monotonic() - start < 15
+    assert children() == before and not dist.is_initialized()
     with pytest.raises(TensorParallelError, match="cannot step again"):
         engine.step()
     engine.close()
@@ -113,3 +135,30 @@ def test_an_engine_refused_after_its_ranks_started_stops_them_at_once():
     with pytest.raises(ConfigError, match="max_step_tokens"):
         Engine("sensenova-u1-tiny", tensor_parallel=2, max_seqs=2, capacity=64, max_step_tokens=0)
     assert children() == before and not dist.is_initialized()  # while pytest still holds the traceback
+
+
+@pytest.mark.parametrize("world", [0, -1, 65, True, 2.0, "2"])
+def test_a_tensor_parallel_size_that_is_not_a_count_of_processes_is_refused(world):
+    before = children()
+    with pytest.raises(ConfigError, match="Engine tensor_parallel is"):
+        Engine("sensenova-u1-tiny", tensor_parallel=world, **ENGINE)
+    assert children() == before and not dist.is_initialized()
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "0", "inf", "nan"])
+def test_a_bad_collective_timeout_is_refused_before_any_process_starts(monkeypatch, value):
+    monkeypatch.setenv("BATCHKV_TP_TIMEOUT", value)
+    monkeypatch.setattr(Group, "spawn", lambda *a, **k: pytest.fail("the ranks were started"))
+    with pytest.raises(ConfigError, match="BATCHKV_TP_TIMEOUT is"):
+        Engine("sensenova-u1-tiny", tensor_parallel=2, **ENGINE)
+    assert not dist.is_initialized()
+
+
+def test_a_second_tensor_parallel_engine_in_one_process_is_refused_and_the_first_serves_on():
+    with Engine("sensenova-u1-tiny", tensor_parallel=2, **ENGINE) as first:
+        ranks = children()
+        with pytest.raises(ConfigError, match=r"torch\.distributed is already initialised"):
+            Engine("sensenova-u1-tiny", tensor_parallel=2, **ENGINE)
+        assert children() == ranks
+        first.submit(Request([5, 6, 7], SamplingParams(max_new_tokens=4, ignore_eos=True)))
+        assert len([e for e in first.run_until_done() if e.token is not None]) == 4

@@ -256,7 +256,7 @@ class ModelRunner:
                     batch.add(seq, [0] * n, list(range(n)))
                 self.cache.declare_step(batch.seq_ids)
                 self.cache.prepare_step(width)
-                self.launch(batch, width).read()
+                self.tp.read(self.launch(batch, width))  # bounded under tensor parallelism
             finally:
                 for seq in seqs:
                     self.cache.seq_rm(seq)

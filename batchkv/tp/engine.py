@@ -25,7 +25,7 @@ from torch import nn
 
 from batchkv.checks import int_arg
 from batchkv.errors import ConfigError
-from batchkv.tp.group import Group
+from batchkv.tp.group import Group, step_timeout
 from batchkv.tp.models import ModelSource
 from batchkv.tp.roles import LOCAL, Follower, Leader, Local
 from batchkv.tp.shard import Shard
@@ -50,6 +50,7 @@ def start(model: object, tensor_parallel: int, options: dict) -> tuple[Local | L
     if spec is not None and isinstance(spec.drafter, nn.Module):
         raise ConfigError("under tensor parallelism every rank builds its drafter: give SpeculativeConfig(drafter=) "
                           "a factory(target) -> DFlashDrafter, e.g. functools.partial(build_drafter, ...)")  # fmt: skip
+    step_timeout()  # a bad BATCHKV_TP_TIMEOUT is refused before any process starts
     if device.type == "cuda" and world > torch.cuda.device_count():
         raise ConfigError(f"tensor_parallel={world} needs {world} GPUs; this host has {torch.cuda.device_count()}")
     if _under_torchrun():

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import math
 import multiprocessing.connection
 import os
 import signal
@@ -42,6 +43,7 @@ from batchkv.tp.shard import Shard
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 START_TIMEOUT = datetime.timedelta(minutes=30)
 IDLE_TIMEOUT = datetime.timedelta(days=365)
+MAX_STEP_TIMEOUT = 86400.0  # seconds: a day
 REPORT_WAIT = 3.0  # seconds rank 0 waits for a failed rank's report
 _REPORT = "batchkv/failed/{}"
 _JOINED = "batchkv/joined/{}"
@@ -53,7 +55,9 @@ def step_timeout() -> datetime.timedelta:
     try:
         seconds = float(text)
     except ValueError:
-        raise ConfigError(f"BATCHKV_TP_TIMEOUT is {text!r}; give seconds, e.g. 120") from None
+        seconds = math.nan
+    if not 0 < seconds <= MAX_STEP_TIMEOUT:  # also refuses nan
+        raise ConfigError(f"BATCHKV_TP_TIMEOUT is {text!r}; give seconds in (0, {MAX_STEP_TIMEOUT:.0f}], e.g. 120")
     return datetime.timedelta(seconds=seconds)
 
 

@@ -86,9 +86,11 @@ def load_hf_shard(
         _shard_modules(hf, config, shard, spans)
     hf.to_empty(device=shard.device)
     decoder = getattr(hf, hf.base_model_prefix)
+    tied = getattr(config, "tie_word_embeddings", False)
+    if tied:  # to_empty gives each module a tensor of its own: tie them again (one copy of the rows)
+        hf.lm_head.weight = decoder.embed_tokens.weight
     decoder.rotary_emb = type(decoder.rotary_emb)(config).to(shard.device)  # its tables, which meta left empty
     with SafetensorsSlices(path) as ckpt, torch.no_grad():
-        tied = getattr(config, "tie_word_embeddings", False)
         for name, param in hf.named_parameters():
             source = "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name
             if source not in ckpt:
