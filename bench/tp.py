@@ -16,7 +16,8 @@ Parts, in order, each written to the JSON as it ends (`--resume` runs only the m
 5. llama70b: a Llama-3-70B-shaped model (80 layers, hidden 8192, 64 query / 8 KV heads, MLP 28672,
    vocab 128256; ~141 GB of random bf16 weights: SenseNovaLM at that geometry, whose layers differ
    from Llama's only by QK-norm weights and RoPE sections, so the bytes read are the same) at TP=2:
-   one-sequence ms/token against its weight-read roofline at two GPUs' bandwidth, and serving tok/s.
+   serving tok/s, then on the same engine (built once) one-sequence ms/token against its
+   weight-read roofline at two GPUs' bandwidth.
 
 Every process batchkv starts keeps NVLink multicast off (batchkv.tp.group.NO_MULTICAST).
 
@@ -128,25 +129,33 @@ def collectives(world: int, sizes: list[int], gathers: list[int]) -> dict:
 
 
 # ---- engine runs ---------------------------------------------------------------------------------
+def single(engine: Engine, prompt_len: int, new_tokens: int, vocab: int) -> dict:
+    """ms/token of one greedy sequence on an idle `engine` (the second of two identical requests)
+    and its tokens."""
+    prompt = np.random.default_rng(0).integers(0, vocab, prompt_len).tolist()
+    for _ in range(2):
+        engine.metrics.inter_token.clear()
+        engine.submit(Request(prompt, SamplingParams(max_new_tokens=new_tokens)))
+        tokens = [e.token for e in engine.run_until_done() if e.token is not None]
+    itl = np.asarray(engine.metrics.inter_token) * 1e3
+    return {"ms_per_token_p50": float(np.median(itl)), "ms_per_token_mean": float(itl.mean()), "tokens": tokens}
+
+
 def one_sequence(source, tp: int, device, prompt_len: int, new_tokens: int, vocab: int) -> dict:
-    """ms/token of one greedy sequence (the second of two identical requests) and its tokens."""
+    """`single` on an engine made for one sequence (bench/decode.py's b1 configuration)."""
     length = prompt_len + new_tokens + 1
     engine = Engine(source, tensor_parallel=tp, max_seqs=1, capacity=length, max_step_tokens=prompt_len,
                     prefill_chunk=prompt_len, width_buckets=(1, prompt_len), use_graphs=device.type == "cuda",
                     device=device, kv_positions=length)  # fmt: skip
-    prompt = np.random.default_rng(0).integers(0, vocab, prompt_len).tolist()
     with engine:
-        for _ in range(2):
-            engine.metrics.inter_token.clear()
-            engine.submit(Request(prompt, SamplingParams(max_new_tokens=new_tokens)))
-            tokens = [e.token for e in engine.run_until_done() if e.token is not None]
-        itl = np.asarray(engine.metrics.inter_token) * 1e3
+        out = single(engine, prompt_len, new_tokens, vocab)
     release(device)
-    return {"ms_per_token_p50": float(np.median(itl)), "ms_per_token_mean": float(itl.mean()), "tokens": tokens}
+    return out
 
 
-def serving(source, tp: int, device, prompts, outputs) -> dict:
-    """The standard serving run (bench/decode.py's configuration), warmed up first: output tok/s."""
+def serving(source, tp: int, device, prompts, outputs, then=None) -> dict:
+    """The standard serving run (bench/decode.py's configuration), warmed up first: output tok/s;
+    `then(engine)`, if given, runs on the idle engine after it (its result under "then")."""
     capacity = max(map(len, prompts)) + max(outputs) + 1
     engine = Engine(source, tensor_parallel=tp, max_seqs="auto", capacity=capacity, max_step_tokens=1024,
                     prefill_chunk=min(512, capacity), use_graphs=device.type == "cuda", device=device,
@@ -155,9 +164,10 @@ def serving(source, tp: int, device, prompts, outputs) -> dict:
         warm_up(engine, device, prompts, outputs)
         d = serve_offline(engine, device, prompts, outputs)
         store = engine.sizing.describe() if engine.sizing else None
+        after = then(engine) if then is not None else None
     release(device)
     return {"tokens_per_s": d["output_tokens_per_s_wall"], "wall_s": d["wall_s"], "itl_ms_p50": d["itl_ms_p50"],
-            "itl_ms_p99": d["itl_ms_p99"], "ttft_ms_p50": d["ttft_ms_p50"], "store": store}  # fmt: skip
+            "itl_ms_p99": d["itl_ms_p99"], "ttft_ms_p50": d["ttft_ms_p50"], "store": store, "then": after}  # fmt: skip
 
 
 def agreement(a: list[int], b: list[int]) -> dict:
@@ -188,7 +198,7 @@ def main() -> None:
     base = preset_config("sensenova-u1-tiny" if small else "sensenova-u1-8b")
     big = SMALL_70B if small else LLAMA_70B
     prompt_len, new_tokens = (32, 16) if small else (512, 256)
-    n, prompt_range, output_range = (16, (8, 48), (4, 24)) if small else (256, (64, 2048), (64, 1024))
+    n, prompt_range, output_range = (8, (8, 48), (4, 24)) if small else (256, (64, 2048), (64, 1024))
     prompts, outputs = workload(n, prompt_range, output_range, base.vocab, seed=0)
     big_prompts, big_outputs = workload(n, prompt_range, output_range, big.vocab, seed=0)
     result = json.loads(args.resume.read_text()) if args.resume else {}
@@ -239,11 +249,13 @@ def main() -> None:
                       "target_tp2_over_tp1": 1.7, "requests": n}  # fmt: skip
         print(f"serve: {r['serve']}", flush=True)
 
-    def llama70b():
+    def llama70b():  # one engine (its weights drawn once): serving, then one sequence on it
         big_source = functools.partial(load, big, seed=0)
-        b1_run = one_sequence(big_source, 2, device, prompt_len, new_tokens // 2, big.vocab)
-        served = serving(big_source, 2, device, big_prompts, big_outputs)
-        r["llama70b"] = {"tp2_ms": b1_run["ms_per_token_p50"],
+        b1_run = functools.partial(single, prompt_len=prompt_len, new_tokens=new_tokens // 2, vocab=big.vocab)
+        served = serving(big_source, 2, device, big_prompts, big_outputs, then=b1_run)
+        b1_run = served.pop("then")
+        b1_run.pop("tokens")
+        r["llama70b"] = {"tp2_ms": b1_run["ms_per_token_p50"], "b1_detail": b1_run,
                          "roofline_ms": roofline_ms(big, prompt_len + new_tokens // 4, 2, r["read_gbps"]),
                          "tp2_tokens_per_s": served["tokens_per_s"],
                          "weight_gb": big.num_params * big.dtype.itemsize / 1e9, "serve_detail": served}  # fmt: skip

@@ -1,6 +1,6 @@
-"""Tensor parallelism on two GPUs (NCCL): CUDA graphs with the all-reduces captured, overlap,
-sampling and speculation give one GPU's tokens; a rank killed mid-run ends the engine without a
-hang. Needs two GPUs (nvidia-h200-x2)."""
+"""Tensor parallelism on two GPUs (NCCL): CUDA graphs with the all-reduces captured (also ahead,
+by Engine.warm_up), overlap, sampling, e4m3 storage and speculation give one GPU's tokens; a rank
+killed mid-run ends the engine without a hang. Needs two GPUs (nvidia-h200-x2)."""
 
 from __future__ import annotations
 
@@ -22,17 +22,30 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("speculative", [None, SpeculativeConfig("ngram", block_size=4)], ids=["overlap", "ngram"])
-def test_two_gpus_replaying_graphs_emit_one_gpus_tokens(speculative):
+CASES = {  # options, and whether the engine warms up first (Engine.warm_up: every width captured)
+    "overlap, warmed up": ({}, True),
+    "e4m3": ({"kv_dtype": torch.float8_e4m3fn}, False),
+    "ngram": ({"speculative": SpeculativeConfig("ngram", block_size=4)}, False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_gpus_replaying_graphs_emit_one_gpus_tokens(case):
+    extra, warm = CASES[case]
     plan = schedule(3, 512, sampled=True)
-    options = {**ENGINE, "device": "cuda", "speculative": speculative}
+    options = {**ENGINE, "device": "cuda", "kv_positions": 4 * 64, **extra}  # the store whole: captures last
     reference = Engine(build_model("sensenova-u1-tiny", "cuda", seed=0), **options)
     expected = outputs(reference, plan)
     reference.close()
     with Engine("sensenova-u1-tiny", tensor_parallel=2, **options) as engine:
-        assert engine.uses_graphs and engine.overlap == (speculative is None)
+        assert engine.uses_graphs and engine.overlap == ("speculative" not in extra)
+        if warm:
+            assert engine.warm_up() > 0 and engine.runner.captures == len(engine.buckets)
+        captured = engine.runner.captures
         assert outputs(engine, plan) == expected
-        assert engine.runner.captures > 0 and engine.runner.replays > engine.runner.captures
+        assert engine.runner.replays > engine.runner.captures > 0
+        if warm:  # every rank replays what it captured in the warm-up
+            assert engine.runner.captures == captured
 
 
 def test_a_rank_killed_on_the_gpu_ends_the_engine_within_seconds():
