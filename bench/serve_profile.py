@@ -64,7 +64,9 @@ def serving_engine(
         device=device,
         overlap=overlap,
         kv_dtype=kv_dtype,
-        kv_positions=max_seqs * capacity,  # allocated whole: no growth (and recapture) mid-run
+        # Allocated whole: no growth (and recapture) mid-run; past 64 sequences sized to the device,
+        # as the README's serving configuration is (the uniform store of 256 columns does not fit).
+        kv_positions=max_seqs * capacity if max_seqs <= 64 else "auto",
     )
     return engine
 

@@ -200,3 +200,31 @@ def test_with_no_room_beside_a_cached_history_its_column_is_taken_over_not_recom
     want = oracle(model, Request(prompt, greedy(5)), CAPACITY)
     assert all((out.tokens[0], out.finish_reasons[0]) == want for out in outs)
     assert e.metrics.prefix_reused == len(prompt) - 1 and e.metrics.prefix_evictions == 0
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_a_transformers_qwen3_conversation_reuses_its_history_and_decodes_what_generate_decodes(sliding):
+    # Sliding-window layers keep only their window: a turn reuses its own history (the whole of it is
+    # above every ring floor), never a position a ring has overwritten.
+    from batchkv.models.hf import HFModel
+    from tests.test_executor_models import _qwen3
+
+    hf = _qwen3(use_sliding_window=True, sliding_window=6, max_window_layers=1) if sliding else _qwen3()
+    e = Engine(HFModel(hf), max_seqs=2, capacity=160, max_step_tokens=16, prefill_chunk=8)
+    rng = random.Random(13)
+    history: list[int] = []
+    reusable = 0  # the positions each turn finds written: its history but the last token (never fed back)
+    for turn in range(3):
+        prompt = history + random_prompt(rng, 20, 30, vocab=256)
+        rid = e.submit(Request(prompt, greedy(6)))
+        out = gather(e.run_until_done())[rid]
+        with torch.no_grad():
+            full = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0
+            )
+        assert out.tokens[0] == full[0, len(prompt) :].tolist(), f"turn {turn}"
+        reusable += max(len(history) - 1, 0)
+        history = prompt + out.tokens[0]
+    m = e.metrics.summary()
+    assert m["prefix_reused_tokens"] >= reusable > 0 and m["prefix_hit_rate"] >= 2 / 3, m
+    e.assert_idle()

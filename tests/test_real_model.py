@@ -100,3 +100,15 @@ def test_from_pretrained_reads_a_gguf_file_with_its_eos_ids_and_max_positions():
     assert model.cache_spec()["kv_heads"] == 3 and model.cache_spec()["head_dim"] == 64
     assert (model.directory / "tokenizer.json").is_file()
     assert Engine(model, max_seqs=1).cache.capacity == 8192  # the model's limit when none is given
+
+
+def test_chats_sharing_the_system_prompt_reuse_it_and_still_equal_transformers_generate(model, expected):
+    # The chat template puts one system prompt before every message: each request after the first
+    # finds it written, in a live prompt or a kept history, and reuses all of it.
+    prompts = [chat_ids(text) for text in CHATS]
+    shared = next(i for i, column in enumerate(zip(*prompts, strict=False)) if len(set(column)) > 1)
+    engine = Engine(model, **{**ENGINE, "max_seqs": 4, "max_step_tokens": 48, "prefill_chunk": 16})
+    got = _drive(engine, [0, 3, 6, 9, 12, 15, 18, 21], _chats())
+    assert got == expected
+    m = engine.metrics.summary()
+    assert shared >= 16 and m["prefix_reused_tokens"] >= (len(CHATS) - 1) * shared, (shared, m)

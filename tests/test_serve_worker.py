@@ -33,6 +33,10 @@ class GatedEngine:
         self.runner = SimpleNamespace(captures=0)
         self.metrics = SimpleNamespace(step_times=[], inter_token=[], first_token=[])
         self.num_waiting = 0
+        self.cached_columns = 0  # the prefix cache's hooks: nothing reused
+
+    def cached_tokens(self, rid: int) -> int | None:
+        return 0 if rid in self.left else None
 
     @property
     def has_work(self) -> bool:
@@ -230,3 +234,32 @@ def test_deadlines_come_due_in_order_and_those_of_finished_requests_do_not_pile_
     assert deadlines.due(0.0, live) == [] and len(deadlines._heap) == 2  # pruned to the live ones
     deadlines.add(7, at=5.0)
     assert deadlines.due(6000.0, {7, 4999}) == [7, 4999]
+
+
+def test_an_engine_thread_that_fails_while_taking_a_submit_answers_it_500_instead_of_leaving_it_waiting():
+    class Failing(GatedEngine):
+        @property
+        def cached_columns(self) -> int:  # read when the thread counts the new request
+            raise Broken("the engine state could not be read")
+
+        @cached_columns.setter
+        def cached_columns(self, value: int) -> None:
+            pass
+
+    engine = Failing()
+
+    async def main() -> None:
+        worker = await started(engine)
+        try:
+            with pytest.raises(APIError) as failed:
+                await asyncio.wait_for(worker.submit(request(2), time.perf_counter()), 30)
+            assert failed.value.status == 500 and "Broken" not in str(failed.value)  # no internals in the body
+            await asyncio.to_thread(worker._thread.join, 30)
+            assert not worker.alive
+            with pytest.raises(APIError) as later:  # the thread has ended: answered 503 at once
+                await asyncio.wait_for(worker.submit(request(1), time.perf_counter()), 30)
+            assert later.value.status == 503
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    asyncio.run(main())

@@ -231,19 +231,30 @@ class EngineWorker:
             self._call(self._resolve, done, error)
             return
         try:
-            for index, request in enumerate(requests):
-                rid = engine.submit(request)
-                stream.ids.append(rid)
-                self._routes[rid] = Route(stream, index, request.params.n, arrival)
-                if self.request_timeout is not None:
-                    self._expiry.add(rid, arrival + self.request_timeout)
-        except RequestError as exc:
-            self._cancel(stream, None)
-            self._call(self._resolve, done, APIError(400, str(exc)))
-            return
-        self.metrics.prompted.inc(sum(len(r.prompt_ids) for r in requests))
-        self._observe()  # before the answer: a client that got its 200 sees itself counted
+            try:
+                for index, request in enumerate(requests):
+                    rid = engine.submit(request)
+                    stream.ids.append(rid)
+                    self._routes[rid] = Route(stream, index, request.params.n, arrival)
+                    if self.request_timeout is not None:
+                        self._expiry.add(rid, arrival + self.request_timeout)
+            except RequestError as exc:
+                self._cancel(stream, None)
+                self._call(self._resolve, done, APIError(400, str(exc)))
+                return
+            self.metrics.prompted.inc(sum(len(r.prompt_ids) for r in requests))
+            self._observe()  # before the answer: a client that got its 200 sees itself counted
+        except Exception:
+            self._fail_submit(done)
+            raise
         self._call(self._resolve, done, None)
+
+    def _fail_submit(self, done: asyncio.Future) -> None:
+        """The engine thread fails while a submit waits for its answer (it ends; `_run` fails the
+        live streams and logs the error): the submitter gets a 500 that names no internals, not a wait
+        that never ends."""
+        error = APIError(500, "the engine thread failed; the server log has the detail", type="server_error")
+        self._call(self._resolve, done, error)
 
     def _cancel(self, stream: Stream, prompt_index: int | None) -> None:
         for index, rid in enumerate(stream.ids):
