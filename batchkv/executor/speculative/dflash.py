@@ -108,8 +108,8 @@ class DFlashProposer:
         self._staging = NamedStaging({name: (torch.int64, width) for name in names}, device)
         self.buf = self._staging.buf
         self.drafts = torch.zeros(width, dtype=torch.int64, device=device)  # device draft buffer
-        # keyed by the drafter's widths
-        own_graphs = GraphSet(device, capture_error_mode=graphs.capture_error_mode) if graphs is not None else None
+        # keyed by the drafter's widths; the role says how a capture treats other threads' CUDA calls
+        own_graphs = GraphSet(device, capture_error_mode=self.tp.capture_error_mode) if graphs is not None else None
         self.runner = DraftRunner(_Modules(drafter, target), self.cache, width, own_graphs)  # type: ignore[arg-type]
         self.states: dict[SampleState, DraftState] = {}
         self.fork_from: dict[SampleState, SampleState] = {}  # fork -> sample 0 whose column it clones
