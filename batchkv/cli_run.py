@@ -20,7 +20,9 @@ from batchkv.frontend import (
     MODES,
     add_engine_options,
     add_scheduling_options,
+    add_tensor_parallel,
     kv_dtype_option,
+    model_source,
     or_auto,
     scheduling_kwargs,
     speculative_option,
@@ -116,6 +118,7 @@ def add_run(sub: argparse._SubParsersAction) -> None:
         "and --max-step-tokens)",
     )
     e.add_argument("--graphs", choices=tuple(MODES), default="auto", help="CUDA graphs (auto: on CUDA)")
+    add_tensor_parallel(e, "--tensor-parallel")
     e.add_argument(
         "--threads",
         type=bounded(int, 0, 4096),
@@ -221,11 +224,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     device = _run_device(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = _build_model(args.model, device, args.seed)
-    capacity = _capacity(args.capacity, getattr(model, "max_positions", None))
-    speculative = speculative_option(args, model)
+    if args.tensor_parallel > 1:  # every rank builds its share from the source
+        model, limit = model_source(args.model, seed=args.seed), _model_limit(args.model)
+    else:
+        model = _build_model(args.model, device, args.seed)
+        limit = getattr(model, "max_positions", None)
+    capacity = _capacity(args.capacity, limit)
+    speculative = speculative_option(args, model if args.tensor_parallel == 1 else None)
     engine = Engine(
         model,
+        tensor_parallel=args.tensor_parallel,
         **scheduling_kwargs(args),
         capacity=capacity,
         max_step_tokens=args.max_step_tokens,
@@ -238,11 +246,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     if engine.sizing is not None:
         print(f"batchkv run: sized the store: {engine.sizing.describe()}", file=sys.stderr)
-    items = items if items is not None else _synthetic(args, engine.vocab_size)
-    progress = _Progress(args, sum(item.request.params.n for item in items))
-    result = replay(engine, items, progress.on_step, stop_on_interrupt=True)
-    progress.close(len(result.refusals))
-    return _report(args, engine, device, items, result, progress)
+    with engine:  # leaving stops the other tensor-parallel ranks
+        items = items if items is not None else _synthetic(args, engine.vocab_size)
+        progress = _Progress(args, sum(item.request.params.n for item in items))
+        result = replay(engine, items, progress.on_step, stop_on_interrupt=True)
+        progress.close(len(result.refusals))
+        return _report(args, engine, device, items, result, progress)
+
+
+def _model_limit(name: str) -> int | None:
+    """A model directory's max_position_embeddings (presets have none), read without its weights."""
+    if name in MODELS:
+        return None
+    from batchkv.serve.loading import load_served_model
+
+    return load_served_model(name, "cpu", weights=False).max_positions
 
 
 def _synthetic(args: argparse.Namespace, vocab_size: int) -> list:
@@ -292,6 +310,8 @@ def _report(args: argparse.Namespace, engine, device: str, items: list, result, 
     mode = ("graphs" if engine.uses_graphs else "eager") + (", overlap" if engine.overlap else "")
     cache = engine.cache
     title = f"batchkv run: {args.model} on {device} ({mode}), max_seqs {cache.max_seqs}, capacity {cache.capacity}"
+    if args.tensor_parallel > 1:
+        title += f", tensor parallel {args.tensor_parallel}"
     title += f", prefill budget {engine.scheduler.prefill_budget}"
     if args.kv_dtype != "model":
         title += f", kv {args.kv_dtype}"
@@ -299,6 +319,7 @@ def _report(args: argparse.Namespace, engine, device: str, items: list, result, 
     print(summary_table(summary, title, graphs=engine.uses_graphs, sizing=sizing))
     if args.json:
         record = {"model": args.model, "device": device, "graphs": engine.uses_graphs, "overlap": engine.overlap,
+                  "tensor_parallel": args.tensor_parallel,
                   "max_seqs": cache.max_seqs, "capacity": cache.capacity, "sizing": sizing,
                   "prefill_budget": engine.scheduler.prefill_budget, **summary}  # fmt: skip
         record["interrupted"] = result.interrupted

@@ -76,3 +76,8 @@ class DependencyError(BatchKVError, ImportError):
 
 class WorkloadError(BatchKVError, ValueError):
     """A workload file breaks its schema (the message names the line, the field and the rule)."""
+
+
+class TensorParallelError(BatchKVError, RuntimeError):
+    """A tensor-parallel rank raised, died or stopped answering (the message names it and its error);
+    the engine's processes have been stopped and it cannot step again: build a new engine."""

@@ -8,6 +8,7 @@ Each turns command-line values into what the `Engine` takes; both commands add t
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Any
 
 import torch
@@ -72,6 +73,27 @@ def add_scheduling_options(group: argparse._ArgumentGroup, *, max_seqs: int, hel
     )
 
 
+def add_tensor_parallel(group: argparse._ArgumentGroup, flag: str) -> None:
+    """`flag` (run: --tensor-parallel, serve: --tensor-parallel-size, as vLLM names it) -> args.tensor_parallel."""
+    group.add_argument(
+        flag,
+        dest="tensor_parallel",
+        type=bounded(int, 1, 64),
+        default=1,
+        metavar="N",
+        help="processes that shard the model, one per GPU of this host (gloo processes on the CPU); N > 1 needs a "
+        "preset or a model directory (default 1)",
+    )
+
+
+def model_source(name: str, *, seed: int, dtype: torch.dtype | None = None) -> functools.partial:
+    """What each tensor-parallel rank builds its share from: a preset, or a model directory (a GGUF file
+    is converted here, once, before the ranks start)."""
+    from batchkv.tp.models import load, resolve
+
+    return functools.partial(load, resolve(name), seed=seed, dtype=dtype)
+
+
 def scheduling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The Engine's keywords from `add_scheduling_options`' flags."""
     return {
@@ -110,7 +132,8 @@ def kv_dtype_option(name: str) -> torch.dtype | None:
 
 
 def speculative_option(args: argparse.Namespace, model) -> object | None:
-    """The engine's `SpeculativeConfig` from --speculative/--spec-block/--spec-layers/--drafter, or None."""
+    """The engine's `SpeculativeConfig` from --speculative/--spec-block/--spec-layers/--drafter, or None.
+    `model` None (tensor parallelism): the drafter is a factory each rank builds against its share."""
     from batchkv.executor import SpeculativeConfig
 
     if args.speculative == "off":
@@ -119,15 +142,18 @@ def speculative_option(args: argparse.Namespace, model) -> object | None:
         return None
     if args.speculative == "ngram":
         return SpeculativeConfig("ngram", block_size=args.spec_block or 8)
+    kwargs = {"num_layers": args.spec_layers, "block_size": args.spec_block or 16, "seed": getattr(args, "seed", 0),
+              "checkpoint": args.drafter}  # fmt: skip
+    if model is None:
+        factory = functools.partial(drafter, **kwargs)
+        return SpeculativeConfig("dflash", block_size=kwargs["block_size"], drafter=factory)
+    return SpeculativeConfig("dflash", block_size=args.spec_block, drafter=drafter(model, **kwargs))
+
+
+def drafter(target, *, num_layers: int, block_size: int, seed: int, checkpoint: str | None):
+    """A DFlash drafter for `target` tapping `default_target_layers` (random unless `checkpoint`)."""
     from batchkv.models.dflash import build_drafter, default_target_layers
 
-    layers = model.cache_spec()["num_layers"]
-    drafter = build_drafter(
-        model,
-        num_layers=args.spec_layers,
-        target_layer_ids=default_target_layers(layers),
-        block_size=args.spec_block or 16,
-        seed=getattr(args, "seed", 0),
-        checkpoint=args.drafter,
-    )
-    return SpeculativeConfig("dflash", block_size=args.spec_block, drafter=drafter)
+    layers = default_target_layers(target.cache_spec()["num_layers"])
+    return build_drafter(target, num_layers=num_layers, target_layer_ids=layers, block_size=block_size, seed=seed,
+                         checkpoint=checkpoint)  # fmt: skip

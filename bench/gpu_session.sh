@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: run the named phases in order, each under its own time limit, with
 # results under $OUT. Phases: oomtests tests kernels sweep model decode profile compat summary serve fp8 fp8sweep
-# spec gemv b1 ncu overlap budget online.
+# spec gemv b1 ncu overlap budget online tp tptests tp1ab.
 #   OUT=/tmp/out bash bench/gpu_session.sh tests kernels decode summary
+# tp and tptests need two GPUs (nvidia-h200-x2): bench/tp.py (resumed across calls with
+# TP_ARGS="--resume bench/results/tp-h200x2.json") and tests/test_tp_gpu.py. tp1ab, on one GPU: the
+# one-sequence decode and serving parts of bench/decode.py from a baseline tree (BASE, default
+# .base: `git archive <commit> | tar -x -C .base`, carried) and from this one, alternately
+# (AB_ROUNDS rounds), then each ratio this/base (the single-GPU path must stay within 3%).
 # Limits come from measured runs: tests took 120 s on a cold machine (26 tests, Triton compiles
 # first), so 300; kernels and decode carry their own wall-clock budgets (--budget-s) a little under
 # their limits, write JSON after every part, and finish with what fit. A run that stopped early is
@@ -62,6 +67,30 @@ for p in "$@"; do
     budget) phase budget 580 python3 bench/serve_sweep.py --out "$OUT/serve-sweep-h200.json" --budget-s 420 ;;
     online) phase online 280 python3 bench/serve_sweep.py --online-only --online-rate "${ONLINE_RATE:-4.04}" \
       --out "$OUT/serve-sweep-online-h200.json" --budget-s 200 ${ONLINE_ARGS:-} ;;
+    tp) phase tp "${TP_LIMIT:-590}" python3 bench/tp.py --out "$OUT/tp-h200x2.json" --budget-s "${TP_BUDGET:-560}" \
+      ${TP_ARGS:-} ;;
+    tptests) phase tptests 300 python3 -m pytest -m gpu tests/test_tp_gpu.py -v --tb=short -p no:cacheprovider -ra \
+      --timeout 150 ;;
+    tp1ab) rest=${PYTHONPATH#"$PWD"}  # the wheels' paths, after this tree's
+      for round in $(seq "${AB_ROUNDS:-1}"); do
+        for tree in "${BASE:-.base}" .; do
+          name=$([ "$tree" = . ] && echo this || echo base)
+          root=$(cd "$tree" && pwd)
+          (cd "$root" && export PYTHONPATH=$root$rest && phase "ab-$name-$round" 280 python3 bench/decode.py \
+            --out "$OUT/ab-$name-$round.json" --skip-hf --budget-s 250 ${AB_ARGS:-} \
+            --skip-parts online_batchkv,budgets_batchkv,serve_e4m3_batchkv,serve_max64_batchkv)
+        done
+      done
+      python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+runs = {p.stem: json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).glob("ab-*.json"))}
+b1 = lambda r: r["b1"].get("batchkv_graph_ms", r["b1"].get("batchkv_eager_ms"))  # eager: a CPU trial
+for key, get in (("b1 ms/token", b1), ("serve tok/s", lambda r: r["serve"]["tokens_per_s"])):
+    base = [get(r) for n, r in runs.items() if n.startswith("ab-base")]
+    this = [get(r) for n, r in runs.items() if n.startswith("ab-this")]
+    print(key, "base", base, "this", this, "this/base", sum(this) / len(this) / (sum(base) / len(base)))
+PY
+      ;;
     *) echo "unknown phase $p" ;;
   esac
 done

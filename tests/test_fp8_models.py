@@ -71,11 +71,17 @@ def test_the_engine_kv_dtype_argument_overrides_the_models_storage():
 
 
 def test_batchkv_run_kv_dtype_fp8_serves_a_workload_on_e4m3_storage(tmp_path, capsys, monkeypatch):
-    built = []
-    monkeypatch.setattr(executor, "Engine", lambda *a, **kw: built.append(Engine(*a, **kw)) or built[-1])
+    built = []  # each engine's storage dtype, recorded when it is built (run closes its engine)
+
+    def engine(*args, **kwargs) -> Engine:
+        made = Engine(*args, **kwargs)
+        built.append(made.cache.config.kv_dtype)
+        return made
+
+    monkeypatch.setattr(executor, "Engine", engine)
     out = tmp_path / "metrics.json"
     argv = ["run", "--device", "cpu", "--requests", "4", "--prompt-len", "4:12", "--output-len", "2:6"]
     assert cli.main([*argv, "--kv-dtype", "fp8", "--json", str(out)]) == 0
-    assert [engine.cache.config.kv_dtype for engine in built] == [FP8]
+    assert built == [FP8]
     assert ", kv fp8" in capsys.readouterr().out
     assert json.loads(out.read_text())["generated_tokens"] >= 4 * 2

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from batchkv.errors import TensorParallelError
 from batchkv.executor import Event, Request, SamplingParams
 from batchkv.serve import worker as worker_module
 from batchkv.serve.metrics import ServerMetrics
@@ -204,6 +205,40 @@ def test_an_error_outside_a_step_ends_the_thread_but_fails_every_stream_and_queu
 
     asyncio.run(asyncio.wait_for(main(), 60))  # a hang fails the test instead of the suite
     assert sys.getswitchinterval() == before
+
+
+def test_a_failed_step_fails_its_streams_and_the_thread_serves_on_unless_the_engine_cannot_step_again():
+    # a step's error reaches the streams it served; the next request is served, but after a
+    # TensorParallelError (a rank failed: the engine's processes are stopped) the thread ends, so
+    # /health reports it and submits are answered 503 instead of failing one step at a time
+    errors = [RuntimeError("a step failed"), None, None, TensorParallelError("rank 1 raised RuntimeError")]
+
+    def on_step() -> None:
+        error = errors.pop(0) if errors else None
+        if error is not None:
+            raise error
+
+    engine = GatedEngine(on_step)
+
+    async def main() -> None:
+        worker = await started(engine)
+        try:
+            with pytest.raises(RuntimeError, match="a step failed"):
+                await read(await worker.submit(request(1), time.perf_counter()), "a", [])
+            log: list = []
+            await read(await worker.submit(request(2), time.perf_counter()), "b", log)
+            assert log[-1] == ("b", 2) and worker.alive
+            with pytest.raises(TensorParallelError):
+                await read(await worker.submit(request(1), time.perf_counter()), "c", [])
+            await asyncio.to_thread(worker._thread.join, 10.0)
+            assert not worker.alive
+            with pytest.raises(APIError) as refused:
+                await worker.submit(request(1), time.perf_counter())
+            assert refused.value.status == 503
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    asyncio.run(asyncio.wait_for(main(), 60))  # a hang fails the test instead of the suite
 
 
 def test_a_submit_queued_behind_stop_is_answered_503():

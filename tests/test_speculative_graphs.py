@@ -49,7 +49,7 @@ def test_the_drafter_gets_its_own_graph_set_whenever_the_engine_has_one(monkeypa
     import batchkv.executor.speculative.dflash as dflash_module
     from batchkv.executor.speculative import build_speculator
 
-    monkeypatch.setattr(dflash_module, "GraphSet", lambda device: RecordingGraphs())
+    monkeypatch.setattr(dflash_module, "GraphSet", lambda device, **options: RecordingGraphs())
     model = build_model("sensenova-u1-tiny", "cpu", seed=0)
     drafter = build_drafter(model, num_layers=1, target_layer_ids=(1,), block_size=4, seed=5)
     spec = SpeculativeConfig("dflash", block_size=4, drafter=drafter)

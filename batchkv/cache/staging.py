@@ -35,6 +35,10 @@ class Staging:
             self._copied.synchronize()
         return {dtype: h.numpy() for dtype, h in self._host.items()}
 
+    def peek(self) -> dict[torch.dtype, np.ndarray]:
+        """Numpy views of the host buffers, to read what was staged (no wait: nothing is written)."""
+        return {dtype: h.numpy() for dtype, h in self._host.items()}
+
     def upload(self) -> None:
         """Copy every host buffer to its device buffer (asynchronous from pinned memory on CUDA)."""
         non_blocking = self._copied is not None

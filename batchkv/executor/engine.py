@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
@@ -25,7 +26,7 @@ from batchkv.executor.graphs import GraphSet
 from batchkv.executor.metrics import Metrics
 from batchkv.executor.pipeline import InFlight, Pipeline
 from batchkv.executor.request import MAX_SAMPLE_ROWS, Event, Request
-from batchkv.executor.runner import ModelRunner, StepModel
+from batchkv.executor.runner import ModelRunner, Role, StepModel
 from batchkv.executor.scheduler import RequestState, Scheduler
 from batchkv.executor.sizing import (
     DEFAULT_STEP_TOKENS,
@@ -36,6 +37,7 @@ from batchkv.executor.sizing import (
     size_store,
 )
 from batchkv.executor.speculative import NoSpeculation, SpeculativeConfig, Speculator, build_speculator
+from batchkv.tp.engine import start, stops_ranks_on_failure
 
 
 def default_buckets(max_step_tokens: int) -> tuple[int, ...]:
@@ -96,6 +98,14 @@ class Engine:
         history kept until its memory is needed, or a live request's written prompt), so a request
         prefills only what is new (see `batchkv.executor.prefix`). On by default; off under a DFlash
         drafter (its own cache would lack the reused positions' context features).
+    tensor_parallel: processes, one per GPU of this host (gloo processes on the CPU), that hold the
+        model sharded Megatron-style (`batchkv.tp`). `model` is then a model *source*, which each
+        rank builds its share of: a preset name, a model directory (SenseNova-U1, a transformers
+        Llama or Qwen3; read slice by slice), a GGUF file, or a picklable factory(shard) -> model;
+        a DFlash drafter is a factory(target). This process is rank 0 (the scheduler, sampling
+        and the API); it starts the others, which `close()` stops. Under torchrun every rank runs
+        the same script and `Engine(...)` returns on rank 0 only (the others serve it, then exit).
+        A rank that raises or dies stops every rank: the step raises TensorParallelError.
 
     Example:
         engine = Engine(model, max_seqs=8, capacity=512)
@@ -104,6 +114,7 @@ class Engine:
             print(event.request_id, event.token, event.finish_reason)
     """
 
+    @stops_ranks_on_failure
     def __init__(
         self,
         model: StepModel,
@@ -126,7 +137,14 @@ class Engine:
         memory_fraction: float = 0.9,
         kv_positions: int | str | None = None,
         prefix_cache: bool = True,
+        tensor_parallel: int = 1,
+        _role: Role | None = None,  # batchkv.tp's: the role of a rank > 0
     ) -> None:
+        options = {k: v for k, v in locals().items() if k not in ("self", "model", "tensor_parallel", "_role")}
+        if _role is None:  # every rank builds this engine from the same options (batchkv.tp.engine)
+            _role, model = start(model, tensor_parallel, options)
+        self.tp: Role = _role
+        self._stop = weakref.finalize(self, _role.close)  # stops the other ranks if construction fails
         if max_seqs == "auto":
             max_seqs, kv_positions = MAX_SAMPLE_ROWS, "auto" if kv_positions is None else kv_positions
         capacity = model_capacity(model) if capacity is None else capacity
@@ -182,19 +200,23 @@ class Engine:
         self.sizing: Sizing | None = None
         sample_rows = min(MAX_SAMPLE_ROWS, max_seqs)
         if kv_positions == "auto":  # as many positions as fit, allocated whole now: no growth while serving
-            config, self.sizing = size_store(model, config, memory_fraction, sample_rows)
+            config, self.sizing = size_store(model, config, memory_fraction, sample_rows, agree=self.tp.agree)
         elif kv_positions is not None:
             why = " (or 'auto', or None: grown on demand)"
             kv_positions = int_arg("Engine kv_positions", kv_positions, capacity, MAX_POSITIONS, why=why)
             config = replace(config, pool_rows=kv_positions + config.scratch_rows)
-        self.cache = BatchedSequenceCache(config, self.device, attention=attention)
+        self.cache: BatchedSequenceCache = self.tp.cache(config, self.device, attention=attention)
         capturable = self.device.type == "cuda" and self.cache.attention != "reference"
         if use_graphs is True and not capturable:
             raise ConfigError(
                 f"use_graphs=True needs CUDA and capturable attention; device is {self.device}, "
                 f"attention is {self.cache.attention!r} (use use_graphs='auto' or False)"
             )
-        graphs = GraphSet(self.device) if use_graphs is not False and capturable else None
+        graphs = (
+            GraphSet(self.device, capture_error_mode=self.tp.capture_error_mode)
+            if use_graphs is not False and capturable
+            else None
+        )
         self.buckets = buckets
         self.vocab_size = int(model.vocab_size)
         self.eos_token_ids = tuple(getattr(model, "eos_token_ids", None) or ())  # merged into requests' stops
@@ -208,8 +230,9 @@ class Engine:
         what, nbytes = "the step inputs and logits", ModelRunner.nbytes(buckets[-1], self.vocab_size, sample_rows)
         with allocating(what, nbytes, "lower max_step_tokens, or free device memory"):
             if speculative is None:
+                pad_rows = self.device.type == "cuda"
                 self.runner = ModelRunner(
-                    model, self.cache, buckets[-1], graphs=graphs, pad_rows=self.device.type == "cuda", rows=sample_rows
+                    model, self.cache, buckets[-1], graphs=graphs, pad_rows=pad_rows, rows=sample_rows, tp=self.tp
                 )
                 self.speculator: Speculator | NoSpeculation = NoSpeculation()
             else:
@@ -218,6 +241,7 @@ class Engine:
         self._seeds = random.Random(seed)
         self._next_id = 0
         self._idle = False
+        self.tp.ready()  # every rank has built its engine
 
     closed = False  # set by close(); the instance then holds nothing else
 
@@ -230,6 +254,7 @@ class Engine:
         """
         if self.closed:
             return
+        self._stop()  # the other tensor-parallel ranks stop (nothing with one process)
         graphs = self.runner.graphs
         if graphs is not None:
             graphs.retain(lambda key: False)  # destroy the captured graphs (and their pool's hold) now
@@ -386,7 +411,7 @@ class Engine:
         """Read a launched step's tokens (the wait for the device), accept drafts, record tokens,
         finish and free."""
         batch = step.batch
-        runs = step.tokens.read()
+        runs = self.tp.read(step.tokens)
         self.speculator.accept(batch, runs)  # rewind verify segments to their accepted end
         now = time.perf_counter()
         before = [(s.last_emit if s.tokens else None, len(s.tokens)) for s in batch.samples]

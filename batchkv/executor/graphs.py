@@ -168,9 +168,10 @@ class GraphSet:
     Keys whose storage generation has passed can be dropped with `retain(predicate)`.
     """
 
-    def __init__(self, device: torch.device, warmup: int = 2) -> None:
+    def __init__(self, device: torch.device, warmup: int = 2, capture_error_mode: str = "global") -> None:
         self.device = device
         self.warmup = warmup
+        self.capture_error_mode = capture_error_mode  # "thread_local" when other threads use CUDA (NCCL's watchdog)
         self.pool = graph_pool(device)
         self._side = capture_stream(device)  # the device's one: see `capture_stream`
         self.captures = 0
@@ -201,7 +202,7 @@ class GraphSet:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=side):
+        with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode=self.capture_error_mode):
             outputs = fn()
         self.captures += 1
         return graph, outputs

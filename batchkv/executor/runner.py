@@ -39,6 +39,7 @@ from batchkv.executor.logprobs import LogprobSlots, StepLogprobs
 from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform
 from batchkv.executor.scheduler import Batch
+from batchkv.tp.roles import LOCAL, Role
 
 
 class StepModel(Protocol):
@@ -90,6 +91,8 @@ class ModelRunner:
     shape per width: needed for graphs, and used by eager CUDA runs too so both give identical
     numbers. A one-token decode step runs the head on one row, not R. The engine picks a width
     of at least the step's sampling rows.
+    tp: the engine's tensor-parallel role (`batchkv.tp.roles`); its device step
+    (`_device_step`) runs through `tp.run`, so every rank runs it from the same staged inputs.
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class ModelRunner:
         graphs: GraphSet | None = None,
         pad_rows: bool = False,
         rows: int = MAX_SAMPLE_ROWS,
+        tp: Role = LOCAL,
     ) -> None:
         self._bind(model, cache, max_width, graphs)
         self.pad_rows = pad_rows or graphs is not None
@@ -119,7 +123,9 @@ class ModelRunner:
         self.sampled = torch.zeros(2, R, dtype=torch.int64, device=device)  # two launches' tokens
         self._host_tokens = torch.zeros(2, R, dtype=torch.int64, pin_memory=pin)
         self._read = [torch.cuda.Event() for _ in range(2)] if pin else [None, None]
-        self.logprob_slots = LogprobSlots(R, device)  # used only by steps whose rows ask
+        self.logprob_slots = LogprobSlots(R, device)  # used only by steps whose rows ask (rank 0's)
+        self.tp = tp
+        tp.bind(self, self._staging)
 
     @staticmethod
     def sizes(max_width: int, rows: int) -> dict[torch.dtype, int]:
@@ -226,8 +232,22 @@ class ModelRunner:
         sampling = self._stage(batch, width, previous)
         plan = self.logprob_slots.stage(batch) if batch.logprob_k else None
         rows = min(self.rows, width) if self.pad_rows else batch.logits_rows
-        logits = self.execute(width, lambda: self._forward(width, rows))
         real = len(batch.rows)
+        logits = self.tp.run(self._device_step, width, rows, real, sampling, slot)
+        # rank 0's logits (every rank's are the same, gathered): its host reads the logprobs
+        logprobs = self.logprob_slots.launch(plan, logits, self.sampled[slot, :real], slot) if plan else None
+        host = self._host_tokens[slot, :real]
+        host.copy_(self.sampled[slot, :real], non_blocking=self._read[slot] is not None)
+        event = self._read[slot]
+        if event is not None:  # on the stream the copy ran on: the cache's device's
+            event.record(torch.cuda.current_stream(self.cache.device))
+        return SampledTokens(host, slot, event, logprobs)
+
+    def _device_step(self, width: int, rows: int, real: int, sampling: bool, slot: int) -> torch.Tensor:
+        """The step's device work from the staged inputs (the same on every tensor-parallel rank):
+        the forward (eager or a graph) and sampling into `sampled[slot]`. No host wait. Returns
+        the step's logits [rows, vocab]."""
+        logits = self.execute(width, lambda: self._forward(width, rows))
         if sampling:
             tokens = sample_tokens(
                 logits[:real], self.temperature[:real], self.top_k[:real], self.top_p[:real], self.draws[:real]
@@ -235,13 +255,7 @@ class ModelRunner:
         else:
             tokens = greedy_tokens(logits[:real])
         self.sampled[slot, :real].copy_(tokens)
-        logprobs = self.logprob_slots.launch(plan, logits, tokens, slot) if plan is not None else None
-        host = self._host_tokens[slot, :real]
-        host.copy_(self.sampled[slot, :real], non_blocking=self._read[slot] is not None)
-        event = self._read[slot]
-        if event is not None:  # on the stream the copy ran on: the cache's device's
-            event.record(torch.cuda.current_stream(self.cache.device))
-        return SampledTokens(host, slot, event, logprobs)
+        return logits
 
     def warm(self, widths: Sequence[int]) -> None:
         """One all-padding step at each width (graphs captured, kernels compiled), its positions in
@@ -258,7 +272,7 @@ class ModelRunner:
                     batch.add(seq, [0] * n, list(range(n)))
                 self.cache.declare_step(batch.seq_ids)
                 self.cache.prepare_step(width)
-                self.launch(batch, width).read()
+                self.tp.read(self.launch(batch, width))  # bounded under tensor parallelism
             finally:
                 for seq in seqs:
                     self.cache.seq_rm(seq)

@@ -19,6 +19,7 @@ other requests' lengths.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -125,14 +126,22 @@ def model_capacity(model: object) -> int:
     return getattr(model, "max_positions", None) or DEFAULT_CAPACITY
 
 
-def size_store(model, config: CacheConfig, memory_fraction: float, rows: int) -> tuple[CacheConfig, Sizing]:
+def size_store(
+    model, config: CacheConfig, memory_fraction: float, rows: int, agree: Callable[[int], int] = lambda n: n
+) -> tuple[CacheConfig, Sizing]:
     """`config` with a pool of as many positions as fit on its model's device, and the `Sizing`
     that chose them: the device's memory in use now (weights loaded, store not yet allocated) and
-    the activations of one forward at `config.max_width` with `rows` logits rows are measured first."""
+    the activations of one forward at `config.max_width` with `rows` logits rows are measured first.
+    `agree`: under tensor parallelism, the fewest positions any rank fits (each rank's store holds
+    its share of the KV heads and sizes from its own device; every rank must hold the same rows)."""
     device = torch.device(model.device)
     total, in_use = device_memory(device)
     activations = measure_activation_bytes(model, config, config.max_width, min(rows, config.max_width))
     chosen = plan(config, total=total, in_use=in_use, activations=activations, memory_fraction=memory_fraction)
+    positions = agree(chosen.positions)
+    if positions != chosen.positions:
+        chosen = plan(config, total=total, in_use=in_use, activations=activations, memory_fraction=memory_fraction,
+                      positions=positions)  # fmt: skip
     return replace(config, pool_rows=chosen.positions + config.scratch_rows), chosen
 
 

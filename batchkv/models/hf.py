@@ -125,7 +125,9 @@ class HFModel:
 
     The wrapped model stays usable on its own: the attention implementation is switched only
     inside `__call__`. Parameters are not copied. `kv_dtype` (e.g. `torch.float8_e4m3fn`) goes
-    into `cache_spec()`, so an engine or cache built from it stores K/V that way.
+    into `cache_spec()`, so an engine or cache built from it stores K/V that way. `shard`: the
+    tensor-parallel rank whose share `hf_model` holds (`batchkv.tp.hf.load_hf_shard` builds one):
+    its cache then holds that rank's KV heads, and the vocabulary is the config's.
 
     >>> hf = Qwen3ForCausalLM(Qwen3Config(...)); model = HFModel(hf)
     >>> cache = BatchedSequenceCache(CacheConfig(**model.cache_spec(), max_seqs=4, capacity=512))
@@ -162,7 +164,7 @@ class HFModel:
         model.directory = directory
         return model
 
-    def __init__(self, hf_model: torch.nn.Module, *, kv_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, hf_model: torch.nn.Module, *, kv_dtype: torch.dtype | None = None, shard=None) -> None:
         if not isinstance(hf_model, torch.nn.Module) or not hasattr(hf_model, "get_output_embeddings"):
             raise ConfigError(f"HFModel wraps a transformers causal LM (an nn.Module), not {type(hf_model).__name__}")
         self.hf = hf_model.eval()
@@ -175,11 +177,12 @@ class HFModel:
                 f"{self.config.model_type}: attention sinks ({sinks[0]}, ...) are not supported by the cache"
             )
         self._head = hf_model.get_output_embeddings()
+        self.shard = shard  # a batchkv.tp.Shard, or None: the whole model
         self.directory: Path | None = None  # set by from_pretrained
 
     @property
     def vocab_size(self) -> int:
-        return self._head.weight.shape[0]
+        return self.config.vocab_size if self.shard is not None else self._head.weight.shape[0]
 
     @property
     def device(self) -> torch.device:
@@ -229,9 +232,12 @@ class HFModel:
         """KV geometry from the config: `CacheConfig(**model.cache_spec(), max_seqs=..., capacity=...)`."""
         cfg = self.config
         heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        if self.shard is not None:  # this rank's share
+            kv_heads = len(self.shard.heads(heads, kv_heads)[1])
         return {
             "num_layers": cfg.num_hidden_layers,
-            "kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+            "kv_heads": kv_heads,
             "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             "layers": self._layer_specs(),
             "dtype": self.dtype,

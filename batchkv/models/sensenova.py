@@ -40,11 +40,18 @@ matmuls are the few-row kernel of `batchkv.models.gemv`, which streams the weigh
 bandwidth, takes SiLU*mul into the down projection and writes the logits in float32 directly. A
 layer is 4 matmuls, 3 or 4 small kernels, the K/V write and attention.
 
+Tensor parallelism (`shard`, a `batchkv.tp.Shard`): each rank holds its query and KV heads, its
+1/N of the MLP and of the vocabulary (`local_config` is that geometry); o and down are followed by
+one all-reduce each, the embedding by one, and the LM head's logits are gathered. One rank (the
+default `Shard()`) is the whole model and none of that runs.
+
 Image tokens in the published model attend bidirectionally within one t index; this module serves
 text (causal) only.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +61,7 @@ from batchkv.cache.config import LayerSpec
 from batchkv.models.config import SenseNovaConfig
 from batchkv.models.fused import add_rms_norm, qk_norm_rope
 from batchkv.models.gemv import linear
+from batchkv.tp.shard import Shard
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -129,24 +137,41 @@ class DecoderLayer(nn.Module):
         self.down = _param(h, i, **kw)
 
 
+def local_geometry(config: SenseNovaConfig, shard: Shard) -> SenseNovaConfig:
+    """The geometry one rank holds: its query and KV heads, MLP width and vocabulary rows."""
+    q, kv = shard.heads(config.q_heads, config.kv_heads)
+    inter = shard.part(config.intermediate, "the MLP width (intermediate)")
+    vocab = shard.vocab_rows(config.vocab)
+    return replace(config, q_heads=len(q), kv_heads=len(kv), intermediate=len(inter), vocab=vocab)
+
+
 class SenseNovaLM(nn.Module):
     """The SenseNova-U1 language model, driven one packed step at a time through a batchkv cache.
 
     Parameters start uninitialised; `batchkv.models.build_model` fills them from a seed or a
     checkpoint. Call: `logits = model(input_ids, indexes, cache, logits_rows)` (see
     `batchkv.models` for the contract). The forward is CUDA-graph capturable: no host reads, no
-    data-dependent shapes; everything is static given W and R.
+    data-dependent shapes; everything is static given W and R. `shard`: this rank's share under
+    tensor parallelism (default: the whole model); `config` stays the whole model's geometry.
     """
 
-    def __init__(self, config: SenseNovaConfig, device: torch.device | str = "cpu", dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        config: SenseNovaConfig,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        shard: Shard | None = None,
+    ):
         super().__init__()
         self.config = config
+        self.shard = shard or Shard(device=torch.device(device))
+        self.local_config = local = local_geometry(config, self.shard)
         device, dtype = torch.device(device), dtype or config.dtype
         h = config.hidden
-        self.embed_tokens = _param(config.vocab, h, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, device, dtype) for _ in range(config.num_layers))
+        self.embed_tokens = _param(local.vocab, h, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(local, device, dtype) for _ in range(config.num_layers))
         self.norm = _param(h, device=device, dtype=dtype)
-        self.lm_head = _param(config.vocab, h, device=device, dtype=dtype)
+        self.lm_head = _param(local.vocab, h, device=device, dtype=dtype)
         self.rope = Rope3D(config.head_dim, config.theta_t, config.theta_hw).to(device)
         self.scale = config.head_dim**-0.5  # as the published code writes it
 
@@ -167,21 +192,21 @@ class SenseNovaLM(nn.Module):
         cfg = self.config
         return {
             "num_layers": cfg.num_layers,
-            "kv_heads": cfg.kv_heads,
+            "kv_heads": self.local_config.kv_heads,  # this rank's share under tensor parallelism
             "head_dim": cfg.head_dim,
             "layers": tuple(LayerSpec() for _ in range(cfg.num_layers)),
             "dtype": self.dtype,
         }
 
     def _attention(self, layer: int, p: DecoderLayer, x: torch.Tensor, cos, sin, cache) -> torch.Tensor:
-        cfg, w = self.config, x.shape[0]
-        d, hq, hkv = cfg.head_dim, cfg.q_heads, cfg.kv_heads
+        cfg, w = self.local_config, x.shape[0]
+        d, hq, hkv = cfg.head_dim, cfg.q_heads, cfg.kv_heads  # this rank's heads
         qkv = linear(x, p.qkv)  # [W, (Hq + 2 Hkv) D]
         # Split QK-norm then RoPE over the q and k heads: one fused kernel on CUDA.
         q, k = qk_norm_rope(qkv, p.q_norm, p.k_norm, cos, sin, self.rope.partner, hq, hkv, cfg.rms_eps)
         v = qkv[:, (hq + hkv) * d :].view(w, hkv, d)
         out = cache.update_and_attend(layer, q, k, v, scale=self.scale)  # [W, Hq, D]
-        return linear(out.reshape(w, hq * d), p.o_proj)
+        return self.shard.all_reduce(linear(out.reshape(w, hq * d), p.o_proj))  # row-parallel: sum the ranks
 
     def forward(self, input_ids: torch.Tensor, indexes: torch.Tensor, cache, logits_rows: torch.Tensor) -> torch.Tensor:
         """One packed step. input_ids int64 [W], indexes int64 [3, W], logits_rows int64 [R].
@@ -189,15 +214,16 @@ class SenseNovaLM(nn.Module):
         Returns float32 [R, vocab]. `cache` must be declared and prepared for width W.
         """
         h = self.hidden_states(input_ids, indexes, cache, logits_rows)
-        return linear(h, self.lm_head, out_dtype=torch.float32)  # the float32 cast fused at few rows
+        logits = linear(h, self.lm_head, out_dtype=torch.float32)  # the float32 cast fused at few rows
+        return self.shard.gather(logits, self.config.vocab)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Input embeddings [W, H] of int64 [W] ids, in the model dtype (a DFlash drafter's block input)."""
-        return F.embedding(input_ids, self.embed_tokens)
+        return self.shard.embed(input_ids, self.embed_tokens)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """LM head of final-normed hidden states [R, H] -> logits [R, vocab] in the model dtype."""
-        return linear(h, self.lm_head)
+        return self.shard.gather(linear(h, self.lm_head), self.config.vocab)
 
     def hidden_states(
         self, input_ids: torch.Tensor, indexes: torch.Tensor, cache, logits_rows: torch.Tensor, taps=None
@@ -207,7 +233,7 @@ class SenseNovaLM(nn.Module):
         states after its layers for its rows. Capturable.
         """
         eps = self.config.rms_eps
-        h = F.embedding(input_ids, self.embed_tokens)  # [W, H]
+        h = self.shard.embed(input_ids, self.embed_tokens)  # [W, H]
         cos, sin = self.rope.tables(indexes, h.dtype)  # [W, D] each, shared by every layer
         layers = self.layers
         x = rms_norm(h, layers[0].input_layernorm, eps)
@@ -215,6 +241,7 @@ class SenseNovaLM(nn.Module):
             # Each residual add is fused with the norm that follows it: one kernel on CUDA.
             h, x = add_rms_norm(h, self._attention(layer, p, x, cos, sin, cache), p.post_attention_layernorm, eps)
             mlp = linear(linear(x, p.gate_up), p.down, silu_mul=True)  # silu(gate) * up, then down
+            mlp = self.shard.all_reduce(mlp)  # row-parallel: sum the ranks
             if layer + 1 < len(layers):
                 h, x = add_rms_norm(h, mlp, layers[layer + 1].input_layernorm, eps)
             else:

@@ -24,6 +24,12 @@ On load, q/k/v and gate/up are concatenated into the model's fused matrices (and
 halves stacked); `save_checkpoint` splits them back. A checkpoint that nests these names (the
 published one keeps the language model under a prefix and also holds generation-branch
 `*_mot_gen` tensors) loads with `prefix=` and `skip=`.
+
+A tensor-parallel shard (`SenseNovaLM(..., shard=...)`) holds a slice of most of these tensors
+(`shard_span`): rows of q/k/v, gate/up, the embedding and the LM head, columns of o and down.
+Random init draws each whole tensor as one rank would and keeps the slice, so every world size
+builds the same model; a checkpoint is read slice by slice (`batchkv.tp.slices`), so a rank
+reads only its share of the file.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from batchkv.checks import device_arg, int_arg
 from batchkv.errors import CheckpointError, ConfigError, DependencyError
 from batchkv.models.config import SenseNovaConfig, preset_config
 from batchkv.models.sensenova import SenseNovaLM
+from batchkv.tp.shard import Shard
 
 # Fused parameter of a layer -> the checkpoint names it is made of, in order.
 _LAYER_PARTS = (
@@ -83,12 +90,33 @@ def checkpoint_shapes(cfg: SenseNovaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def shard_span(name: str, cfg: SenseNovaConfig, shard: Shard) -> tuple[int, range] | None:
+    """(dim, range) of checkpoint tensor `name` that `shard` holds; None: the whole tensor (norms)."""
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return 0, shard.vocab(cfg.vocab)
+    q, kv = (range(h.start * cfg.head_dim, h.stop * cfg.head_dim) for h in shard.heads(cfg.q_heads, cfg.kv_heads))
+    inter = shard.part(cfg.intermediate, "the MLP width (intermediate)")
+    spans = {"q_proj": (0, q), "k_proj": (0, kv), "v_proj": (0, kv), "o_proj": (1, q), "gate_proj": (0, inter),
+             "up_proj": (0, inter), "down_proj": (1, inter)}  # fmt: skip
+    return spans.get(name.rsplit(".", 2)[-2])  # q_proj, ..., or a norm's name
+
+
+def _keep(whole: torch.Tensor, span: tuple[int, range] | None, target: torch.Tensor) -> torch.Tensor:
+    """The part of `whole` a shard holds (span None: all of it), padded with zero rows to `target`'s
+    rows (the last ranks' vocabulary padding)."""
+    part = whole if span is None else whole.narrow(span[0], span[1].start, len(span[1]))
+    if part.shape[0] < target.shape[0]:
+        part = torch.cat([part, part.new_zeros(target.shape[0] - part.shape[0], *part.shape[1:])])
+    return part
+
+
 def named_weights(model: SenseNovaLM) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, view into the fused model parameter that holds it), in checkpoint order.
 
-    The views share storage with the model: no copy, same device and dtype.
+    The views share storage with the model: no copy, same device and dtype. A tensor-parallel
+    shard's views have its shapes (`model.local_config`): see `shard_span`.
     """
-    shapes = checkpoint_shapes(model.config)
+    shapes = checkpoint_shapes(model.local_config)
     yield "model.embed_tokens.weight", model.embed_tokens.data
     for layer, p in enumerate(model.layers):
         for attr, names in _LAYER_PARTS:
@@ -127,14 +155,15 @@ def random_init(model: SenseNovaLM, seed: int = 0, on: str = "auto") -> None:
     if on not in ("cpu", "device"):
         raise ConfigError(f"random_init(on={on!r}); use 'auto', 'cpu' or 'device'")
     gen_device = torch.device("cpu") if on == "cpu" else model.device
+    full = checkpoint_shapes(cfg)  # a shard draws the whole tensor and keeps its slice
     for name, target in named_weights(model):
         gen = torch.Generator(device=gen_device).manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**62)
-        draw = torch.randn(target.shape, generator=gen, device=gen_device, dtype=torch.float32)
+        draw = torch.randn(full[name], generator=gen, device=gen_device, dtype=torch.float32)
         if target.dim() == 1:  # a norm weight
             draw = 1.0 + cfg.norm_jitter * draw
         else:
-            draw *= _init_std(cfg, name, tuple(target.shape))
-        target.copy_(draw)
+            draw *= _init_std(cfg, name, full[name])
+        target.copy_(_keep(draw, shard_span(name, cfg, model.shard), target))
 
 
 def _checkpoint_files(path: str | os.PathLike) -> list[Path]:
@@ -205,8 +234,21 @@ def load_checkpoint(model: SenseNovaLM, path: str | os.PathLike, *, prefix: str 
                 + "; ".join(problems)
                 + ". Check the preset, the prefix and skip= for tensors of other model parts"
             )
+        if model.shard.world > 1:
+            stack.close()  # a shard reads its slices only (batchkv.tp.slices), not through the mapped files
+            _load_shard(model, path, prefix)
+            return
         for name, target in named_weights(model):
             target.copy_(where[name].get_tensor(prefix + name))
+
+
+def _load_shard(model: SenseNovaLM, path: str | os.PathLike, prefix: str) -> None:
+    from batchkv.tp.slices import SafetensorsSlices
+
+    with SafetensorsSlices(path) as ckpt:
+        for name, target in named_weights(model):
+            span = shard_span(name, model.config, model.shard)
+            target.copy_(_keep(ckpt.read(prefix + name, *(span or (None, None))), None, target))
 
 
 def checkpoint_tensors(model: SenseNovaLM) -> dict[str, torch.Tensor]:
@@ -231,12 +273,13 @@ def build_model(
     init_on: str = "auto",
     prefix: str = "",
     skip: Sequence[str] = (),
+    shard: Shard | None = None,
 ) -> SenseNovaLM:
     """A SenseNova-U1 language model from a preset name (see MODEL_PRESETS) or a config.
 
     Weights come from `checkpoint` (see `load_checkpoint`; `prefix`/`skip` pass through) or, when
     it is None, from a random init seeded by `seed` (see `random_init`; `init_on`). `dtype`
-    defaults to the preset's.
+    defaults to the preset's. `shard`: one tensor-parallel rank's share (`batchkv.tp.Shard`).
 
     >>> model = build_model("sensenova-u1-tiny", "cpu", seed=0)
     """
@@ -247,7 +290,7 @@ def build_model(
     seed = int_arg("build_model seed", seed)
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ConfigError(f"build_model dtype is {dtype!r}; use None (the preset's) or a floating torch dtype")
-    model = SenseNovaLM(cfg, device, dtype)
+    model = SenseNovaLM(cfg, device, dtype, shard=shard)
     if checkpoint is None:
         random_init(model, seed, on=init_on)
     else:

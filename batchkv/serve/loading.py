@@ -118,13 +118,17 @@ def _eos_ids(path: Path, tokenizer) -> tuple[int, ...]:
     return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
 
 
-def load_served_model(spec: str, device: str, *, dtype: str = "auto", seed: int = 0) -> ServedModel:
-    """Load a preset or a model directory onto `device` ("cpu" / "cuda"). See the module docstring."""
+def load_served_model(
+    spec: str, device: str, *, dtype: str = "auto", seed: int = 0, weights: bool = True
+) -> ServedModel:
+    """Load a preset or a model directory onto `device` ("cpu" / "cuda"). See the module docstring.
+    `weights=False`: everything but the model (its tokenizer, stop ids and limit; `model` None), for
+    a tensor-parallel engine whose ranks load their own shares."""
     torch_dtype = None if dtype == "auto" else _DTYPES[dtype]
     if spec in MODEL_PRESETS:
         from batchkv.models import build_model
 
-        return ServedModel(build_model(spec, device, dtype=torch_dtype, seed=seed), "preset")
+        return ServedModel(build_model(spec, device, dtype=torch_dtype, seed=seed) if weights else None, "preset")
     path = Path(spec)
     if path.is_file():
         from batchkv.models.gguf import transformers_dir
@@ -138,6 +142,8 @@ def load_served_model(spec: str, device: str, *, dtype: str = "auto", seed: int 
     tokenizer = _tokenizer(path)
     eos = _eos_ids(path, tokenizer)
     max_positions = (config.get("llm_config") or config.get("text_config") or config).get("max_position_embeddings")
+    if not weights:
+        return ServedModel(None, "sensenova" if is_sensenova(config) else "transformers", tokenizer, eos, max_positions)
     if is_sensenova(config):
         from batchkv.models import build_model
 

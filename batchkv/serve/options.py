@@ -16,7 +16,7 @@ from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
 from batchkv.cli import bounded
 from batchkv.errors import ConfigError
 from batchkv.executor.sizing import DEFAULT_CAPACITY, DEFAULT_PREFILL_CHUNK, DEFAULT_STEP_TOKENS
-from batchkv.frontend import MODES, add_engine_options, add_scheduling_options
+from batchkv.frontend import MODES, add_engine_options, add_scheduling_options, add_tensor_parallel
 from batchkv.serve.access import Access, loopback_hosts
 from batchkv.serve.limits import Limits
 
@@ -229,6 +229,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="requests queued for columns before 429s; a batch of more prompts is a 400 (%(default)s)",
     )
     e.add_argument("--graphs", choices=tuple(MODES), default="auto", help="CUDA graphs (auto, the default: on CUDA)")
+    add_tensor_parallel(e, "--tensor-parallel-size")
     e.add_argument(
         "--threads", type=bounded(int, 0, 4096), default=0, help="CPU threads for torch (0: torch's default)"
     )

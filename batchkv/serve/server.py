@@ -15,7 +15,7 @@ import socket
 import sys
 
 from batchkv.errors import ConfigError
-from batchkv.frontend import MODES, kv_dtype_option, scheduling_kwargs, speculative_option
+from batchkv.frontend import MODES, kv_dtype_option, model_source, scheduling_kwargs, speculative_option
 from batchkv.serve.options import DEFAULT_CAPACITY, access_from, add_arguments, api_key, is_loopback, limits_from
 
 __all__ = ["add_arguments", "serve"]
@@ -97,6 +97,8 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) -> int:
+    import torch
+
     from batchkv.executor import Engine
     from batchkv.serve.app import build_app
     from batchkv.serve.jobs import ModelInfo
@@ -104,13 +106,17 @@ def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) 
     from batchkv.serve.metrics import ServerMetrics
     from batchkv.serve.worker import EngineWorker
 
-    served = load_served_model(args.model, device, dtype=args.dtype, seed=args.seed)
+    tp = args.tensor_parallel  # > 1: the ranks load their shares, this process only what serving text needs
+    served = load_served_model(args.model, device, dtype=args.dtype, seed=args.seed, weights=tp == 1)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = served.model if tp == 1 else model_source(args.model, seed=args.seed, dtype=dtype)
     limit = served.max_positions
     capacity = args.capacity or min(DEFAULT_CAPACITY, limit or DEFAULT_CAPACITY)
     if limit and capacity > limit:
         raise ConfigError(f"--capacity {capacity} is beyond the model's max_position_embeddings {limit}; lower it")
     engine = Engine(
-        served.model,
+        model,
+        tensor_parallel=tp,
         **scheduling_kwargs(args),
         capacity=capacity,
         max_step_tokens=args.max_step_tokens,
@@ -130,6 +136,7 @@ def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) 
     access = access_from(args, sock.getsockname()[0])
     app = build_app(worker, info, metrics, access)
     mode = ("graphs" if engine.uses_graphs else "eager") + (", overlap" if engine.overlap else "")
+    mode += f", tensor parallel {tp}" if tp > 1 else ""
     text = "text and token ids" if served.tokenizer is not None else "token ids only (no tokenizer)"
     extras = f", kv {args.kv_dtype}" if args.kv_dtype != "model" else ""
     if args.speculative != "off":
@@ -167,4 +174,5 @@ def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) 
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         worker.stop()
+        engine.close()  # stops the other tensor-parallel ranks
     return 0 if server.started else 1

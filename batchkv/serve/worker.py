@@ -5,7 +5,8 @@ queue: submit (answered through an asyncio future) and cancel. The thread applie
 between steps, steps while any request is live (and blocks on the queue when none is), and hands
 each step's events to the loop in one `call_soon_threadsafe`, which puts them on the per-request
 asyncio queues. A step that raises fails every live request (they see the exception) and the
-thread goes on serving.
+thread goes on serving, unless the engine cannot step again (`TensorParallelError`: a rank failed
+and the engine's processes are stopped): the thread then ends, as on an error outside a step.
 
 Latency (measured and explained in docs/design.md, "HTTP server"). The two threads share the GIL,
 and the engine thread holds it while it plans a step. So that planning does not sit on the HTTP
@@ -39,7 +40,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from batchkv.errors import RequestError
+from batchkv.errors import RequestError, TensorParallelError
 from batchkv.executor import Engine, Event, Request
 from batchkv.serve.metrics import ServerMetrics
 from batchkv.serve.protocol import APIError
@@ -270,6 +271,8 @@ class EngineWorker:
     def _step(self) -> None:
         try:
             events = self.engine.step()
+        except TensorParallelError:  # no later step can run: the thread ends (streams fail, submits 503)
+            raise
         except Exception as exc:  # a failed step: every live request sees the error
             log.exception("engine step failed; failing %d live requests", len(self._routes))
             streams = {route.stream for route in self._routes.values()}

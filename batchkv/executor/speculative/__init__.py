@@ -48,8 +48,9 @@ def build_speculator(
         drafts, taps = proposer.drafts, proposer.taps
     speculator = Speculator(config, engine.cache, proposer, engine.metrics)
     runner = VerifyRunner(
-        model, engine.cache, engine.buckets, config.block_size, graphs=graphs, drafts=drafts, taps=taps
-    )  # type: ignore[arg-type]
+        model, engine.cache, engine.buckets, config.block_size, graphs=graphs, drafts=drafts, taps=taps,
+        tp=engine.tp,
+    )  # type: ignore[arg-type]  # fmt: skip
     speculator.runner = runner
     return speculator
 

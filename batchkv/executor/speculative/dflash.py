@@ -79,6 +79,8 @@ class DFlashProposer:
         from batchkv.executor.engine import default_buckets
 
         drafter = config.drafter
+        if not isinstance(drafter, nn.Module):  # a factory(target) (tensor parallelism: one per rank)
+            drafter = drafter(target)  # type: ignore[operator]
         if not callable(getattr(target, "embed", None)):
             raise ConfigError(
                 f"a DFlash drafter embeds with the target's table; {type(target).__name__} has no embed()"
@@ -93,7 +95,8 @@ class DFlashProposer:
         width = self.buckets[-1]
         max_write = min(cache.capacity, max(engine.scheduler.prefill_chunk, block) + block)  # type: ignore[operator]
         spec = drafter.cache_spec()  # type: ignore[attr-defined]
-        self.cache = BatchedSequenceCache(
+        self.tp = engine.tp
+        self.cache = self.tp.cache(
             CacheConfig(**spec, max_seqs=cache.max_seqs, capacity=cache.capacity, max_write=max_write, max_width=width),
             cache.device,
             attention=cache.attention,
@@ -105,10 +108,12 @@ class DFlashProposer:
         self._staging = NamedStaging({name: (torch.int64, width) for name in names}, device)
         self.buf = self._staging.buf
         self.drafts = torch.zeros(width, dtype=torch.int64, device=device)  # device draft buffer
-        own_graphs = GraphSet(device) if graphs is not None else None  # keyed by the drafter's widths
+        # keyed by the drafter's widths; the role says how a capture treats other threads' CUDA calls
+        own_graphs = GraphSet(device, capture_error_mode=self.tp.capture_error_mode) if graphs is not None else None
         self.runner = DraftRunner(_Modules(drafter, target), self.cache, width, own_graphs)  # type: ignore[arg-type]
         self.states: dict[SampleState, DraftState] = {}
         self.fork_from: dict[SampleState, SampleState] = {}  # fork -> sample 0 whose column it clones
+        self.tp.bind(self, self._staging)
 
     def sequences(self) -> list[int]:
         return self.cache.sequences
@@ -162,16 +167,21 @@ class DFlashProposer:
         self._staging.upload()
         self.cache.declare_step(seq_ids)
         self.cache.prepare_step(width)
-        if r:
-            self.runner.execute((width, rows), lambda: self._forward(width, rows))
-        else:  # nobody drafts: only the context rows' K/V (no layer past them, no LM head)
-            self.runner.execute((width, 0), lambda: self._write_context(width))
+        self.tp.run(self._device_step, width, rows if r else 0)
         self.cache.commit_step()
         for _, st, k in segments:
             if k:
                 self.cache.rewind(st.seq, self.cache.pos(st.seq) - k - 1)  # only context K/V stay
             st.pending = []
         return src
+
+    def _device_step(self, width: int, rows: int) -> None:
+        """The drafter step's device work (the same on every tensor-parallel rank); rows 0: nobody
+        drafts, so only the context rows' K/V are written (no layer past them, no LM head)."""
+        if rows:
+            self.runner.execute((width, rows), lambda: self._forward(width, rows))
+        else:
+            self.runner.execute((width, 0), lambda: self._write_context(width))
 
     def _forward(self, width: int, rows: int) -> torch.Tensor:
         """The captured region: gather context features, the drafter forward, argmax drafts."""

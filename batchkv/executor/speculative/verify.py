@@ -28,7 +28,7 @@ from batchkv.cache import BatchedSequenceCache
 from batchkv.cache.staging import NamedStaging
 from batchkv.errors import StepError
 from batchkv.executor.graphs import GraphSet
-from batchkv.executor.runner import ModelRunner, StepModel
+from batchkv.executor.runner import LOCAL, ModelRunner, Role, StepModel
 from batchkv.executor.sampling import uniform
 from batchkv.executor.scheduler import Batch
 from batchkv.executor.speculative.acceptance import combine, greedy_rows, sampled_rows
@@ -65,6 +65,7 @@ class VerifyRunner(ModelRunner):
         graphs: GraphSet | None = None,
         drafts: torch.Tensor | None = None,
         taps: object | None = None,
+        tp: Role = LOCAL,
     ) -> None:
         w = buckets[-1]
         self._bind(model, cache, w, graphs)
@@ -74,6 +75,8 @@ class VerifyRunner(ModelRunner):
         self._staging = NamedStaging(layout, cache.device)
         self.buf: dict[str, torch.Tensor] = self._staging.buf
         self.result = torch.zeros(w, block_size + 1, dtype=torch.int64, device=cache.device)
+        self.tp = tp
+        tp.bind(self, self._staging)
 
     def input_ids(self, width: int) -> torch.Tensor:
         return self.buf["ids"][:width]
@@ -159,15 +162,20 @@ class VerifyRunner(ModelRunner):
             raise StepError("a verify step reads its tokens on the host before the next plan; run it without overlap")
         rows = self._rows_bucket(len(batch.rows))
         sampling = self._stage(batch, width, rows)
-        fn: Callable[[], torch.Tensor] = lambda: self._forward(width, rows, sampling)  # noqa: E731
-        result = self.execute((width, rows, sampling), fn)
+        result = self.tp.run(self._device_step, width, rows, sampling)
         return AcceptedRuns(result[: len(batch.samples)])
+
+    def _device_step(self, width: int, rows: int, sampling: bool) -> torch.Tensor:  # type: ignore[override]
+        """The step's device work from the staged inputs (the same on every tensor-parallel rank)."""
+        fn: Callable[[], torch.Tensor] = lambda: self._forward(width, rows, sampling)  # noqa: E731
+        return self.execute((width, rows, sampling), fn)
 
 
 class AcceptedRuns:
     """A launched verify step's result table on the device, int64 [segments, block + 1]."""
 
     slot = 0
+    event = None  # read() waits on the stream (a speculating engine never has a step queued behind)
 
     def __init__(self, table: torch.Tensor) -> None:
         self.table = table
