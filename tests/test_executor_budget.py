@@ -116,3 +116,59 @@ def test_decode_rows_that_fill_a_bucket_still_leave_a_waiting_prompt_its_chunk(m
     prompt_tokens = [prompt for _, _, prompt in plans]
     assert prompt_tokens[:6] == [4, 0, 0, 8, 4, 0]  # its two chunks in the two steps after it arrives
     assert [decode for _, decode, prompt in plans if prompt == 8] == [4]  # beside all four decode rows
+
+
+def record_chunks(engine: Engine) -> list[list[tuple[int, int]]]:
+    """Per planned step, its prompt chunks as (prompt length, chunk tokens), in packing order."""
+    seen: list[list[tuple[int, int]]] = []
+    plan = engine.scheduler.plan
+
+    def spy():
+        batch = plan()
+        if batch is not None:
+            seen.append([(len(state.prompt), chunk) for state, chunk in batch.prefill])
+        return batch
+
+    engine.scheduler.plan = spy
+    return seen
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_short_prompts_go_before_a_long_oldest_one_which_still_moves_every_step(model, overlap):
+    # a 40-token prompt admitted first, then short prompts arriving one a step: each short one is
+    # prefilled whole in one step beside the long one, which takes its quarter chunk (2 of 8) and
+    # then what the short ones leave (FIFO would give it the whole budget and make them wait), and
+    # moves in every step until it is done
+    engine = Engine(model, max_seqs=8, capacity=CAPACITY, max_step_tokens=16, prefill_chunk=8, prefill_budget=8,
+                    width_buckets=tuple(range(1, 17)), overlap=overlap)  # fmt: skip
+    assert engine.scheduler.head_share == 2
+    chunks = record_chunks(engine)
+    rng = random.Random(5)
+    schedule = [(0, Request(random_prompt(rng, 40, 40), greedy(2)))]
+    schedule += [(1 + i, Request(random_prompt(rng, 3 + i % 3, 3 + i % 3), greedy(3))) for i in range(8)]
+    assert_oracle(model, engine, schedule)
+    long_steps = [step for step in chunks if any(length == 40 for length, _ in step)]
+    assert all(step[0][0] == 40 for step in long_steps)  # the oldest packs first
+    with_short = [step for step in long_steps if len(step) > 1]
+    # the short ones that arrive while it prefills (steps 1-5), each whole in the step it arrives
+    assert [step[1:] for step in with_short] == [[(n, n)] for n in (3, 4, 5, 3, 4)]
+    assert with_short == chunks[1:6]
+    budgets = [8 if i else 16 for i in range(len(with_short))]  # nothing runs before the first step
+    assert [step[0][1] for step in with_short] == [
+        min(8, budget - sum(c for _, c in step[1:])) for step, budget in zip(with_short, budgets, strict=True)
+    ]
+    assert sum(chunk for step in long_steps for length, chunk in step if length == 40) == 40
+    first = next(i for i, step in enumerate(chunks) if step and step[0][0] == 40)
+    assert len(long_steps) == len(chunks[first : first + len(long_steps)])  # no step without it until it is done
+
+
+def test_the_shortest_remaining_prompt_is_packed_first_behind_the_oldest(model):
+    engine = Engine(model, max_seqs=8, capacity=CAPACITY, max_step_tokens=16, prefill_chunk=8, prefill_budget=16,
+                    width_buckets=tuple(range(1, 17)))  # fmt: skip
+    chunks = record_chunks(engine)
+    rng = random.Random(6)
+    lengths = [20, 12, 3, 7]  # admitted in this order, in one step
+    assert_oracle(model, engine, [(0, Request(random_prompt(rng, n, n), greedy(2))) for n in lengths])
+    # with nothing running the step is the prompts' alone: 16 tokens, the oldest's 2 first, then 3 and 7 whole,
+    # then 4 of the 12; the oldest takes nothing more (the budget is spent)
+    assert chunks[0] == [(20, 2), (3, 3), (7, 7), (12, 4)]

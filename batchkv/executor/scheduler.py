@@ -2,10 +2,11 @@
 
 Pure bookkeeping over `BatchedSequenceCache`'s BatchControl verbs; no tensors. Each step packs, in
 order: one decode token per running sample (round-robin when a step cannot take them all), then
-chunks of admitted prompts (FIFO) within the token budget and, while samples are running, the
-prefill budget (`default_prefill_budget`). A prompt may take several steps; the step that writes
-its last token samples its first token(s), and a request with n > 1 then forks with `seq_clone`
-into n sequences that decode independently.
+chunks of admitted prompts within the token budget and, while samples are running, the prefill
+budget (`default_prefill_budget`): the oldest prompt's first (a long one's capped at a quarter
+chunk while others wait), then the others' shortest remaining first. A prompt may take several
+steps; the step that writes its last token samples its first token(s), and a request with n > 1
+then forks with `seq_clone` into n sequences that decode independently.
 
 A step is applied in two halves, so the host can plan the next step before this one's tokens are
 read (`batchkv.executor.pipeline`): `launched(batch)` right after the step is queued and committed
@@ -37,6 +38,8 @@ from batchkv.executor.logprobs import row_ks
 from batchkv.executor.prefix import NO_MATCH, PrefixCache
 from batchkv.executor.request import MAX_SAMPLE_ROWS, Event
 from batchkv.executor.state import Batch, RequestState, SampleState
+
+HEAD_SHARE = 4  # a long oldest prompt takes a chunk / 4 first while others wait (bench/long_context.py)
 
 __all__ = ["Batch", "RequestState", "SampleState", "Scheduler", "default_prefill_budget"]
 
@@ -75,6 +78,8 @@ class Scheduler:
         # the whole step budget: there is no inter-token latency to protect)
         self.prefill_budget = prefill_budget or default_prefill_budget(max_step_tokens, prefill_chunk)
         self.buckets = buckets  # step widths; prompt chunks are trimmed to land on one
+        # what a long oldest prompt is sure of per step while shorter prompts wait (`_chunks`)
+        self.head_share = max(1, prefill_chunk // HEAD_SHARE)
         self.sources: dict[SampleState, int] = {}  # sampling row of each sample in the last launched step
         self.waiting: deque[RequestState] = deque()
         self.prefilling: list[RequestState] = []
@@ -214,15 +219,28 @@ class Scheduler:
         return batch if batch.seq_ids else None
 
     def _chunks(self, budget: int, rows: int) -> list[tuple[RequestState, int]]:
-        """Prompt chunks (FIFO) that fit `budget` tokens and `rows` logits rows."""
+        """Prompt chunks that fit `budget` tokens and `rows` logits rows: the oldest prompt first (it
+        moves every step, so none waits forever), then the others shortest remaining first (a short
+        prompt is not held behind a long one). While others wait, a long oldest prompt (more than a
+        chunk left) first takes `head_share` tokens, then what the others leave, up to a chunk."""
+        if not self.prefilling:
+            return []
+        head, *rest = self.prefilling
+        rest.sort(key=lambda state: state.remaining)  # stable: ties in admission order
+        capped = bool(rest) and head.remaining > self.prefill_chunk
+        limits = [(head, self.head_share if capped else self.prefill_chunk)]
         chunks = []
-        for state in self.prefilling:
-            chunk = state.fit(min(state.remaining, self.prefill_chunk, budget), rows)
+        for state, limit in limits + [(state, self.prefill_chunk) for state in rest]:
+            chunk = state.fit(min(state.remaining, limit, budget), rows)
             if chunk <= 0:
                 continue
             chunks.append((state, chunk))
             budget -= chunk
             rows -= state.rows_for(chunk)
+        if capped and budget > 0 and chunks and chunks[0][0] is head:  # the others took less than the budget
+            taken = chunks[0][1]
+            grown = head.fit(min(self.prefill_chunk, taken + budget), rows + head.rows_for(taken))
+            chunks[0] = (head, max(grown, taken))
         return chunks
 
     # ---- completion ----------------------------------------------------------------------------

