@@ -2,11 +2,14 @@
 
 Teacher-forces each text through SmolLM2-135M-Instruct (float32 compute, the torch reference's
 e4m3 arithmetic, 64-token prompt chunks) with one bf16-storage cache as the reference and one
-cache per variant, all fed the same chunks (`batchkv.score.score_caches`), and prints / writes
+cache per variant, all fed the same chunks (as `batchkv.score.score_caches`), and prints / writes
 perplexity, top-1 agreement and mean KL against bf16 storage:
 
 - `e4m3`: today's quantisation before key rotation (a scale per position and KV head);
-- `e4m3-hadamard`: q and k rotated per head by the normalised Walsh-Hadamard matrix (the default);
+- `e4m3-hadamard`: q and k rotated per head by the normalised Walsh-Hadamard matrix
+  (`CacheConfig(key_rotation=True)`);
+- `e4m3-hadamard-gptq`: that, and keys rounded with query-weighted error feedback
+  (`CacheConfig(key_rounding=...)`, `batchkv.cache.rounding`), calibrated on the other text;
 - `e4m3-signs`: the Hadamard matrix times a random +-1 diagonal (QuaRot's randomised Hadamard);
 - `e4m3-orthogonal`: a random orthogonal matrix (QR of a Gaussian, seed 0);
 - `e4m3-smooth`: keys divided per channel by sqrt(amax) of the text's first chunk and queries
@@ -41,10 +44,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 import kv_variants  # noqa: E402
 
 from batchkv.cache import CacheConfig, rotation  # noqa: E402
-from batchkv.score import DEFAULT_CHUNK, E4M3, _chunk_logits, make_cache  # noqa: E402
+from batchkv.score import DEFAULT_CHUNK, E4M3, _chunk_logits, calibrate_key_rounding, make_cache  # noqa: E402
 
 TEXTS = {"prose": "tests/fixtures/prose.txt", "python": "tests/fixtures/source.py.txt"}
-VARIANTS = ("e4m3", "e4m3-hadamard", "e4m3-signs", "e4m3-orthogonal", "e4m3-smooth", "fp32")
+VARIANTS = ("e4m3", "e4m3-hadamard", "e4m3-hadamard-gptq", "e4m3-signs", "e4m3-orthogonal", "e4m3-smooth", "fp32")
 NEAR_TIE = (0.05, 0.1, 0.25, 0.5)  # nats between the bf16-storage top-2 log-probabilities
 
 
@@ -74,8 +77,11 @@ def _matrix(variant: str, d: int) -> torch.Tensor:
     return q
 
 
-def _cache(model, variant: str, capacity: int, calib=None):
+def _cache(model, variant: str, capacity: int, calib=None, calib_ids=()):
     spec = model.cache_spec()
+    if variant == "e4m3-hadamard-gptq":
+        rounding = calibrate_key_rounding(model, calib_ids, key_rotation=True)
+        return make_cache(model, E4M3, capacity, DEFAULT_CHUNK, key_rotation=True, key_rounding=rounding)
     if variant.startswith("fq"):
         flags = set(variant.split("-")[1:])
         plan = kv_variants.Plan(flags, spec["num_layers"], spec["head_dim"], calib)
@@ -92,6 +98,12 @@ def _cache(model, variant: str, capacity: int, calib=None):
     else:
         cache._rotation = rotation.KeyRotation(_matrix(variant, spec["head_dim"]))
     return cache
+
+
+def _calibrated(variant: str) -> bool:
+    """Whether the variant uses statistics calibrated on the other text."""
+    fake = variant.startswith("fq") and bool(set(variant.split("-")) & {"centrecal", "gptq", "search"})
+    return fake or variant == "e4m3-hadamard-gptq"
 
 
 @torch.no_grad()
@@ -148,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=0, help="score only the first N tokens (0: all)")
     parser.add_argument("--calib-tokens", type=int, default=0, help="calibrate on the other text's first N (0: all)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--out", help="write the results as JSON here (merged into an existing file)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -161,17 +173,24 @@ def main(argv: list[str] | None = None) -> int:
     variants = args.variants.split(",")
     results = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, float32)", "chunk": DEFAULT_CHUNK,
                "reference": "bfloat16 storage", "texts": {}}  # fmt: skip
+    if args.out and Path(args.out).exists():  # runs accumulate: a variant measured again replaces its entry
+        results["texts"] = json.loads(Path(args.out).read_text())["texts"]
     texts = {name: tokenizer(ROOT.joinpath(path).read_text()).input_ids for name, path in TEXTS.items()}
-    calibrating = any(flag in v for v in variants for flag in ("centrecal", "gptq", "search"))
+    calibrating = any(_calibrated(v) and v.startswith("fq") for v in variants)
     for name in args.texts.split(","):
         ids = texts[name][: args.tokens] if args.tokens else texts[name]
         start = time.perf_counter()
-        other = next(o for o in TEXTS if o != name)  # calibrated on the whole other text
-        calib = calibrate(model, texts[other][: args.calib_tokens or None]) if calibrating else None
-        tested = [_cache(model, v, len(ids), calib) for v in variants]
+        other = next(o for o in TEXTS if o != name)  # calibrated on the other text (its first --calib-tokens)
+        calib_ids = texts[other][: args.calib_tokens or None]
+        calib = calibrate(model, calib_ids) if calibrating else None
+        tested = [_cache(model, v, len(ids), calib, calib_ids) for v in variants]
         reference = make_cache(model, torch.bfloat16, len(ids), DEFAULT_CHUNK)
         scores = score_positions(model, ids, tested, reference)
-        results["texts"][name] = dict(zip(variants, scores, strict=True))
+        key = f"{name}[:{args.tokens}]" if args.tokens else name
+        calibrated = f"{other}[:{args.calib_tokens}]" if args.calib_tokens else other
+        for v, s in zip(variants, scores, strict=True):
+            s.update({"calibrated_on": calibrated} if _calibrated(v) else {})
+            results["texts"].setdefault(key, {})[v] = s
         for v, s in zip(variants, scores, strict=True):
             tie = s["near_ties"]["0.1"]
             print(f"{name:7} {v:22} ppl {s['ppl']:8.4f} ({s['ppl_change']:+.3%}) top-1 {s['top1_agreement']:.2%} "
