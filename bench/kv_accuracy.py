@@ -85,6 +85,9 @@ def _cache(model, variant: str, capacity: int, calib=None, calib_ids=()):
     if variant.startswith("fq"):
         flags = set(variant.split("-")[1:])
         plan = kv_variants.Plan(flags, spec["num_layers"], spec["head_dim"], calib)
+        if "vgptq" in flags:
+            grams = kv_variants.output_grams(model, spec["kv_heads"], spec["head_dim"])
+            plan.uv = [kv_variants._cholesky_inverse_upper(g) for g in grams]
         spec = {**spec, "kv_dtype": torch.float32}
         config = CacheConfig(**spec, max_seqs=1, capacity=capacity, max_write=DEFAULT_CHUNK)
         return kv_variants.FakeQuantCache(config, model.device, plan)

@@ -16,6 +16,9 @@ name is `fq` followed by flags, e.g. `fq-centre-had-sink4`:
 - `search`: each key row's scale chosen among amax / (448 2^(-c/8)), c = 0..7 (shifting the
   e4m3 grid under the row), the one with the least query-weighted error e^T E[q q^T] e
   (calibrated on the other text): still one scale per row, so kernel reads are the same;
+- `vgptq`: values rounded the same way, weighted by the output projection's Gram matrix
+  W_o,h^T W_o,h summed over the KV head's query heads (a static per-model constant: V's error
+  reaches the residual stream through W_o);
 - `sink1`, `sink4`: the sequence's first 1 / 4 positions kept in bf16 (K and V);
 - `konly` / `vonly`: only K / only V rounded to e4m3, the other plane bf16 as the reference;
 - `bf16`: nothing rounded to e4m3 (both planes bf16): must equal the reference (a check).
@@ -29,7 +32,7 @@ from batchkv.cache import BatchedSequenceCache, CacheConfig, rotation
 from batchkv.ops.reference import dequantize_fp8, quantize_fp8
 from batchkv.ops.support import FP8, FP8_MAX
 
-FLAGS = {"centre", "centrecal", "had", "gptq", "search", "sink1", "sink4", "konly", "vonly", "bf16"}
+FLAGS = {"centre", "centrecal", "had", "gptq", "search", "vgptq", "sink1", "sink4", "konly", "vonly", "bf16"}
 
 
 def fake_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -96,6 +99,18 @@ def search_round(x: torch.Tensor, h: torch.Tensor, steps: int = 8) -> torch.Tens
     return best
 
 
+def output_grams(model, kv_heads: int, head_dim: int) -> list[torch.Tensor]:
+    """Per layer [Hkv, D, D]: sum over a KV head's query heads h of W_o,h^T W_o,h (W_o,h the
+    [hidden, D] columns of o_proj that head h's output meets), for an HF Llama-style model."""
+    grams = []
+    for layer in getattr(model.hf, model.hf.base_model_prefix).layers:
+        w = layer.self_attn.o_proj.weight.float()  # [hidden, Hq * D]
+        heads = w.reshape(w.shape[0], -1, head_dim)  # [hidden, Hq, D]
+        g = torch.einsum("xhd,xhe->hde", heads, heads)  # [Hq, D, D]
+        grams.append(g.reshape(kv_heads, -1, head_dim, head_dim).sum(1))
+    return grams
+
+
 def _cholesky_inverse_upper(h: torch.Tensor) -> torch.Tensor:
     """H [Hkv, D, D] -> upper Cholesky factor of (H + 1% mean diag)^-1, as GPTQ uses."""
     d = h.shape[-1]
@@ -117,6 +132,7 @@ class Plan:
         self.mu: list[torch.Tensor | None] = [None] * layers
         self.u: list[torch.Tensor | None] = [None] * layers
         self.sinks = 4 if "sink4" in flags else 1 if "sink1" in flags else 0
+        self.uv: list[torch.Tensor] | None = None  # `vgptq`: [Hkv, D, D] per layer, set by the caller
 
     def _mean(self, layer: int, k: torch.Tensor) -> torch.Tensor | None:
         if self.mu[layer] is None and "centre" in self.flags:
@@ -147,6 +163,8 @@ class Plan:
         if self.h is not None:
             q, k = q @ self.h, k @ self.h
         kq, vq = self._round_keys(layer, k), bf16(v) if self.flags & {"konly", "bf16"} else fake_e4m3(v)
+        if self.uv is not None and not self.flags & {"konly", "bf16"}:
+            vq = gptq_round(v, self.uv[layer])
         keep = max(0, min(self.sinks - start, k.shape[0]))  # rows of this step among the first sinks
         if keep:
             kq[:keep], vq[:keep] = bf16(k[:keep]), bf16(v[:keep])

@@ -108,3 +108,19 @@ def test_scale_search_keeps_one_scale_per_row_and_errs_less_where_queries_look()
         scale = k.abs().amax(-1, keepdim=True) / (448 * 2.0 ** (-c / 8))
         on_a_grid |= ((out / scale).to(torch.float8_e4m3fn).float() * scale == out).all(-1)
     assert bool(on_a_grid.all())
+
+
+def test_output_grams_sum_each_kv_heads_query_heads_output_projection_gram():
+    from types import SimpleNamespace as NS
+
+    gen = torch.Generator().manual_seed(7)
+    weights = [torch.randn(32, HQ * D, generator=gen) for _ in range(LAYERS)]  # o_proj: [hidden, Hq * D]
+    layers = [NS(self_attn=NS(o_proj=NS(weight=w))) for w in weights]
+    model = NS(hf=NS(base_model_prefix="model", model=NS(layers=layers)))
+    grams = kv_variants.output_grams(model, HKV, D)
+    group = HQ // HKV
+    w = weights[1][:, group * D : (group + 1) * D]  # query head `group`: the first of KV head 1's group
+    assert grams[1].shape == (HKV, D, D)
+    cols = [weights[1][:, h * D : (h + 1) * D] for h in range(group, 2 * group)]  # KV head 1's query heads
+    own = sum(c.T @ c for c in cols)
+    assert torch.allclose(grams[1][1], own, rtol=1e-4, atol=1e-3) and not torch.allclose(grams[1][1], w.T @ w)

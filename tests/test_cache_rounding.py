@@ -117,3 +117,20 @@ def test_factors_that_are_not_a_cholesky_factor_are_refused():
         KeyRounding(torch.zeros(LAYERS, HKV, D, D))
     with pytest.raises(ConfigError):
         KeyRounding(torch.eye(D).expand(LAYERS, HKV, D, D)[..., :3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_triton_write_keeps_the_codes_the_rounding_chose_on_the_gpu(dtype):
+    rounding = KeyRounding.calibrate(_moments(11))
+    k = _keys(12)
+    stored = []
+    for device in ("cpu", "cuda"):
+        cache = BatchedSequenceCache(_config(rounding, dtype=dtype), device)  # cuda: the Triton default
+        seq, q, v = cache.seq_new(), torch.randn(N, HQ, D).to(device, dtype), torch.randn(N, HKV, D).to(device, dtype)
+        cache.declare_step([seq] * N)
+        cache.prepare_step(width=N)
+        cache.update_and_attend(0, q, k.to(device, dtype), v)
+        cache.commit_step()
+        stored.append(cache.column(seq, 0)["k"][:N].float().cpu())
+    assert torch.equal(stored[0], stored[1])
