@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from batchkv.cache import BatchedSequenceCache, CacheConfig
+from batchkv.cache.rotation import hadamard
+from batchkv.cache.rounding import KeyRounding
 from batchkv.checks import int_arg
 from batchkv.errors import ConfigError
 
@@ -146,3 +148,44 @@ def score_caches(
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+class _QueryMoments(BatchedSequenceCache):
+    """A cache that sums q q^T per (layer, KV head) over every query it attends with, the queries of
+    a GQA group pooled, rotated as an e4m3 store with `key_rotation` rotates them."""
+
+    def __init__(self, config: CacheConfig, device, rotate: bool) -> None:
+        super().__init__(config, device)
+        d, hkv = config.head_dim, config.kv_heads
+        self.h = hadamard(d, self.device) if rotate else None
+        self.sums = torch.zeros(config.num_layers, hkv, d, d, dtype=torch.float64, device=self.device)
+        self.count = 0  # queries per KV head, summed over layer 0's steps
+
+    def update_and_attend(self, layer, q, k, v, scale=None, causal=True):
+        x = q.float() if self.h is None else q.float() @ self.h
+        x = x.reshape(x.shape[0], self.config.kv_heads, -1, x.shape[-1])  # [W, Hkv, group, D]
+        self.sums[layer] += torch.einsum("wgid,wgie->gde", x, x).double()
+        self.count += x.shape[0] * x.shape[2] if layer == 0 else 0
+        return super().update_and_attend(layer, q, k, v, scale=scale, causal=causal)
+
+
+@torch.no_grad()
+def calibrate_key_rounding(
+    model, ids: Sequence[int], *, key_rotation: bool = False, chunk: int = DEFAULT_CHUNK
+) -> KeyRounding:
+    """A `KeyRounding` for `model` from the queries of text `ids` (teacher-forced, bf16 storage).
+
+    Give the result to `CacheConfig(key_rounding=...)` with the same `key_rotation` (the
+    moments are taken in the stored keys' basis). A few hundred tokens of text like the served
+    traffic; docs/design.md has the measured effect. ConfigError for a text shorter than 2 tokens.
+    """
+    chunk = int_arg("calibration chunk", chunk, 1, 1 << 16, why=" (tokens per prompt chunk)")
+    if len(ids) < 2:
+        raise ConfigError(f"calibrating needs at least 2 tokens; the text has {len(ids)}")
+    spec = {**model.cache_spec(), "kv_dtype": torch.bfloat16}
+    config = CacheConfig(**spec, max_seqs=1, capacity=len(ids), max_write=chunk)
+    cache = _QueryMoments(config, model.device, key_rotation)
+    seq, text = cache.seq_new(), torch.tensor(list(ids), dtype=torch.int64, device=model.device)
+    for start in range(0, len(ids), chunk):
+        _chunk_logits(model, cache, seq, text[start : start + chunk], start)
+    return KeyRounding.calibrate((cache.sums / cache.count).float().cpu())

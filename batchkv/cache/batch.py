@@ -82,6 +82,8 @@ class BatchedSequenceCache:
         with allocating("the step buffers", Staging.nbytes(StepBuffers.sizes(*sizes)), "lower max_width or max_seqs"):
             self._buffers = StepBuffers(*sizes, self.device)
         self._rotation = rotation.build_rotation(config, self.device)  # None unless e4m3 keys rotate
+        rounding = config.key_rounding  # None: the write rounds e4m3 keys to nearest
+        self._rounding = None if rounding is None else rounding.to(self.device)
         self._lengths: dict[int, int] = {}  # id -> positions held
         self._high_water: dict[int, int] = {}  # id -> most positions ever written (ring floor)
         self._height: dict[int, int] = {}  # id -> rows of its flat extent (positions it holds without moving)
@@ -348,6 +350,8 @@ class BatchedSequenceCache:
         self._resize({seq: cfg.rows_for(n)})
         if self._rotation is not None:  # the store holds rotated keys
             keys = [self._rotation.rotate_keys(k) for k in keys]
+        if self._rounding is not None:  # rounded as the step's write rounds them
+            keys = [self._rounding.round(layer, k) for layer, k in enumerate(keys)]
         for layer in range(cfg.num_layers):
             self._store.write_column(seq, layer, keys[layer], values[layer])
         self._lengths[seq] = n
@@ -482,6 +486,8 @@ class BatchedSequenceCache:
             raise StepError("a non-causal step needs each sequence's tokens in one run (a draft block is one segment)")
         if self._rotation is not None:  # e4m3 keys: rotate q and k alike (q . k unchanged), V as is
             q, k = self._rotation.rotate(q, k)
+        if self._rounding is not None:  # fp32 keys on the store's e4m3 grid: the write keeps their codes
+            k = self._rounding.round(layer, k)
         store, group = self._store.layer(layer), self._store.group_of[layer]
         slots = self._buffers.slots[group, :width]
         return self._attend(  # the step's K/V written first (a kv_write launch, or inside the attention)

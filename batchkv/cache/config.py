@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchkv.cache.rounding import KeyRounding
 from batchkv.checks import int_arg, int_args
 from batchkv.errors import ConfigError
 from batchkv.ops.support import COMPUTE_DTYPES, SCALE_DTYPE, SCALE_PLANES, quantized, refusal
@@ -66,6 +67,10 @@ class CacheConfig:
         less rounding error on a trained model's keys: docs/design.md has the numbers). None
         (default): `ROTATE_E4M3_KEYS` (off) for e4m3 stores of a power-of-two head_dim, off
         otherwise; True needs such a store.
+    key_rounding: a `KeyRounding` (per-model calibration, `batchkv.score.calibrate_key_rounding`):
+        e4m3 keys rounded channel by channel with query-weighted error feedback before the write
+        (`batchkv.cache.rounding`); same codes and scales in form, so reads are unchanged. None
+        (default): the write rounds each element to nearest. Needs an e4m3 store of its shape.
     max_segments: most runs in one step; default `2 * max_seqs`.
     max_width: most packed tokens in one step (static buffer size); default `max_seqs * max_write`,
         at most MAX_STEP_TOKENS.
@@ -90,6 +95,7 @@ class CacheConfig:
     dtype: torch.dtype = torch.bfloat16
     kv_dtype: torch.dtype | None = None
     key_rotation: bool | None = None
+    key_rounding: KeyRounding | None = None
     max_segments: int = 0
     max_width: int = 0
     buckets: tuple[int, ...] = ()
@@ -130,6 +136,18 @@ class CacheConfig:
                 f"CacheConfig.key_rotation=True needs an e4m3 store and a power-of-two head_dim; "
                 f"kv_dtype is {kv_dtype}, head_dim {self.head_dim} (use key_rotation=None or False)"
             )
+        if self.key_rounding is not None:
+            want = (self.num_layers, self.kv_heads, self.head_dim)
+            if not isinstance(self.key_rounding, KeyRounding) or not quantized(kv_dtype):
+                raise ConfigError(
+                    f"CacheConfig.key_rounding needs a KeyRounding and an e4m3 store; got "
+                    f"{type(self.key_rounding).__name__} with kv_dtype {kv_dtype} (use key_rounding=None)"
+                )
+            if self.key_rounding.shape() != want:
+                raise ConfigError(
+                    f"CacheConfig.key_rounding is for (layers, kv_heads, head_dim) {self.key_rounding.shape()}; "
+                    f"this store is {want} (calibrate it on this model)"
+                )
         rotate = quantized(kv_dtype) and power_of_two and ROTATE_E4M3_KEYS
         key_rotation = rotate if self.key_rotation is None else self.key_rotation
         max_segments = self.max_segments or 2 * self.max_seqs

@@ -7,7 +7,7 @@ is an error on the whole logit. An orthonormal D x D matrix H (H H^T = I) spread
 over all D (QuaRot, SpinQuant): (q H) . (k H) = q . k exactly, while each rotated product is
 about 1/D of the logit, so the elements' independent rounding errors average out (~1/sqrt(D)).
 
-What: for an e4m3 store with `CacheConfig.key_rotation` on (the default for e4m3), the step's
+What: for an e4m3 store with `CacheConfig.key_rotation` on (opt-in: docs/design.md), the step's
 keys are rotated before the write (so the store holds rotated, quantised keys) and the queries
 before attention; V and the output are untouched, so the attention is the same in exact
 arithmetic. H = Sylvester Hadamard / sqrt(D) (D a power of two, which the kernels require): its
