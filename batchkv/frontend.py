@@ -36,13 +36,18 @@ def or_auto(parse):
     return parse_or_auto
 
 
-def add_scheduling_options(group: argparse._ArgumentGroup, *, max_seqs: int, help_max_seqs: str) -> None:
-    """--max-seqs (a number, or auto with --memory-fraction), --prefill-budget, --overlap."""
+CPU_MAX_SEQS = 16  # `--max-seqs` by default on the CPU where a command's default is per device (serve)
+
+
+def add_scheduling_options(group: argparse._ArgumentGroup, *, max_seqs: int | None, help_max_seqs: str) -> None:
+    """--max-seqs (a number, or auto with --memory-fraction), --prefill-budget, --overlap.
+    `max_seqs` None: auto on CUDA, `CPU_MAX_SEQS` on the CPU (resolved by `scheduling_kwargs`)."""
+    default = f"auto on CUDA, {CPU_MAX_SEQS} on the CPU" if max_seqs is None else "%(default)s"
     group.add_argument(
         "--max-seqs",
         type=or_auto(bounded(int, 1, MAX_POSITIONS)),
         default=max_seqs,
-        help=f"{help_max_seqs}; auto: 256, the store sized to --memory-fraction (default %(default)s)",
+        help=f"{help_max_seqs}; auto: 256, the store sized to --memory-fraction (default {default})",
     )
     group.add_argument(
         "--memory-fraction",
@@ -94,10 +99,14 @@ def model_source(name: str, *, seed: int, dtype: torch.dtype | None = None) -> f
     return functools.partial(load, resolve(name), seed=seed, dtype=dtype)
 
 
-def scheduling_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The Engine's keywords from `add_scheduling_options`' flags."""
+def scheduling_kwargs(args: argparse.Namespace, device: torch.device | str | None = None) -> dict[str, Any]:
+    """The Engine's keywords from `add_scheduling_options`' flags; `device` (where the engine runs)
+    resolves a per-device --max-seqs default: auto on CUDA, `CPU_MAX_SEQS` elsewhere."""
+    max_seqs = args.max_seqs
+    if max_seqs is None:
+        max_seqs = "auto" if device is not None and torch.device(device).type == "cuda" else CPU_MAX_SEQS
     return {
-        "max_seqs": args.max_seqs,
+        "max_seqs": max_seqs,
         "memory_fraction": args.memory_fraction,
         "prefill_budget": args.prefill_budget,
         "overlap": MODES[args.overlap],

@@ -104,7 +104,8 @@ def over_http(directory: Path, device: torch.device, prompts, outputs, log: Path
         port = s.getsockname()[1]
     capacity = max(map(len, prompts)) + max(outputs) + 1
     command = [sys.executable, "-m", "batchkv", "serve", "--model", str(directory), "--device", device.type,
-               "--dtype", "bfloat16", "--port", str(port), "--capacity", str(capacity), "--max-step-tokens", "1024",
+               "--dtype", "bfloat16", "--port", str(port), "--max-seqs", "auto", "--capacity", str(capacity),
+               "--max-step-tokens", "1024",
                "--prefill-chunk", str(min(512, capacity)), "--max-waiting", "100000",
                "--log-level", "warning"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}

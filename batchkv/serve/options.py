@@ -204,7 +204,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--seed", type=bounded(int, 0), default=0, help="seed of a preset's random weights and of unseeded sampling (0)"
     )
     e = p.add_argument_group("engine")
-    add_scheduling_options(e, max_seqs=16, help_max_seqs="resident sequences (cache columns); n samples take n")
+    add_scheduling_options(e, max_seqs=None, help_max_seqs="resident sequences (cache columns); n samples take n")
     e.add_argument(
         "--capacity",
         type=bounded(int, 2, MAX_POSITIONS),

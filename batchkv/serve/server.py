@@ -117,7 +117,7 @@ def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) 
     engine = Engine(
         model,
         tensor_parallel=tp,
-        **scheduling_kwargs(args),
+        **scheduling_kwargs(args, device),
         capacity=capacity,
         max_step_tokens=args.max_step_tokens,
         prefill_chunk=args.prefill_chunk,  # None: the Engine's default, within capacity and the step budget
