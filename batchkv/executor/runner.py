@@ -235,7 +235,7 @@ class ModelRunner:
         real = len(batch.rows)
         logits = self.tp.run(self._device_step, width, rows, real, sampling, slot)
         # rank 0's logits (every rank's are the same, gathered): its host reads the logprobs
-        logprobs = self.logprob_slots.launch(plan, logits, self.sampled[slot, :real], slot) if plan else None
+        logprobs = None if plan is None else self.logprob_slots.launch(plan, logits, self.sampled[slot, :real], slot)
         host = self._host_tokens[slot, :real]
         host.copy_(self.sampled[slot, :real], non_blocking=self._read[slot] is not None)
         event = self._read[slot]
