@@ -22,13 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import torch
@@ -99,28 +94,13 @@ def in_process(directory: Path, device: torch.device, prompts, outputs) -> tuple
 
 
 def over_http(directory: Path, device: torch.device, prompts, outputs, log: Path) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     capacity = max(map(len, prompts)) + max(outputs) + 1
     command = [sys.executable, "-m", "batchkv", "serve", "--model", str(directory), "--device", device.type,
-               "--dtype", "bfloat16", "--port", str(port), "--max-seqs", "auto", "--capacity", str(capacity),
-               "--max-step-tokens", "1024",
+               "--dtype", "bfloat16", "--max-seqs", "auto", "--capacity", str(capacity), "--max-step-tokens", "1024",
                "--prefill-chunk", str(min(512, capacity)), "--max-waiting", "100000",
                "--log-level", "warning"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    with open(log, "w") as sink:
-        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env)
+    proc, port = serve_client.start_server(lambda port: [*command, "--port", str(port)], log)
     try:
-        deadline = time.monotonic() + 300
-        while True:  # bounded by the deadline
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start; see {log}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.2)
         bodies = [json.dumps({"prompt": p, "max_tokens": o, "temperature": 0, "stream": True, "ignore_eos": True,
                               "return_token_ids": True})
                   .encode() for p, o in zip(prompts, outputs, strict=True)]  # fmt: skip
@@ -133,7 +113,8 @@ def over_http(directory: Path, device: torch.device, prompts, outputs, log: Path
         ttft = sorted(1e3 * (r["times"][0] - r["sent"]) for r in records if r["times"])
         return {"tokens": tokens, "tokens_per_s": tokens / max(max(ends, default=t0) - t0, 1e-9),
                 "incomplete": sum(r["incomplete"] for r in records),
-                "ttft_ms_p50": ttft[len(ttft) // 2] if ttft else None, "command": " ".join(command[1:])}  # fmt: skip
+                "ttft_ms_p50": ttft[len(ttft) // 2] if ttft else None,
+                "command": " ".join([*command[1:], "--port", str(port)])}  # fmt: skip
     finally:
         proc.terminate()
         proc.wait(60)

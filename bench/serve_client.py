@@ -14,10 +14,42 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import socket
+import subprocess
 import time
-from collections.abc import Sequence
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 IDLE_S = 2.0
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def start_server(
+    command: Callable[[int], list[str]], log: Path, timeout_s: float = 300
+) -> tuple[subprocess.Popen, int]:
+    """Start `command(port)` on a free local port (this checkout first on PYTHONPATH, output to
+    `log`) and wait for its /health; a server that exits or does not answer within `timeout_s` is
+    stopped and raises RuntimeError. Returns the process (the caller terminates it) and the port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command(port), stdout=out, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + timeout_s
+    while True:  # bounded by the deadline
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.terminate()
+            proc.wait(60)
+            raise RuntimeError(f"the server did not start; see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                return proc, port
+        except (urllib.error.URLError, ConnectionError):
+            time.sleep(0.2)
 
 
 class _Pool:

@@ -47,9 +47,6 @@ import argparse
 import gc
 import itertools
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
 import urllib.error
@@ -158,22 +155,8 @@ def _server_command(cfg: dict, device: str, port: int) -> list[str]:
 
 
 def http_side(cfg: dict, device: str, runs: list[tuple], log: Path) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(_server_command(cfg, device, port), stdout=out, stderr=subprocess.STDOUT, env=env)
+    proc, port = serve_client.start_server(lambda port: _server_command(cfg, device, port), log)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start; see {log}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.2)
         if cfg["preset"] != "standin":
             prompts, outputs = warmup_burst(cfg, cfg["vocab"])
             _http_run(port, prompts, outputs, [0.0] * len(prompts), 600)
