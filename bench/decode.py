@@ -28,6 +28,7 @@ Parts, in order, each under the run's budget (`--budget-s`), each written to the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -203,7 +204,8 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
             print(f"b1 {name}: {d['ms_per_token_p50']:.3f} ms/token", flush=True)
 
     def serve_entry(engine: Engine, d: dict, log: StepLog, warm_captures: int) -> dict:
-        cost = ctx.cost()
+        # K/V bytes as the engine stores them (e4m3: one byte an element plus the scales), for every roofline
+        cost = dataclasses.replace(ctx.cost(), kv_bytes_per_pos=engine.cache.config.bytes_per_position())
         fair_s = fair_seconds(log.steps, cost, r["read_gbps"], r["matmul_tflops"])
         limit = workload_limit(ctx.prompts, ctx.outputs, cost, r["read_gbps"], r["matmul_tflops"])
         return {

@@ -93,3 +93,14 @@ def test_real_model_smoke_scores_both_texts_in_both_compute_dtypes(tmp_path):
         for variant in ("e4m3", "e4m3_key_rotation"):
             entry = report["accuracy"][key][variant]
             assert entry["tokens"] == 127 and 0.5 < entry["top1_agreement"] <= 1 and entry["kl_mean"] >= 0
+
+
+def test_decode_serve_limits_count_the_kv_bytes_the_engine_stores(tmp_path):
+    skip = "b1_batchkv,online_batchkv,budgets_batchkv,serve_max64_batchkv"
+    report = _run(["bench/decode.py", "--small", "--skip-hf", "--device", "cpu", "--skip-parts", skip],
+                  tmp_path / "decode.json")  # fmt: skip
+    bf16, e4m3 = report["serve"]["workload_limit"], report["serve_e4m3"]["workload_limit"]
+    assert e4m3["flops"] == bf16["flops"]  # the same requests
+    # e4m3: one byte an element where the model's dtype has more, plus one fp32 scale per (position, head)
+    assert 0.25 < e4m3["kv_read_bytes"] / bf16["kv_read_bytes"] < 0.75
+    assert e4m3["no_overlap"] > bf16["no_overlap"]
