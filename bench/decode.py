@@ -89,15 +89,25 @@ def single_sequence(model, device, prompt_len: int, new_tokens: int, graphs: boo
             "tokens": sum(e.token is not None for e in events), "captures": engine.metrics.captures}  # fmt: skip
 
 
-def serving_engine(model, device, prompts, outputs, max_seqs: int | str = "auto", kv_dtype=None) -> Engine:
-    """The serving configuration: 1024-token steps, 512-token prompt chunks, capacity the longest
-    request, the store allocated whole. max_seqs "auto" (the README's): 256 sequences, the store
-    sized to the device; an int: that many, each column at capacity (the configuration before)."""
+def serving_engine(
+    model,
+    device,
+    prompts,
+    outputs,
+    max_seqs: int | str = "auto",
+    kv_dtype=None,
+    step_tokens: int = 1024,
+    prefill_budget: int | None = None,
+) -> Engine:
+    """The serving configuration: 1024-token steps (`step_tokens`), 512-token prompt chunks, capacity
+    the longest request, the store allocated whole. max_seqs "auto" (the README's): 256 sequences, the
+    store sized to the device; an int: that many, each column at capacity (the configuration before)."""
     capacity = max(map(len, prompts)) + max(outputs) + 1
     kv_positions = "auto" if max_seqs == "auto" else max_seqs * capacity
-    return Engine(model, max_seqs=max_seqs, capacity=capacity, max_step_tokens=1024,
-                  prefill_chunk=min(512, capacity), use_graphs=device.type == "cuda", device=device,
-                  kv_positions=kv_positions, kv_dtype=kv_dtype)  # fmt: skip
+    return Engine(model, max_seqs=max_seqs, capacity=capacity, max_step_tokens=step_tokens,
+                  prefill_chunk=min(512, capacity, step_tokens), prefill_budget=prefill_budget,
+                  use_graphs=device.type == "cuda", device=device, kv_positions=kv_positions,
+                  kv_dtype=kv_dtype)  # fmt: skip
 
 
 WARM_UP = (
@@ -242,27 +252,49 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
             row["ttft_p50_in_full_chunk_steps"] = row["ttft_p50_ms"] / r["serve"]["full_chunk_step_ms"]
         print(f"serve: {entry['tokens_per_s']:.0f} tok/s (workload limit {entry['workload_limit_tokens_per_s']})")
 
+    def budget_row(step_tokens: int, budget: int, d: dict) -> dict:
+        return {"max_step_tokens": step_tokens, "prefill_budget": budget, "tokens_per_s": d["output_tokens_per_s_wall"],
+                "p50_itl_ms": d["itl_ms_p50"], "p99_itl_ms": d["itl_ms_p99"],
+                "p99_over_p50": d["itl_ms_p99"] / d["itl_ms_p50"], "ttft_p50_ms": d["ttft_ms_p50"],
+                "steps": d["steps"]}  # fmt: skip
+
     def budgets():
+        """Prefill budgets on the serve part's engine (1,024-token steps), then each `--step-budgets`
+        step size on a fresh warmed engine with its prefill budget at half and all of the step."""
         engine = ctx.engine if ctx.engine is not None else run_serve("auto")[0]
         default = r["serve"]["prefill_budget"]  # the serve part's run is that budget's row
-        rows = r["serve"]["budgets"] = [{"prefill_budget": default, "tokens_per_s": r["serve"]["tokens_per_s"],
-                                         "p50_itl_ms": r["serve"]["p50_itl_ms"], "p99_itl_ms": r["serve"]["p99_itl_ms"],
-                                         "p99_over_p50": r["serve"]["p99_itl_ms"] / r["serve"]["p50_itl_ms"],
-                                         "ttft_p50_ms": r["serve"]["ttft_p50_ms"]}]  # fmt: skip
-        for budget in (b for b in (256, 512, 1024) if b != default):
+        rows = r["serve"]["budgets"] = [budget_row(1024, default, r["serve_detail"])]
+        small = (16, 32) if args.small else (256, 512, 1024)
+        for budget in (b for b in small if b != default):
             engine.scheduler.prefill_budget = budget
             engine.metrics = engine.metrics.fresh()
-            d = serve_offline(engine, dev, ctx.prompts, ctx.outputs)
-            rows.append({"prefill_budget": budget, "tokens_per_s": d["output_tokens_per_s_wall"],
-                         "p50_itl_ms": d["itl_ms_p50"], "p99_itl_ms": d["itl_ms_p99"],
-                         "p99_over_p50": d["itl_ms_p99"] / d["itl_ms_p50"],
-                         "ttft_p50_ms": d["ttft_ms_p50"]})  # fmt: skip
+            rows.append(budget_row(1024, budget, serve_offline(engine, dev, ctx.prompts, ctx.outputs)))
             parts.save()
             print(f"budget {budget}: {rows[-1]}", flush=True)
         engine.scheduler.prefill_budget = default
-        rows.sort(key=lambda row: row["prefill_budget"])
+        step_budgets = "128" if args.small else args.step_budgets  # the tiny workload's prompts are short
+        for step_tokens in (int(s) for s in step_budgets.split(",") if s):
+            if ctx.engine is not None:  # its store holds the device: let it go first
+                ctx.engine.close()
+                ctx.engine = engine = None
+                release(dev)
+            for budget in (step_tokens // 2, step_tokens):
+                engine = serving_engine(ctx.model(), dev, ctx.prompts, ctx.outputs, step_tokens=step_tokens,
+                                        prefill_budget=budget)  # fmt: skip
+                warm_up(engine, dev, ctx.prompts, ctx.outputs)
+                rows.append(budget_row(step_tokens, budget, serve_offline(engine, dev, ctx.prompts, ctx.outputs)))
+                engine.close()
+                release(dev)
+                parts.save()
+                print(f"steps of {step_tokens}, budget {budget}: {rows[-1]}", flush=True)
+        rows.sort(key=lambda row: (row["max_step_tokens"], row["prefill_budget"]))
         within = [row for row in rows if row["p99_over_p50"] <= 2.5]
-        r["serve"]["budget_p99_within_2_5x"] = max((row["prefill_budget"] for row in within), default=None)
+        r["serve"]["budget_p99_within_2_5x"] = max(
+            (row["prefill_budget"] for row in within if row["max_step_tokens"] == 1024), default=None
+        )
+        best = max(within, key=lambda row: row["tokens_per_s"], default=None)
+        r["serve"]["fastest_within_2_5x"] = best and {k: best[k] for k in ("max_step_tokens", "prefill_budget",
+                                                                         "tokens_per_s", "p99_over_p50")}  # fmt: skip
 
     def other(key: str, max_seqs, kv_dtype=None):
         def part():
@@ -325,6 +357,7 @@ def main() -> None:
     ap.add_argument("--hf-box-s", type=float, default=None, help="time box of the transformers offline run (45; 10)")
     ap.add_argument("--hf-online-box-s", type=float, default=None, help="box past the last arrival per rate (10; 5)")
     ap.add_argument("--resume", type=Path, default=None, help="a result JSON to complete: only missing parts run")
+    ap.add_argument("--step-budgets", default="2048", help="step sizes the budgets part also serves (comma list)")
     ap.add_argument("--skip-parts", default="", help="comma-separated parts not to run (e.g. online_batchkv)")
     args = ap.parse_args()
     for name, full, small in (("online_window_s", 12, 3), ("hf_calibrate_s", 45, 10), ("hf_box_s", 45, 10),

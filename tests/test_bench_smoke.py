@@ -104,3 +104,15 @@ def test_decode_serve_limits_count_the_kv_bytes_the_engine_stores(tmp_path):
     # e4m3: one byte an element where the model's dtype has more, plus one fp32 scale per (position, head)
     assert 0.25 < e4m3["kv_read_bytes"] / bf16["kv_read_bytes"] < 0.75
     assert e4m3["no_overlap"] > bf16["no_overlap"]
+
+
+def test_decode_budgets_serve_each_step_size_at_half_and_all_of_it(tmp_path):
+    skip = "b1_batchkv,online_batchkv,serve_e4m3_batchkv,serve_max64_batchkv"
+    report = _run(["bench/decode.py", "--small", "--skip-hf", "--device", "cpu", "--skip-parts", skip],
+                  tmp_path / "decode.json")  # fmt: skip
+    rows = report["serve"]["budgets"]
+    cells = [(row["max_step_tokens"], row["prefill_budget"]) for row in rows]
+    assert cells == [(128, 64), (128, 128), (1024, 16), (1024, 32), (1024, 512)]  # 512: the serve part's default
+    assert all(row["tokens_per_s"] > 0 and row["steps"] > 0 for row in rows)
+    best = report["serve"]["fastest_within_2_5x"]
+    assert best is None or best["tokens_per_s"] == max(r["tokens_per_s"] for r in rows if r["p99_over_p50"] <= 2.5)
