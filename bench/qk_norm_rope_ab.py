@@ -1,0 +1,85 @@
+"""qk_norm_rope's kernel against an earlier version of it: bitwise equality and time per call.
+
+The earlier version is a copy of `batchkv/models/fused.py` from another commit, given by path
+(`git show REV:batchkv/models/fused.py > old.py`). Shapes are the 8B preset's (32 q heads, 8 KV
+heads, head_dim 128) at the step widths serving runs; each call is timed as the median of CUDA-event
+timings over `--iters` back-to-back launches.
+
+    git show 803e9ae~1:batchkv/models/fused.py > /tmp/fused_old.py
+    python3 bench/qk_norm_rope_ab.py --old /tmp/fused_old.py --out bench/results/qk-norm-rope-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from batchkv.models import fused
+from batchkv.models.sensenova import Rope3D
+
+
+def load(path: Path):
+    spec = importlib.util.spec_from_file_location("fused_old", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def time_us(fn, iters: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--old", type=Path, required=True, help="an earlier batchkv/models/fused.py")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/qk-norm-rope-h200.json"))
+    ap.add_argument("--widths", default="1,64,256,768,1280")
+    ap.add_argument("--iters", type=int, default=200)
+    args = ap.parse_args()
+    old, dev = load(args.old), torch.device("cuda")
+    q_heads, kv_heads, d, dtype = 32, 8, 128, torch.bfloat16
+    rope = Rope3D(d, 5e6, 1e4)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q_norm, k_norm = (torch.randn(2, d // 2, generator=g, device=dev).to(dtype) for _ in range(2))
+    rows = []
+    for width in (int(w) for w in args.widths.split(",")):
+        qkv = (torch.randn(width, (q_heads + 2 * kv_heads) * d, generator=g, device=dev) * 3).to(dtype)
+        t = torch.arange(width, device=dev) + 100
+        cos, sin = rope.tables(torch.stack([t, t % 7, t % 5]), dtype)
+        call = (qkv, q_norm, k_norm, cos, sin, rope.partner.to(dev), q_heads, kv_heads, 1e-6)
+        new_q, new_k = fused.qk_norm_rope(*call)
+        old_q, old_k = old.qk_norm_rope(*call)
+        row = {"width": width, "bitwise_equal": bool(torch.equal(new_q, old_q) and torch.equal(new_k, old_k)),
+               "old_us": time_us(lambda c=call: old.qk_norm_rope(*c), args.iters),
+               "new_us": time_us(lambda c=call: fused.qk_norm_rope(*c), args.iters)}  # fmt: skip
+        # q and k heads in and out, and the two tables
+        row["bytes_moved"] = 2 * (q_heads + kv_heads) * d * width * dtype.itemsize + 2 * cos.nbytes
+        row["new_gbps"] = row["bytes_moved"] / row["new_us"] / 1e3
+        rows.append(row)
+        print(row, flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+                                    "shape": {"q_heads": q_heads, "kv_heads": kv_heads, "head_dim": d, "dtype": "bf16"},
+                                    "old": str(args.old), "rows": rows}, indent=2) + "\n")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
