@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batchkv.models import fused
 from batchkv.models.fused import add_rms_norm, qk_norm_rope, silu_mul
 from batchkv.models.sensenova import Rope3D
 
@@ -25,9 +26,13 @@ def test_add_rms_norm_kernel_matches_torch(width):
 # (20, 4, 64): 24 heads in two programs of 16, the second ragged and holding both q and k heads.
 @pytest.mark.parametrize(("q_heads", "kv_heads", "d"), [(4, 2, 32), (3, 1, 64), (20, 4, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_qk_norm_rope_kernel_matches_torch(q_heads, kv_heads, d, dtype):
-    g = torch.Generator().manual_seed(d)
+@pytest.mark.parametrize("blocks", [False, True])  # one head per program; blocks of heads (many rows)
+def test_qk_norm_rope_kernel_matches_torch(q_heads, kv_heads, d, dtype, blocks, monkeypatch):
     width = 3
+    assert width * (q_heads + kv_heads) <= fused.QK_FEW_PROGRAMS
+    if blocks:  # as past QK_FEW_PROGRAMS (row, head) pairs, at a size the interpreter runs in seconds
+        monkeypatch.setattr(fused, "QK_FEW_PROGRAMS", 0)
+    g = torch.Generator().manual_seed(d)
     qkv = (torch.randn(width, (q_heads + 2 * kv_heads) * d, generator=g) * 3).to(dtype)
     q_norm, k_norm = (torch.randn(2, d // 2, generator=g).to(dtype) for _ in range(2))
     rope = Rope3D(d, 5e6, 1e4)

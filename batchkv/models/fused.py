@@ -30,7 +30,8 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
 
 
-QK_BLOCK = 1024  # elements of one qk_norm_rope program: 8 heads of 128 (a few KiB in, the same out)
+QK_BLOCK = 1024  # elements of one qk_norm_rope program past QK_FEW_PROGRAMS: 8 heads of 128
+QK_FEW_PROGRAMS = 2048  # (row, head) pairs up to which qk_norm_rope runs one head per program
 
 
 def _use_triton(x: torch.Tensor, force: bool | None) -> bool:
@@ -178,10 +179,13 @@ def qk_norm_rope(
     q = torch.empty(w, q_heads, d, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(w, kv_heads, d, dtype=qkv.dtype, device=qkv.device)
     heads = q_heads + kv_heads
-    hb = min(triton.next_power_of_2(heads), max(1, QK_BLOCK // d))
+    # Few rows: one head on one warp per program, so every SM has work (1.0 against 1.7 us at one row
+    # on the H200, bench/results/qk-norm-rope-h200.json); many: a block of heads on 4 warps.
+    few = w * heads <= QK_FEW_PROGRAMS
+    hb = 1 if few else min(triton.next_power_of_2(heads), max(1, QK_BLOCK // d))
     _qk_norm_rope_kernel[(w, triton.cdiv(heads, hb))](
         qkv, q_norm, k_norm, cos.contiguous(), sin.contiguous(), q, k, qkv.stride(0), eps,
-        Q_HEADS=q_heads, HEADS=heads, D=d, HB=hb, num_warps=4, **pdl_kwargs(qkv.device),
+        Q_HEADS=q_heads, HEADS=heads, D=d, HB=hb, num_warps=1 if few else 4, **pdl_kwargs(qkv.device),
     )  # fmt: skip
     return q, k
 
