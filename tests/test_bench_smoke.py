@@ -116,3 +116,13 @@ def test_decode_budgets_serve_each_step_size_at_half_and_all_of_it(tmp_path):
     assert all(row["tokens_per_s"] > 0 and row["steps"] > 0 for row in rows)
     best = report["serve"]["fastest_within_2_5x"]
     assert best is None or best["tokens_per_s"] == max(r["tokens_per_s"] for r in rows if r["p99_over_p50"] <= 2.5)
+
+
+def test_long_context_smoke_runs_the_mix_at_priority_with_the_long_requests_after_the_short(tmp_path):
+    report = _run(["bench/long_context.py", "--small"], tmp_path / "lc.json")
+    assert report["resident_max"] > 0 and report["store_over_reach"] > 0 and report["short_vs_alone"] > 0
+    lowered = report["long_at_priority_1"]
+    # paused while any short request holds a column: no long request finishes before the last short one
+    assert lowered["long_first_done_s"] >= lowered["short_last_done_s"]
+    assert lowered["summary"]["generated_tokens"] == report["mixed"]["summary"]["generated_tokens"]
+    assert lowered["short_vs_alone"] == lowered["short_tokens_per_s"] / report["alone"]["short_tokens_per_s"]

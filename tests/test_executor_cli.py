@@ -117,3 +117,12 @@ def test_run_refuses_a_max_seqs_that_is_neither_a_number_nor_auto(capsys):
     with pytest.raises(SystemExit):
         cli.main(["run", "--device", "cpu", "--max-seqs", "many"])
     assert "'many' is not an integer, nor auto" in capsys.readouterr().err
+
+
+def test_a_workload_line_carries_its_priority(tmp_path):
+    path = tmp_path / "work.jsonl"
+    path.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [3], "priority": 2}\n')
+    assert [item.request.priority for item in load_jsonl(path)] == [0, 2]
+    path.write_text('{"prompt_ids": [1], "priority": 4294967296}\n')
+    with pytest.raises(WorkloadError, match=":1: priority"):
+        load_jsonl(path)

@@ -351,6 +351,7 @@ BAD = [
     ("a negative token id", {"prompt": [1, -2], "max_tokens": 3}, 400, "prompt"),
     ("logprobs past 5", {"prompt": "x", "max_tokens": 3, "logprobs": 6}, 400, "logprobs"),
     ("logprobs as a bool", {"prompt": "x", "max_tokens": 3, "logprobs": True}, 400, "logprobs"),
+    ("priority past int32", {"prompt": "x", "max_tokens": 3, "priority": 2**31}, 400, "priority"),
 ]
 
 

@@ -206,3 +206,22 @@ def test_a_negative_prompt_token_id_is_a_400_naming_the_prompt():
     with pytest.raises(APIError) as refused:
         make_job(body, completion_prompts(body, info), info)
     assert refused.value.status == 400 and refused.value.param == "prompt" and "-2" in refused.value.message
+
+
+def test_priority_reaches_every_request_of_a_job_and_null_means_the_default():
+    info = ModelInfo("m", None, capacity=64)
+    for raw, priority in ((b"", 0), (b', "priority": null', 0), (b', "priority": 3', 3), (b', "priority": -2', -2)):
+        body = decode_body(b'{"prompt": [[1], [2, 3]], "max_tokens": 2, "n": 2' + raw + b"}", CompletionRequest)
+        job = make_job(body, completion_prompts(body, info), info)
+        assert [r.priority for r in job.requests] == [priority, priority]
+    body = decode_body(b'{"messages": [{"role": "user", "content": "x"}], "priority": 1}', ChatCompletionRequest)
+    assert make_job(body, [[1]], info).requests[0].priority == 1
+
+
+@pytest.mark.parametrize("raw", [b"2147483648", b"1.5", b'"1"', b"true"])
+def test_a_priority_outside_int32_or_not_an_int_is_a_400_naming_it(raw):
+    info = ModelInfo("m", None, capacity=64)
+    with pytest.raises(APIError) as refused:
+        body = decode_body(b'{"prompt": [1], "max_tokens": 2, "priority": ' + raw + b"}", CompletionRequest)
+        make_job(body, completion_prompts(body, info), info)
+    assert refused.value.status == 400 and refused.value.param == "priority"

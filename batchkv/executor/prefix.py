@@ -159,7 +159,7 @@ class PrefixCache:
     # ---- matching --------------------------------------------------------------------------------
     def lookup(self, state: RequestState) -> Match:
         """The longest reusable prefix of `state`'s prompt (at most its length less one), and whether
-        a live request still prefilling will write at least one chunk more of it. None for a request
+        a live request still prefilling, no less urgent, will write at least one chunk more of it. None for a request
         with `prompt_logprobs`: every prompt position's logits score a token, so it computes them all."""
         self.lookups += 1
         if state.request.params.prompt_logprobs is not None:
@@ -190,10 +190,13 @@ class PrefixCache:
                 best, best_len = history, n
         if best is not None and depth and best.tokens(0, min(depth, best_len)) != prompt[: min(depth, best_len)]:
             return Match(None, 0)  # a chain-hash collision (never seen; checked all the same)
+        # Worth waiting for: a prompt still being written that will give at least a chunk more, and
+        # runs meanwhile (a less urgent one is paused while this request's peers hold columns).
         wait = any(
             h.live is not None and h.live.remaining > 0 and n >= best_len + self.prefill_chunk
+            and h.live.request.priority <= state.request.priority
             for h, n in shared.items()
-        )
+        )  # fmt: skip
         return Match(best, best_len, wait)
 
     def place(self, match: Match, reach: int) -> int:

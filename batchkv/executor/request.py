@@ -18,6 +18,7 @@ FINISH_REASONS = ("stop", "length", "capacity", "cancelled")
 MAX_SAMPLE_ROWS = 256  # most rows one step sends through the LM head (float32 [256, vocab] logits)
 MAX_SEED = 2**64 - 1  # seeds feed splitmix64
 MAX_TOP_K = 2**31 - 1  # staged as int64 each step; any k at or past the vocabulary keeps every token
+MAX_PRIORITY = 2**31 - 1  # priorities are int32's range
 MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs bound, vLLM's default max_logprobs)
 
 
@@ -111,6 +112,13 @@ class Request:
     rope_offset: RoPE index t of the first prompt token; prompt token i takes (t0 + i, 0, 0) and
     each generated token the next t. The KV position always starts at 0: the two are tracked apart.
 
+    priority: lower runs first (vLLM's convention; default 0). Strict and without preemption: waiting
+    requests are admitted in priority order (arrival order within one), and a step takes prompt
+    chunks and decode rows only of the most urgent priority that holds a column; a request of a
+    later priority keeps its column and tokens, paused, until none more urgent is admitted. Meant
+    for background work beside interactive traffic (long batch jobs at priority 1): it can wait as
+    long as more urgent requests keep coming.
+
     Example:
         Request([151644, 872, 198], SamplingParams(max_new_tokens=32, temperature=0.7, seed=1))
     """
@@ -118,6 +126,7 @@ class Request:
     prompt_ids: Sequence[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     rope_offset: int = 0
+    priority: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", _int_tuple(self.prompt_ids, "prompt_ids"))
@@ -126,6 +135,9 @@ class Request:
         why = " (a RoPE index, bounded like positions)"
         rope_offset = int_arg("rope_offset", self.rope_offset, 0, MAX_POSITIONS, error=RequestError, why=why)
         object.__setattr__(self, "rope_offset", rope_offset)
+        priority = int_arg("priority", self.priority, -MAX_PRIORITY - 1, MAX_PRIORITY, error=RequestError,
+                           why=" (lower runs first; 0 is the default)")  # fmt: skip
+        object.__setattr__(self, "priority", priority)
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,7 @@ class Scheduler:
         their n extents are free (evicting cached prefixes first). With the prefix cache a request
         starts after the longest prefix it can reuse, and one that shares more with a prompt still
         being written waits for it while the requests behind it go on."""
-        for state in list(self.waiting):
+        for state in sorted(self.waiting, key=lambda state: state.request.priority):  # stable: FIFO within one
             params, reach = state.request.params, self.reach(state)
             match = self.prefix.lookup(state) if self.prefix is not None else NO_MATCH
             if match.wait:
@@ -134,7 +134,7 @@ class Scheduler:
                 match = self._make_room(match, columns, rows)
                 columns, rows = self.prefix.room(match, columns, rows)
             if self.free_columns() < columns or self.free_rows() < rows:
-                return  # FIFO: nothing behind a request that does not fit goes before it
+                return  # FIFO: nothing behind a request that does not fit goes before it (nor less urgent)
             reused = match.history is not None and self.prefix is not None
             seq = self.prefix.place(match, reach) if reused else self.cache.seq_new(reach=reach)  # type: ignore[union-attr]
             self.waiting.remove(state)
@@ -162,26 +162,44 @@ class Scheduler:
         return match
 
     # ---- planning ------------------------------------------------------------------------------
+    def _urgent(self) -> tuple[list[RequestState], deque[SampleState] | None]:
+        """The admitted prompts and running samples of the most urgent priority that holds a column
+        (`Request.priority`): the only ones a step takes. None for the samples when every running
+        one is of that priority (the common case: self.running as it is)."""
+        priorities = {state.request.priority for state in self.prefilling}
+        priorities.update(sample.owner.request.priority for sample in self.running)
+        if len(priorities) <= 1:
+            return self.prefilling, None
+        level = min(priorities)
+        prefilling = [state for state in self.prefilling if state.request.priority == level]
+        return prefilling, deque(sample for sample in self.running if sample.owner.request.priority == level)
+
     def plan(self) -> Batch | None:
         """Pack the next step, or None when nothing is admitted."""
         batch = Batch()
+        prefilling, urgent = self._urgent()
+        running = self.running if urgent is None else urgent
         # A step's sampling rows fit its width (the LM head runs on min(width, sample_rows) rows).
         budget, rows = self.max_step_tokens, min(self.sample_rows, self.max_step_tokens)
         decode_tokens, decode_rows = budget, rows
         # prompts share the step with running samples, whose next token waits for it: the prefill budget
         # binds (with nothing running, the step is the prompts' alone)
-        prefill_cap = self.prefill_budget if self.running else budget
-        if self.prefilling:  # the oldest prompt moves every step, and can sample when it is done
-            head = self.prefilling[0]
+        prefill_cap = self.prefill_budget if running else budget
+        if prefilling:  # the oldest prompt moves every step, and can sample when it is done
+            head = prefilling[0]
             decode_tokens = budget - 1
             chunk = min(head.remaining, self.prefill_chunk, prefill_cap)
             if chunk == head.remaining or head.request.params.prompt_logprobs is not None:  # its rows
                 decode_rows = rows - min(head.rows_for(chunk), max(rows // 2, head.request.params.n))
-        take = min(len(self.running), decode_tokens, decode_rows)
+        take = min(len(running), decode_tokens, decode_rows)
+        taken = [running[i] for i in range(take)]
+        if urgent is None:
+            self.running.rotate(-take)  # round-robin: the deferred go first next step
+        else:  # the same among the urgent; the paused keep their places
+            picked = set(taken)
+            self.running = deque([s for s in self.running if s not in picked] + taken)
         sources = []
-        for _ in range(take):
-            sample = self.running.popleft()
-            self.running.append(sample)  # round-robin: the deferred go first next step
+        for sample in taken:
             # A pending newest token is still on the device: the row gathers it from there.
             sources.append(self.sources[sample] if sample.pending else -1)
             row = batch.add(sample.seq, [0 if sample.pending else sample.tokens[-1]], [sample.next_t])
@@ -189,13 +207,13 @@ class Scheduler:
             batch.samples.append(sample)
         batch.decode_tokens = take
         budget, rows = min(budget - take, prefill_cap), rows - take
-        chunks = self._chunks(budget, rows)
+        chunks = self._chunks(prefilling, budget, rows)
         # Trim the prompt chunks so the step lands on a width bucket: padding rows cost a full
         # forward's compute, while trimmed prompt tokens simply go in the next step.
         total = take + sum(chunk for _, chunk in chunks)
         fit = max((b for b in self.buckets if take < b <= total), default=total)
         if fit < total:
-            chunks = self._chunks(fit - take, rows)
+            chunks = self._chunks(prefilling, fit - take, rows)
         for state, chunk in chunks:
             n = state.request.params.n
             start, offset = state.prefilled, state.request.rope_offset
@@ -218,14 +236,15 @@ class Scheduler:
             batch.logprob_k = row_ks(batch)
         return batch if batch.seq_ids else None
 
-    def _chunks(self, budget: int, rows: int) -> list[tuple[RequestState, int]]:
-        """Prompt chunks that fit `budget` tokens and `rows` logits rows: the oldest prompt first (it
-        moves every step, so none waits forever), then the others shortest remaining first (a short
-        prompt is not held behind a long one). While others wait, a long oldest prompt (more than a
-        chunk left) first takes `head_share` tokens, then what the others leave, up to a chunk."""
-        if not self.prefilling:
+    def _chunks(self, prefilling: list[RequestState], budget: int, rows: int) -> list[tuple[RequestState, int]]:
+        """Chunks of `prefilling`'s prompts that fit `budget` tokens and `rows` logits rows: the oldest
+        prompt first (it moves every step, so none waits forever), then the others shortest remaining
+        first (a short prompt is not held behind a long one). While others wait, a long oldest prompt
+        (more than a chunk left) first takes `head_share` tokens, then what the others leave, up to a
+        chunk."""
+        if not prefilling:
             return []
-        head, *rest = self.prefilling
+        head, *rest = prefilling
         rest.sort(key=lambda state: state.remaining)  # stable: ties in admission order
         capped = bool(rest) and head.remaining > self.prefill_chunk
         limits = [(head, self.head_share if capped else self.prefill_chunk)]

@@ -85,6 +85,7 @@ workload file (--workload PATH): JSON Lines, one request per line (blank lines a
   stop_token_ids  [int]       []        generating one of these ends the sample (it is emitted)
   n               int         1         parallel samples of the request
   rope_offset     int         0         RoPE index t of the first prompt token
+  priority        int         0         lower runs first (Request.priority: strict, background work)
   arrival_step    int         0         engine step before which the request is submitted
 unknown fields are refused; an example line:
   {"prompt_ids": [151644, 872, 198], "max_new_tokens": 32, "temperature": 0.7, "seed": 1}"""
@@ -100,6 +101,7 @@ class _Line(msgspec.Struct, forbid_unknown_fields=True):
     stop_token_ids: list[int] = []
     n: int = 1
     rope_offset: int = 0
+    priority: int = 0
     arrival_step: int = 0
 
 
@@ -124,7 +126,7 @@ def load_jsonl(path: str | Path) -> list[WorkItem]:
                     stop_token_ids=tuple(line.stop_token_ids),
                     n=line.n,
                 )
-                request = Request(line.prompt_ids, params, rope_offset=line.rope_offset)
+                request = Request(line.prompt_ids, params, rope_offset=line.rope_offset, priority=line.priority)
             except (msgspec.ValidationError, msgspec.DecodeError, BatchKVError) as exc:
                 raise WorkloadError(f"{path}:{number}: {exc}") from exc
             if line.arrival_step < 0:

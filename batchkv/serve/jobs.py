@@ -251,7 +251,7 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
             )
-            requests.append(Request(prompt, params))
+            requests.append(Request(prompt, params, priority=body.priority))
         except RequestError as exc:  # the message starts with the field: "top_p is 1.5", "prompt_ids[1] is -2"
             message = str(exc).replace("max_new_tokens", "max_tokens").replace("prompt_ids", "prompt")
             field = message.split(" ", 1)[0].split("[")[0]

@@ -5,7 +5,7 @@ server does not know are all `APIError(400)` naming the field. OpenAI fields tha
 implement (penalties, logit_bias, echo, suffix, tools, ...) are declared so that their
 default values pass and anything else is refused by `refuse_unsupported` with the field named,
 rather than being silently ignored. Extensions that vLLM also accepts: `top_k`, `stop_token_ids`,
-`ignore_eos`, `return_token_ids`; for chat also `add_generation_prompt`, `chat_template_kwargs` and
+`ignore_eos`, `return_token_ids`, `priority`; for chat also `add_generation_prompt`, `chat_template_kwargs` and
 `chat_template` (refused unless the operator trusts request templates: see `templates`).
 
 Free-form fields (`chat_template_kwargs`, `tools`, `tool_choice`, `response_format`) may nest no
@@ -62,6 +62,7 @@ NULL_MEANS_DEFAULT: dict[str, Any] = {
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "echo": False,
+    "priority": 0,
 }
 
 
@@ -83,6 +84,7 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = False
     user: str | None = None
+    priority: int | None = 0  # lower runs first (`batchkv.executor.Request.priority`)
     # OpenAI fields accepted only at their defaults (see UNSUPPORTED).
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
