@@ -7,7 +7,7 @@ Triton kernels cover everything between the matmuls (attention aside):
 - `add_rms_norm(h, delta, weight, eps) -> (h + delta, RMSNorm(h + delta) * weight)`  [W, H]
 - `qk_norm_rope(qkv, q_norm, k_norm, cos, sin, q_heads, kv_heads) -> (q, k)`: the split QK-norm
   (one RMSNorm over each half of head_dim, its own [2, D/2] weight for q and for k) and the
-  rotate-half RoPE with per-dim tables, for a block of q and k heads of a row in each program.
+  rotate-half RoPE with per-dim tables: one head per program at few rows, a block of heads at many.
 - `silu_mul(gate_up) -> silu(gate) * up` for gate_up = [gate | up], [W, 2I] -> [W, I].
 
 Each has a torch implementation with the same rounding (normalise in float32, round to the input
@@ -32,6 +32,7 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
 
 QK_BLOCK = 1024  # elements of one qk_norm_rope program past QK_FEW_PROGRAMS: 8 heads of 128
 QK_FEW_PROGRAMS = 2048  # (row, head) pairs up to which qk_norm_rope runs one head per program
+# (bench/results/qk-norm-rope-h200.json: the block kernel at one row took 1.4 against 1.05 us a call)
 
 
 def _use_triton(x: torch.Tensor, force: bool | None) -> bool:
@@ -77,11 +78,53 @@ if triton is not None:
     @triton.jit
     def _qk_norm_rope_kernel(
         qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_out, k_out, row_stride, eps,
+        Q_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (row, head): x [D] -> split RMSNorm -> RoPE (rotate half within sections).
+        pdl_enter(GDC)
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        half: tl.constexpr = D // 2
+        offs = tl.arange(0, D)
+        base = qkv_ptr + row * row_stride + head * D
+        x = tl.load(base + offs).to(tl.float32)  # [D]
+        is_hi = offs >= half
+        sq = x * x
+        ms_lo = tl.sum(tl.where(is_hi, 0.0, sq), axis=0) / half
+        ms_hi = tl.sum(tl.where(is_hi, sq, 0.0), axis=0) / half
+        rstd = tl.where(is_hi, 1.0 / tl.sqrt(ms_hi + eps), 1.0 / tl.sqrt(ms_lo + eps))
+        # Sections t [0, D/2), h [D/2, 3D/4), w [3D/4, D): dim j of a section of size n pairs with
+        # j + n/2 in the first half of the section and j - n/2 in the second (sign folded into sin).
+        quarter: tl.constexpr = D // 4
+        size = tl.where(offs < half, half, quarter)
+        start = tl.where(offs < half, 0, tl.where(offs < half + quarter, half, half + quarter))
+        partner = tl.where(offs - start < size // 2, offs + size // 2, offs - size // 2)
+        x_partner = tl.load(base + partner).to(tl.float32)  # same half, so the same rstd
+        if head < Q_HEADS:
+            w = tl.load(qn_ptr + offs).to(tl.float32)
+            w_partner = tl.load(qn_ptr + partner).to(tl.float32)
+        else:
+            w = tl.load(kn_ptr + offs).to(tl.float32)
+            w_partner = tl.load(kn_ptr + partner).to(tl.float32)
+        dtype = q_out.dtype.element_ty
+        y = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+        y_partner = ((x_partner * rstd).to(dtype).to(tl.float32) * w_partner).to(dtype).to(tl.float32)
+        cos = tl.load(cos_ptr + row * D + offs).to(tl.float32)
+        sin = tl.load(sin_ptr + row * D + offs).to(tl.float32)
+        # torch rounds x*cos and the fused addcmul once each; match that order.
+        out = ((y * cos).to(dtype).to(tl.float32) + y_partner * sin).to(dtype)
+        if head < Q_HEADS:
+            tl.store(q_out + (row * Q_HEADS + head) * D + offs, out)
+        else:
+            tl.store(k_out + (row * (HEADS - Q_HEADS) + head - Q_HEADS) * D + offs, out)
+
+    @triton.jit
+    def _qk_norm_rope_block_kernel(
+        qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_out, k_out, row_stride, eps,
         Q_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, GDC: tl.constexpr,
     ):  # fmt: skip
-        # One program per (row, HB heads): x [HB, D] -> split RMSNorm -> RoPE (rotate half within
-        # sections). A block of heads per program, not one head: at hundreds of rows a one-warp
-        # program per head spent its time being scheduled, not moving bytes.
+        # One program per (row, HB heads): `_qk_norm_rope_kernel` on a [HB, D] tile. At hundreds of
+        # rows a one-warp program per head spent its time being scheduled, not moving bytes.
         pdl_enter(GDC)
         row = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * HB + tl.arange(0, HB)  # [HB]
@@ -179,14 +222,15 @@ def qk_norm_rope(
     q = torch.empty(w, q_heads, d, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(w, kv_heads, d, dtype=qkv.dtype, device=qkv.device)
     heads = q_heads + kv_heads
-    # Few rows: one head on one warp per program, so every SM has work (1.0 against 1.7 us at one row
-    # on the H200, bench/results/qk-norm-rope-h200.json); many: a block of heads on 4 warps.
-    few = w * heads <= QK_FEW_PROGRAMS
-    hb = 1 if few else min(triton.next_power_of_2(heads), max(1, QK_BLOCK // d))
-    _qk_norm_rope_kernel[(w, triton.cdiv(heads, hb))](
-        qkv, q_norm, k_norm, cos.contiguous(), sin.contiguous(), q, k, qkv.stride(0), eps,
-        Q_HEADS=q_heads, HEADS=heads, D=d, HB=hb, num_warps=1 if few else 4, **pdl_kwargs(qkv.device),
-    )  # fmt: skip
+    args = (qkv, q_norm, k_norm, cos.contiguous(), sin.contiguous(), q, k, qkv.stride(0), eps)
+    if w * heads <= QK_FEW_PROGRAMS:  # few rows: one head on one warp per program, every SM busy
+        _qk_norm_rope_kernel[(w, heads)](*args, Q_HEADS=q_heads, HEADS=heads, D=d, num_warps=1,
+                                         **pdl_kwargs(qkv.device))  # fmt: skip
+    else:  # many: a block of heads on 4 warps (at 768 rows 16 against 41 us on the H200)
+        hb = min(triton.next_power_of_2(heads), max(1, QK_BLOCK // d))
+        _qk_norm_rope_block_kernel[(w, triton.cdiv(heads, hb))](
+            *args, Q_HEADS=q_heads, HEADS=heads, D=d, HB=hb, num_warps=4, **pdl_kwargs(qkv.device)
+        )
     return q, k
 
 
