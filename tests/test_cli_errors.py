@@ -58,10 +58,16 @@ def test_user_errors_through_real_processes_are_one_line_and_exit_2(tmp_path):
     assert (version.returncode, out.decode().strip(), err) == (0, f"batchkv {batchkv.__version__}", b"")
 
 
+def default_sigint() -> None:
+    """A child's Ctrl-C as in a terminal, even under a shell job started with `&`, whose children
+    inherit SIGINT ignored (Python then installs no KeyboardInterrupt handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_a_run_and_prints_the_summary_of_what_finished(tmp_path):
     tokens = tmp_path / "tokens.jsonl"
     argv = ("run", "--requests", "3000", "--arrival-gap", "0", "--progress", "on", "--output", str(tokens))
-    proc = batchkv_process(*argv, bufsize=0)
+    proc = batchkv_process(*argv, bufsize=0, preexec_fn=default_sigint)
     timer = threading.Timer(120, proc.kill)
     timer.start()
     seen = b""

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from batchkv import cli
+from tests.test_cli_errors import default_sigint
 from tests.test_tp_faults import ROOT_ENV, children_of
 
 RUN = ["run", "--requests", "6", "--n", "2", "--prompt-len", "4:40", "--output-len", "4:16", "--max-seqs", "4",
@@ -36,7 +37,7 @@ def test_ctrl_c_stops_run_and_every_rank_with_the_summary_of_what_finished():
     command = [sys.executable, "-m", "batchkv.cli", "run", "--requests", "2000", "--output-len", "48:48",
                "--tensor-parallel", "2", "--progress", "on"]  # fmt: skip
     proc = subprocess.Popen(command, env=ROOT_ENV, stderr=subprocess.PIPE, stdout=subprocess.PIPE,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True, preexec_fn=default_sigint)  # fmt: skip
     seen, deadline = b"", time.monotonic() + 120
     while b" done " not in seen and time.monotonic() < deadline and proc.poll() is None:  # the bar: it steps
         if select.select([proc.stderr], [], [], 1.0)[0]:
