@@ -29,6 +29,7 @@ decode; the rows of its forks are held back too. A request waits while its n ext
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import replace
 
@@ -192,7 +193,7 @@ class Scheduler:
             if chunk == head.remaining or head.request.params.prompt_logprobs is not None:  # its rows
                 decode_rows = rows - min(head.rows_for(chunk), max(rows // 2, head.request.params.n))
         take = min(len(running), decode_tokens, decode_rows)
-        taken = [running[i] for i in range(take)]
+        taken = list(itertools.islice(running, take))
         if urgent is None:
             self.running.rotate(-take)  # round-robin: the deferred go first next step
         else:  # the same among the urgent; the paused keep their places
