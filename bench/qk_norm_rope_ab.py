@@ -2,8 +2,9 @@
 
 The earlier version is a copy of `batchkv/models/fused.py` from another commit, given by path
 (`git show REV:batchkv/models/fused.py > old.py`). Shapes are the 8B preset's (32 q heads, 8 KV
-heads, head_dim 128) at the step widths serving runs; each call is timed inside a CUDA graph (`time_us`). The
-sums of squares are reduced in another order, so a few outputs differ by a bf16 ulp.
+heads, head_dim 128) at the step widths serving runs; each call is timed inside a CUDA graph of
+`CALLS` calls (`timing.time_calls`). The block kernel reduces its sums of squares in another order,
+so a few outputs differ by a bf16 ulp.
 
     git show 803e9ae~1:batchkv/models/fused.py > /tmp/fused_old.py
     python3 bench/qk_norm_rope_ab.py --old /tmp/fused_old.py --out bench/results/qk-norm-rope-h200.json
@@ -14,16 +15,21 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from timing import time_calls
 
 from batchkv.models import fused
 from batchkv.models.sensenova import Rope3D
+
+CALLS = 32  # calls per captured graph: the kernel's time, not Python's launch cost
+BUDGET_S = 5.0  # enough for every replay asked (--iters) at these sizes
 
 
 def load(path: Path):
@@ -33,26 +39,11 @@ def load(path: Path):
     return module
 
 
-def time_us(fn, iters: int, calls: int = 32) -> float:
-    """Median over `iters` replays of a CUDA graph of `calls` calls, per call: the kernel's time, not
-    Python's launch cost (which a serving step's graph does not pay either)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+def per_call(module, call: tuple, iters: int) -> float:
+    """µs of one `module.qk_norm_rope(*call)` in a CUDA graph of `CALLS` of them (median of `iters` replays)."""
+    us, how = time_calls([lambda: module.qk_norm_rope(*call)] * CALLS, iters, BUDGET_S)
+    assert how == "graph", how  # an eager timing would be Python's launch cost
+    return us
 
 
 def main() -> None:
@@ -80,8 +71,7 @@ def main() -> None:
         row = {"width": width, "bitwise_equal": bool(torch.equal(new, was)),
                "differing_fraction": (new != was).float().mean().item(),
                "max_diff_in_ulps": ((new - was).abs() / ulp).max().item(),
-               "old_us": time_us(lambda c=call: old.qk_norm_rope(*c), args.iters),
-               "new_us": time_us(lambda c=call: fused.qk_norm_rope(*c), args.iters)}  # fmt: skip
+               "old_us": per_call(old, call, args.iters), "new_us": per_call(fused, call, args.iters)}  # fmt: skip
         # q and k heads in and out, and the two tables
         row["bytes_moved"] = 2 * (q_heads + kv_heads) * d * width * dtype.itemsize + 2 * cos.nbytes
         row["new_gbps"] = row["bytes_moved"] / row["new_us"] / 1e3
