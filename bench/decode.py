@@ -259,16 +259,17 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
                 "steps": d["steps"]}  # fmt: skip
 
     def budgets():
-        """Prefill budgets on the serve part's engine (1,024-token steps), then each `--step-budgets`
+        """Prefill budgets on the serve part's engine (its 1,024-token steps), then each `--step-budgets`
         step size on a fresh warmed engine with its prefill budget at half and all of the step."""
         engine = ctx.engine if ctx.engine is not None else run_serve("auto")[0]
         default = r["serve"]["prefill_budget"]  # the serve part's run is that budget's row
-        rows = r["serve"]["budgets"] = [budget_row(1024, default, r["serve_detail"])]
+        serve_steps = engine.scheduler.max_step_tokens
+        rows = r["serve"]["budgets"] = [budget_row(serve_steps, default, r["serve_detail"])]
         small = (16, 32) if args.small else (256, 512, 1024)
         for budget in (b for b in small if b != default):
             engine.scheduler.prefill_budget = budget
             engine.metrics = engine.metrics.fresh()
-            rows.append(budget_row(1024, budget, serve_offline(engine, dev, ctx.prompts, ctx.outputs)))
+            rows.append(budget_row(serve_steps, budget, serve_offline(engine, dev, ctx.prompts, ctx.outputs)))
             parts.save()
             print(f"budget {budget}: {rows[-1]}", flush=True)
         engine.scheduler.prefill_budget = default
@@ -290,7 +291,7 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
         rows.sort(key=lambda row: (row["max_step_tokens"], row["prefill_budget"]))
         within = [row for row in rows if row["p99_over_p50"] <= 2.5]
         r["serve"]["budget_p99_within_2_5x"] = max(
-            (row["prefill_budget"] for row in within if row["max_step_tokens"] == 1024), default=None
+            (row["prefill_budget"] for row in within if row["max_step_tokens"] == serve_steps), default=None
         )
         best = max(within, key=lambda row: row["tokens_per_s"], default=None)
         r["serve"]["fastest_within_2_5x"] = best and {k: best[k] for k in ("max_step_tokens", "prefill_budget",
