@@ -21,20 +21,26 @@ def model():
     return ToyModel(seed=0)
 
 
-def record_plans(engine: Engine) -> list[tuple[int, int, int]]:
-    """(samples running when the step was planned, decode rows, prompt tokens) of every launched step."""
-    seen: list[tuple[int, int, int]] = []
+def spy_plans(engine: Engine, view) -> list:
+    """`view(samples running when the step was planned, batch)` of every planned step."""
+    seen: list = []
     plan = engine.scheduler.plan
 
     def spy():
         running = len(engine.scheduler.running)
         batch = plan()
         if batch is not None:
-            seen.append((running, batch.decode_tokens, sum(chunk for _, chunk in batch.prefill)))
+            seen.append(view(running, batch))
         return batch
 
     engine.scheduler.plan = spy
     return seen
+
+
+def record_plans(engine: Engine) -> list[tuple[int, int, int]]:
+    """(samples running when the step was planned, decode rows, prompt tokens) of every launched step."""
+    return spy_plans(engine, lambda running, batch: (running, batch.decode_tokens,
+                                                     sum(chunk for _, chunk in batch.prefill)))  # fmt: skip
 
 
 def assert_oracle(model, engine: Engine, schedule) -> None:
@@ -120,17 +126,7 @@ def test_decode_rows_that_fill_a_bucket_still_leave_a_waiting_prompt_its_chunk(m
 
 def record_chunks(engine: Engine) -> list[list[tuple[int, int]]]:
     """Per planned step, its prompt chunks as (prompt length, chunk tokens), in packing order."""
-    seen: list[list[tuple[int, int]]] = []
-    plan = engine.scheduler.plan
-
-    def spy():
-        batch = plan()
-        if batch is not None:
-            seen.append([(len(state.prompt), chunk) for state, chunk in batch.prefill])
-        return batch
-
-    engine.scheduler.plan = spy
-    return seen
+    return spy_plans(engine, lambda _, batch: [(len(state.prompt), chunk) for state, chunk in batch.prefill])
 
 
 @pytest.mark.parametrize("overlap", [False, True])
