@@ -76,6 +76,16 @@ if triton is not None:
         tl.store(x_out + row * n + cols, (normed.to(tl.float32) * weight.to(tl.float32)).to(h.dtype), mask=mask)
 
     @triton.jit
+    def _rope_partner(offs, D: tl.constexpr):
+        # Sections t [0, D/2), h [D/2, 3D/4), w [3D/4, D): dim j of a section of size n pairs with
+        # j + n/2 in the first half of the section and j - n/2 in the second (sign folded into sin).
+        half: tl.constexpr = D // 2
+        quarter: tl.constexpr = D // 4
+        size = tl.where(offs < half, half, quarter)
+        start = tl.where(offs < half, 0, tl.where(offs < half + quarter, half, half + quarter))
+        return tl.where(offs - start < size // 2, offs + size // 2, offs - size // 2)
+
+    @triton.jit
     def _qk_norm_rope_kernel(
         qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, q_out, k_out, row_stride, eps,
         Q_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr,
@@ -93,12 +103,7 @@ if triton is not None:
         ms_lo = tl.sum(tl.where(is_hi, 0.0, sq), axis=0) / half
         ms_hi = tl.sum(tl.where(is_hi, sq, 0.0), axis=0) / half
         rstd = tl.where(is_hi, 1.0 / tl.sqrt(ms_hi + eps), 1.0 / tl.sqrt(ms_lo + eps))
-        # Sections t [0, D/2), h [D/2, 3D/4), w [3D/4, D): dim j of a section of size n pairs with
-        # j + n/2 in the first half of the section and j - n/2 in the second (sign folded into sin).
-        quarter: tl.constexpr = D // 4
-        size = tl.where(offs < half, half, quarter)
-        start = tl.where(offs < half, 0, tl.where(offs < half + quarter, half, half + quarter))
-        partner = tl.where(offs - start < size // 2, offs + size // 2, offs - size // 2)
+        partner = _rope_partner(offs, D)
         x_partner = tl.load(base + partner).to(tl.float32)  # same half, so the same rstd
         if head < Q_HEADS:
             w = tl.load(qn_ptr + offs).to(tl.float32)
@@ -139,12 +144,7 @@ if triton is not None:
         ms_lo = tl.sum(tl.where(is_hi, 0.0, sq), axis=1) / half
         ms_hi = tl.sum(tl.where(is_hi, sq, 0.0), axis=1) / half
         rstd = tl.where(is_hi, 1.0 / tl.sqrt(ms_hi[:, None] + eps), 1.0 / tl.sqrt(ms_lo[:, None] + eps))
-        # Sections t [0, D/2), h [D/2, 3D/4), w [3D/4, D): dim j of a section of size n pairs with
-        # j + n/2 in the first half of the section and j - n/2 in the second (sign folded into sin).
-        quarter: tl.constexpr = D // 4
-        size = tl.where(offs < half, half, quarter)
-        start = tl.where(offs < half, 0, tl.where(offs < half + quarter, half, half + quarter))
-        partner = tl.where(offs - start < size // 2, offs + size // 2, offs - size // 2)
+        partner = _rope_partner(offs, D)
         x_partner = tl.load(base + partner[None, :], mask=live, other=0.0).to(tl.float32)  # same half: same rstd
         w = tl.where(is_q, tl.load(qn_ptr + offs)[None, :], tl.load(kn_ptr + offs)[None, :]).to(tl.float32)
         w_partner = tl.where(is_q, tl.load(qn_ptr + partner)[None, :], tl.load(kn_ptr + partner)[None, :])
