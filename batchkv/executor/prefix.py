@@ -159,8 +159,9 @@ class PrefixCache:
     # ---- matching --------------------------------------------------------------------------------
     def lookup(self, state: RequestState) -> Match:
         """The longest reusable prefix of `state`'s prompt (at most its length less one), and whether
-        a live request still prefilling, no less urgent, will write at least one chunk more of it. None for a request
-        with `prompt_logprobs`: every prompt position's logits score a token, so it computes them all."""
+        a live request still prefilling, no less urgent, will write at least one chunk more of it.
+        None for a request with `prompt_logprobs`: every prompt position's logits score a token, so
+        it computes them all."""
         self.lookups += 1
         if state.request.params.prompt_logprobs is not None:
             return NO_MATCH
