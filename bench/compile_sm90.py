@@ -23,9 +23,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.jit import mangle_type
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batchkv.models.gemv import _gemv_kernel
@@ -121,17 +124,24 @@ def split(dtype="bf16", D=128, G=4, heads=1, block_n=64, warps=4, stages=3, skip
     build(split_kernel, types, consts, warps, stages, label)
 
 
-def long(dtype="bf16", D=128, G=4, block_m=128, block_n=64, warps=8, stages=3, store=None, qk_e4m3=False):
-    """One long-path variant; `qk_e4m3`: `SdpaConfig.e4m3_qk_long` (QK^T as an e4m3 dot) on an e4m3 store."""
+def long(dtype="bf16", D=128, G=4, block_m=128, block_n=64, warps=8, stages=3, store=None, qk_e4m3=False, tma=False):
+    """One long-path variant; `qk_e4m3`: `SdpaConfig.e4m3_qk_long` (QK^T as an e4m3 dot) on an e4m3 store;
+    `tma`: `SdpaConfig.tma_long` (interior K/V tiles by TMA)."""
     block_q = max(1, block_m // G)
     store = store or dtype
+    desc = f"*{store}"
+    if tma:  # the type Triton's launcher gives a host descriptor of [block_n, D] boxes
+        torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                       "fp8e4nv": torch.float8_e4m3fn}[store]  # fmt: skip
+        desc = mangle_type(TensorDescriptor(torch.empty(8, D, dtype=torch_dtype), [8, D], [D, 1], [block_n, D]))
     types = dict(q=f"*{dtype}", k_store=f"*{store}", v_store=f"*{store}", k_scale="*fp32", v_scale="*fp32",
-                 info="*i32", out=f"*{dtype}", qk_scale="fp32")  # fmt: skip
+                 info="*i32", out=f"*{dtype}", k_desc=desc, v_desc=desc, qk_scale="fp32")  # fmt: skip
     tile_m = max(16, triton.next_power_of_2(block_q * G))
     consts = dict(QUANT=store == "fp8e4nv", QK_E4M3=qk_e4m3, HW_CAST=True, CAUSAL=True, GROUP=G, HEAD_DIM=D,
                   BLOCK_M=tile_m, BLOCK_Q=block_q, BLOCK_N=block_n, Q_SHORT=16, S_POW2=128,
-                  DOT_PREC="ieee" if dtype == "fp32" else "tf32")  # fmt: skip
+                  DOT_PREC="ieee" if dtype == "fp32" else "tf32", TMA=tma)  # fmt: skip
     label = f"long {'e4m3/' if store != dtype else ''}{dtype}{' qk-e4m3' if qk_e4m3 else ''} D{D}"
+    label += " tma" if tma else ""
     build(long_kernel, types, consts, warps, stages, f"{label} G{G} m{block_m} n{block_n} w{warps} s{stages}")
 
 
@@ -193,9 +203,12 @@ VARIANTS = [  # (function, keyword arguments)
     (split, dict(store="fp8e4nv", D=16, heads=2, block_n=16, warps=2)),
     (split, dict(store="fp8e4nv", D=16, dtype="fp32", block_n=64)),
     (split, dict(store="fp8e4nv", D=16, warp_split=4, block_n=128)),
-    (long, {}),  # the default prefill tile
-    (long, dict(block_m=64, warps=4, stages=2)),  # the previous one
+    (long, {}),  # the default prefill tile (16-bit stores)
+    (long, dict(block_m=64, warps=4, stages=2)),  # the one before it
     (long, dict(D=256, block_m=64, block_n=32, stages=2)),
+    (long, dict(block_n=128, stages=2)),  # the Hopper tile of Triton's attention tutorial (128 x 128, 8 warps)
+    (long, dict(tma=True)),  # SdpaConfig.tma_long: interior K/V tiles by TMA
+    (long, dict(tma=True, block_n=128, stages=2)),
     (long, dict(store="fp8e4nv")),  # e4m3 prefill: Triton's own conversion of 8-bit tiles
     (long, dict(store="fp8e4nv", dtype="fp32", block_m=64, block_n=32, stages=2)),
     (long, dict(store="fp8e4nv", D=16)),
@@ -203,6 +216,7 @@ VARIANTS = [  # (function, keyword arguments)
     (long, dict(store="fp8e4nv", qk_e4m3=True, block_n=128)),
     (long, dict(store="fp8e4nv", qk_e4m3=True, stages=4)),
     (long, dict(store="fp8e4nv", qk_e4m3=True, block_m=64, warps=4)),
+    (long, dict(store="fp8e4nv", qk_e4m3=True, block_m=64, block_n=128, warps=4, stages=2, tma=True)),  # its tiles
     (long, dict(store="fp8e4nv", qk_e4m3=True, D=32, G=1)),
     (long, dict(store="fp8e4nv", qk_e4m3=True, D=256, block_m=64, block_n=32, stages=2)),
     (splitkv, {}),  # SdpaConfig.split_merge: one decoding sequence

@@ -126,3 +126,16 @@ def test_long_context_smoke_runs_the_mix_at_priority_with_the_long_requests_afte
     assert lowered["long_first_done_s"] >= lowered["short_last_done_s"]
     assert lowered["summary"]["generated_tokens"] == report["mixed"]["summary"]["generated_tokens"]
     assert lowered["short_vs_alone"] == lowered["short_tokens_per_s"] / report["alone"]["short_tokens_per_s"]
+
+
+def test_long_path_smoke_checks_and_times_each_config_on_both_stores(tmp_path):
+    args = ["bench/long_path.py", "--small", "--cases", "prefill-1x96", "--e4m3", "1"]
+    report = _run(args, tmp_path / "long.json")
+    rows = report["grid"]
+    assert [r["config"].get("tma_long") for r in rows] == [False, True] and not any(r["errors"] for r in rows)
+    assert list(rows[0]["e4m3"]) == [] and list(rows[1]["e4m3"]) == ["prefill-1x96"]  # --e4m3 names row 1 only
+    flops = report["cases"]["prefill-1x96"]["flops"]  # 96 causal queries: 4 D Hq 96 * 97 / 2
+    assert flops == 4 * 32 * 8 * 96 * 97 // 2
+    for run in (rows[0]["bf16"]["prefill-1x96"], rows[1]["e4m3"]["prefill-1x96"]):
+        assert run["us"] > 0 and run["max_abs_err"] < 3e-2 and run["tflops"] == round(flops / run["us"] / 1e6, 1)
+    assert not report["default"]["e4m3"]["tma_long"] and not report["default"]["bf16"]["tma_long"]  # fp32 queries

@@ -80,7 +80,9 @@ def test_every_swept_config_matches_reference():
 
     sweep = [{"heads": 1}, {"heads": 2, "occupancy": 4}, {"heads": 4}, {"heads": 8, "occupancy": 1},
              {"min_blocks": 4}, {"occupancy": 3}, {"skip_masks": False},
-             {"block_m_long": 64, "num_warps_long": 4, "num_stages_long": 2}]  # fmt: skip
+             {"block_m_long": 64, "num_warps_long": 4, "num_stages_long": 2}, {"tma_long": True},
+             {"tma_long": True, "block_m_long": 64, "block_n_long": 128, "num_warps_long": 4,
+              "num_stages_long": 2}]  # fmt: skip
     for overrides in sweep:
         run_case([1, 4, 16, 1, 300, 1, 2], [4000, 4, 2000, 1, 700, 64, 3000], rows=4096, config=SdpaConfig(**overrides))
 
@@ -150,3 +152,43 @@ def test_one_captured_graph_replays_three_length_mixes_with_the_kv_write():
         ref = sdpa_varlen_reference(q, k_store, v_store, info)
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
         assert torch.equal(out[q_start:], torch.zeros_like(out[q_start:]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_tma_prompt_chunks_equal_pointer_loads_exactly_and_replay_in_a_graph(dtype):
+    # SdpaConfig.tma_long reads the same tiles through host descriptors: outputs bit for bit equal,
+    # also from a captured graph replayed after the table changes (the descriptors hold store addresses)
+    from batchkv.ops.reference import quantize_fp8
+    from batchkv.ops.sdpa_varlen_triton import SdpaConfig, sdpa_varlen
+    from batchkv.ops.support import to_scale_layout
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    lengths, q_lens = [1536, 2048, 700, 4000], [512, 1024, 1, 300]
+    k, v = poisoned_store(4096, 8, 128, torch.bfloat16, lengths, [3, 9, 20, 41], gen)
+    scales = {}
+    if dtype != torch.bfloat16:
+        (k, ks), (v, vs) = quantize_fp8(k.nan_to_num(0.0)), quantize_fp8(v.nan_to_num(0.0))
+        scales = dict(k_scale=to_scale_layout(ks), v_scale=to_scale_layout(vs))
+    info, width = table(q_lens, lengths, [3, 9, 20, 41], 8)
+    q = torch.randn(width, 32, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    outs = {tma: torch.empty_like(q) for tma in (True, False)}
+
+    def step():
+        for tma, out in outs.items():
+            sdpa_varlen(q, k, v, info, out=out, config=SdpaConfig(tma_long=tma, e4m3_qk_long=True), **scales)
+
+    step()
+    assert torch.equal(outs[True], outs[False]) and not outs[True].isnan().any()
+    ref = sdpa_varlen_reference(q, k, v, info, **scales).float()
+    if dtype == torch.bfloat16:  # e4m3 rounds the prompt rows' queries (tests/test_fp8_qk_long.py bounds it)
+        torch.testing.assert_close(outs[True].float(), ref, atol=2e-2, rtol=2e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    info.copy_(table([256, 1, 64, 300], [3000, 90, 64, 700], [41, 3, 9, 20], 8)[0])  # within each resident history
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(outs[True], outs[False])
+    eager = torch.empty_like(q)
+    sdpa_varlen(q, k, v, info, out=eager, config=SdpaConfig(tma_long=True, e4m3_qk_long=True), **scales)
+    assert torch.equal(eager, outs[True])

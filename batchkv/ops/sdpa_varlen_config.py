@@ -56,11 +56,19 @@ class SdpaConfig:
     narrow_segments rows (T and S are static shapes, so a captured graph keeps one config), e.g. a
     few-row variant for one decoding sequence beside the batch config; None: this one.
     Long path (*_long): tile rows (0: 128 when a key row is <= 256 bytes, else 64), keys (0: 64,
-    else 32), warps, stages (0: 3, else 2). e4m3_qk_long (the default's): on e4m3 stores with 16-bit
-    queries, D >= 32 and a positive scale, the long path quantises q to e4m3 (one scale per
-    (query, head) row, amax / 448, as the write scales K) and runs QK^T as an e4m3 tensor-core dot
-    on K's codes as loaded (no conversion, no trip through registers); PV stays an fp16 dot.
+    else 32), warps (0: 8), stages (0: 3, else 2); on e4m3 stores with 16-bit queries and key rows
+    of <= 128 codes 0 means 64 rows, 128 keys, 4 warps, 2 stages. e4m3_qk_long (the
+    default's): on e4m3 stores with 16-bit queries, D >= 32 and a positive scale, the long path
+    quantises q to e4m3 (one scale per (query, head) row, amax / 448, as the write scales K) and
+    runs QK^T as an e4m3 tensor-core dot on K's codes as loaded (no conversion, no trip through
+    registers); PV stays an fp16 dot.
     Scores then carry q's rounding (~2^-5 RMS per element, see docs/design.md); elsewhere ignored.
+    tma_long: the long path's unmasked key blocks load K and V by TMA (sm_90+ and the interpreter;
+    stores whose (C, Hkv, D) part is contiguous and 16-byte aligned, elsewhere pointer loads); None:
+    on for e4m3 stores with 16-bit queries. On the H200 (bench/results/long-path-h200.json) those
+    tiles with TMA take e4m3 prompt chunks 1.13-1.20x faster than the 16-bit tiles with QK^T an
+    e4m3 dot (155.0 against 174.5 us on four 512-token chunks) and 1.21-1.24x with exact queries;
+    TMA adds 3-4% there and nothing on bf16 stores (107.6 against 109.3 us on one 2,048 prompt).
     """
 
     heads: int = 0
@@ -87,9 +95,10 @@ class SdpaConfig:
     narrow_segments: int = 0
     block_n_long: int = 0
     block_m_long: int = 0
-    num_warps_long: int = 8
+    num_warps_long: int = 0
     num_stages_long: int = 0
     e4m3_qk_long: bool = False
+    tma_long: bool | None = None
 
 
 # What config=None means: split_merge for steps of at most 2 tokens and for one-sequence tables (the
@@ -120,11 +129,13 @@ def resolve_config(
     dtype: torch.dtype,
     num_kv_heads: int,
     device: torch.device,
+    half_queries: bool = False,
 ) -> SdpaConfig:
     """`config` with every 0 field chosen from shapes alone (host-only, no device reads).
 
     `heads` is reduced to a divisor of num_kv_heads (gcd), so any config fits any model. The result
-    is one width's config: `narrow` (already chosen by the caller) is dropped."""
+    is one width's config: `narrow` (already chosen by the caller) is dropped. half_queries: q is
+    fp16 or bf16, which on e4m3 stores picks the long path's tiles and TMA."""
     cfg = config or DEFAULT_CONFIG
     if cfg.heads < 0 or cfg.heads & (cfg.heads - 1) or cfg.q_short < 1 or cfg.min_blocks < 1:
         raise ContractError(f"{cfg}: heads must be 0 or a power of two, q_short and min_blocks >= 1")
@@ -140,8 +151,9 @@ def resolve_config(
     if cfg.warp_split > 1 and (heads > 1 or block_n < 16 * cfg.warp_split):
         raise ContractError(f"{cfg}: warp_split needs one KV head per program and block_n >= 16 * warp_split")
     wide_rows = head_dim * max(esize, 2) > 256  # e4m3 tiles are converted to 16 bits for the dots
-    block_n_long = cfg.block_n_long or (32 if wide_rows else 64)
-    block_m_long = cfg.block_m_long or (64 if wide_rows else 128)
+    e4m3_tiles = half_queries and esize == 1 and head_dim <= 128  # 128-key tiles of codes, one warpgroup
+    block_n_long = cfg.block_n_long or (128 if e4m3_tiles else 32 if wide_rows else 64)
+    block_m_long = cfg.block_m_long or (64 if wide_rows or e4m3_tiles else 128)
     programs = cfg.programs or max(1, -(-cfg.occupancy * sm_count(device) // (num_kv_heads // heads)))
     if min(block_n, block_n_long, cfg.block_m, block_m_long) < 16 or any(n & (n - 1) for n in (block_n, block_n_long)):
         raise ContractError(f"{cfg}: tiles need at least 16 rows and a power of two, at least 16, of keys")
@@ -157,7 +169,9 @@ def resolve_config(
         programs=programs,
         block_n_long=block_n_long,
         block_m_long=block_m_long,
-        num_stages_long=cfg.num_stages_long or (2 if wide_rows else 3),
+        num_warps_long=cfg.num_warps_long or (4 if e4m3_tiles else 8),
+        num_stages_long=cfg.num_stages_long or (2 if wide_rows or e4m3_tiles else 3),
+        tma_long=e4m3_tiles if cfg.tma_long is None else cfg.tma_long,
         narrow=None,
         narrow_width=0,
         narrow_segments=0,

@@ -1,13 +1,22 @@
 """Device code of `sdpa_varlen`'s long path: prefill chunks (q_len > Q_SHORT), no split.
 
-`long_kernel`, grid (query blocks bound, Hkv): one program per BLOCK_Q queries of a long segment
+`long_kernel`, grid (query blocks bound * Hkv,): one program per BLOCK_Q queries of a long segment
 and one KV head, over the keys its rows attend, written straight to `out`. The (query, group
-head) pairs fill the tile's BLOCK_M rows, so K and V are read once per GQA group. Later query
-blocks of a segment (more keys, causally) get the lower program ids, so they start first.
+head) pairs fill the tile's BLOCK_M rows, so K and V are read once per GQA group. Program ids run
+over the KV heads first, then the query blocks, later blocks of a segment (more keys, causally)
+first: the longest programs of every head start in the first wave, and the ids past the last long
+block (the grid's bound is static) come last, where they exit while the final wave runs.
 
 Keys [k0, k1) are walked in three loops: a masked head (window or ring edge), unmasked interior
 blocks that every row attends whole, and a masked tail up to the causal diagonal of the tile's
 last query; k1 stops at that diagonal. Each loop is software-pipelined on its own.
+
+TMA (`SdpaConfig.tma_long`, sm_90+): the interior's K and V tiles come by tensor-memory-access
+copies through two host descriptors over the stores viewed [R, C * Hkv * D] (whole contiguous key
+rows, `tma_views`), a block one box of BLOCK_N rows and D columns, instead of per-thread
+addresses; an interior that wraps the ring (its two ends on different laps) takes pointer loads.
+Masked blocks always take pointer loads: a box brings the rows past k1 too, and their contents
+(NaN in the tests' poisoned stores) would reach the PV dot through p = 0.
 """
 
 from __future__ import annotations
@@ -39,69 +48,100 @@ def _load_keys(ptrs, ok, BOUNDED: tl.constexpr):
 
 
 @triton.jit
-def _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k_ring, start0, stop, k1,
-                  row_lo, row_hi, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr,
-                  QK_E4M3: tl.constexpr):  # fmt: skip
-    """Online softmax over key blocks [start0, stop) (keys < k1), continuing (m_i, l_i, acc).
+def _tile(base, desc, scale_base, stride_r, stride_sr, rows, k_ring, start, k1, row0, col0, MASKED: tl.constexpr,
+          BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    """The K or V tile [BLOCK_N, D] of key block `start` as stored (codes for e4m3) and its scales
+    [BLOCK_N] (QUANT; else ones, unused). MASKED: keys >= k1 read as 0 (scales too). TMA (unmasked
+    blocks of one lap): the tile is the box of `desc` at row row0 + (start - the lap's first key),
+    column col0; else per-thread loads from `base`, ring rows relative to k_ring."""
+    t = start + tl.arange(0, BLOCK_N)  # key positions
+    rr = ring_rows(t, k_ring, rows).to(tl.int64)
+    if TMA:
+        x = desc.load([row0 + (start - (k_ring // rows) * rows), col0])
+    else:
+        x = _load_keys(base + rr[:, None] * stride_r + tl.arange(0, HEAD_DIM)[None, :], (t < k1)[:, None], MASKED)
+    scales = _load_keys(scale_base + rr * stride_sr, t < k1, MASKED) if QUANT else tl.full([BLOCK_N], 1.0, tl.float32)
+    return x, scales
 
-    QUANT: e4m3 codes convert to q's dtype; one [BLOCK_N] K scale vector scales the score columns
-    and one V scale vector scales p before the PV dot (see `sdpa_varlen_kernels`). QK_E4M3: q_tile
-    holds e4m3 codes and qk_scale is [BLOCK_M] (each row's q scale times the softmax scale): QK^T is
-    an e4m3 dot of q's codes and K's codes as loaded, V converts to fp16 for the PV dot."""
-    offs_n = tl.arange(0, BLOCK_N)
-    d = tl.arange(0, HEAD_DIM)
+
+@triton.jit
+def _qk(q_tile, k, QUANT: tl.constexpr, QK_E4M3: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Raw scores q k^T [M, N] in fp32, before any scale: an e4m3 dot of codes (QK_E4M3), else in q's dtype."""
+    if QK_E4M3:
+        return tl.dot(q_tile, tl.trans(k), out_dtype=tl.float32)
+    elif QUANT:
+        return tl.dot(q_tile, tl.trans(k.to(q_tile.dtype)), input_precision=DOT_PREC)
+    else:
+        return tl.dot(q_tile, tl.trans(k), input_precision=DOT_PREC)
+
+
+@triton.jit
+def _update(q_tile, raw, k_s, v, v_s, start, row_lo, row_hi, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr,
+            BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr, QK_E4M3: tl.constexpr):  # fmt: skip
+    """One key block's online-softmax step from its raw scores and V tile (with their scales); q_tile
+    gives the dots' dtype. MASKED: the block is masked to each row's [row_lo, row_hi).
+
+    QUANT: e4m3 codes convert to q's dtype; the K scales scale the score columns and the V scales
+    p before the PV dot (see `sdpa_varlen_kernels`). QK_E4M3: raw holds e4m3 products and qk_scale is
+    [BLOCK_M] (each row's q scale times the softmax scale); V converts to fp16 for the PV dot."""
+    if QK_E4M3:
+        s = raw * k_s[None, :]  # log2 units / qk_scale rows
+    elif QUANT:
+        s = raw * (k_s * qk_scale)[None, :]  # [M, N], log2 units
+    else:
+        s = raw * qk_scale  # [M, N], log2 units
+    if MASKED:
+        t = start + tl.arange(0, BLOCK_N)
+        s = tl.where((t[None, :] >= row_lo[:, None]) & (t[None, :] < row_hi[:, None]), s, NEG_INF)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # a row without keys yet stays at exp2(-inf) = 0
+    if QK_E4M3:  # s and m are scores / qk_scale (> 0): the row scale rides in exp2's argument, one FFMA
+        alpha = tl.exp2((m_i - m_safe) * qk_scale)
+        p = tl.exp2(s * qk_scale[:, None] - (m_safe * qk_scale - P_SHIFT)[:, None])
+    else:
+        alpha = tl.exp2(m_i - m_safe)
+        if QUANT:  # p times 2^P_SHIFT, l_i with it (acc / l_i is unchanged): p * v_scale stays normal in fp16
+            m_safe -= P_SHIFT
+        p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if QK_E4M3:
+        p = p * v_s[None, :]
+        v = v.to(tl.float16)
+    elif QUANT:
+        p = p * v_s[None, :]
+        v = v.to(q_tile.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k_ring, start0, stop, k1,
+                  row_lo, row_hi, m_i, l_i, acc, qk_scale, k_desc, v_desc, row0, col0, MASKED: tl.constexpr,
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr,
+                  QK_E4M3: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    """Online softmax over key blocks [start0, stop) (keys < k1), continuing (m_i, l_i, acc); tiles
+    as `_tile` loads them (TMA: unmasked blocks of one lap only)."""
     for start in range(start0, stop, BLOCK_N):
-        t = start + offs_n  # key positions
-        rr = ring_rows(t, k_ring, rows).to(tl.int64)
-        r = rr[:, None] * stride_r + d[None, :]
-        in_range = (t < k1)[:, None]  # all true in interior blocks; cheap, and keeps one load path
-        if QK_E4M3:  # fp32 accumulation of exact e4m3 products, then the column scales; interiors unmasked
-            k = _load_keys(k_base + r, in_range, MASKED)
-            k_s = _load_keys(ks_base + rr * stride_sr, t < k1, MASKED)
-            s = tl.dot(q_tile, tl.trans(k), out_dtype=tl.float32) * k_s[None, :]  # log2 units / qk_scale rows
-        elif QUANT:
-            k = tl.load(k_base + r, mask=in_range, other=0.0)
-            k_s = tl.load(ks_base + rr[None, :] * stride_sr, mask=(t < k1)[None, :], other=0.0) * qk_scale
-            s = tl.dot(q_tile, tl.trans(k.to(q_tile.dtype)), input_precision=DOT_PREC) * k_s  # [M, N], log2 units
-        else:
-            k = tl.load(k_base + r, mask=in_range, other=0.0)
-            s = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [M, N], log2 units
-        if MASKED:
-            s = tl.where((t[None, :] >= row_lo[:, None]) & (t[None, :] < row_hi[:, None]), s, NEG_INF)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # a row without keys yet stays at exp2(-inf) = 0
-        if QK_E4M3:  # s and m are scores / qk_scale (> 0): the row scale rides in exp2's argument, one FFMA
-            alpha = tl.exp2((m_i - m_safe) * qk_scale)
-            p = tl.exp2(s * qk_scale[:, None] - (m_safe * qk_scale - P_SHIFT)[:, None])
-        else:
-            alpha = tl.exp2(m_i - m_safe)
-            if QUANT:  # p times 2^P_SHIFT, l_i with it (acc / l_i is unchanged): p * v_scale stays normal in fp16
-                m_safe -= P_SHIFT
-            p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if QK_E4M3:
-            p = p * _load_keys(vs_base + rr * stride_sr, t < k1, MASKED)[None, :]
-            v = _load_keys(v_base + r, in_range, MASKED).to(tl.float16)
-        elif QUANT:
-            p = p * tl.load(vs_base + rr[None, :] * stride_sr, mask=(t < k1)[None, :], other=0.0)
-            v = tl.load(v_base + r, mask=in_range, other=0.0).to(q_tile.dtype)
-        else:
-            v = tl.load(v_base + r, mask=in_range, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        k, k_s = _tile(k_base, k_desc, ks_base, stride_r, stride_sr, rows, k_ring, start, k1, row0, col0, MASKED,
+                       BLOCK_N, HEAD_DIM, QUANT, TMA)  # fmt: skip
+        raw = _qk(q_tile, k, QUANT, QK_E4M3, DOT_PREC)
+        v, v_s = _tile(v_base, v_desc, vs_base, stride_r, stride_sr, rows, k_ring, start, k1, row0, col0, MASKED,
+                       BLOCK_N, HEAD_DIM, QUANT, TMA)  # fmt: skip
+        m_i, l_i, acc = _update(q_tile, raw, k_s, v, v_s, start, row_lo, row_hi, m_i, l_i, acc, qk_scale, MASKED,
+                                BLOCK_N, DOT_PREC, QUANT, QK_E4M3)  # fmt: skip
     return m_i, l_i, acc
 
 
 @triton.jit
-def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, S, T, rows, window, qk_scale,
+def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, k_desc, v_desc, S, T, rows, window, qk_scale,
+                num_kv_heads,
                 stride_qt, stride_qh, stride_r, stride_c, stride_h, stride_sr, stride_sc, stride_sh, stride_ot,
                 stride_oh, QUANT: tl.constexpr, QK_E4M3: tl.constexpr, HW_CAST: tl.constexpr, CAUSAL: tl.constexpr,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
                 BLOCK_N: tl.constexpr, Q_SHORT: tl.constexpr, S_POW2: tl.constexpr,
-                DOT_PREC: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
+                DOT_PREC: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0) // num_kv_heads
+    h = tl.program_id(0) % num_kv_heads
     idx = tl.arange(0, S_POW2)
     q_len_v = tl.load(info + idx * 4 + 1, mask=idx < S, other=0)
     nlb = tl.where(q_len_v > Q_SHORT, (q_len_v + BLOCK_Q - 1) // BLOCK_Q, 0)  # query blocks of long segments
@@ -144,14 +184,22 @@ def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, S, T, rows, wi
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, k0, a, k1,
-                                  row_lo, row_hi, m_i, l_i, acc, qk_scale, True, BLOCK_N, HEAD_DIM, DOT_PREC,
-                                  QUANT, QK_E4M3)  # fmt: skip
-    m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, a, b, k1,
-                                  row_lo, row_hi, m_i, l_i, acc, qk_scale, False, BLOCK_N, HEAD_DIM, DOT_PREC,
-                                  QUANT, QK_E4M3)  # fmt: skip
+                                  row_lo, row_hi, m_i, l_i, acc, qk_scale, k_desc, v_desc, 0, 0, True, BLOCK_N,
+                                  HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, False)  # fmt: skip
+    one_lap = TMA and b - 1 - (k0 // rows) * rows < rows  # an interior within one lap: whole rows of one view
+    if one_lap:
+        flat = base // stride_r  # this (column, head)'s first row and column in [R, C * Hkv * D]
+        m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, a, b,
+                                      k1, row_lo, row_hi, m_i, l_i, acc, qk_scale, k_desc, v_desc,
+                                      flat.to(tl.int32), (base - flat * stride_r).to(tl.int32), False, BLOCK_N,
+                                      HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, TMA)  # fmt: skip
+    else:
+        m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, a, b,
+                                      k1, row_lo, row_hi, m_i, l_i, acc, qk_scale, k_desc, v_desc, 0, 0, False,
+                                      BLOCK_N, HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, False)  # fmt: skip
     m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, b, k1, k1,
-                                  row_lo, row_hi, m_i, l_i, acc, qk_scale, True, BLOCK_N, HEAD_DIM, DOT_PREC,
-                                  QUANT, QK_E4M3)  # fmt: skip
+                                  row_lo, row_hi, m_i, l_i, acc, qk_scale, k_desc, v_desc, 0, 0, True, BLOCK_N,
+                                  HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, False)  # fmt: skip
     o = tl.where((l_i > 0)[:, None], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     ptrs = out + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(ptrs, o.to(out.dtype.element_ty), mask=row_ok[:, None])
