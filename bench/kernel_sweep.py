@@ -31,6 +31,20 @@ SWEEP = [  # SdpaConfig overrides; the first is the default (heads 1 below 16 to
     {"heads": 4, "merge_tile": 16384},  # 2x the partials per merge round trip
     {"block_m_long": 64, "num_warps_long": 4, "num_stages_long": 2},  # the previous prefill tiles
 ]
+FEW_CASES = ("b8-mixed", "b64-l512", "b64-mixed")  # few long programs, short histories, and the full batch
+FEW = [  # `--sweep-grid few`: the split path's choices where FlashInfer leads (8 sequences, 512-key histories)
+    {},
+    {"programs": 64},  # 64 per head group: one 512-key sequence per program at 64 x 512, no merge
+    {"programs": 64, "max_regs": 128},  # ... and four programs per SM resident
+    {"occupancy": 3},
+    {"min_blocks": 2},
+    {"min_blocks": 4},
+    {"block_n": 128},
+    {"num_stages": 4},
+    {"prefetch": 2},
+    {"merge_tile": 16384},
+]
+GRIDS = {"defaults": (SWEEP, SWEEP_CASES), "few": (FEW, FEW_CASES)}
 
 
 def batchkv_calls(case: Case, k, v, config: SdpaConfig | None) -> list:
@@ -47,11 +61,12 @@ def _write(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 
-def sweep(cases: dict, k, v, ceiling: float, path: Path) -> None:
-    """Every SWEEP config on the SWEEP_CASES present in `cases`; µs, % of `ceiling` (copy GB/s), TFLOP/s."""
-    names = [n for n in SWEEP_CASES if n in cases] or list(cases)
+def sweep(cases: dict, k, v, ceiling: float, path: Path, grid: str = "defaults") -> None:
+    """Every config of GRIDS[grid] on its cases present in `cases`; µs, % of `ceiling` (copy GB/s), TFLOP/s."""
+    configs, grid_cases = GRIDS[grid]
+    names = [n for n in grid_cases if n in cases] or list(cases)
     results: list[dict] = []
-    for overrides in SWEEP:
+    for overrides in configs:
         row: dict = {"config": overrides, "us": {}, "pct_of_copy": {}, "tflops": {}, "errors": {}}
         for n in names:
             case = cases[n]

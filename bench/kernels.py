@@ -249,6 +249,8 @@ def main() -> None:
     parser.add_argument("--sweep-out", type=Path, default=Path("bench/results/kernels-sweep.json"))
     parser.add_argument("--check", action="store_true", help="compare with the reference first")
     parser.add_argument("--sweep", action="store_true", help="time a grid of SdpaConfig instead of the benchmark")
+    parser.add_argument("--sweep-grid", choices=("defaults", "few"), default="defaults",
+                        help="the grid --sweep times (bench/kernel_sweep.py GRIDS)")  # fmt: skip
     parser.add_argument("--config", default="{}", help="SdpaConfig overrides as JSON, e.g. '{\"occupancy\": 4}'")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--small", action="store_true", help="tiny geometry and cases (a CPU smoke run)")
@@ -268,7 +270,7 @@ def main() -> None:
     overrides = json.loads(args.config)
     cfg = SdpaConfig(**overrides) if overrides else None
     if args.sweep:
-        sweep(cases, k, v, copy_ceiling(k.device)[0], args.sweep_out)
+        sweep(cases, k, v, copy_ceiling(k.device)[0], args.sweep_out, args.sweep_grid)
         return
     report = json.loads(args.resume.read_text()) if args.resume else {"cases": []}
     fi, report["flashinfer"] = load_flashinfer(geo.dtype, geo.d, k.device, args.flashinfer_compile_s)

@@ -231,8 +231,9 @@ def kernels(report: dict, shape: Shape, stores: dict, names: list[str], replays:
             qk: bool = False) -> None:  # fmt: skip
     l2 = torch.cuda.get_device_properties(0).L2_cache_size if torch.cuda.is_available() else 1 << 20
     dev = torch.device(shape.device)
+    half = shape.device != "cpu"  # q is bf16 on the GPU, fp32 in the smoke run
     report["configs"] = {
-        k: resolve_config(None, shape.d, s["k"].dtype, shape.hkv, dev).__dict__ for k, s in stores.items()
+        k: resolve_config(None, shape.d, s["k"].dtype, shape.hkv, dev, half).__dict__ for k, s in stores.items()
     }
     for name in names:
         case = Case(name, shape, l2, smoke)

@@ -139,3 +139,21 @@ def test_long_path_smoke_checks_and_times_each_config_on_both_stores(tmp_path):
     for run in (rows[0]["bf16"]["prefill-1x96"], rows[1]["e4m3"]["prefill-1x96"]):
         assert run["us"] > 0 and run["max_abs_err"] < 3e-2 and run["tflops"] == round(flops / run["us"] / 1e6, 1)
     assert not report["default"]["e4m3"]["tma_long"] and not report["default"]["bf16"]["tma_long"]  # fp32 queries
+
+
+def test_kernel_sweep_few_grid_runs_each_config_on_the_cases_given(tmp_path, monkeypatch):
+    out = tmp_path / "sweep.json"
+    args = [sys.executable, "bench/kernels.py", "--small", "--sweep", "--sweep-grid", "few", "--cases", "b8-l40",
+            "--sweep-out", str(out)]  # fmt: skip
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # the benchmarks import their neighbours by name
+    few = __import__("kernel_sweep").FEW
+
+    assert report["cases"] == ["b8-l40"] and [r["config"] for r in report["results"]] == few
+    assert all(r["us"]["b8-l40"] > 0 and not r["errors"] for r in report["results"])
+    base = report["results"][0]["us"]["b8-l40"]
+    for r in report["results"]:  # each config's speedup is the default's time over its own
+        assert r["speedup_vs_default"] == round(base / r["us"]["b8-l40"], 3)
+    assert report["best"]["speedup_vs_default"] == max(r["speedup_vs_default"] for r in report["results"])
