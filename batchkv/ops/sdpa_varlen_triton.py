@@ -168,10 +168,12 @@ def _write_here(k_store, v_store, write, k_scale, v_scale, fused: bool):
 def tma_views(k_store: torch.Tensor, v_store: torch.Tensor, block_n: int) -> tuple | None:
     """Host TMA descriptors of K and V as [R, C * Hkv * D] (R the stores' rows), boxes of block_n key rows
     and D columns, for the long path's interior loads; None where TMA cannot serve: a device below
-    sm_90 (the interpreter can), rows whose (C, Hkv, D) part is not contiguous, or a store not 16-byte
-    aligned (TMA's rule for the base and every stride but the last)."""
-    cuda = k_store.device.type == "cuda"
-    if TensorDescriptor is None or (cuda and torch.cuda.get_device_capability(k_store.device)[0] < 9):
+    sm_90 or not NVIDIA's (the interpreter can), rows whose (C, Hkv, D) part is not contiguous, or a
+    store not 16-byte aligned (TMA's rule for the base and every stride but the last)."""
+    nvidia = k_store.device.type == "cuda" and not torch.version.hip
+    if TensorDescriptor is None or (k_store.device.type != "cpu" and not nvidia):
+        return None
+    if nvidia and torch.cuda.get_device_capability(k_store.device)[0] < 9:
         return None
     rows, columns, heads, dim = k_store.shape
     width, esize = columns * heads * dim, k_store.element_size()
@@ -243,12 +245,8 @@ def sdpa_varlen(
     config = config or DEFAULT_CONFIG
     if config.narrow is not None and (num_tokens <= config.narrow_width or num_segments <= config.narrow_segments):
         config = config.narrow  # a static-shape choice: the same for every replay of a graph
-    quant = quantized(k_store.dtype)
-    cvt_asm = quant and e4m3_cvt_asm(q.device)  # e4m3 codes converted by inline PTX (NVIDIA sm_89+)
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    qk_e4m3 = quant and config.e4m3_qk_long and q.dtype != torch.float32 and head_dim >= 32 and scale > 0
-    qk_e4m3 = qk_e4m3 and (q.device.type == "cpu" or cvt_asm)  # e4m3 dots: NVIDIA sm_89+, or the interpreter
     cfg = resolve_config(config, head_dim, k_store.dtype, num_kv_heads, q.device, q.dtype != torch.float32)
+    quant = quantized(k_store.dtype)
     fused = num_tokens > 0 and num_segments > 0 and cfg.fuse_write and takes_split_merge(num_tokens, group, cfg, quant)
     fused = fused and write is not None and write[0].shape[0] <= num_tokens  # each program stores all W rows
     if write is not None:
@@ -257,8 +255,9 @@ def sdpa_varlen(
         return out
     if num_segments == 0:
         return out.zero_()
-    qk_scale = scale * LOG2E
+    qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
     dots = q.dtype if quant else k_store.dtype  # the dtype tl.dot runs in
+    cvt_asm = quant and e4m3_cvt_asm(q.device)  # e4m3 codes converted by inline PTX (NVIDIA sm_89+)
     k_scale, v_scale = (k_scale, v_scale) if quant else (k_store, v_store)  # unread without QUANT
     scale_strides = k_scale.stride() if quant else (0, 0, 0)  # (row, column, head)
     store_strides = k_store.stride()[:3]
@@ -311,6 +310,9 @@ def sdpa_varlen(
     if long:
         block_q_long = max(1, cfg.block_m_long // group)
         most_long = min(num_segments, num_tokens // (cfg.q_short + 1))
+        e4m3_dots = q.device.type == "cpu" or cvt_asm  # NVIDIA sm_89+, or the interpreter
+        qk_e4m3 = quant and cfg.e4m3_qk_long and q.dtype != torch.float32 and head_dim >= 32 and qk_scale > 0
+        qk_e4m3 = qk_e4m3 and e4m3_dots
         descs = tma_views(k_store, v_store, cfg.block_n_long) if cfg.tma_long else None
         long_kernel[((-(-num_tokens // block_q_long) + most_long) * num_kv_heads,)](
             q, k_store, v_store, k_scale, v_scale, seq_info, out, *(descs or (k_store, v_store)), *args, num_kv_heads,
