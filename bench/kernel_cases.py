@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from batchkv.ops import sdpa_varlen_reference
+from batchkv.ops.reference import quantize_fp8
+from batchkv.ops.support import empty_scales
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,16 @@ def build_cases(names: list[str], small: bool, l2_bytes: int) -> tuple[Geometry,
     geo, table = (SMALL, SMALL_CASES) if small else (FULL, CASES | NARROW_CASES)
     gen = torch.Generator().manual_seed(0)
     return geo, {n: Case(n, *table[n], geo, l2_bytes, gen) for n in names}
+
+
+def e4m3_store(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A store x [rows, C, Hkv, D] as e4m3 codes and fp32 scales [rows, C, Hkv] in the cache's layout,
+    quantised 1,024 rows at a time (the whole store's fp32 copy would not fit beside it)."""
+    codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = empty_scales(*x.shape[:3], device=x.device)  # the store's layout: [C, Hkv, rows] storage
+    for r in range(0, x.shape[0], 1024):
+        codes[r : r + 1024], scales[r : r + 1024] = quantize_fp8(x[r : r + 1024])
+    return codes, scales
 
 
 TOLERANCE = 3e-2  # max abs error against the reference (bf16 outputs of unit-variance values)

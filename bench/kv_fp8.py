@@ -54,11 +54,11 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel_cases import e4m3_store
+
 from batchkv import BatchedSequenceCache, CacheConfig
 from batchkv.ops import sdpa_varlen_reference, sdpa_varlen_triton
-from batchkv.ops.reference import quantize_fp8
 from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config, sdpa_varlen
-from batchkv.ops.support import empty_scales
 
 FP8 = torch.float8_e4m3fn
 CASES = {  # name: (batch, q_len, kv_end of each sequence, or None for U[64, 8192], or (lo, hi) for U[lo, hi])
@@ -181,12 +181,8 @@ def make_stores(shape: Shape, gen: torch.Generator) -> dict:
     stores = {"bf16": {}, "fp8": {}}
     for name in ("k", "v"):
         x = torch.randn(size, generator=gen, device=shape.device).to(dtype)
-        codes = torch.empty(size, dtype=FP8, device=shape.device)
-        scales = empty_scales(*size[:3], device=shape.device)  # the store's layout: [C, Hkv, rows] storage
-        for r in range(0, shape.rows, 1024):
-            codes[r : r + 1024], scales[r : r + 1024] = quantize_fp8(x[r : r + 1024])
         stores["bf16"][name] = x
-        stores["fp8"][name], stores["fp8"][f"{name}_scale"] = codes, scales
+        stores["fp8"][name], stores["fp8"][f"{name}_scale"] = e4m3_store(x)
     return stores
 
 

@@ -7,8 +7,8 @@ Each config runs every case on the bf16 store and, where `--e4m3` names it, on t
 same values (scales in the cache's layout; QK^T an e4m3 dot, `SdpaConfig.e4m3_qk_long`, as by
 default); each is checked against the torch reference on the same stored values (a failure is
 recorded, the grid goes on) and timed as bench/kernels.py times (calls rotating over column sets
-in one CUDA graph, median replay). TFLOP/s count the causal
-(query, key) pairs once, as kernels-h200.json does. JSON after every config.
+in one CUDA graph, median replay). TFLOP/s count the causal (query, key) pairs once, as
+kernels-h200.json does. JSON after every config.
 
     python3 bench/long_path.py --out bench/results/long-path-h200.json
     python bench/long_path.py --small --out /tmp/long.json      # CPU smoke (interpreter), tiny shapes
@@ -23,13 +23,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from kernel_cases import FULL, SMALL, TOLERANCE, Case
+from kernel_cases import FULL, SMALL, TOLERANCE, Case, e4m3_store
 from timing import time_calls
 
 from batchkv.ops import sdpa_varlen_reference
-from batchkv.ops.reference import dequantize_fp8, quantize_fp8, quantize_queries
+from batchkv.ops.reference import dequantize_fp8, quantize_queries
 from batchkv.ops.sdpa_varlen_triton import DEFAULT_CONFIG, SdpaConfig, resolve_config, sdpa_varlen
-from batchkv.ops.support import empty_scales
 
 CASES = {  # name: (batch, q_len, kv_end of each sequence)
     "prefill-4x512": (4, 512, [1536] * 4),
@@ -58,18 +57,6 @@ GRID = [  # overrides of the default config's long path (DEFAULT_CONFIG); the fi
 ]
 SMALL_GRID = [{"block_m_long": 32, "block_n_long": 16, "tma_long": False},
               {"block_m_long": 32, "block_n_long": 16, "tma_long": True}]  # fmt: skip
-
-
-def e4m3_planes(k: torch.Tensor, v: torch.Tensor) -> dict:
-    """The stores' e4m3 codes and fp32 scales in the cache's layout, 1,024 rows at a time."""
-    planes: dict = {}
-    for name, x in (("k", k), ("v", v)):
-        codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-        scales = empty_scales(*x.shape[:3], device=x.device)
-        for r in range(0, x.shape[0], 1024):
-            codes[r : r + 1024], scales[r : r + 1024] = quantize_fp8(x[r : r + 1024])
-        planes[name], planes[f"{name}_scale"] = codes, scales
-    return planes
 
 
 def run_config(case: Case, planes: dict, config: SdpaConfig) -> dict:
@@ -111,7 +98,8 @@ def main() -> None:
     cases = {n: c for n, c in cases.items() if args.cases is None or n in args.cases}
     k = torch.randn(geo.rows, geo.columns, geo.hkv, geo.d, device=geo.device, dtype=geo.dtype)
     v = torch.randn_like(k)
-    stores = {"bf16": {"k": k, "v": v}, "e4m3": e4m3_planes(k, v)}
+    (k8, k_scale), (v8, v_scale) = e4m3_store(k), e4m3_store(v)
+    stores = {"bf16": {"k": k, "v": v}, "e4m3": {"k": k8, "v": v8, "k_scale": k_scale, "v_scale": v_scale}}
     dev = torch.device(geo.device)
     report: dict = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -145,24 +133,24 @@ def main() -> None:
     for i, overrides in enumerate(grid):
         if args.only is not None and i not in args.only:
             continue
+        config = replace(DEFAULT_CONFIG, **overrides)
+        kinds = ["bf16"] + (["e4m3"] if args.e4m3 is None or i in args.e4m3 else [])
         if args.profile:
-            for kind in ["bf16"] + (["e4m3"] if args.e4m3 is None or i in args.e4m3 else []):
+            for kind in kinds:
                 for name, case in cases.items():
                     planes = stores[kind]
                     for _ in range(2):
-                        sdpa_varlen(case.q, planes["k"], planes["v"], case.tables[0],
-                                    config=replace(DEFAULT_CONFIG, **overrides), k_scale=planes.get("k_scale"),
-                                    v_scale=planes.get("v_scale"))  # fmt: skip
+                        sdpa_varlen(case.q, planes["k"], planes["v"], case.tables[0], config=config,
+                                    k_scale=planes.get("k_scale"), v_scale=planes.get("v_scale"))  # fmt: skip
                     torch.cuda.synchronize()
                     print(f"profiled: row {i} {kind} {name} {json.dumps(overrides)}", flush=True)
             continue
         row: dict = {"config": overrides, "bf16": {}, "e4m3": {}, "errors": {}}
         report["grid"].append(row)
-        kinds = ["bf16"] + (["e4m3"] if args.e4m3 is None or i in args.e4m3 else [])
         for kind in kinds:
             for name, case in cases.items():
                 try:
-                    row[kind][name] = run_config(case, stores[kind], replace(DEFAULT_CONFIG, **overrides))
+                    row[kind][name] = run_config(case, stores[kind], config)
                 except Exception as exc:  # recorded; the grid goes on
                     row["errors"][f"{kind} {name}"] = f"{type(exc).__name__}: {exc}"[:400]
         print(f"{i:2d} {json.dumps(overrides):92s} " + " ".join(

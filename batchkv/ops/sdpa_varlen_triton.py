@@ -52,7 +52,7 @@ from batchkv.ops.sdpa_varlen_config import DEFAULT_CONFIG, SdpaConfig, pow2_floo
 from batchkv.ops.sdpa_varlen_kernels import split_kernel
 from batchkv.ops.sdpa_varlen_long import long_kernel
 from batchkv.ops.sdpa_varlen_splitkv import split_merge, takes_split_merge
-from batchkv.ops.support import COMPUTE_DTYPES, e4m3_cvt_asm, quantized, refusal, scales_refusal
+from batchkv.ops.support import COMPUTE_DTYPES, e4m3_cvt_asm, quantized, refusal, scales_refusal, tma_loads
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -170,10 +170,7 @@ def tma_views(k_store: torch.Tensor, v_store: torch.Tensor, block_n: int) -> tup
     and D columns, for the long path's interior loads; None where TMA cannot serve: a device below
     sm_90 or not NVIDIA's (the interpreter can), rows whose (C, Hkv, D) part is not contiguous, or a
     store not 16-byte aligned (TMA's rule for the base and every stride but the last)."""
-    nvidia = k_store.device.type == "cuda" and not torch.version.hip
-    if TensorDescriptor is None or (k_store.device.type != "cpu" and not nvidia):
-        return None
-    if nvidia and torch.cuda.get_device_capability(k_store.device)[0] < 9:
+    if TensorDescriptor is None or not tma_loads(k_store.device):
         return None
     rows, columns, heads, dim = k_store.shape
     width, esize = columns * heads * dim, k_store.element_size()

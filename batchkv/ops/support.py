@@ -145,6 +145,12 @@ def pdl_launch(device: torch.device) -> bool:
     return _nvidia_at_least(device, (9, 0))
 
 
+def tma_loads(device: torch.device) -> bool:
+    """Whether kernels on `device` may load through TMA descriptors: NVIDIA sm_90+, or the CPU (the
+    interpreter runs them); never ROCm."""
+    return device.type == "cpu" or _nvidia_at_least(device, (9, 0))
+
+
 _SMS: dict[int, int] = {}
 
 
