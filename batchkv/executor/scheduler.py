@@ -148,19 +148,23 @@ class Scheduler:
     def _make_room(self, match, columns: int, rows: int):
         """Evict cached histories (least recently used first) until a request of `columns` samples
         and `rows` positions fits beside the history it reuses; when even that is not enough, it
-        takes the cached history's column over (better than recomputing the prefix). Returns the
-        match as it will be used."""
+        takes the cached history's column over (better than recomputing the prefix), and when that
+        is not enough either while nothing runs that could free rows (the history is taller than
+        the request's reach and its forks need the rest), the history goes too and the prompt is
+        computed (waiting would never end). Returns the match as it will be used."""
         prefix = self.prefix
-        for attempt in (match, replace(match, take=True)):
-            if attempt is not match and (match.history is None or match.history.live is not None):
-                break
+        cached = match.history is not None and match.history.live is None
+        attempts = [match, replace(match, take=True)] if cached else [match]
+        if cached and not self.prefilling and not self.running:
+            attempts.append(NO_MATCH)
+        for attempt in attempts:
             need_cols, need_rows = prefix.room(attempt, columns, rows)  # type: ignore[union-attr]
             short_cols, short_rows = need_cols - self.free_columns(), need_rows - self.free_rows()
             if short_cols > 0 or short_rows > 0:
                 prefix.evict(max(short_cols, 0), max(short_rows, 0), keep=attempt.history)  # type: ignore[union-attr]
             if self.free_columns() >= need_cols and self.free_rows() >= need_rows:
                 return attempt
-        return match
+        return attempts[-1] if attempts[-1] is NO_MATCH else match  # (the history may be evicted)
 
     # ---- planning ------------------------------------------------------------------------------
     def _urgent(self) -> tuple[list[RequestState], deque[SampleState] | None]:
@@ -347,7 +351,8 @@ class Scheduler:
         parent = state.samples[0].seq
         for sample in state.samples[1:]:
             if sample.finish is None and not sample.exhausted(self.cache.capacity):
-                sample.seq = self.cache.seq_clone(parent)
+                # as tall as admission held back for it (an adopted parent may be taller)
+                sample.seq = self.cache.seq_clone(parent, reach=self.reach(state))
         state.spare = 0
 
     # ---- cancellation --------------------------------------------------------------------------
