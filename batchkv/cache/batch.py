@@ -11,6 +11,7 @@ standing declaration and the staged buffers stay as they were.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import os
 from collections.abc import Sequence
@@ -112,7 +113,7 @@ class BatchedSequenceCache:
         self._hw = np.zeros(n, dtype=np.int64)  # most positions ever written (ring floor)
         self._height = np.zeros(n, dtype=np.int64)  # rows of its flat extent (positions it holds without moving)
         self._declared = np.zeros(n, dtype=bool)  # named by the standing declaration
-        self._ids: set[int] = set()  # ids held
+        self._ids: list[int] = []  # ids held, ascending
         self._released: list[int] = []  # heap of freed ids, all below _fresh
         self._fresh = 0  # no id from here up was ever handed out
         rings = [config.ring_rows(layer) for layer in range(config.num_layers) if config.ring_rows(layer)]
@@ -208,7 +209,7 @@ class BatchedSequenceCache:
     @property
     def sequences(self) -> list[int]:
         """Ids currently held, ascending."""
-        return sorted(self._ids)
+        return list(self._ids)
 
     @property
     def num_sequences(self) -> int:
@@ -281,7 +282,7 @@ class BatchedSequenceCache:
             heapq.heappop(self._released)
         else:
             self._fresh += 1
-        self._ids.add(seq)
+        bisect.insort(self._ids, seq)
         self._held[seq] = True
         self._len[seq], self._hw[seq], self._height[seq] = length, high_water, height
 
@@ -343,7 +344,7 @@ class BatchedSequenceCache:
         self._known(seq)
         seq = int(seq)
         self._store.release(seq)
-        self._ids.remove(seq)
+        del self._ids[bisect.bisect_left(self._ids, seq)]
         heapq.heappush(self._released, seq)
         self._held[seq] = False
         self._len[seq] = self._hw[seq] = self._height[seq] = 0

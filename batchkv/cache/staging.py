@@ -23,6 +23,7 @@ class Staging:
         self.device_buffers = {dtype: torch.zeros_like(h, device=device) for dtype, h in self._host.items()}
         self._copied = torch.cuda.Event() if pin else None
         self._device = device
+        self._views = {dtype: h.numpy() for dtype, h in self._host.items()}  # the host buffers never move
 
     @staticmethod
     def nbytes(sizes: dict[torch.dtype, int]) -> int:
@@ -33,11 +34,11 @@ class Staging:
         """Wait until the previous upload has left the host buffers; numpy views of them to write."""
         if self._copied is not None:
             self._copied.synchronize()
-        return {dtype: h.numpy() for dtype, h in self._host.items()}
+        return dict(self._views)
 
     def peek(self) -> dict[torch.dtype, np.ndarray]:
         """Numpy views of the host buffers, to read what was staged (no wait: nothing is written)."""
-        return {dtype: h.numpy() for dtype, h in self._host.items()}
+        return dict(self._views)
 
     def upload(self, spans: dict[torch.dtype, list[tuple[int, int]]] | None = None) -> int:
         """Copy the host buffers to their device buffers (asynchronous from pinned memory on CUDA);

@@ -50,7 +50,9 @@ class StepPlan:
         change[0] = True
         np.not_equal(array[1:], array[:-1], out=change[1:])
         q_start = np.flatnonzero(change)
-        q_len = np.diff(q_start, append=n)
+        q_len = np.empty_like(q_start)
+        np.subtract(q_start[1:], q_start[:-1], out=q_len[:-1])
+        q_len[-1] = n - q_start[-1]
         seqs = array[q_start]
         ordered = np.sort(seqs)
         if not (ordered[1:] == ordered[:-1]).any():  # every sequence in one run (the common case)
