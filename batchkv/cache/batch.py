@@ -11,8 +11,12 @@ standing declaration and the staged buffers stay as they were.
 
 from __future__ import annotations
 
+import bisect
+import heapq
+import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from batchkv import ops
@@ -34,6 +38,22 @@ from batchkv.errors import (
     UnknownSequenceError,
 )
 from batchkv.ops.support import refusal
+
+
+def available_host_memory() -> int | None:
+    """Bytes of host memory available to allocate now (Linux's MemAvailable, else the free pages);
+    None when the OS does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 class BatchedSequenceCache:
@@ -77,6 +97,7 @@ class BatchedSequenceCache:
         if problem:
             raise ConfigError(f"{problem}; use attention='reference'" if self.attention == "triton" else problem)
         self._attend = ops.backend_functions(self.attention)[1]  # it also does the step's K/V write
+        self._check_static(config, self.device)
         self._store = ColumnStore(config, self.device, alloc)
         sizes = (config.max_width, len(self._store.groups), config.max_segments)
         with allocating("the step buffers", Staging.nbytes(StepBuffers.sizes(*sizes)), "lower max_width or max_seqs"):
@@ -84,11 +105,55 @@ class BatchedSequenceCache:
         self._rotation = rotation.build_rotation(config, self.device)  # None unless e4m3 keys rotate
         rounding = config.key_rounding  # None: the write rounds e4m3 keys to nearest
         self._rounding = None if rounding is None else rounding.to(self.device)
-        self._lengths: dict[int, int] = {}  # id -> positions held
-        self._high_water: dict[int, int] = {}  # id -> most positions ever written (ring floor)
-        self._height: dict[int, int] = {}  # id -> rows of its flat extent (positions it holds without moving)
+        # Per-sequence state in arrays indexed by id (STYLE 24), changed when a sequence changes;
+        # a step gathers from them. The extents' rows live in the pools' own arrays (RowPool.bases).
+        n = config.max_seqs
+        self._held = np.zeros(n, dtype=bool)
+        self._len = np.zeros(n, dtype=np.int64)  # positions held
+        self._hw = np.zeros(n, dtype=np.int64)  # most positions ever written (ring floor)
+        self._height = np.zeros(n, dtype=np.int64)  # rows of its flat extent (positions it holds without moving)
+        self._declared = np.zeros(n, dtype=bool)  # named by the standing declaration
+        self._ids: list[int] = []  # ids held, ascending
+        self._released: list[int] = []  # heap of freed ids, all below _fresh
+        self._fresh = 0  # no id from here up was ever handed out
+        rings = [config.ring_rows(layer) for layer in range(config.num_layers) if config.ring_rows(layer)]
+        self._min_ring = min(rings, default=0)  # a sequence wrapped some ring once it wrote more
         self._plan: StepPlan | None = None
         self._width: int | None = None  # set by prepare_step, cleared by commit/invalidation
+
+    @staticmethod
+    def static_bytes(config: CacheConfig) -> tuple[int, int]:
+        """(host, device) bytes a cache of `config` holds whatever it stores, sized by `max_seqs`,
+        `max_segments` and `max_width`: the per-sequence arrays (id state and each layer group's
+        extent mirror) and the step buffers (a pinned host copy and the device one). The K/V pool
+        comes on top (it grows with what sequences reach, or is `pool_rows` whole)."""
+        groups = len({config.ring_rows(layer) for layer in range(config.num_layers)})
+        per_sequence = 2 + 3 * 8 + groups * 2 * 8  # held, declared; length, high water, height; base, rows
+        staged = Staging.nbytes(StepBuffers.sizes(config.max_width, groups, config.max_segments)) // 2
+        return config.max_seqs * per_sequence + staged, staged
+
+    @staticmethod
+    def _check_static(config: CacheConfig, device: torch.device) -> None:
+        """Refuse at once (CapacityError naming the bytes) a `max_seqs` the memory there is cannot
+        serve: its fixed buffers (`static_bytes`) and, for a store that grows on demand, one K/V
+        position per sequence (fewer could never hold max_seqs sequences; a `pool_rows` store is
+        allocated whole next, under its own check). Rather than allocate for minutes, or accept a
+        geometry that fails later."""
+        host, on_device = BatchedSequenceCache.static_bytes(config)
+        kv = 0 if config.pool_rows else config.max_seqs * config.bytes_per_position()
+        if device.type == "cuda":  # (place, its fixed buffers, K/V, bytes available there)
+            places = [("the host", host, 0, available_host_memory())]
+            places.append((str(device), on_device, kv, torch.cuda.mem_get_info(device)[0]))
+        else:
+            places = [("the host", host + on_device, kv, available_host_memory())]
+        for where, fixed, least, free in places:
+            need = fixed + least
+            if free is not None and need > free:
+                raise CapacityError(
+                    f"max_seqs={config.max_seqs} needs {need} bytes ({need / 2**30:.2f} GiB) on {where} before any "
+                    f"sequence exists ({fixed} for its per-sequence state and step buffers, {least} for one K/V "
+                    f"position per sequence) and {free} bytes are available; lower max_seqs"
+                )
 
     # ---- properties ---------------------------------------------------------------------------
     @property
@@ -123,7 +188,7 @@ class BatchedSequenceCache:
     def reach(self, seq: int) -> int:
         """Positions `seq` holds without its extent moving (its flat extent's rows)."""
         self._known(seq)
-        return self._height[seq]
+        return int(self._height[seq])
 
     @property
     def positions(self) -> torch.Tensor:
@@ -144,7 +209,22 @@ class BatchedSequenceCache:
     @property
     def sequences(self) -> list[int]:
         """Ids currently held, ascending."""
-        return sorted(self._lengths)
+        return list(self._ids)
+
+    @property
+    def num_sequences(self) -> int:
+        """How many ids are held."""
+        return len(self._ids)
+
+    @property
+    def _lengths(self) -> dict[int, int]:
+        """id -> positions held, of every held id (a copy; for tests and debugging)."""
+        return {seq: int(self._len[seq]) for seq in self.sequences}
+
+    @property
+    def _high_water(self) -> dict[int, int]:
+        """id -> most positions ever written, of every held id (a copy; for tests and debugging)."""
+        return {seq: int(self._hw[seq]) for seq in self.sequences}
 
     def k_store(self, layer: int) -> torch.Tensor:
         """Layer's K pool [P, 1, Hkv, D]. Its address changes when `generation` does."""
@@ -170,11 +250,14 @@ class BatchedSequenceCache:
         return self._store.layer(self._layer(layer))
 
     # ---- sequence verbs (host) ----------------------------------------------------------------
+    def _holds(self, seq: object) -> bool:
+        return is_int(seq) and 0 <= seq < self.config.max_seqs and bool(self._held[seq])  # type: ignore[operator]
+
     def _known(self, seq: int) -> int:
-        if not is_int(seq) or seq not in self._lengths:
+        if not self._holds(seq):
             held = self.sequences
             raise UnknownSequenceError(f"sequence {seq!r} is not held (held: {held}); create it with seq_new()")
-        return self._lengths[seq]
+        return int(self._len[seq])
 
     def pos(self, seq: int) -> int:
         """One past the newest position of `seq` (its length)."""
@@ -183,13 +266,25 @@ class BatchedSequenceCache:
     def can_admit(self, seq: int, n: int = 1) -> bool:
         """Whether `seq` may still grow by `n` positions (reach, not room). False for unknown ids."""
         n = int_arg("can_admit: n", n, 0, error=PositionError)
-        return is_int(seq) and seq in self._lengths and self._lengths[seq] + n <= self.capacity
+        return self._holds(seq) and int(self._len[seq]) + n <= self.capacity
 
     def _free_column(self) -> int:
-        for col in range(self.max_seqs):
-            if col not in self._lengths:
-                return col
+        """The lowest free id (not taken yet: `_hold` takes it)."""
+        if self._released:
+            return self._released[0]
+        if self._fresh < self.max_seqs:
+            return self._fresh
         raise NoFreeColumnError(f"all {self.max_seqs} columns are held; seq_rm() a finished sequence or raise max_seqs")
+
+    def _hold(self, seq: int, length: int, high_water: int, height: int) -> None:
+        """Take the id `_free_column` gave (its extents placed) with its state."""
+        if self._released and self._released[0] == seq:
+            heapq.heappop(self._released)
+        else:
+            self._fresh += 1
+        bisect.insort(self._ids, seq)
+        self._held[seq] = True
+        self._len[seq], self._hw[seq], self._height[seq] = length, high_water, height
 
     def seq_new(self, reach: int | None = None) -> int:
         """A new empty sequence; returns the lowest free id.
@@ -201,9 +296,7 @@ class BatchedSequenceCache:
         height = self._height_arg("seq_new", reach)
         seq = self._free_column()
         self._store.place(seq, height)
-        self._lengths[seq] = 0
-        self._high_water[seq] = 0
-        self._height[seq] = height
+        self._hold(seq, 0, 0, height)
         return seq
 
     def _height_arg(self, where: str, reach: int | None) -> int:
@@ -215,10 +308,9 @@ class BatchedSequenceCache:
     def ring_floor(self, seq: int) -> int:
         """Shortest length `seq` may be rewound or cloned to: past it a ring has lost the window."""
         self._known(seq)
-        written = self._high_water[seq]
-        cfg = self.config
-        wrapped = any(written > cfg.ring_rows(layer) for layer in range(cfg.num_layers) if cfg.ring_rows(layer))
-        return max(0, written - cfg.max_write) if wrapped else 0
+        written = int(self._hw[seq])
+        wrapped = self._min_ring and written > self._min_ring  # some ring layer wrapped
+        return max(0, written - self.config.max_write) if wrapped else 0
 
     def seq_clone(self, src: int, upto: int | None = None, reach: int | None = None) -> int:
         """A new sequence holding a device copy of `src`'s first `upto` positions (default all).
@@ -232,30 +324,37 @@ class BatchedSequenceCache:
         floor = self.ring_floor(src)
         if upto < floor:
             raise RingFloorError(
-                f"seq_clone: sequence {src} has written {self._high_water[src]} positions, so its ring "
+                f"seq_clone: sequence {src} has written {self._hw[src]} positions, so its ring "
                 f"layers keep only enough for a prefix of {floor} or more; upto={upto} is below that"
             )
-        height = self._height[src] if reach is None else self._height_arg("seq_clone", reach)
+        height = int(self._height[src]) if reach is None else self._height_arg("seq_clone", reach)
         if height < upto:
             raise CapacityError(f"seq_clone: reach={height} cannot hold the {upto} positions cloned; raise reach")
+        src = int(src)
         dst = self._free_column()
         self._store.place(dst, height)
         self._store.copy_prefix(src, dst, upto)
-        self._lengths[dst] = int(upto)  # a numpy integer is taken, a Python int is held
-        self._high_water[dst] = self._high_water[src]  # its ring rows hold what the donor wrote
-        self._height[dst] = height
+        # its ring rows hold what the donor wrote
+        self._hold(dst, int(upto), int(self._hw[src]), height)
         return dst
 
     def seq_rm(self, seq: int) -> None:
         """Free `seq`'s column (its rows go back to the pool). A declared (or prepared) step that
         names it is dropped."""
         self._known(seq)
+        seq = int(seq)
         self._store.release(seq)
-        del self._lengths[seq]
-        del self._high_water[seq]
-        del self._height[seq]
-        if self._plan is not None and seq in self._plan.counts:
-            self._plan, self._width = None, None
+        del self._ids[bisect.bisect_left(self._ids, seq)]
+        heapq.heappush(self._released, seq)
+        self._held[seq] = False
+        self._len[seq] = self._hw[seq] = self._height[seq] = 0
+        if self._plan is not None and self._declared[seq]:
+            self._drop_plan()
+
+    def _drop_plan(self) -> None:
+        if self._plan is not None:
+            self._declared[self._plan.members] = False
+        self._plan, self._width = None, None
 
     def rewind(self, seq: int, new_len: int) -> None:
         """Move `seq`'s length back to `new_len` (speculative rejection, retries)."""
@@ -267,15 +366,15 @@ class BatchedSequenceCache:
         floor = self.ring_floor(seq)
         if new_len < floor:
             raise RingFloorError(
-                f"rewind: sequence {seq} has written {self._high_water[seq]} positions; its ring layers "
+                f"rewind: sequence {seq} has written {self._hw[seq]} positions; its ring layers "
                 f"(max_write {self.config.max_write}) can resume no earlier than {floor}, not {new_len}"
             )
-        self._lengths[seq] = int(new_len)
+        self._len[seq] = int(new_len)
         self._restage(seq)
 
     def _restage(self, seq: int) -> None:
         """`seq`'s length moved: a declared step naming it keeps its plan but must be prepared again."""
-        if self._plan is not None and seq in self._plan.counts:
+        if self._plan is not None and self._declared[seq]:
             self._width = None  # staged positions are stale
 
     def reserve(self, seq: int, length: int) -> bool:
@@ -289,20 +388,20 @@ class BatchedSequenceCache:
         height = int_arg("reserve: length", length, error=PositionError)
         if not 0 < height <= self.capacity:
             raise CapacityError(f"reserve: length {length} is outside [1, capacity={self.capacity}]")
-        return self._resize({seq: height})
+        return self._resize({int(seq): height})
 
     def _resize(self, heights: dict[int, int]) -> bool:
         """Grow the extents of the sequences in `heights` (all or none: a refusal changes nothing)."""
         grow = {seq: h for seq, h in heights.items() if h > self._height[seq]}
         if not grow:
             return False
-        total = sum(h - self._height[seq] for seq, h in grow.items())
+        total = sum(h - int(self._height[seq]) for seq, h in grow.items())
         if total > self.free_rows:
             raise CapacityError(
                 f"the store can give {self.free_rows} more rows but growing sequences {sorted(grow)} needs {total}; "
                 "finish or remove sequences, or give the store more rows (pool_rows)"
             )
-        self._store.resize(grow, keep={seq: self._high_water[seq] for seq in grow})
+        self._store.resize(grow, keep={seq: int(self._hw[seq]) for seq in grow})
         for seq, height in grow.items():
             self._height[seq] = height
             self._restage(seq)
@@ -326,8 +425,8 @@ class BatchedSequenceCache:
                 f"_set_length: sequence {seq} cannot reach {new_len} positions in {self._height[seq]} rows; "
                 "reserve() first"
             )
-        self._lengths[seq] = new_len
-        self._high_water[seq] = max(self._high_water[seq], new_len)
+        self._len[seq] = new_len
+        self._hw[seq] = max(int(self._hw[seq]), new_len)
         self._restage(seq)
 
     def _load_prefix(self, seq: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
@@ -347,15 +446,15 @@ class BatchedSequenceCache:
             raise ContractError(f"_load_prefix: every K/V must be {list(want)} (n, Hkv, D); got {bad[0]}")
         if not 0 < n <= cfg.capacity:
             raise CapacityError(f"_load_prefix: {n} positions is outside [1, capacity={cfg.capacity}]")
-        self._resize({seq: cfg.rows_for(n)})
+        self._resize({int(seq): cfg.rows_for(n)})
         if self._rotation is not None:  # the store holds rotated keys
             keys = [self._rotation.rotate_keys(k) for k in keys]
         if self._rounding is not None:  # rounded as the step's write rounds them
             keys = [self._rounding.round(layer, k) for layer, k in enumerate(keys)]
         for layer in range(cfg.num_layers):
             self._store.write_column(seq, layer, keys[layer], values[layer])
-        self._lengths[seq] = n
-        self._high_water[seq] = n  # every resident row now holds the new history
+        self._len[seq] = n
+        self._hw[seq] = n  # every resident row now holds the new history
         self._restage(seq)
 
     def _read_prefix(self, seq: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -372,7 +471,8 @@ class BatchedSequenceCache:
         """Declare the next forward: one sequence id per packed token, in packed order.
 
         Runs of equal ids become segments; a sequence may appear in several runs. A refusal leaves
-        the previous declaration standing.
+        the previous declaration standing. O(1) Python: every check is one array operation over
+        the step's tokens, segments or sequences.
         """
         plan = StepPlan.from_ids(seq_ids)
         cfg = self.config
@@ -380,39 +480,51 @@ class BatchedSequenceCache:
             raise StepError("declare_step needs at least one token id")
         if plan.num_tokens > cfg.max_width:
             raise CapacityError(f"declare_step: {plan.num_tokens} tokens exceed max_width={cfg.max_width}")
-        for seq in plan.counts:
-            self._known(seq)
-        if len(plan.segments) > cfg.max_segments:
+        members = plan.members
+        known = (members >= 0) & (members < cfg.max_seqs)
+        known[known] = self._held[members[known]]
+        if not known.all():  # the first unknown id, in packed order
+            self._known(members[np.argmin(known)].item())
+        if plan.num_segments > cfg.max_segments:
             raise CapacityError(
-                f"declare_step: {len(plan.segments)} runs exceed max_segments={cfg.max_segments}; "
+                f"declare_step: {plan.num_segments} runs exceed max_segments={cfg.max_segments}; "
                 "pack each sequence's tokens together"
             )
-        for seq, n in plan.counts.items():
-            if n > cfg.max_write:
+        counts, ends = plan.counts, self._len[members] + plan.counts
+        over, beyond = counts > cfg.max_write, ends > cfg.capacity
+        if over.any() or beyond.any():  # the first sequence refused, in packed order
+            i = int(np.argmax(over | beyond))
+            seq = members[i].item()
+            if over[i]:
                 raise CapacityError(
-                    f"declare_step: sequence {seq} writes {n} tokens; max_write is {cfg.max_write} "
+                    f"declare_step: sequence {seq} writes {counts[i]} tokens; max_write is {cfg.max_write} "
                     "(split its prefill into smaller chunks)"
                 )
-            if self._lengths[seq] + n > cfg.capacity:
-                raise CapacityError(
-                    f"sequence {seq} needs {self._lengths[seq] + n} positions; capacity is {cfg.capacity} "
-                    "(raise capacity or finish the sequence)"
-                )
-        growth = self._growth(plan.layout(self._lengths))
-        more = sum(h - self._height[seq] for seq, h in growth.items())
-        if more > self.free_rows:
             raise CapacityError(
-                f"declare_step: the sequences {sorted(growth)} need {more} more rows and the store can give "
-                f"{self.free_rows}; finish or remove sequences, or give the store more rows (pool_rows)"
+                f"sequence {seq} needs {ends[i]} positions; capacity is {cfg.capacity} "
+                "(raise capacity or finish the sequence)"
             )
-        self._plan, self._width = plan, None
+        growth = self._growth(plan)
+        if growth:
+            more = sum(h - int(self._height[seq]) for seq, h in growth.items())
+            if more > self.free_rows:
+                raise CapacityError(
+                    f"declare_step: the sequences {sorted(growth)} need {more} more rows and the store can give "
+                    f"{self.free_rows}; finish or remove sequences, or give the store more rows (pool_rows)"
+                )
+        self._drop_plan()
+        self._declared[members] = True
+        self._plan = plan
 
-    def _growth(self, layout: list[tuple[int, int, int, int]]) -> dict[int, int]:
-        """The extent heights the sequences of a step's layout must grow to (those that must)."""
-        ends: dict[int, int] = {}
-        for _, _, seq, kv_end in layout:
-            ends[seq] = max(ends.get(seq, 0), kv_end)
-        return {seq: self.config.rows_for(end) for seq, end in ends.items() if end > self._height[seq]}
+    def _growth(self, plan: StepPlan) -> dict[int, int]:
+        """The extent heights the sequences of a step must grow to (those that must): a sequence
+        ends the step at its length plus its tokens."""
+        ends = self._len[plan.members] + plan.counts
+        short = ends > self._height[plan.members]
+        if not short.any():
+            return {}
+        grow = zip(plan.members[short].tolist(), ends[short].tolist(), strict=True)
+        return {seq: self.config.rows_for(end) for seq, end in grow}
 
     def prepare_step(self, width: int) -> None:
         """Grow storage if the declared step needs it, then stage its device buffers.
@@ -429,32 +541,29 @@ class BatchedSequenceCache:
                 f"prepare_step: width {width} must cover the {plan.num_tokens} declared tokens "
                 f"and be at most max_width={self.config.max_width}"
             )
-        layout = plan.layout(self._lengths)
-        self._resize(self._growth(layout))  # grow before staging, so a refusal leaves the cache as it was
-        self._buffers.fill(layout, self._placements(layout), width)
-        for _, _, seq, kv_end in layout:
-            # Written on the device from now on, whether or not the step commits.
-            self._high_water[seq] = max(self._high_water[seq], kv_end)
+        growth = self._growth(plan)
+        if growth:
+            self._resize(growth)  # grow before staging, so a refusal leaves the cache as it was
+        self._buffers.fill(plan, plan.kv_end(self._len), self._placements(), width)
+        # Written on the device from now on, whether or not the step commits.
+        members = plan.members
+        self._hw[members] = np.maximum(self._hw[members], self._len[members] + plan.counts)
         self._width = width
 
-    def _placements(self, layout: list[tuple[int, int, int, int]]) -> list[Placement]:
-        """Each layer group's extent of every segment's sequence, and its scratch extent."""
+    def _placements(self) -> list[Placement]:
+        """Each layer group's extents (arrays by sequence id) and its scratch extent."""
         store, scratch = self._store, self.config.scratch_rows
         return [
-            Placement(
-                [store.base(g, seq) for _, _, seq, _ in layout], [store.rows(g, seq) for _, _, seq, _ in layout],
-                store.base(g, SCRATCH) if scratch else 0, scratch,
-            )
-            for g in range(len(store.groups))
-        ]  # fmt: skip
+            Placement(group.pool.bases, group.pool.sizes, store.base(g, SCRATCH) if scratch else 0, scratch)
+            for g, group in enumerate(store.groups)
+        ]
 
     def commit_step(self) -> None:
         """Advance every declared sequence by its tokens in the step; clears the declaration."""
         if self._plan is None or self._width is None:
             raise StepError("commit_step: no prepared step; declare_step and prepare_step come first")
-        for seq, n in self._plan.counts.items():
-            self._lengths[seq] += n
-        self._plan, self._width = None, None
+        self._len[self._plan.members] += self._plan.counts
+        self._drop_plan()
 
     # ---- device work (capturable) -------------------------------------------------------------
     def update_and_attend(
@@ -490,8 +599,11 @@ class BatchedSequenceCache:
             k = self._rounding.round(layer, k)
         store, group = self._store.layer(layer), self._store.group_of[layer]
         slots = self._buffers.slots[group, :width]
+        seq_info = self._buffers.seq_info[group]
+        if self.attention == "reference":  # not captured: it reads the step's segments, not every row
+            seq_info = seq_info[: self._buffers.segments]
         return self._attend(  # the step's K/V written first (a kv_write launch, or inside the attention)
-            q, store["k"], store["v"], self._buffers.seq_info[group], scale=scale, causal=causal,
+            q, store["k"], store["v"], seq_info, scale=scale, causal=causal,
             window=cfg.layers[layer].window, k_scale=store.get("k_scale"), v_scale=store.get("v_scale"),
             write=(k, v, slots), rows=self._store.modulus(layer),
         )  # fmt: skip

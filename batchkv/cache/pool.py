@@ -20,6 +20,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class Move:
@@ -32,18 +34,41 @@ class Move:
 
 
 class RowPool:
-    """Extents of a pool of `size` rows, keyed by any hashable (sequence ids, "scratch")."""
+    """Extents of a pool of `size` rows, keyed by any hashable (sequence ids, "scratch").
 
-    def __init__(self, size: int) -> None:
+    `slots` > 0 also mirrors the extents of the integer keys in [0, slots) (the sequence ids) in
+    two arrays indexed by key, `bases` and `sizes` (0 where a key holds none), kept in step with
+    every change, so a step reads its sequences' extents with one gather instead of a lookup each.
+    """
+
+    def __init__(self, size: int, slots: int = 0) -> None:
         self.size = size
         self.extents: dict[object, tuple[int, int]] = {}  # key -> (base, rows)
         self._holes: list[tuple[int, int]] = [(0, size)] if size else []  # (base, rows), ascending base
+        self.slots = slots
+        self.bases = np.zeros(slots, dtype=np.int64)  # base row of sequence id i's extent
+        self.sizes = np.zeros(slots, dtype=np.int64)  # its rows (0: it holds none)
+        self._used = 0
+
+    def _set(self, key: object, base: int, rows: int) -> None:
+        old = self.extents.get(key)
+        self._used += rows - (old[1] if old is not None else 0)
+        self.extents[key] = (base, rows)
+        if type(key) is int and 0 <= key < self.slots:
+            self.bases[key], self.sizes[key] = base, rows
+
+    def _pop(self, key: object) -> tuple[int, int]:
+        base, rows = self.extents.pop(key)
+        self._used -= rows
+        if type(key) is int and 0 <= key < self.slots:
+            self.bases[key] = self.sizes[key] = 0
+        return base, rows
 
     # ---- queries ------------------------------------------------------------------------------
     @property
     def used(self) -> int:
         """Rows held by extents."""
-        return sum(rows for _, rows in self.extents.values())
+        return self._used
 
     @property
     def free(self) -> int:
@@ -71,7 +96,7 @@ class RowPool:
             del self._holes[best]
         else:
             self._holes[best] = (base + rows, size - rows)
-        self.extents[key] = (base, rows)
+        self._set(key, base, rows)
         return base
 
     def extend(self, key: object, rows: int) -> bool:
@@ -88,13 +113,18 @@ class RowPool:
             del self._holes[i]
         else:
             self._holes[i] = (hole_base + rows - old, hole_rows - (rows - old))
-        self.extents[key] = (base, rows)
+        self._set(key, base, rows)
         return True
 
     def release(self, key: object) -> None:
         """Return `key`'s rows to the holes (merged with the holes beside them)."""
-        base, rows = self.extents.pop(key)
+        base, rows = self._pop(key)
         self._add_hole(base, rows)
+
+    def rename(self, old: object, new: object) -> None:
+        """`new` takes over `old`'s extent (a moved extent's new rows become its own)."""
+        base, rows = self._pop(old)
+        self._set(new, base, rows)
 
     def resize(self, size: int) -> None:
         """The pool now has `size` rows (it grew: the rows past the old size are a hole)."""
@@ -128,7 +158,7 @@ class RowPool:
     def apply(self, moves: list[Move]) -> None:
         """Record that `moves` (from `compaction` or `opening`) were carried out."""
         for move in moves:
-            self.extents[move.key] = (move.dst, move.rows)
+            self._set(move.key, move.dst, move.rows)
         self._holes, top = [], 0
         for base, rows in sorted(self.extents.values()):
             if base > top:

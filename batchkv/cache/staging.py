@@ -23,6 +23,7 @@ class Staging:
         self.device_buffers = {dtype: torch.zeros_like(h, device=device) for dtype, h in self._host.items()}
         self._copied = torch.cuda.Event() if pin else None
         self._device = device
+        self._views = {dtype: h.numpy() for dtype, h in self._host.items()}  # the host buffers never move
 
     @staticmethod
     def nbytes(sizes: dict[torch.dtype, int]) -> int:
@@ -33,19 +34,46 @@ class Staging:
         """Wait until the previous upload has left the host buffers; numpy views of them to write."""
         if self._copied is not None:
             self._copied.synchronize()
-        return {dtype: h.numpy() for dtype, h in self._host.items()}
+        return dict(self._views)
 
     def peek(self) -> dict[torch.dtype, np.ndarray]:
         """Numpy views of the host buffers, to read what was staged (no wait: nothing is written)."""
-        return {dtype: h.numpy() for dtype, h in self._host.items()}
+        return dict(self._views)
 
-    def upload(self) -> None:
-        """Copy every host buffer to its device buffer (asynchronous from pinned memory on CUDA)."""
+    def upload(self, spans: dict[torch.dtype, list[tuple[int, int]]] | None = None) -> int:
+        """Copy the host buffers to their device buffers (asynchronous from pinned memory on CUDA);
+        returns the elements copied.
+
+        spans: per dtype, the [start, stop) element ranges to copy (adjacent ones merged into one
+        copy; a dtype left out is not copied); None: every buffer whole.
+        """
         non_blocking = self._copied is not None
+        copied = 0
         for dtype, host in self._host.items():
-            self.device_buffers[dtype].copy_(host, non_blocking=non_blocking)
+            device = self.device_buffers[dtype]
+            if spans is None:
+                device.copy_(host, non_blocking=non_blocking)
+                copied += host.numel()
+                continue
+            for start, stop in _merged(spans.get(dtype, ())):
+                device[start:stop].copy_(host[start:stop], non_blocking=non_blocking)
+                copied += stop - start
         if self._copied is not None:  # on the stream the copies ran on: the device's current one
             self._copied.record(torch.cuda.current_stream(self._device))
+        return copied
+
+
+def _merged(spans) -> list[tuple[int, int]]:
+    """Non-empty [start, stop) ranges in order, those that touch or overlap merged."""
+    out: list[tuple[int, int]] = []
+    for start, stop in sorted(spans):
+        if stop <= start:
+            continue
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return out
 
 
 class NamedStaging(Staging):

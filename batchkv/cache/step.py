@@ -1,8 +1,11 @@
 """Host planning of one step: segments from a declaration, and the static device buffers it fills.
 
-`StepPlan` is pure bookkeeping (no tensors). `StepBuffers` owns the fixed-address device tensors a
-captured graph reads (positions, write slots, `seq_info` per layer group) and fills them through
-`Staging`: one host-to-device copy per dtype, from pinned memory on CUDA.
+`StepPlan` is pure bookkeeping (NumPy arrays, no tensors): a declaration run-length encoded with
+array operations. `StepBuffers` owns the fixed-address device tensors a captured graph reads
+(positions, write slots, `seq_info` per layer group) and fills them through `Staging`: one
+host-to-device copy per live span, from pinned memory on CUDA. A fill writes and uploads only what
+the step covers (its tokens, its segments, and the segment rows the previous step left to clear),
+so its cost follows the step, not `max_seqs` or `max_width`.
 """
 
 from __future__ import annotations
@@ -17,71 +20,84 @@ from batchkv.cache.staging import Staging
 from batchkv.errors import UnknownSequenceError
 
 
-@dataclass(frozen=True)
-class Segment:
-    """A run of `q_len` consecutive packed tokens of sequence `seq`, starting at row `q_start`."""
-
-    seq: int
-    q_start: int
-    q_len: int
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StepPlan:
-    """A validated declaration: one id per packed token, run-length encoded into segments."""
+    """A declaration: one id per packed token, run-length encoded into segments (arrays).
 
-    ids: tuple[int, ...]
-    segments: tuple[Segment, ...]
-    counts: dict[int, int]  # tokens per sequence in this step
+    ids [T] (as given: any integer dtype); per segment: seqs [S] (its sequence), q_start [S],
+    q_len [S], consumed [S] (tokens of the same sequence in earlier runs of this step); per distinct
+    sequence, in order of first appearance: members [U], counts [U] (its tokens in the step).
+    """
+
+    ids: np.ndarray
+    seqs: np.ndarray
+    q_start: np.ndarray
+    q_len: np.ndarray
+    consumed: np.ndarray
+    members: np.ndarray
+    counts: np.ndarray
 
     @classmethod
     def from_ids(cls, seq_ids: Sequence[int]) -> StepPlan:
         array = np.asarray(seq_ids)
         if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
             raise UnknownSequenceError(f"declare_step takes a flat list of integer sequence ids; got {seq_ids!r}")
-        ids = tuple(array.tolist())
-        segments: list[Segment] = []
-        counts: dict[int, int] = {}
-        start = 0
-        for i in range(1, len(ids) + 1):
-            if i == len(ids) or ids[i] != ids[start]:
-                segments.append(Segment(ids[start], start, i - start))
-                start = i
-        for seq in ids:
-            counts[seq] = counts.get(seq, 0) + 1
-        return cls(ids, tuple(segments), counts)
+        n = array.size
+        if n == 0:
+            empty = np.zeros(0, dtype=np.int64)
+            return cls(array, empty, empty, empty, empty, empty, empty)
+        change = np.empty(n, dtype=bool)
+        change[0] = True
+        np.not_equal(array[1:], array[:-1], out=change[1:])
+        q_start = np.flatnonzero(change)
+        q_len = np.empty_like(q_start)
+        np.subtract(q_start[1:], q_start[:-1], out=q_len[:-1])
+        q_len[-1] = n - q_start[-1]
+        seqs = array[q_start]
+        ordered = np.sort(seqs)
+        if not (ordered[1:] == ordered[:-1]).any():  # every sequence in one run (the common case)
+            return cls(array, seqs, q_start, q_len, np.zeros_like(q_len), seqs, q_len)
+        # A sequence in several runs: its runs continue one another, in packed order.
+        by_seq = np.argsort(seqs, kind="stable")
+        sorted_seqs, sorted_len = seqs[by_seq], q_len[by_seq]
+        before = np.cumsum(sorted_len) - sorted_len  # tokens of earlier segments in sorted order
+        first = np.empty(len(seqs), dtype=bool)
+        first[0] = True
+        np.not_equal(sorted_seqs[1:], sorted_seqs[:-1], out=first[1:])
+        group_start = np.maximum.accumulate(np.where(first, np.arange(len(seqs)), 0))
+        consumed = np.empty_like(q_len)
+        consumed[by_seq] = before - before[group_start]
+        heads = by_seq[first]  # each sequence's first segment (stable sort: its earliest)
+        totals = np.add.reduceat(sorted_len, np.flatnonzero(first))
+        order = np.argsort(heads, kind="stable")
+        return cls(array, seqs, q_start, q_len, consumed, seqs[heads][order], totals[order])
 
     @property
     def num_tokens(self) -> int:
-        return len(self.ids)
+        return self.ids.size
+
+    @property
+    def num_segments(self) -> int:
+        return self.seqs.size
 
     @property
     def split(self) -> bool:
         """True when some sequence appears in more than one run."""
-        return len(self.segments) != len(self.counts)
+        return self.seqs.size != self.members.size
 
-    def layout(self, lengths: dict[int, int]) -> list[tuple[int, int, int, int]]:
-        """(q_start, q_len, seq, kv_end) per segment, given each sequence's length before the step.
-
-        A sequence's second run continues where its first ends, so kv_end is per run: one past
-        that run's last position.
-        """
-        consumed: dict[int, int] = {}
-        out = []
-        for seg in self.segments:
-            base = lengths[seg.seq] + consumed.get(seg.seq, 0)
-            consumed[seg.seq] = consumed.get(seg.seq, 0) + seg.q_len
-            out.append((seg.q_start, seg.q_len, seg.seq, base + seg.q_len))
-        return out
+    def kv_end(self, lengths: np.ndarray) -> np.ndarray:
+        """One past each segment's last position, given the lengths (by sequence id) before the step:
+        a sequence's second run continues where its first ends."""
+        return lengths[self.seqs] + self.consumed + self.q_len
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a layer group's extents are for one step: the first row and the rows of each segment's
-    sequence's extent (aligned with the layout's segments), and the scratch extent's."""
+    """Where a layer group's extents are: the first row and the rows of every sequence's extent
+    (arrays indexed by sequence id), and the scratch extent's."""
 
-    base: Sequence[int]
-    rows: Sequence[int]
+    base: np.ndarray
+    rows: np.ndarray
     scratch_base: int
     scratch_rows: int
 
@@ -92,47 +108,63 @@ class StepBuffers:
     positions: int64 [max_width]; slots: int64 [groups, max_width] (one row per layer group: its
     pool's rows); seq_info: int32 [groups, max_segments, 4] (a segment's `col` is its extent's
     first row in that group's pool). Only `copy_` ever writes them, so their addresses never
-    change and a captured graph stays valid.
+    change and a captured graph stays valid. `segments`: the rows of `seq_info` the last fill
+    staged (every row past them is zero); `uploaded`: elements the last fill copied.
     """
 
     def __init__(self, max_width: int, groups: int, max_segments: int, device: torch.device) -> None:
         self.max_width = max_width
+        self.max_segments = max_segments
         self._staging = Staging(self.sizes(max_width, groups, max_segments), device)
         i64 = self._staging.device_buffers[torch.int64]  # [positions w | slots groups * w]
         self.seq_info = self._staging.device_buffers[torch.int32].view(groups, max_segments, 4)
         self.positions = i64[:max_width]
         self.slots = i64[max_width:].view(groups, max_width)
+        self.segments = 0
+        self.uploaded = 0
 
     @staticmethod
     def sizes(max_width: int, groups: int, max_segments: int) -> dict[torch.dtype, int]:
         """Elements per dtype of the staged buffers."""
         return {torch.int64: (1 + groups) * max_width, torch.int32: 4 * groups * max_segments}
 
-    def fill(self, layout: list[tuple[int, int, int, int]], placements: Sequence[Placement], width: int) -> None:
+    def fill(self, plan: StepPlan, kv_end: np.ndarray, placements: Sequence[Placement], width: int) -> None:
         """Fill positions, slots (unplanned tokens -> the scratch rows) and seq_info for one step.
 
         Only the first `width` tokens are written: a step of width W reads positions[:W] and
         slots[:, :W], so what lies past them may stay from an earlier step. The slot of position p
         in a group is `base + p % rows` of its sequence's extent there; padded token i writes row
-        `i % scratch_rows` of the scratch extent.
+        `i % scratch_rows` of the scratch extent. seq_info rows past the step's segments are zero:
+        only those the previous fill used are cleared again.
         """
         staged = self._staging.begin()
         w, host, groups = self.max_width, staged[torch.int64], len(placements)
         info = staged[torch.int32].reshape(groups, -1, 4)
-        info[:] = 0
-        q_start, q_len, _, kv_end = np.asarray(layout, dtype=np.int64).reshape(-1, 4).T  # [S] each
-        seg = np.repeat(np.arange(len(layout)), q_len)  # the segment of each planned token
-        first = np.cumsum(q_len) - q_len
-        offset = np.arange(seg.size) - first[seg]  # the token's index within its segment
-        at = q_start[seg] + offset  # its packed row
+        count, tokens, stale = plan.num_segments, plan.num_tokens, self.segments
+        if stale > count:
+            info[:, count:stale] = 0
+        q_start, q_len, seqs = plan.q_start, plan.q_len, plan.seqs
         pos = host[:width]
-        pos[:] = 0
-        pos[at] = kv_end[seg] - q_len[seg] + offset
+        # Token i of a segment sits at position kv_end - q_len + i, packed row q_start + i: tokens
+        # are packed in segment order from row 0, so a token's position is its row plus its
+        # segment's (kv_end - q_len - q_start).
+        shift = kv_end - q_len - q_start
+        pos[:tokens] = np.arange(tokens) + (shift if count == tokens else np.repeat(shift, q_len))
+        pos[tokens:] = 0
         slots = host[w : w * (1 + groups)].reshape(groups, w)
-        pad = np.arange(width, dtype=np.int64)  # a padded token's index; nothing reads its row
+        pad = np.arange(tokens, width, dtype=np.int64)  # a padded token's index; nothing reads its row
         for g, place in enumerate(placements):
-            base, rows = np.asarray(place.base, dtype=np.int64), np.asarray(place.rows, dtype=np.int64)
-            info[g, : len(layout)] = np.stack([q_start, q_len, base, kv_end], 1)
-            slots[g, :width] = place.scratch_base + pad % max(place.scratch_rows, 1)
-            slots[g, at] = base[seg] + pos[at] % rows[seg]
-        self._staging.upload()
+            base, rows = place.base[seqs], place.rows[seqs]
+            row = info[g, :count]
+            row[:, 0], row[:, 1], row[:, 2], row[:, 3] = q_start, q_len, base, kv_end
+            if count != tokens:
+                base, rows = np.repeat(base, q_len), np.repeat(rows, q_len)
+            slots[g, :tokens] = base + pos[:tokens] % rows
+            slots[g, tokens:width] = place.scratch_base + pad % max(place.scratch_rows, 1)
+        table, used = 4 * self.max_segments, 4 * max(count, stale)  # int32 elements: a group's table, its live rows
+        spans = {
+            torch.int64: [(0, width)] + [(w * (1 + g), w * (1 + g) + width) for g in range(groups)],
+            torch.int32: [(table * g, table * g + used) for g in range(groups)],
+        }
+        self.uploaded = self._staging.upload(spans)
+        self.segments = count

@@ -64,7 +64,7 @@ class ColumnStore:
         self._alloc = alloc  # tests inject failures here
         self.generation = 0
         rings = sorted({config.ring_rows(layer) for layer in range(config.num_layers)})
-        self.groups = [LayerGroup(ring, [], RowPool(0)) for ring in rings]
+        self.groups = [LayerGroup(ring, [], RowPool(0, config.max_seqs)) for ring in rings]
         self.group_of = [rings.index(config.ring_rows(layer)) for layer in range(config.num_layers)]
         for layer, g in enumerate(self.group_of):
             self.groups[g].layers.append(layer)
@@ -155,7 +155,7 @@ class ColumnStore:
         if pool.place(moving, rows) is not None:  # rows elsewhere, while the old ones are held
             self._copy_rows(group, pool.base(key), pool.base(moving), min(keep, pool.rows(key)))
             pool.release(key)
-            pool.extents[key] = pool.extents.pop(moving)
+            pool.rename(moving, key)
             return
         self._apply(group, pool.compaction())
         self._apply(group, pool.opening(key, more))

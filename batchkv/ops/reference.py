@@ -106,9 +106,8 @@ def sdpa_varlen_reference(
     group = num_q_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
-    for q_start, q_len, col, kv_end in seq_info.tolist():
-        if q_len <= 0:
-            continue
+    # Only the rows with queries: a table sized by max_seqs is mostly empty rows.
+    for q_start, q_len, col, kv_end in seq_info[seq_info[:, 1] > 0].tolist():
         lo_resident = max(0, kv_end - rows)
         if lo_resident >= kv_end:
             continue

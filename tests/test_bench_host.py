@@ -1,0 +1,26 @@
+"""bench/host.py runs end to end at smoke size on the CPU and writes its per-phase table."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_host_bench_smoke_reports_every_phase_of_steady_decode_steps(tmp_path):
+    out = tmp_path / "host.json"
+    proc = subprocess.run([sys.executable, "bench/host.py", "--smoke", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    cells = report["cells"]
+    assert {(c["prefix_cache"], c["overlap"]) for c in cells} == {(p, o) for p in (False, True) for o in (False, True)}
+    for cell in cells:
+        assert cell["rows_decoded_per_step"] == cell["sequences"] == 4  # every step is a steady decode step
+        phases = cell["phase_ms"]
+        assert set(phases) == {"plan", "declare", "prepare", "stage", "sample", "commit", "launched", "read",
+                               "complete", "events", "other"}  # fmt: skip
+        assert all(phases[name] > 0 for name in ("plan", "declare", "prepare", "stage", "complete"))
