@@ -353,6 +353,17 @@ class Engine:
         prefix = self.scheduler.prefix
         return prefix.held_columns if prefix is not None else 0
 
+    @property
+    def kv_usage(self) -> tuple[int, int]:
+        """(positions the columns of live requests hold, positions the store holds): the flat pool's
+        rows less the scratch rows, as far as a store grown on demand may grow. Columns the prefix
+        cache keeps count as free (they are freed when their memory is needed), as vLLM counts its
+        cached blocks in `vllm:kv_cache_usage_perc`."""
+        prefix, cache = self.scheduler.prefix, self.cache
+        kept = {h.seq for h in prefix.cached} if prefix is not None else set()
+        held = sum(cache.reach(seq) for seq in cache.sequences if seq not in kept)
+        return held, cache.config.max_pool_rows() - cache.config.scratch_rows
+
     def cached_tokens(self, request_id: int) -> int | None:
         """Prompt tokens a live, admitted request reused from the prefix cache (None: not live or not
         admitted yet): what OpenAI's `usage.prompt_tokens_details.cached_tokens` reports."""
