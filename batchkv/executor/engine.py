@@ -364,6 +364,13 @@ class Engine:
         held = sum(cache.reach(seq) for seq in cache.sequences if seq not in kept)
         return held, cache.config.max_pool_rows() - cache.config.scratch_rows
 
+    def prefix_blocks(self) -> list[int]:
+        """The chain hashes of the 16-token blocks the prefix cache indexes, live prompts and kept
+        histories (`batchkv.executor.prefix.block_hashes` hashes a prompt the same way): what a router
+        asks to send a prompt where its prefix is. Empty without a prefix cache."""
+        prefix = self.scheduler.prefix
+        return prefix.blocks() if prefix is not None else []
+
     def cached_tokens(self, request_id: int) -> int | None:
         """Prompt tokens a live, admitted request reused from the prefix cache (None: not live or not
         admitted yet): what OpenAI's `usage.prompt_tokens_details.cached_tokens` reports."""
