@@ -13,8 +13,8 @@ handle and streams the events back. `BatchkvEngine` replicas each hold one `Engi
 thread (`EngineWorker`), built from the same options as `batchkv serve` (`--tensor-parallel-size N`:
 each replica is N processes on N GPUs of one node). The builder's arguments are `batchkv serve`'s
 flags (`model=...`, `max-seqs=16`, `ray-replicas=2`); what is Ray's is set the Ray way, in a Serve
-config file's `deployments:` entry for `BatchkvEngine`: `num_replicas` or `autoscaling_config`
-(min/max replicas), `health_check_period_s` (a replica whose engine thread stopped fails
+config file's `deployments:` entry for `BatchkvEngine`: `num_replicas` (an int, or `auto` with an
+`autoscaling_config` of min/max replicas), `health_check_period_s` (a replica whose engine thread stopped fails
 `check_health` and is replaced), `ray_actor_options` (GPUs, CPUs).
 
 Routing (`PrefixAffinityRouter`, a Ray Serve `RequestRouter`): Ray's `PrefixCacheAffinityRouter`
@@ -51,9 +51,17 @@ import ray
 from ray import serve
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter  # Ray's default router
 from ray.serve.config import RequestRouterConfig
-from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
+from ray.serve.request_router import (
+    LocalityMixin,
+    MultiplexMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
 
 from batchkv.errors import ConfigError
+from batchkv.executor import Request
 from batchkv.executor.prefix import block_hashes
 from batchkv.serve.protocol import APIError
 
@@ -63,9 +71,11 @@ REMEMBERED = 1 << 16  # blocks a router remembers sending each replica (least re
 
 
 # ---- the router ---------------------------------------------------------------------------------
-class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
+class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """Sends a request to the replica whose prefix index holds most of its prompt's leading 16-token
-    blocks (see the module docstring); Ray's power-of-two choice when nothing matches anywhere."""
+    blocks (see the module docstring); Ray's power-of-two choice when there is nothing to match.
+    Not FIFO (as Ray's own prefix router): a replica chosen for a request serves that request, where
+    Ray's FIFOMixin would hand it to the oldest one waiting."""
 
     def initialize_state(self, imbalance: float = 32.0) -> None:
         self.imbalance = float(imbalance)
@@ -97,7 +107,7 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
         queue = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) for r in candidate_replicas}
         open_ = [r for r in candidate_replicas if (queue[r.replica_id] or 0) < r.max_ongoing_requests]
         if not blocks or not open_:
-            return await super().choose_replicas(candidate_replicas, pending_request)
+            return await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
         shortest = min(queue[r.replica_id] or 0 for r in open_)
         eligible = [r for r in open_ if (queue[r.replica_id] or 0) - shortest <= self.imbalance]
         depth = {r.replica_id: self._depth(r, blocks) for r in eligible}
@@ -136,9 +146,11 @@ class PrefixAffinityRouter(PowerOfTwoChoicesRequestRouter):
 
 def _request_blocks(pending: PendingRequest | None) -> list[int]:
     """The block hashes of the first prompt of a `BatchkvEngine.generate(requests, ...)` call."""
-    if pending is None or not pending.args or not pending.args[0]:
+    if pending is None or not pending.args or not isinstance(pending.args[0], list) or not pending.args[0]:
         return []
     request = pending.args[0][0]
+    if not isinstance(request, Request):  # another method's call: no prompt to route by
+        return []
     return block_hashes(request.prompt_ids, request.rope_offset)
 
 
@@ -193,7 +205,8 @@ class EngineReplica:
         """What the routers read: the prefix index's block hashes and the prefix cache's counters."""
         m = self.engine.metrics
         return {"blocks": self.engine.prefix_blocks(), "prefix_admitted": m.prefix_admitted,
-                "prefix_hits": m.prefix_hits, "prefix_reused": m.prefix_reused, "pid": os.getpid()}  # fmt: skip
+                "prefix_hits": m.prefix_hits, "prefix_reused": m.prefix_reused,
+                "prefix_evictions": m.prefix_evictions, "pid": os.getpid()}  # fmt: skip
 
     def __del__(self) -> None:
         worker = self.__dict__.get("worker")
@@ -284,8 +297,9 @@ class Frontend:
 
 
 # ---- building and running -------------------------------------------------------------------------
-def application(args: argparse.Namespace):
-    """The Ray Serve application of `batchkv serve`'s options: frontend and engine deployments."""
+def application(args: argparse.Namespace, *, prefix_affinity: bool = True):
+    """The Ray Serve application of `batchkv serve`'s options: frontend and engine deployments.
+    `prefix_affinity=False`: Ray's default router (power of two choices), for comparison."""
     if args.tensor_parallel > 1 and args.device != "cuda":
         raise ConfigError("under Ray each replica's tensor-parallel ranks hold GPUs: add --device cuda")
     options = {k: v for k, v in vars(args).items() if not callable(v)}
@@ -303,7 +317,7 @@ def application(args: argparse.Namespace):
         num_replicas=replicas,
         ray_actor_options=resources,
         max_ongoing_requests=args.max_waiting + seqs,  # beyond: the engine would answer 429
-        request_router_config=router,
+        **({"request_router_config": router} if prefix_affinity else {}),
     )
     frontend = serve.deployment(serve.ingress()(Frontend), name=FRONTEND, ray_actor_options={"num_cpus": 0})
     return frontend.bind(engine.bind(options), options)
