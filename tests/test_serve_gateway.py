@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("prometheus_client")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families
 
-from batchkv.executor import Engine, Request, SamplingParams  # noqa: E402
-from batchkv.models import build_model  # noqa: E402
-from batchkv.serve.metrics import ServerMetrics  # noqa: E402
-from batchkv.serve.worker import EngineWorker  # noqa: E402
+from batchkv.executor import Engine, Request, SamplingParams
+from batchkv.models import build_model
+from batchkv.serve.metrics import ServerMetrics
+from batchkv.serve.worker import EngineWorker
 
 CAPACITY = 96
 

@@ -21,6 +21,7 @@ httpx = pytest.importorskip("httpx")
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
+from batchkv.errors import ConfigError  # noqa: E402
 from batchkv.executor import Engine, Request, SamplingParams  # noqa: E402
 from batchkv.executor.prefix import block_hashes  # noqa: E402
 from batchkv.models import build_model  # noqa: E402
@@ -86,6 +87,11 @@ def complete(client, prompt: list[int], max_tokens: int) -> list[int]:
 def totals() -> dict[str, int]:
     stats = replica_stats().values()
     return {key: sum(s[key] for s in stats) for key in ("prefix_admitted", "prefix_hits", "prefix_reused")}
+
+
+def test_tensor_parallel_replicas_off_the_gpu_are_refused_before_anything_is_deployed():
+    with pytest.raises(ConfigError, match="add --device cuda"):
+        build({"model": "sensenova-u1-tiny", "tensor-parallel-size": 2, "ray-replicas": 2})
 
 
 def test_two_replicas_answer_the_openai_client_with_one_engines_greedy_tokens(client):

@@ -364,20 +364,18 @@ def serve_on_ray(args: argparse.Namespace) -> int:
     """`batchkv serve --ray-replicas N`: join the Ray cluster at RAY_ADDRESS (else start one here),
     serve the application on --host:--port until SIGINT or SIGTERM, then shut Serve down."""
     ray.init()
+    stop = threading.Event()  # set by SIGINT or SIGTERM, also while the replicas start
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(application(args), name=APP, route_prefix="/")
         print(f"batchkv serve: {args.served_model_name or args.model} on Ray Serve, {args.ray_replicas} replicas, "
               f"prefix-affinity routing; http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)  # fmt: skip
-        stop = threading.Event()
-        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            while not stop.wait(1.0):
-                pass
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+        while not stop.wait(1.0):
+            pass
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         serve.shutdown()
         ray.shutdown()
     return 0
