@@ -80,14 +80,14 @@ class PrefixAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def initialize_state(self, imbalance: float = 32.0) -> None:
         self.imbalance = float(imbalance)
         self._sent: dict[ReplicaID, OrderedDict[int, None]] = {}  # blocks sent since the replica's reports
-        self._reported: dict[ReplicaID, tuple[int, frozenset[int]]] = {}  # (id of the stats' list, its set)
+        self._reported: dict[ReplicaID, tuple[object, frozenset[int]]] = {}  # (the stats' list, its set)
 
     def _held(self, replica: RunningReplica) -> frozenset[int]:
         """The blocks `replica` last reported (converted once per report)."""
         blocks = (replica.routing_stats or {}).get("blocks", ())
         seen = self._reported.get(replica.replica_id)
-        if seen is None or seen[0] != id(blocks):
-            seen = self._reported[replica.replica_id] = (id(blocks), frozenset(blocks))
+        if seen is None or seen[0] is not blocks:  # held, so a new report is never mistaken for it
+            seen = self._reported[replica.replica_id] = (blocks, frozenset(blocks))
         return seen[1]
 
     def _depth(self, replica: RunningReplica, blocks: list[int]) -> int:
