@@ -84,6 +84,7 @@ class StandinEngine:
         return len(self.running)
 
     cached_columns = 0  # the stand-in reuses no prefix
+    kv_usage = (0, 1)  # (positions held, the store's): the stand-in holds none
 
     def cached_tokens(self, rid: int) -> int | None:
         return 0 if rid in self.running else None

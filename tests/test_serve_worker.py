@@ -26,6 +26,7 @@ class GatedEngine:
 
     overlap = True
     cached_columns = 0  # the worker's prefix-cache hooks: nothing is cached
+    kv_usage = (0, 64)  # (positions held, the store's)
 
     def __init__(self, on_step=lambda: None, gated: bool = False) -> None:
         self.on_step, self.gate = on_step, threading.Semaphore(0) if gated else None

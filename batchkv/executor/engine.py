@@ -353,6 +353,24 @@ class Engine:
         prefix = self.scheduler.prefix
         return prefix.held_columns if prefix is not None else 0
 
+    @property
+    def kv_usage(self) -> tuple[int, int]:
+        """(positions the columns of live requests hold, positions the store holds): the flat pool's
+        rows less the scratch rows, as far as a store grown on demand may grow. Columns the prefix
+        cache keeps count as free (they are freed when their memory is needed), as vLLM counts its
+        cached blocks in `vllm:kv_cache_usage_perc`."""
+        prefix, cache = self.scheduler.prefix, self.cache
+        kept = {h.seq for h in prefix.cached} if prefix is not None else set()
+        held = sum(cache.reach(seq) for seq in cache.sequences if seq not in kept)
+        return held, cache.config.max_pool_rows() - cache.config.scratch_rows
+
+    def prefix_blocks(self) -> list[int]:
+        """The chain hashes of the 16-token blocks the prefix cache indexes, live prompts and kept
+        histories (`batchkv.executor.prefix.block_hashes` hashes a prompt the same way): what a router
+        asks to send a prompt where its prefix is. Empty without a prefix cache."""
+        prefix = self.scheduler.prefix
+        return prefix.blocks() if prefix is not None else []
+
     def cached_tokens(self, request_id: int) -> int | None:
         """Prompt tokens a live, admitted request reused from the prefix cache (None: not live or not
         admitted yet): what OpenAI's `usage.prompt_tokens_details.cached_tokens` reports."""

@@ -23,6 +23,7 @@ rotated at those indexes), and only as far back as every ring layer still holds 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from batchkv.cache import BatchedSequenceCache
@@ -152,6 +153,10 @@ class PrefixCache:
         for history in list(self.cached):
             self._drop(history)
 
+    def blocks(self) -> list[int]:
+        """The chain hashes of every indexed block (live prompts and kept histories)."""
+        return list(self._index)
+
     @property
     def held_columns(self) -> int:
         return len(self.cached)
@@ -259,6 +264,17 @@ class PrefixCache:
     def _use(self) -> int:
         self._tick += 1
         return self._tick
+
+
+def block_hashes(prompt: Sequence[int], rope_offset: int = 0) -> list[int]:
+    """The chain hashes of `prompt`'s full 16-token blocks, as the index keys them: what a router
+    outside the engine compares with `PrefixCache.blocks()` (Python's hash of int tuples is the
+    same in every process of one platform)."""
+    out, chain = [], 0
+    for b in range(len(prompt) // BLOCK):
+        chain = _chain(chain, rope_offset, tuple(prompt[b * BLOCK : (b + 1) * BLOCK]))
+        out.append(chain)
+    return out
 
 
 def _chain(prev: int, offset: int, block: tuple[int, ...]) -> int:

@@ -249,3 +249,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--access-log", action="store_true", help="log every HTTP request")
     _add_limits(p)
     _add_access(p)
+    p.add_argument_group("ray serve").add_argument(
+        "--ray-replicas",
+        type=bounded(int, 0, 4096),
+        default=0,
+        metavar="N",
+        help="serve N engine replicas on Ray Serve (the cluster at RAY_ADDRESS, else one started here) behind "
+        "this endpoint, with prefix-affinity routing; needs batchkv[ray] (0, the default: no Ray)",
+    )

@@ -77,6 +77,12 @@ def serve(args: argparse.Namespace) -> int:
     import torch
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    if args.ray_replicas:
+        try:
+            from batchkv.serve.ray import serve_on_ray
+        except ImportError as exc:
+            raise ConfigError(f"--ray-replicas needs Ray Serve: pip install 'batchkv[ray]' ({exc})") from exc
+        return serve_on_ray(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = _device(args.device)
@@ -96,24 +102,19 @@ def serve(args: argparse.Namespace) -> int:
         sock.close()
 
 
-def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) -> int:
+def build_engine(args: argparse.Namespace, device: str):
+    """The engine `batchkv serve`'s options ask for, and the served model (tokenizer, stop ids) and
+    capacity: what one server process, or one Ray Serve replica (`batchkv.serve.ray`), serves."""
     import torch
 
     from batchkv.executor import Engine
-    from batchkv.serve.app import build_app
-    from batchkv.serve.jobs import ModelInfo
     from batchkv.serve.loading import load_served_model
-    from batchkv.serve.metrics import ServerMetrics
-    from batchkv.serve.worker import EngineWorker
 
     tp = args.tensor_parallel  # > 1: the ranks load their shares, this process only what serving text needs
     served = load_served_model(args.model, device, dtype=args.dtype, seed=args.seed, weights=tp == 1)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     model = served.model if tp == 1 else model_source(args.model, seed=args.seed, dtype=dtype)
-    limit = served.max_positions
-    capacity = args.capacity or min(DEFAULT_CAPACITY, limit or DEFAULT_CAPACITY)
-    if limit and capacity > limit:
-        raise ConfigError(f"--capacity {capacity} is beyond the model's max_position_embeddings {limit}; lower it")
+    capacity = served_capacity(args, served.max_positions)
     engine = Engine(
         model,
         tensor_parallel=tp,
@@ -127,6 +128,25 @@ def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) 
         kv_dtype=kv_dtype_option(args.kv_dtype),
         speculative=speculative_option(args, served.model),
     )
+    return engine, served, capacity
+
+
+def served_capacity(args: argparse.Namespace, limit: int | None) -> int:
+    """--capacity, else min(DEFAULT_CAPACITY, the model's limit); beyond the limit is a ConfigError."""
+    capacity = args.capacity or min(DEFAULT_CAPACITY, limit or DEFAULT_CAPACITY)
+    if limit and capacity > limit:
+        raise ConfigError(f"--capacity {capacity} is beyond the model's max_position_embeddings {limit}; lower it")
+    return capacity
+
+
+def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) -> int:
+    from batchkv.serve.app import build_app
+    from batchkv.serve.jobs import ModelInfo
+    from batchkv.serve.metrics import ServerMetrics
+    from batchkv.serve.worker import EngineWorker
+
+    tp = args.tensor_parallel
+    engine, served, capacity = build_engine(args, device)
     max_seqs = engine.cache.max_seqs  # what --max-seqs auto chose, else --max-seqs
     metrics = ServerMetrics(max_seqs)
     limits = limits_from(args)

@@ -310,6 +310,7 @@ class EngineWorker:
             columns=len(engine.cache.sequences) - cached,
             cached=cached,
             captures=engine.runner.captures,
+            positions=engine.kv_usage,
         )
 
 

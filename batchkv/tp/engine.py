@@ -51,8 +51,11 @@ def start(model: object, tensor_parallel: int, options: dict) -> tuple[Local | L
         raise ConfigError("under tensor parallelism every rank builds its drafter: give SpeculativeConfig(drafter=) "
                           "a factory(target) -> DFlashDrafter, e.g. functools.partial(build_drafter, ...)")  # fmt: skip
     step_timeout()  # a bad BATCHKV_TP_TIMEOUT is refused before any process starts
-    if device.type == "cuda" and world > torch.cuda.device_count():
-        raise ConfigError(f"tensor_parallel={world} needs {world} GPUs; this host has {torch.cuda.device_count()}")
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if _under_torchrun() else world  # ranks on this host
+    if device.type == "cuda" and here > torch.cuda.device_count():
+        raise ConfigError(
+            f"{here} tensor-parallel ranks on this host need {here} GPUs; it has {torch.cuda.device_count()}"
+        )
     if _under_torchrun():
         group = Group.torchrun(world, device.type)
         if group.rank > 0:

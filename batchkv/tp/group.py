@@ -3,7 +3,8 @@
 `Group.spawn` (rank 0, in the caller's process) starts N - 1 processes with torch.multiprocessing
 (spawn) and a local rendezvous: a TCPStore on 127.0.0.1 at a port the OS picks, which every rank
 joins (`Group.join`). Under torchrun (`Group.torchrun`) the ranks are torchrun's and its store is
-used. Every rank then holds three process groups:
+used; they may span hosts (`torchrun --nnodes N --node-rank R --rdzv-endpoint HOST:PORT`), each rank
+on its node's GPU LOCAL_RANK. Every rank then holds three process groups:
 - the default one, NCCL on CUDA (rank r on cuda:r) or gloo on the CPU: the model's collectives,
   each bounded by `step_timeout()` (BATCHKV_TP_TIMEOUT seconds, default 120);
 - `plans`, gloo: rank 0's step plans (`batchkv.tp.channel`); the other ranks wait on it while
@@ -18,7 +19,11 @@ connection closes), and rank 0 turns that into a `TensorParallelError` naming th
 error (`failure`). A rank that dies without a word is seen by rank 0's watcher thread (its exit
 code), which on NCCL aborts the communicators so no device wait hangs. Spawned ranks die with
 rank 0's thread that spawned them (PR_SET_PDEATHSIG) and ignore SIGINT: Ctrl-C reaches rank 0,
-which stops them (`close`).
+which stops them (`close`). Under torchrun rank 0 has no processes to watch: every other rank bumps
+a counter in the store every HEARTBEAT_S (`_beat`, on a connection of its own), and a rank that
+neither reported an error nor moved its counter while rank 0 waited REPORT_WAIT is named as the
+one that stopped, with its node and host (counters, not clocks: hosts' clocks differ). A node that
+drops off the network without a word fails the next collective within BATCHKV_TP_TIMEOUT.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import math
 import multiprocessing.connection
 import os
 import signal
+import socket
 import threading
 import time
 import traceback
@@ -47,6 +53,9 @@ MAX_STEP_TIMEOUT = 86400.0  # seconds: a day
 REPORT_WAIT = 3.0  # seconds rank 0 waits for a failed rank's report
 _REPORT = "batchkv/failed/{}"
 _JOINED = "batchkv/joined/{}"
+_NODE = "batchkv/node/{}"  # torchrun: "node R (host)" of a rank
+_BEAT = "batchkv/beat/{}"  # torchrun: a rank's heartbeat counter
+HEARTBEAT_S = 0.5
 
 
 def step_timeout() -> datetime.timedelta:
@@ -69,9 +78,12 @@ def no_multicast() -> None:
 class Group:
     """This process's place in a tensor-parallel group: rank, world, device, process groups, store."""
 
-    def __init__(self, rank: int, world: int, device_type: str, store: object, procs: list) -> None:
+    def __init__(
+        self, rank: int, world: int, device_type: str, store: object, procs: list, local_rank: int | None = None
+    ) -> None:
         self.rank, self.world, self.store, self.procs = rank, world, store, procs
-        self.device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+        local = rank if local_rank is None else local_rank  # this rank's GPU on its host
+        self.device = torch.device("cuda", local) if device_type == "cuda" else torch.device("cpu")
         if device_type == "cuda":
             torch.cuda.set_device(self.device)
         if not dist.is_initialized():
@@ -125,14 +137,16 @@ class Group:
         if int(os.environ["WORLD_SIZE"]) != world:
             raise ConfigError(f"tensor_parallel={world} but torchrun started {os.environ['WORLD_SIZE']} processes; "
                               "make them equal")  # fmt: skip
-        if int(os.environ["LOCAL_RANK"]) != int(os.environ["RANK"]):
-            raise ConfigError("tensor parallelism runs on one host: start torchrun with --nnodes 1")
-        rank = int(os.environ["RANK"])
+        rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
         if not dist.is_initialized():
-            device = torch.device("cuda", rank) if device_type == "cuda" else None
+            device = torch.device("cuda", local) if device_type == "cuda" else None
             backend = "nccl" if device_type == "cuda" else "gloo"
             dist.init_process_group(backend, timeout=step_timeout(), **({"device_id": device} if device else {}))
-        return cls(rank, world, device_type, dist.distributed_c10d._get_default_store(), [])
+        store = dist.distributed_c10d._get_default_store()
+        store.set(_NODE.format(rank), f"node {os.environ.get('GROUP_RANK', '0')} ({socket.gethostname()})")
+        if rank > 0:
+            threading.Thread(target=_beat, args=(rank,), name="batchkv-tp-beat", daemon=True).start()
+        return cls(rank, world, device_type, store, [], local_rank=local)
 
     # ---- faults -----------------------------------------------------------------------------
     def report(self, exc: BaseException) -> None:
@@ -145,6 +159,7 @@ class Group:
         """The error rank 0 raises once any rank has failed; the group is stopped first."""
         if self.failed is None:
             deadline = time.monotonic() + REPORT_WAIT
+            beats = None if self.procs else self._beats()  # torchrun: heartbeats before the wait
             for proc in self.procs:  # a rank that failed reports, then exits: wait for that first
                 proc.join(max(0.0, deadline - time.monotonic()))
             found = []
@@ -153,15 +168,39 @@ class Group:
                 while not self.procs and not self.store.check([key]) and time.monotonic() < deadline:
                     time.sleep(0.05)  # torchrun: no process to wait for
                 if self.store.check([key]):
-                    found.append(f"rank {rank} raised {self.store.get(key).decode()}")
+                    found.append(f"{self._where(rank)} raised {self.store.get(key).decode()}")
                 elif self.procs and self.procs[rank - 1].exitcode not in (None, 0):
                     found.append(f"rank {rank} exited with code {self.procs[rank - 1].exitcode}")
+            if beats is not None:
+                after = self._beats()
+                reported = {rank for rank in range(1, self.world) if self.store.check([_REPORT.format(rank)])}
+                gone = [rank for rank, n in after.items() if n == beats[rank] and rank not in reported]
+                found += [f"{self._where(rank)} stopped (its process or its host is gone: no heartbeat for "
+                          f"{REPORT_WAIT:.0f} s)" for rank in gone]  # fmt: skip
             if not found:
                 found.append(f"rank 0's step failed: {type(cause).__name__}: {cause}" if cause else "a rank stopped")
             self.failed = "; ".join(found)
         self.close(graceful=False)
         return TensorParallelError(f"tensor parallelism stopped: {self.failed}. The engine cannot step again; "
                                    "build a new one")  # fmt: skip
+
+    def _beats(self) -> dict[int, int]:
+        """torchrun: each other rank's heartbeat count (-1: none yet, or the store is gone)."""
+        out = {}
+        for rank in range(1, self.world):
+            try:
+                out[rank] = int(self.store.get(_BEAT.format(rank))) if self.store.check([_BEAT.format(rank)]) else -1
+            except Exception:  # the store went with its host
+                out[rank] = -1
+        return out
+
+    def _where(self, rank: int) -> str:
+        """'rank R', and under torchrun 'on node N (host)'."""
+        key = _NODE.format(rank)
+        try:
+            return f"rank {rank} on {self.store.get(key).decode()}" if self.store.check([key]) else f"rank {rank}"
+        except Exception:
+            return f"rank {rank}"
 
     @property
     def broken(self) -> bool:
@@ -207,6 +246,19 @@ def _await_ranks(store: object, procs: list) -> None:
                     "'__main__':` around it, since every rank's process imports the script"
                 )
             time.sleep(0.01)
+
+
+def _beat(rank: int) -> None:
+    """torchrun, a rank > 0: bump this rank's heartbeat counter every HEARTBEAT_S, on a store
+    connection of its own (torchrun's store, at MASTER_ADDR:MASTER_PORT), until the process ends."""
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=30))  # fmt: skip
+        while True:
+            store.add(_BEAT.format(rank), 1)
+            time.sleep(HEARTBEAT_S)
+    except Exception:  # the store is gone (rank 0's host): nobody is listening
+        return
 
 
 def _stop(procs: list) -> None:
