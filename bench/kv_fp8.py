@@ -54,11 +54,10 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernel_cases import e4m3_store
-
 from batchkv import BatchedSequenceCache, CacheConfig
 from batchkv.ops import sdpa_varlen_reference, sdpa_varlen_triton
 from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config, sdpa_varlen
+from bench.lib.kernel_cases import e4m3_store
 
 FP8 = torch.float8_e4m3fn
 CASES = {  # name: (batch, q_len, kv_end of each sequence, or None for U[64, 8192], or (lo, hi) for U[lo, hi])
