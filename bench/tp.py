@@ -44,8 +44,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from batchkv.executor import Engine, Request, SamplingParams
 from batchkv.models import SenseNovaConfig, preset_config
+from batchkv.models.loading import load
 from batchkv.tp.group import no_multicast
-from batchkv.tp.models import load
 from bench.lib.ceilings import copy_ceiling, read_ceiling
 from bench.lib.serving import Parts, release, serve_offline, warm_up, workload
 from bench.lib.timing import Deadline

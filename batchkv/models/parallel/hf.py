@@ -1,28 +1,21 @@
-"""One tensor-parallel rank's share of a transformers Llama or Qwen3, loaded slice by slice.
+"""What one tensor-parallel rank holds of a transformers Llama or Qwen3, and its modules swapped for it.
 
-The model is built on the meta device from its whole config (so its modules, config and RoPE are
-the model's own), its projections are swapped for this rank's (`batchkv.tp.layers`): q/k/v and
-gate/up `nn.Linear`s with this rank's output features, o and down `RowParallelLinear`s, the
-embedding and LM head vocab-parallel. Then it is materialised on the rank's device and every
-parameter is read from the safetensors files as the slice this rank holds (`SafetensorsSlices`),
-so no rank reads or holds the whole model. The attention modules reshape with -1 heads, so they
-run on this rank's heads unchanged; `HFModel(shard=...)` reports this rank's KV heads to its cache.
+`spans` says which slice of each projection's weight a rank holds; `shard_modules` swaps a model
+built on the meta device from its whole config (so its modules, config and RoPE are the model's
+own) for this rank's (`batchkv.models.parallel.layers`): q/k/v and gate/up `nn.Linear`s with this
+rank's output features, o and down `RowParallelLinear`s, the embedding and LM head vocab-parallel;
+`span_of` names the slice of each parameter to read (`SafetensorsSlices`), so no rank reads or
+holds the whole model. `batchkv.models.loading.load_hf_shard` puts them together. The attention
+modules reshape with -1 heads, so they run on this rank's heads unchanged; `HFModel(shard=...)`
+reports this rank's KV heads to its cache.
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
-import torch
 from torch import nn
 
-from batchkv.errors import CheckpointError, ConfigError
-from batchkv.tp.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
-from batchkv.tp.shard import Shard
-from batchkv.tp.slices import SafetensorsSlices
-
-FAMILIES = ("llama", "qwen3")
+from batchkv.models.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from batchkv.models.parallel.shard import Shard
 
 
 def _linear(module: nn.Linear, features: int, dim: int, shard: Shard) -> nn.Linear:
@@ -33,7 +26,7 @@ def _linear(module: nn.Linear, features: int, dim: int, shard: Shard) -> nn.Line
     return RowParallelLinear(features, module.out_features, bias, shard, **kw)
 
 
-def _spans(config, shard: Shard) -> dict[str, tuple[int, range]]:
+def spans(config, shard: Shard) -> dict[str, tuple[int, range]]:
     """Projection name -> (dim, range) this rank holds of its weight (and of a column-parallel bias)."""
     heads = config.num_attention_heads
     d = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -43,7 +36,8 @@ def _spans(config, shard: Shard) -> dict[str, tuple[int, range]]:
             "up_proj": (0, inter), "down_proj": (1, inter)}  # fmt: skip
 
 
-def _shard_modules(hf: nn.Module, config, shard: Shard, spans: dict[str, tuple[int, range]]) -> None:
+def shard_modules(hf: nn.Module, config, shard: Shard, spans: dict[str, tuple[int, range]]) -> None:
+    """Swap `hf`'s projections, embedding and LM head (on the meta device) for this rank's."""
     decoder = getattr(hf, hf.base_model_prefix)
     for layer in decoder.layers:
         for parent in (layer.self_attn, layer.mlp):
@@ -57,7 +51,8 @@ def _shard_modules(hf: nn.Module, config, shard: Shard, spans: dict[str, tuple[i
         hf.lm_head.weight = decoder.embed_tokens.weight
 
 
-def _span_of(name: str, spans: dict[str, tuple[int, range]], shard: Shard, vocab: int) -> tuple[int, range] | None:
+def span_of(name: str, spans: dict[str, tuple[int, range]], shard: Shard, vocab: int) -> tuple[int, range] | None:
+    """(dim, range) of parameter `name` this rank reads; None: it holds the whole tensor."""
     part, kind = name.rsplit(".", 2)[-2:]
     if part in ("embed_tokens", "lm_head"):
         return 0, shard.vocab(vocab)
@@ -65,42 +60,3 @@ def _span_of(name: str, spans: dict[str, tuple[int, range]], shard: Shard, vocab
     if span is None or (kind == "bias" and span[0] == 1):  # norms; a row-parallel bias is held whole
         return None
     return 0 if kind == "bias" else span[0], span[1]
-
-
-def load_hf_shard(
-    path: str | os.PathLike, shard: Shard, *, dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None
-):
-    """`HFModel` of rank `shard.rank`'s share of the transformers model directory `path`."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    from batchkv.models.hf import HFModel
-
-    path = Path(path)
-    config = AutoConfig.from_pretrained(str(path))
-    if config.model_type not in FAMILIES:
-        raise ConfigError(f"{path}: tensor parallelism shards the transformers families {FAMILIES}, not "
-                          f"{config.model_type!r}")  # fmt: skip
-    spans = _spans(config, shard)
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(config, dtype=dtype or config.dtype)
-        _shard_modules(hf, config, shard, spans)
-    hf.to_empty(device=shard.device)
-    decoder = getattr(hf, hf.base_model_prefix)
-    tied = getattr(config, "tie_word_embeddings", False)
-    if tied:  # to_empty gives each module a tensor of its own: tie them again (one copy of the rows)
-        hf.lm_head.weight = decoder.embed_tokens.weight
-    decoder.rotary_emb = type(decoder.rotary_emb)(config).to(shard.device)  # its tables, which meta left empty
-    with SafetensorsSlices(path) as ckpt, torch.no_grad():
-        for name, param in hf.named_parameters():
-            source = "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name
-            if source not in ckpt:
-                raise CheckpointError(f"{path} has no tensor {source} (a {config.model_type} of this config needs it)")
-            span = _span_of(name, spans, shard, config.vocab_size)
-            part = ckpt.read(source, *(span or (None, None)))
-            param[: part.shape[0]].copy_(part)
-            param[part.shape[0] :].zero_()  # the last ranks' vocabulary padding
-    if (path / "generation_config.json").is_file():
-        hf.generation_config = GenerationConfig.from_pretrained(str(path))
-    model = HFModel(hf.eval(), kv_dtype=kv_dtype, shard=shard)
-    model.directory = path
-    return model
