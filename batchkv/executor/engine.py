@@ -350,8 +350,7 @@ class Engine:
     @property
     def cached_columns(self) -> int:
         """Columns the prefix cache keeps (finished histories, freed when their memory is needed)."""
-        prefix = self.scheduler.prefix
-        return prefix.held_columns if prefix is not None else 0
+        return self.scheduler.prefix.held_columns
 
     def cached_tokens(self, request_id: int) -> int | None:
         """Prompt tokens a live, admitted request reused from the prefix cache (None: not live or not
@@ -386,10 +385,9 @@ class Engine:
     def _launch(self) -> InFlight | None:
         """Admit, plan, and queue the next step on the device; commit it on the host. None: no step."""
         prefix = self.scheduler.prefix
-        before = prefix.counts() if prefix is not None else None
+        before = prefix.counts()
         self.scheduler.admit()
-        if prefix is not None:
-            self.metrics.note_prefix(before, prefix.counts())  # type: ignore[arg-type]
+        self.metrics.note_prefix(before, prefix.counts())
         batch = self.scheduler.plan()
         self.metrics.note_generation(self.cache.generation)
         if batch is None:
@@ -456,14 +454,12 @@ class Engine:
 
     def clear_prefix_cache(self) -> None:
         """Free every cached prefix now (they are freed anyway when their memory is needed)."""
-        if self.scheduler.prefix is not None:
-            self.scheduler.prefix.clear()
+        self.scheduler.prefix.clear()
 
     def assert_idle(self) -> None:
         """Raise StepError unless no request is live and every column is free but those the prefix
         cache keeps (a leak check)."""
-        prefix = self.scheduler.prefix
-        cached = {h.seq for h in prefix.cached} if prefix is not None else set()
+        cached = {h.seq for h in self.scheduler.prefix.cached}
         held = [s for s in self.cache.sequences if s not in cached] + self.speculator.sequences()
         if self.scheduler.live or held or self.pipeline.in_flight is not None:
             raise StepError(
