@@ -94,7 +94,7 @@ def add_tensor_parallel(group: argparse._ArgumentGroup, flag: str) -> None:
 def model_source(name: str, *, seed: int, dtype: torch.dtype | None = None) -> functools.partial:
     """What each tensor-parallel rank builds its share from: a preset, or a model directory (a GGUF file
     is converted here, once, before the ranks start)."""
-    from batchkv.tp.models import load, resolve
+    from batchkv.models.loading import load, resolve
 
     return functools.partial(load, resolve(name), seed=seed, dtype=dtype)
 

@@ -2,7 +2,7 @@
 the fair serving roofline measured in the same run.
 
 Parts, in order, each under the run's budget (`--budget-s`), each written to the JSON when it ends:
-1. ceilings: read bandwidth, copy bandwidth, bf16 GEMM peak (bench/ceilings.py);
+1. ceilings: read bandwidth, copy bandwidth, bf16 GEMM peak (bench/lib/ceilings.py);
 2. b1: one sequence, prompt 512, 256 new tokens, greedy, ms/token (median inter-token latency of
    a second, warmed-up request), batchkv with CUDA graphs and eager;
 3. serve: 256 requests, prompts U[64, 2048], outputs U[64, 1024], seed 0, all submitted at once,
@@ -10,13 +10,13 @@ Parts, in order, each under the run's budget (`--budget-s`), each written to the
    step, the store sized to the device, each request holding what it can reach): output tokens/s,
    TTFT and inter-token p50/p99; the workload's own limit from the request list (its FLOPs and
    bytes, perfectly overlapped and not at all), the fair roofline over the steps the engine ran and
-   the bytes-only roofline (bench/roofline.py); serve_e4m3, the same with e4m3 K/V; serve_max64,
+   the bytes-only roofline (bench/lib/roofline.py); serve_e4m3, the same with e4m3 K/V; serve_max64,
    the configuration before (64 sequences, every column at capacity) in the same run; budgets, the
    prefill budgets 256, 512 and 1,024 at 256 sequences (inter-token p99 against p50);
 4. online: three Poisson arrival rates (0.25, 0.5 and 0.9 of the offline run's requests/s), each
    over the first `rate * --online-window-s` requests of the same list, on the engine the offline
-   run warmed (bench/online.py): tokens/s, TTFT (from arrival) and inter-token p50/p99;
-5. the transformers peers (bench/decode_hf.py): continuous batching calibrated, offline on a
+   run warmed (bench/lib/online.py): tokens/s, TTFT (from arrival) and inter-token p50/p99;
+5. the transformers peers (bench/lib/decode_hf.py): continuous batching calibrated, offline on a
    prefix of the list, online at the same rates and arrivals; batchkv on the same prefix; and one
    sequence eager and StaticCache + compile.
 --resume FILE runs only the parts that FILE lacks (a part skipped for budget or failed runs again).
@@ -29,45 +29,35 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import sys
 import time
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ceilings import copy_ceiling, matmul_peak, read_ceiling
-from online import poisson_arrivals, run_online
-from roofline import StepLog, bytes_only_tokens_per_s, fair_seconds, model_cost, workload_limit
-from timing import Deadline
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout: bench.lib and batchkv
 from batchkv.executor import Engine, Request, SamplingParams
 from batchkv.models import build_model, preset_config
+from bench.lib.ceilings import copy_ceiling, matmul_peak, read_ceiling
+from bench.lib.online import poisson_arrivals, run_online
+from bench.lib.roofline import StepLog, bytes_only_tokens_per_s, fair_seconds, model_cost, workload_limit
+from bench.lib.serving import (
+    WARM_UP,
+    Parts,
+    full_chunk_step_ms,
+    release,
+    serve_offline,
+    serving_engine,
+    sync,
+    warm_up,
+    workload,
+)
+from bench.lib.timing import Deadline
 
 RATE_FRACTIONS = {"light": 0.25, "medium": 0.5, "near_saturation": 0.9}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def release(device: torch.device) -> None:
-    """Give a closed engine's memory back to the device before the next one sizes itself."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def workload(n: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, vocab, rng.integers(prompt[0], prompt[1] + 1)).tolist() for _ in range(n)]
-    return prompts, rng.integers(output[0], output[1] + 1, n).tolist()
 
 
 def single_sequence(model, device, prompt_len: int, new_tokens: int, graphs: bool) -> dict:
@@ -87,107 +77,6 @@ def single_sequence(model, device, prompt_len: int, new_tokens: int, graphs: boo
     itl = np.asarray(engine.metrics.inter_token) * 1e3
     return {"ms_per_token_p50": float(np.median(itl)), "ms_per_token_mean": float(itl.mean()), "wall_s": wall,
             "tokens": sum(e.token is not None for e in events), "captures": engine.metrics.captures}  # fmt: skip
-
-
-def serving_engine(
-    model,
-    device,
-    prompts,
-    outputs,
-    max_seqs: int | str = "auto",
-    kv_dtype=None,
-    step_tokens: int = 1024,
-    prefill_budget: int | None = None,
-) -> Engine:
-    """The serving configuration: 1024-token steps (`step_tokens`), 512-token prompt chunks, capacity
-    the longest request, the store allocated whole. max_seqs "auto" (the README's): 256 sequences, the
-    store sized to the device; an int: that many, each column at capacity (the configuration before)."""
-    capacity = max(map(len, prompts)) + max(outputs) + 1
-    kv_positions = "auto" if max_seqs == "auto" else max_seqs * capacity
-    return Engine(model, max_seqs=max_seqs, capacity=capacity, max_step_tokens=step_tokens,
-                  prefill_chunk=min(512, capacity, step_tokens), prefill_budget=prefill_budget,
-                  use_graphs=device.type == "cuda", device=device, kv_positions=kv_positions,
-                  kv_dtype=kv_dtype)  # fmt: skip
-
-
-WARM_UP = (
-    "the first 64 prompts with at most 16 new tokens each, untimed, then Engine.warm_up() (every width's graph "
-    "captured, kernels compiled) and an empty prefix cache"
-)
-
-
-def warm_up(engine: Engine, device, prompts, outputs) -> None:
-    """`WARM_UP`, then fresh metrics: a serving engine starts its timed work warm, as the peers' setup
-    (model load, compilation, graph capture) is timed apart from their serving."""
-    serve_offline(engine, device, prompts[:64], [min(o, 16) for o in outputs[:64]])
-    engine.clear_prefix_cache()
-    engine.warm_up()  # every width's graph, so that no timed step captures one
-    engine.metrics = engine.metrics.fresh()
-
-
-def full_chunk_step_ms(engine: Engine, device, prompts, repeats: int = 5) -> float:
-    """The unit of the time-to-first-token target: the median time, on the idle warm engine, from
-    submitting one prompt of exactly `prefill_chunk` tokens to its first token (one step)."""
-    chunk = min(engine.scheduler.prefill_chunk, engine.cache.capacity - 1)  # room for the one token
-    prompt = [t for p in prompts for t in p][:chunk]
-    times = []
-    for _ in range(repeats + 1):  # the first captures this width if the workload never used it
-        sync(device)
-        start = time.perf_counter()
-        engine.submit(Request(prompt, SamplingParams(max_new_tokens=1)))
-        engine.run_until_done()
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times[1:]))
-
-
-def serve_offline(engine: Engine, device, prompts, outputs) -> dict:
-    """Every request submitted at once, run to the end; the engine's summary and the wall time. The
-    prefix cache starts empty: the requests reuse only one another's prefixes, not an earlier run's."""
-    engine.clear_prefix_cache()
-    for p, o in zip(prompts, outputs, strict=True):
-        engine.submit(Request(p, SamplingParams(max_new_tokens=o)))
-    sync(device)
-    start = time.perf_counter()
-    engine.run_until_done()
-    sync(device)
-    summary = engine.metrics.summary()
-    summary["wall_s"] = wall = time.perf_counter() - start
-    summary["output_tokens_per_s_wall"] = summary["generated_tokens"] / wall
-    return summary
-
-
-class Parts:
-    """Runs named parts once each, under a deadline, saving the result after every part."""
-
-    def __init__(self, result: dict, out: Path, deadline: Deadline) -> None:
-        self.result, self.out, self.deadline = result, out, deadline
-        self.status = result.setdefault("parts", {})
-
-    def save(self) -> None:
-        self.out.write_text(json.dumps(self.result, indent=2) + "\n")
-
-    skip: tuple[str, ...] = ()  # parts not to run (--skip-parts)
-
-    def run(self, name: str, fn, need_s: float = 1.0) -> None:
-        if self.status.get(name, {}).get("status") == "done":
-            return
-        if name in self.skip:
-            self.status[name] = {"status": "skipped: --skip-parts"}
-            return
-        left = self.deadline.left()
-        if left < need_s:
-            self.status[name] = {"status": f"skipped: {left:.0f} s of the budget left, needs about {need_s:.0f}"}
-        else:
-            start = time.perf_counter()
-            try:
-                fn()
-                self.status[name] = {"status": "done"}
-            except Exception as exc:  # a part that fails is recorded, and the others still run
-                traceback.print_exc()
-                self.status[name] = {"status": f"failed: {type(exc).__name__}: {exc}"[:500]}
-            self.status[name]["s"] = round(time.perf_counter() - start, 1)
-        print(f"== part {name}: {self.status[name]}", flush=True)
-        self.save()
 
 
 def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
@@ -400,7 +289,7 @@ def main() -> None:
     parts.skip = tuple(filter(None, args.skip_parts.split(",")))
     batchkv_parts(parts, ctx, args)
     if not args.skip_hf:
-        from decode_hf import hf_parts
+        from bench.lib.decode_hf import hf_parts
 
         if ctx.engine is not None:  # the peer gets the memory of batchkv's serving cache
             ctx.engine.close()

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: run the named phases in order, each under its own time limit, with
-# results under $OUT. Phases: oomtests tests kernels sweep model decode profile compat summary serve fp8 fp8sweep
-# spec gemv b1 ncu overlap budget online tp tptests tp1ab.
-#   OUT=/tmp/out bash bench/gpu_session.sh tests kernels decode summary
+# results under $OUT. Phases: oomtests tests kernels sweep model decode fp8 fp8sweep spec tp tptests tp1ab (the
+# probes behind the other results in bench/results/README.md are in git history: that file says where).
+#   OUT=/tmp/out bash bench/gpu_session.sh tests kernels decode
 # tp and tptests need two GPUs (nvidia-h200-x2): bench/tp.py (resumed across calls with
 # TP_ARGS="--resume bench/results/tp-h200x2.json") and tests/test_tp_gpu.py. tp1ab, on one GPU: the
 # one-sequence decode and serving parts of bench/decode.py from a baseline tree (BASE, default
@@ -13,9 +13,8 @@
 # their limits, write JSON after every part, and finish with what fit. A run that stopped early is
 # completed on a later machine by copying its JSON into the tree and passing it back, e.g.
 #   DECODE_ARGS="--resume bench/results/decode-h200.json" OUT=/tmp/out bash bench/gpu_session.sh decode
-# The machine has no msgspec: carry its wheel in .whl/ (bash ../shared/device/wheels.sh). The serve
-# phase also needs the server's wheels: see bench/results/README.md. A carried .fi/ (the pruned
-# FlashInfer) adds the kernels phase's flashinfer peer; its JIT compile (~95 s) comes before the
+# The machine has no msgspec: carry its wheel in .whl/ (bash ../shared/device/wheels.sh). A carried .fi/ (the
+# pruned FlashInfer) adds the kernels phase's flashinfer peer; its JIT compile (~95 s) comes before the
 # phase's --budget-s, so raise KERNELS_LIMIT with it (bench/results/README.md gives the call).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -49,24 +48,11 @@ for p in "$@"; do
     model) phase model 90 python3 bench/model_step.py --preset sensenova-u1-8b --rows 1 8 32 64 --json "$OUT/model_step.json" ;;
     decode) phase decode "${DECODE_LIMIT:-420}" python3 bench/decode.py --out "$OUT/decode-h200.json" \
       --budget-s "${DECODE_BUDGET:-390}" ${DECODE_ARGS:-} ;;
-    profile) phase profile 90 python3 bench/step_profile.py --rows 1 64 --context 640 --json "$OUT/step_profile.json" ;;
-    compat) phase compat 150 python3 bench/compat_attention.py --out "$OUT/compat-h200.json" ;;
-    serve) phase serve "${SERVE_LIMIT:-300}" python3 bench/serve_http.py --out "$OUT/serve-http-h200.json" ${SERVE_ARGS:-} ;;
     fp8) phase fp8 "${FP8_LIMIT:-240}" python3 bench/kv_fp8.py --out "$OUT/kv-fp8-h200.json" \
       --kernels-json "$OUT/kernels-h200.json" ${FP8_ARGS:-} ;;
     fp8sweep) phase fp8sweep 230 python3 bench/kv_fp8.py --sweep --out "$OUT/kv-fp8-sweep-h200.json" ;;
     spec) phase spec "${SPEC_LIMIT:-240}" python3 bench/spec.py --out "$OUT/spec-h200.json" \
       --budget-s "${SPEC_BUDGET:-150}" ${SPEC_ARGS:-} ;;
-    gemv) phase gemv 120 python3 bench/gemv.py --out "$OUT/gemv-h200.json" ;;
-    b1) phase b1 240 python3 bench/b1_sweep.py --out "$OUT/b1-sweep-h200.json" --budget-s 170 ;;
-    ncu) phase ncu 90 ncu --clock-control none --profile-from-start off --section SpeedOfLight --section LaunchStats \
-      --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis --csv --page details \
-      python3 bench/b1_ncu.py ;;
-    summary) phase summary 60 python3 bench/summary.py "$OUT" ;;
-    overlap) phase overlap 170 python3 bench/serve_profile.py --out "$OUT/${OVERLAP_NAME:-serve-profile-h200}.json" ${OVERLAP_ARGS:-} ;;
-    budget) phase budget 580 python3 bench/serve_sweep.py --out "$OUT/serve-sweep-h200.json" --budget-s 420 ;;
-    online) phase online 280 python3 bench/serve_sweep.py --online-only --online-rate "${ONLINE_RATE:-4.04}" \
-      --out "$OUT/serve-sweep-online-h200.json" --budget-s 200 ${ONLINE_ARGS:-} ;;
     tp) phase tp "${TP_LIMIT:-590}" python3 bench/tp.py --out "$OUT/tp-h200x2.json" --budget-s "${TP_BUDGET:-560}" \
       ${TP_ARGS:-} ;;
     tptests) phase tptests 300 python3 -m pytest -m gpu tests/test_tp_gpu.py -v --tb=short -p no:cacheprovider -ra \

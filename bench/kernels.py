@@ -1,19 +1,19 @@
 """sdpa_varlen on SenseNova decode shapes: time, GB/s, % of the copy and read ceilings, beside its peers.
 
-Cases and geometry: bench/kernel_cases.py. Decode cases report GB/s of the valid K/V prefixes;
+Cases and geometry: bench/lib/kernel_cases.py. Decode cases report GB/s of the valid K/V prefixes;
 prefill cases also TFLOP/s (4 * D * Hq per attended (query, key) pair). Every time is the median
-over CUDA-graph replays of a graph holding K back-to-back calls, divided by K (bench/timing.py).
-Ceilings (bench/ceilings.py): device copy and read-only streaming; attention only reads K/V, so
+over CUDA-graph replays of a graph holding K back-to-back calls, divided by K (bench/lib/timing.py).
+Ceilings (bench/lib/ceilings.py): device copy and read-only streaming; attention only reads K/V, so
 `pct_of_read` is the honest figure, `pct_of_copy` is kept for comparison with earlier runs.
 
 Peers, each tried every way it runs and the fastest that matches the reference kept (all tries
 are in `peer_candidates`): SDPA over exact prefixes and SDPA padded + mask, in the enable_gqa and
-the folded layouts under every SDPA backend (bench/kernel_peers.py); torch's own varlen attention
+the folded layouts under every SDPA backend (bench/lib/kernel_peers.py); torch's own varlen attention
 when this torch ships it; FlashInfer's paged decode and prefill wrappers at page sizes 16, 32, 64
-and one page per sequence (bench/flashinfer_peer.py; first of the peers), when it is importable:
-its kernels are compiled before the budget starts (bench/flashinfer_jit.py; `flashinfer` in the
+and one page per sequence (bench/lib/flashinfer_peer.py; first of the peers), when it is importable:
+its kernels are compiled before the budget starts (bench/lib/flashinfer_jit.py; `flashinfer` in the
 report says what was built, or why the peer is out); flex_attention compiled per case shape with
-its knobs (bench/flex_peer.py, last, since compiles are the slow part; defaults for every case
+its knobs (bench/lib/flex_peer.py, last, since compiles are the slow part; defaults for every case
 first, then the other knobs while the budget lasts). Recompiles are logged (TORCH_LOGS=recompiles)
 while flex runs.
 
@@ -21,7 +21,9 @@ while flex runs.
     python bench/kernels.py --small --check --out /tmp/k.json     # CPU smoke run (Triton interpreter)
 
 --check first compares batchkv with the torch reference on every case (a mismatch is recorded and
-printed, not fatal); --sweep times a grid of SdpaConfig choices instead (bench/kernel_sweep.py).
+printed, not fatal); --sweep times a grid of SdpaConfig choices instead (bench/lib/kernel_sweep.py);
+--compile-sm90 LABEL compiles the kernels for sm_90 without a GPU and prints what decides their
+speed (bench/lib/compile_sm90.py).
 Results are written after every case and every peer; --resume FILE completes a run that stopped
 early (only the parts it lacks run).
 """
@@ -38,19 +40,18 @@ from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available():  # without a GPU the Triton kernels run under the interpreter
+if not torch.cuda.is_available() and "--compile-sm90" not in sys.argv:  # no GPU: the Triton interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ceilings import copy_ceiling, read_ceiling
-from flashinfer_jit import load as load_flashinfer
-from flashinfer_peer import at_page, flashinfer
-from flex_peer import flex, knob_sets
-from kernel_cases import CASES, SMALL_CASES, TOLERANCE, Case, build_cases
-from kernel_peers import PEERS, varlen_api
-from kernel_sweep import batchkv_calls, sweep
-from timing import Deadline, time_calls
-
 from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config
+from bench.lib.ceilings import copy_ceiling, read_ceiling
+from bench.lib.flashinfer_jit import load as load_flashinfer
+from bench.lib.flashinfer_peer import at_page, flashinfer
+from bench.lib.flex_peer import flex, knob_sets
+from bench.lib.kernel_cases import CASES, SMALL_CASES, TOLERANCE, Case, build_cases
+from bench.lib.kernel_peers import PEERS, varlen_api
+from bench.lib.kernel_sweep import batchkv_calls, sweep
+from bench.lib.timing import Deadline, time_calls
 
 FLEX_FIRST = ("b64-mixed", "b1-l1024", "b32-mixed", "b8-mixed", "b1-l9100", "b32-verify4", "b64-l512")
 
@@ -248,9 +249,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels-h200.json"))
     parser.add_argument("--sweep-out", type=Path, default=Path("bench/results/kernels-sweep.json"))
     parser.add_argument("--check", action="store_true", help="compare with the reference first")
+    parser.add_argument(
+        "--compile-sm90",
+        metavar="LABEL",
+        default=None,
+        help="compile the kernels for sm_90 without a GPU and print registers, spills and the hot "
+        "loop of each variant whose label contains LABEL ('' for all): bench/lib/compile_sm90.py",
+    )
     parser.add_argument("--sweep", action="store_true", help="time a grid of SdpaConfig instead of the benchmark")
     parser.add_argument("--sweep-grid", choices=("defaults", "few"), default="defaults",
-                        help="the grid --sweep times (bench/kernel_sweep.py GRIDS)")  # fmt: skip
+                        help="the grid --sweep times (bench/lib/kernel_sweep.py GRIDS)")  # fmt: skip
     parser.add_argument("--config", default="{}", help="SdpaConfig overrides as JSON, e.g. '{\"occupancy\": 4}'")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--small", action="store_true", help="tiny geometry and cases (a CPU smoke run)")
@@ -260,6 +268,11 @@ def main() -> None:
     parser.add_argument("--flashinfer-compile-s", type=float, default=300.0,
                         help="FlashInfer's JIT compile, before the budget (0: leave FlashInfer out)")  # fmt: skip
     args = parser.parse_args()
+    if args.compile_sm90 is not None:  # no GPU needed: Triton's NVIDIA backend compiles to cubins
+        from bench.lib.compile_sm90 import main as compile_sm90
+
+        compile_sm90(args.compile_sm90)
+        return
     torch.manual_seed(0)
     names = args.cases.split(",") if args.cases else list(SMALL_CASES if args.small else CASES)
     cuda = torch.cuda.is_available()

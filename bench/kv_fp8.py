@@ -40,7 +40,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -54,11 +53,11 @@ from dataclasses import replace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernel_cases import e4m3_store
-
 from batchkv import BatchedSequenceCache, CacheConfig
 from batchkv.ops import sdpa_varlen_reference, sdpa_varlen_triton
 from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config, sdpa_varlen
+from bench.lib.kernel_cases import e4m3_store
+from bench.lib.timing import time_calls as lib_time_calls
 
 FP8 = torch.float8_e4m3fn
 CASES = {  # name: (batch, q_len, kv_end of each sequence, or None for U[64, 8192], or (lo, hi) for U[lo, hi])
@@ -140,37 +139,9 @@ class Case:
 
 # ---- timing ----------------------------------------------------------------------------------------
 def time_calls(calls: list, replays: int) -> float:
-    """Median µs per call of `calls` back to back: CUDA-graph replays on the GPU, wall time on the CPU."""
-
-    def run_all():
-        for call in calls:
-            call()
-
-    if not torch.cuda.is_available():
-        run_all()
-        times = []
-        for _ in range(replays):
-            start = time.perf_counter()
-            run_all()
-            times.append(time.perf_counter() - start)
-        return 1e6 * statistics.median(times) / len(calls)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            run_all()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_all()
-    graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return 1000 * statistics.median(s.elapsed_time(e) for s, e in events) / len(calls)
+    """Median µs per call of `calls` back to back, `replays` times: CUDA-graph replays on the GPU,
+    wall time on the CPU (bench/lib/timing.py, with no time cap on the replays)."""
+    return lib_time_calls(calls, replays, budget_s=float("inf"))[0]
 
 
 def make_stores(shape: Shape, gen: torch.Generator) -> dict:

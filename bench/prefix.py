@@ -29,10 +29,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from decode import release, serve_offline, sync, workload
-
 from batchkv.executor import Engine, Request, SamplingParams
 from batchkv.models import build_model, preset_config
+from bench.lib.serving import release, serve_offline, sync, workload
 
 
 def engine_for(model, device, capacity: int, reuse: bool, small: bool) -> Engine:

@@ -11,8 +11,8 @@ embeddings). Parts, each saved to the JSON as it ends:
   U[64, 2048], outputs U[64, 1024], seed 0; EOS ignored, so every request runs to its length),
   all submitted at once, bf16: in process (`Engine`, 1,024-token steps, 512-token chunks, graphs,
   overlap, the store sized to the device, `warm_up` first) and over HTTP to `batchkv serve --model
-  DIR` with the same settings (streamed completions, bench/serve_client.py), beside the workload's
-  own limit from its FLOPs and bytes (bench/roofline.py's `workload_limit`, this model's costs).
+  DIR` with the same settings (streamed completions, bench/lib/serve_client.py), beside the workload's
+  own limit from its FLOPs and bytes (bench/lib/roofline.py's `workload_limit`, this model's costs).
 
     python3 bench/real_model.py --gguf PATH.gguf --out bench/results/real-model-h200.json   # H200
     python bench/real_model.py --small --out /tmp/real.json   # CPU smoke: 128 tokens, 8 requests
@@ -29,17 +29,15 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
-
-import serve_client  # noqa: E402
-from ceilings import matmul_peak, read_ceiling  # noqa: E402
-from decode import serve_offline, serving_engine, workload  # noqa: E402
-from roofline import ModelCost, workload_limit  # noqa: E402
 
 from batchkv.models.gguf import packaged_gguf, transformers_dir  # noqa: E402
 from batchkv.models.hf import HFModel  # noqa: E402
 from batchkv.score import DEFAULT_CHUNK, E4M3, make_cache, score_caches  # noqa: E402
+from bench.lib import serve_client  # noqa: E402
+from bench.lib.ceilings import matmul_peak, read_ceiling  # noqa: E402
+from bench.lib.roofline import ModelCost, workload_limit  # noqa: E402
+from bench.lib.serving import serve_offline, serving_engine, workload  # noqa: E402
 
 TEXTS = {"prose": ROOT / "tests/fixtures/prose.txt", "python": ROOT / "tests/fixtures/source.py.txt"}
 

@@ -12,7 +12,7 @@ power-of-two router all of them on both.
 `scale`: the standard serving workload of bench/serve_http.py (prompts U[64, 2048], outputs
 U[64, 1024], greedy to their length, Poisson arrivals at three rates; `--small`: the tiny preset's
 U[8, 48] / U[8, 32]) against one replica and against two, streamed over HTTP by
-bench/serve_client.py: output tokens/s, TTFT and inter-token latency. On the CPU both replicas
+bench/lib/serve_client.py: output tokens/s, TTFT and inter-token latency. On the CPU both replicas
 share the same cores, so it is a smoke run; the GPU run gives each replica its own GPU (needs a
 two-GPU host):
     python bench/replicas.py routing --out bench/results/replicas-routing-cpu.json
@@ -36,8 +36,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's batchkv
 
-from bench import serve_client
-from bench.online import poisson_arrivals
+from bench.lib import serve_client
+from bench.lib.online import poisson_arrivals
 
 FULL = {"preset": "sensenova-u1-8b", "prompt": (64, 2048), "output": (64, 1024), "rates": (1.0, 2.0, 4.0),
         "window_s": 20.0, "timeout_s": 60.0, "max_seqs": 64, "capacity": 4096}  # fmt: skip

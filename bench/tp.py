@@ -1,7 +1,7 @@
 """Tensor parallelism: TP=1 and TP=2 in the same call, on two GPUs of one host (nvidia-h200-x2).
 
 Parts, in order, each written to the JSON as it ends (`--resume` runs only the missing ones):
-1. ceilings: copy and read bandwidth of GPU 0 (bench/ceilings.py), and all-reduce bus bandwidth
+1. ceilings: copy and read bandwidth of GPU 0 (bench/lib/ceilings.py), and all-reduce bus bandwidth
    between the ranks (NCCL, two processes of their own, CUDA graphs of back-to-back collectives):
    busbw = bytes * 2 (N - 1) / N / time, per size; the latency of one all-reduce of a decode
    step's hidden row and of the LM head's logits all-gather give the collective time per step;
@@ -42,14 +42,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ceilings import copy_ceiling, read_ceiling
-from decode import Parts, release, serve_offline, warm_up, workload
-from timing import Deadline
-
 from batchkv.executor import Engine, Request, SamplingParams
 from batchkv.models import SenseNovaConfig, preset_config
+from batchkv.models.loading import load
 from batchkv.tp.group import no_multicast
-from batchkv.tp.models import load
+from bench.lib.ceilings import copy_ceiling, read_ceiling
+from bench.lib.serving import Parts, release, serve_offline, warm_up, workload
+from bench.lib.timing import Deadline
 
 LLAMA_70B = SenseNovaConfig(num_layers=80, hidden=8192, q_heads=64, kv_heads=8, head_dim=128, intermediate=28672,
                             vocab=128256, dtype=torch.bfloat16)  # fmt: skip

@@ -14,12 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import flashinfer_jit
-from flashinfer_peer import PAGE_SIZES, at_page, flashinfer, page_size, page_table, paged_kv
-from kernel_cases import SMALL, Case, build_cases
-from kernels import run_peer
-from timing import Deadline
+from bench.kernels import run_peer
+from bench.lib import flashinfer_jit
+from bench.lib.flashinfer_peer import PAGE_SIZES, at_page, flashinfer, page_size, page_table, paged_kv
+from bench.lib.kernel_cases import SMALL, Case, build_cases
+from bench.lib.timing import Deadline
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,18 +1,14 @@
-"""bench/hf_cb.py: the transformers continuous-batching peer, driven on CPU with a tiny Qwen3.
+"""bench/lib/hf_cb.py: the transformers continuous-batching peer, driven on CPU with a tiny Qwen3.
 
 Its tokens must be transformers' own greedy `generate` tokens, exactly `outputs[i]` of them (EOS
 disabled), whether the requests come at once or at arrival times, with at most `max_inflight` live.
 """
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import hf_cb
-from hf_baselines import qwen3_like
+from bench.lib import hf_cb
+from bench.lib.hf_baselines import qwen3_like
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16, 17, 18, 19], [3, 3, 3, 3], [400, 2]]
 OUTPUTS = [4, 6, 8, 5, 3]

@@ -1,12 +1,10 @@
-"""bench/online.py: Poisson arrivals and the wall-clock-driven online run, on a deterministic clock.
+"""bench/lib/online.py: Poisson arrivals and the wall-clock-driven online run, on a deterministic clock.
 
 The online loop reads `online.time`; the tests give it a fake clock in which sleeping moves time
 to the wake-up point and every engine step takes exactly 10 ms, so latencies are exact.
 """
 
 import itertools
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,9 +12,7 @@ import pytest
 
 from batchkv.executor import Engine
 from batchkv.models import build_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import online
+from bench.lib import online
 
 STEP_S = 0.01
 

@@ -1,11 +1,8 @@
-"""bench/roofline.py: the per-step arithmetic of the fair serving roofline, against independent oracles.
+"""bench/lib/roofline.py: the per-step arithmetic of the fair serving roofline, against independent oracles.
 
 Segments are checked against the cache's own seq_info, pair counts against a torch causal mask,
 and a step's FLOPs against torch's FlopCounterMode over the real forward of that step.
 """
-
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,9 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from batchkv import BatchedSequenceCache, CacheConfig
 from batchkv.executor import Engine, Request, SamplingParams
 from batchkv.models import build_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from roofline import (
+from bench.lib.roofline import (
     ModelCost,
     Step,
     StepLog,
@@ -91,7 +86,7 @@ def test_bytes_only_roofline_reads_weights_once_per_batch_and_each_prefix_once()
 
 def test_the_matmul_ceiling_on_a_cpu_is_not_rounded_to_zero():
     """The fair roofline divides by it: a 2-core CPU's few GFLOP/s must survive the rounding."""
-    from ceilings import matmul_peak
+    from bench.lib.ceilings import matmul_peak
 
     peak, variants = matmul_peak(torch.device("cpu"))
     assert 0 < peak == max(variants.values())

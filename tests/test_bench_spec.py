@@ -2,18 +2,13 @@
 bf16 with the few-row matmuls rounded differently from the many-row ones, so a one-row decode
 and a verify segment disagree in their last bits, as the few-row kernel and cuBLAS do on CUDA."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from batchkv.models import build_model
 from batchkv.models.fused import silu_mul_torch
 from batchkv.models.gemv import GEMV_MAX_ROWS, linear
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import spec as bench_spec
+from bench import spec as bench_spec
 
 ARGS = ["--preset", "sensenova-u1-tiny", "--device", "cpu", "--dtype", "bfloat16", "--new-tokens", "29",
         "--draft-layers", "1", "--budget-s", "1e9"]  # fmt: skip

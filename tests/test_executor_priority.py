@@ -11,6 +11,7 @@ import pytest
 
 from batchkv.errors import RequestError
 from batchkv.executor import Engine, Request
+from batchkv.executor.prefix import PrefixCache
 from tests.executor_helpers import drive, greedy, oracle, random_prompt
 from tests.toy_model import ToyModel
 
@@ -106,7 +107,7 @@ def test_a_prompt_does_not_wait_for_a_paused_less_urgent_prefix_donor(model):
     assert_oracle(model, got, ids, schedule)
     last = {rid: max(i for i, emitted in enumerate(steps) if rid in emitted) for rid in ids}
     assert last[ids[2]] < last[ids[0]]  # the asker finished while the runner still ran: it did not wait
-    assert engine.scheduler.prefix is not None
+    assert isinstance(engine.scheduler.prefix, PrefixCache)
 
 
 @pytest.mark.parametrize("priority", [1.5, True, "1", 2**31, -(2**31) - 1])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from batchkv.executor import Engine, Request, SamplingParams, SpeculativeConfig, gather
+from batchkv.executor.prefix import NoPrefixCache
 from tests.executor_helpers import drive, greedy, oracle, random_prompt, working
 from tests.toy_model import ToyModel
 
@@ -179,13 +180,13 @@ def test_the_prefix_cache_is_off_when_asked_and_under_a_dflash_drafter(model):
     from batchkv.models import build_model
     from batchkv.models.dflash import build_drafter
 
-    assert engine(model, prefix_cache=False).scheduler.prefix is None
+    assert isinstance(engine(model, prefix_cache=False).scheduler.prefix, NoPrefixCache)
     with pytest.raises(ConfigError, match="prefix_cache"):
         engine(model, prefix_cache="yes")
     target = build_model("sensenova-u1-tiny", "cpu", seed=0)
     drafter = build_drafter(target, num_layers=1, target_layer_ids=(0, 3), block_size=4)
     speculating = Engine(target, max_seqs=2, capacity=64, speculative=SpeculativeConfig("dflash", drafter=drafter))
-    assert speculating.scheduler.prefix is None  # the drafter's cache would lack the reused context
+    assert isinstance(speculating.scheduler.prefix, NoPrefixCache)  # the drafter's cache would lack the reused context
 
 
 def test_with_no_room_beside_a_cached_history_its_column_is_taken_over_not_recomputed(model):

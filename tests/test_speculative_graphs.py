@@ -55,5 +55,14 @@ def test_the_drafter_gets_its_own_graph_set_whenever_the_engine_has_one(monkeypa
     spec = SpeculativeConfig("dflash", block_size=4, drafter=drafter)
     engine = Engine(model, max_seqs=2, capacity=64, max_step_tokens=16, prefill_chunk=8, speculative=spec)
     assert engine.speculator.proposer.runner.graphs is None  # eager engine, eager drafter
-    speculator = build_speculator(spec, engine, model, RecordingGraphs())  # empty, so falsy
+    speculator = build_speculator(
+        spec,
+        model,
+        RecordingGraphs(),
+        cache=engine.cache,
+        metrics=engine.metrics,
+        buckets=engine.buckets,
+        prefill_chunk=8,
+        role=engine.tp,
+    )  # empty graphs: falsy
     assert speculator.proposer.runner.graphs is not None and speculator.runner.graphs is not None

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from batchkv.executor import Engine, Request, SamplingParams, SpeculativeConfig, gather
 from batchkv.models import build_model
 from batchkv.models.dflash import build_drafter
-from batchkv.tp import Shard
+from batchkv.models.parallel import Shard
 from tests.executor_helpers import drive, random_prompt
 from tests.tp_helpers import hf_greedy, hf_last_logits, one_kv_head, save_hf, save_qwen3
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import batchkv.tp.slices  # noqa: F401 - imported before any read is counted
+import batchkv.models.parallel.slices  # noqa: F401 - imported before any read is counted
 from batchkv.cache import BatchedSequenceCache
 from batchkv.errors import ConfigError
 from batchkv.models import build_model, save_checkpoint
+from batchkv.models.parallel import Shard
 from batchkv.models.weights import named_weights
-from batchkv.tp import Shard
 from batchkv.tp.roles import MIRRORED
 from tests.tp_helpers import save_qwen3
 
@@ -73,7 +73,7 @@ def test_each_rank_reads_only_its_slices_of_a_sensenova_checkpoint(tmp_path):
 @pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux's per-process read counter")
 def test_each_rank_reads_only_its_slices_of_a_transformers_checkpoint(tmp_path):
     pytest.importorskip("transformers")
-    from batchkv.tp.hf import load_hf_shard
+    from batchkv.models.loading import load_hf_shard
 
     whole = save_qwen3(tmp_path)
     state = whole.state_dict()

@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 
 from batchkv.models import build_model, preset_config
-from batchkv.tp import Shard
+from batchkv.models.parallel import Shard
 
 TINY = preset_config("sensenova-u1-tiny")  # 4 query heads, 2 KV heads, MLP 256, vocab 512
 ONE_KV_HEAD = replace(TINY, kv_heads=1)  # at 2 ranks its KV head is replicated

@@ -23,32 +23,23 @@ from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
 from batchkv.checks import allocating, device_arg, int_arg, int_args
 from batchkv.errors import ConfigError, RequestError, StepError
 from batchkv.executor.graphs import GraphSet
+from batchkv.executor.launch import start, stops_ranks_on_failure
 from batchkv.executor.metrics import Metrics
 from batchkv.executor.pipeline import InFlight, Pipeline
 from batchkv.executor.request import MAX_SAMPLE_ROWS, Event, Request
-from batchkv.executor.runner import ModelRunner, Role, StepModel
+from batchkv.executor.roles import Role
+from batchkv.executor.runner import ModelRunner, StepModel
 from batchkv.executor.scheduler import RequestState, Scheduler
 from batchkv.executor.sizing import (
     DEFAULT_STEP_TOKENS,
     Sizing,
     check_fraction,
+    default_buckets,
     default_prefill_chunk,
     model_capacity,
     size_store,
 )
 from batchkv.executor.speculative import NoSpeculation, SpeculativeConfig, Speculator, build_speculator
-from batchkv.tp.engine import start, stops_ranks_on_failure
-
-
-def default_buckets(max_step_tokens: int) -> tuple[int, ...]:
-    """Step widths below `max_step_tokens`, then `max_step_tokens` itself.
-
-    Powers of two to 32 and 48, 64 for decode (one graph each; a decode step pads at most to the
-    next), then every 64 to 512 and every 128 beyond: wide steps are compute bound, so their
-    padding costs real time, and the scheduler trims prompt chunks to land on a width exactly.
-    """
-    widths = [1, 2, 4, 8, 16, 32, 48, 64, *range(128, 513, 64), *range(640, max_step_tokens, 128)]
-    return (*(w for w in widths if w < max_step_tokens), max_step_tokens)
 
 
 class Engine:
@@ -141,7 +132,7 @@ class Engine:
         _role: Role | None = None,  # batchkv.tp's: the role of a rank > 0
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "model", "tensor_parallel", "_role")}
-        if _role is None:  # every rank builds this engine from the same options (batchkv.tp.engine)
+        if _role is None:  # a model or a source; more ranks started by batchkv.tp (executor.launch)
             _role, model = start(model, tensor_parallel, options)
         self.tp: Role = _role
         self._stop = weakref.finalize(self, _role.close)  # stops the other ranks if construction fails
@@ -236,7 +227,16 @@ class Engine:
                 )
                 self.speculator: Speculator | NoSpeculation = NoSpeculation()
             else:
-                self.speculator = build_speculator(speculative, self, model, graphs)
+                self.speculator = build_speculator(
+                    speculative,
+                    model,
+                    graphs,
+                    cache=self.cache,
+                    metrics=self.metrics,
+                    buckets=buckets,
+                    prefill_chunk=prefill_chunk,
+                    role=self.tp,
+                )
                 self.runner = self.speculator.runner
         self._seeds = random.Random(seed)
         self._next_id = 0
@@ -350,8 +350,7 @@ class Engine:
     @property
     def cached_columns(self) -> int:
         """Columns the prefix cache keeps (finished histories, freed when their memory is needed)."""
-        prefix = self.scheduler.prefix
-        return prefix.held_columns if prefix is not None else 0
+        return self.scheduler.prefix.held_columns
 
     @property
     def kv_usage(self) -> tuple[int, int]:
@@ -404,10 +403,9 @@ class Engine:
     def _launch(self) -> InFlight | None:
         """Admit, plan, and queue the next step on the device; commit it on the host. None: no step."""
         prefix = self.scheduler.prefix
-        before = prefix.counts() if prefix is not None else None
+        before = prefix.counts()
         self.scheduler.admit()
-        if prefix is not None:
-            self.metrics.note_prefix(before, prefix.counts())  # type: ignore[arg-type]
+        self.metrics.note_prefix(before, prefix.counts())
         batch = self.scheduler.plan()
         self.metrics.note_generation(self.cache.generation)
         if batch is None:
@@ -474,14 +472,12 @@ class Engine:
 
     def clear_prefix_cache(self) -> None:
         """Free every cached prefix now (they are freed anyway when their memory is needed)."""
-        if self.scheduler.prefix is not None:
-            self.scheduler.prefix.clear()
+        self.scheduler.prefix.clear()
 
     def assert_idle(self) -> None:
         """Raise StepError unless no request is live and every column is free but those the prefix
         cache keeps (a leak check)."""
-        prefix = self.scheduler.prefix
-        cached = {h.seq for h in prefix.cached} if prefix is not None else set()
+        cached = {h.seq for h in self.scheduler.prefix.cached}
         held = [s for s in self.cache.sequences if s not in cached] + self.speculator.sequences()
         if self.scheduler.live or held or self.pipeline.in_flight is not None:
             raise StepError(

@@ -277,6 +277,49 @@ def block_hashes(prompt: Sequence[int], rope_offset: int = 0) -> list[int]:
     return out
 
 
+class NoPrefixCache:
+    """The prefix cache when reuse is off (`Engine(prefix_cache=False)`, or under a DFlash drafter):
+    it matches nothing and keeps nothing, so the scheduler calls it as it calls `PrefixCache`."""
+
+    def __init__(self) -> None:
+        self.cached: dict[History, None] = {}  # always empty
+
+    def add_live(self, state: RequestState) -> None:
+        """Nothing to index."""
+
+    def counts(self) -> tuple[int, int, int, int]:
+        """Nothing admitted through it, reused or evicted."""
+        return 0, 0, 0, 0
+
+    def end_live(self, state: RequestState) -> None:
+        """Nothing was indexed."""
+
+    def retire(self, sample: SampleState) -> bool:
+        """Keeps nothing: the caller frees the column."""
+        return False
+
+    def evict(self, columns: int, rows: int, keep: History | None = None) -> int:
+        """Nothing cached to free."""
+        return 0
+
+    def clear(self) -> None:
+        """Nothing cached."""
+
+    held_columns = 0
+
+    def lookup(self, state: RequestState) -> Match:
+        """No reuse."""
+        return NO_MATCH
+
+    def place(self, match: Match, reach: int) -> int:
+        """Never called: a match from `lookup` has no history."""
+        raise AssertionError("NoPrefixCache.place: no match has a history")
+
+    def room(self, match: Match, columns: int, rows: int) -> tuple[int, int]:
+        """All of it: no column is adopted."""
+        return columns, rows
+
+
 def _chain(prev: int, offset: int, block: tuple[int, ...]) -> int:
     """The chain hash of a block after the blocks `prev` hashes (the RoPE offset in the first)."""
     return hash((prev, offset, block))

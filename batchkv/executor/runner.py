@@ -37,9 +37,9 @@ from batchkv.errors import StepError
 from batchkv.executor.graphs import AdapterGuard, GraphSet, ModuleFingerprint
 from batchkv.executor.logprobs import LogprobSlots, StepLogprobs
 from batchkv.executor.request import MAX_SAMPLE_ROWS
+from batchkv.executor.roles import LOCAL, Role
 from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform
 from batchkv.executor.scheduler import Batch
-from batchkv.tp.roles import LOCAL, Role
 
 
 class StepModel(Protocol):
@@ -91,7 +91,7 @@ class ModelRunner:
     shape per width: needed for graphs, and used by eager CUDA runs too so both give identical
     numbers. A one-token decode step runs the head on one row, not R. The engine picks a width
     of at least the step's sampling rows.
-    tp: the engine's tensor-parallel role (`batchkv.tp.roles`); its device step
+    tp: the engine's tensor-parallel role (`batchkv.executor.roles`); its device step
     (`_device_step`) runs through `tp.run`, so every rank runs it from the same staged inputs.
     """
 

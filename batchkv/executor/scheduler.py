@@ -36,7 +36,7 @@ from dataclasses import replace
 from batchkv.cache import BatchedSequenceCache
 from batchkv.checks import int_arg
 from batchkv.executor.logprobs import row_ks
-from batchkv.executor.prefix import NO_MATCH, PrefixCache
+from batchkv.executor.prefix import NoPrefixCache, PrefixCache
 from batchkv.executor.request import MAX_SAMPLE_ROWS, Event
 from batchkv.executor.state import Batch, RequestState, SampleState
 
@@ -71,7 +71,10 @@ class Scheduler:
         if prefill_budget is not None:
             prefill_budget = int_arg("prefill_budget", prefill_budget, 1, why=" (or None: the default)")
         self.cache = cache
-        self.prefix = PrefixCache(cache, prefill_chunk) if prefix_cache else None
+        # the prefix cache, or its null form: admission and release call it either way
+        self.prefix: PrefixCache | NoPrefixCache = NoPrefixCache()
+        if prefix_cache:
+            self.prefix = PrefixCache(cache, prefill_chunk)
         self.sample_rows = sample_rows  # logits rows a step may take
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
@@ -127,23 +130,20 @@ class Scheduler:
         being written waits for it while the requests behind it go on."""
         for state in sorted(self.waiting, key=lambda state: state.request.priority):  # stable: FIFO within one
             params, reach = state.request.params, self.reach(state)
-            match = self.prefix.lookup(state) if self.prefix is not None else NO_MATCH
+            match = self.prefix.lookup(state)
             if match.wait:
                 continue
             columns, rows = params.n, params.n * reach
-            if self.prefix is not None:
-                match = self._make_room(match, columns, rows)
-                columns, rows = self.prefix.room(match, columns, rows)
+            match = self._make_room(match, columns, rows)
+            columns, rows = self.prefix.room(match, columns, rows)
             if self.free_columns() < columns or self.free_rows() < rows:
                 return  # FIFO: nothing behind a request that does not fit goes before it (nor less urgent)
-            reused = match.history is not None and self.prefix is not None
-            seq = self.prefix.place(match, reach) if reused else self.cache.seq_new(reach=reach)  # type: ignore[union-attr]
+            seq = self.prefix.place(match, reach) if match.history is not None else self.cache.seq_new(reach=reach)
             self.waiting.remove(state)
             state.samples[0].seq, state.spare, state.prefilled = seq, params.n - 1, match.length
             state.cached = match.length
             self.prefilling.append(state)
-            if self.prefix is not None:
-                self.prefix.add_live(state)
+            self.prefix.add_live(state)
 
     def _make_room(self, match, columns: int, rows: int):
         """Evict cached histories (least recently used first) until a request of `columns` samples
@@ -158,10 +158,10 @@ class Scheduler:
         if cached and not self.prefilling and not self.running:
             attempts.append(NO_MATCH)
         for attempt in attempts:
-            need_cols, need_rows = prefix.room(attempt, columns, rows)  # type: ignore[union-attr]
+            need_cols, need_rows = prefix.room(attempt, columns, rows)
             short_cols, short_rows = need_cols - self.free_columns(), need_rows - self.free_rows()
             if short_cols > 0 or short_rows > 0:
-                prefix.evict(max(short_cols, 0), max(short_rows, 0), keep=attempt.history)  # type: ignore[union-attr]
+                prefix.evict(max(short_cols, 0), max(short_rows, 0), keep=attempt.history)
             if self.free_columns() >= need_cols and self.free_rows() >= need_rows:
                 return attempt
         return attempts[-1] if attempts[-1] is NO_MATCH else match  # (the history may be evicted)
@@ -335,12 +335,11 @@ class Scheduler:
 
     def _release(self, sample: SampleState, keep: bool = True) -> None:
         """Free a sample's column, or with the prefix cache (`keep`: it finished) keep it cached."""
-        if self.prefix is not None:
-            if sample.index == 0:
-                self.prefix.end_live(sample.owner)
-            if keep and self.prefix.retire(sample):
-                sample.seq = -1
-                return
+        if sample.index == 0:
+            self.prefix.end_live(sample.owner)
+        if keep and self.prefix.retire(sample):
+            sample.seq = -1
+            return
         self.cache.seq_rm(sample.seq)
         sample.seq = -1
 

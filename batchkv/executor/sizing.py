@@ -14,6 +14,8 @@ A position costs `CacheConfig.layer_row_bytes()` in every layer: the flat layers
 (no extent is taller than its ring), so the store's bytes grow with P and `plan` takes the largest
 P that fits. A request of reach r then costs r rows (a ring layer's at most its ring), whatever the
 other requests' lengths.
+
+Also the step widths an engine (and a DFlash drafter's own cache) pads to: `default_buckets`.
 """
 
 from __future__ import annotations
@@ -186,3 +188,14 @@ def measure_activation_bytes(model, config: CacheConfig, width: int, rows: int) 
     del cache
     torch.cuda.empty_cache()
     return max(peak, 0)
+
+
+def default_buckets(max_step_tokens: int) -> tuple[int, ...]:
+    """Step widths below `max_step_tokens`, then `max_step_tokens` itself.
+
+    Powers of two to 32 and 48, 64 for decode (one graph each; a decode step pads at most to the
+    next), then every 64 to 512 and every 128 beyond: wide steps are compute bound, so their
+    padding costs real time, and the scheduler trims prompt chunks to land on a width exactly.
+    """
+    widths = [1, 2, 4, 8, 16, 32, 48, 64, *range(128, 513, 64), *range(640, max_step_tokens, 128)]
+    return (*(w for w in widths if w < max_step_tokens), max_step_tokens)

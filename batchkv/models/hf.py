@@ -126,7 +126,7 @@ class HFModel:
     The wrapped model stays usable on its own: the attention implementation is switched only
     inside `__call__`. Parameters are not copied. `kv_dtype` (e.g. `torch.float8_e4m3fn`) goes
     into `cache_spec()`, so an engine or cache built from it stores K/V that way. `shard`: the
-    tensor-parallel rank whose share `hf_model` holds (`batchkv.tp.hf.load_hf_shard` builds one):
+    tensor-parallel rank whose share `hf_model` holds (`batchkv.models.loading.load_hf_shard` builds one):
     its cache then holds that rank's KV heads, and the vocabulary is the config's.
 
     >>> hf = Qwen3ForCausalLM(Qwen3Config(...)); model = HFModel(hf)
@@ -177,7 +177,7 @@ class HFModel:
                 f"{self.config.model_type}: attention sinks ({sinks[0]}, ...) are not supported by the cache"
             )
         self._head = hf_model.get_output_embeddings()
-        self.shard = shard  # a batchkv.tp.Shard, or None: the whole model
+        self.shard = shard  # a batchkv.models.parallel.Shard, or None: the whole model
         self.directory: Path | None = None  # set by from_pretrained
 
     @property

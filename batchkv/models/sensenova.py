@@ -40,7 +40,7 @@ matmuls are the few-row kernel of `batchkv.models.gemv`, which streams the weigh
 bandwidth, takes SiLU*mul into the down projection and writes the logits in float32 directly. A
 layer is 4 matmuls, 3 or 4 small kernels, the K/V write and attention.
 
-Tensor parallelism (`shard`, a `batchkv.tp.Shard`): each rank holds its query and KV heads, its
+Tensor parallelism (`shard`, a `batchkv.models.parallel.Shard`): each rank holds its query and KV heads, its
 1/N of the MLP and of the vocabulary (`local_config` is that geometry); o and down are followed by
 one all-reduce each, the embedding by one, and the LM head's logits are gathered. One rank (the
 default `Shard()`) is the whole model and none of that runs.
@@ -61,7 +61,7 @@ from batchkv.cache.config import LayerSpec
 from batchkv.models.config import SenseNovaConfig
 from batchkv.models.fused import add_rms_norm, qk_norm_rope
 from batchkv.models.gemv import linear
-from batchkv.tp.shard import Shard
+from batchkv.models.parallel.shard import Shard
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

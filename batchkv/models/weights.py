@@ -28,7 +28,7 @@ published one keeps the language model under a prefix and also holds generation-
 A tensor-parallel shard (`SenseNovaLM(..., shard=...)`) holds a slice of most of these tensors
 (`shard_span`): rows of q/k/v, gate/up, the embedding and the LM head, columns of o and down.
 Random init draws each whole tensor as one rank would and keeps the slice, so every world size
-builds the same model; a checkpoint is read slice by slice (`batchkv.tp.slices`), so a rank
+builds the same model; a checkpoint is read slice by slice (`batchkv.models.parallel.slices`), so a rank
 reads only its share of the file.
 """
 
@@ -47,8 +47,8 @@ import torch
 from batchkv.checks import device_arg, int_arg
 from batchkv.errors import CheckpointError, ConfigError, DependencyError
 from batchkv.models.config import SenseNovaConfig, preset_config
+from batchkv.models.parallel.shard import Shard
 from batchkv.models.sensenova import SenseNovaLM
-from batchkv.tp.shard import Shard
 
 # Fused parameter of a layer -> the checkpoint names it is made of, in order.
 _LAYER_PARTS = (
@@ -235,7 +235,7 @@ def load_checkpoint(model: SenseNovaLM, path: str | os.PathLike, *, prefix: str 
                 + ". Check the preset, the prefix and skip= for tensors of other model parts"
             )
         if model.shard.world > 1:
-            stack.close()  # a shard reads its slices only (batchkv.tp.slices), not through the mapped files
+            stack.close()  # a shard reads its slices only (models.parallel.slices), not through the mapped files
             _load_shard(model, path, prefix)
             return
         for name, target in named_weights(model):
@@ -243,7 +243,7 @@ def load_checkpoint(model: SenseNovaLM, path: str | os.PathLike, *, prefix: str 
 
 
 def _load_shard(model: SenseNovaLM, path: str | os.PathLike, prefix: str) -> None:
-    from batchkv.tp.slices import SafetensorsSlices
+    from batchkv.models.parallel.slices import SafetensorsSlices
 
     with SafetensorsSlices(path) as ckpt:
         for name, target in named_weights(model):
@@ -279,7 +279,7 @@ def build_model(
 
     Weights come from `checkpoint` (see `load_checkpoint`; `prefix`/`skip` pass through) or, when
     it is None, from a random init seeded by `seed` (see `random_init`; `init_on`). `dtype`
-    defaults to the preset's. `shard`: one tensor-parallel rank's share (`batchkv.tp.Shard`).
+    defaults to the preset's. `shard`: one tensor-parallel rank's share (`batchkv.models.parallel.Shard`).
 
     >>> model = build_model("sensenova-u1-tiny", "cpu", seed=0)
     """

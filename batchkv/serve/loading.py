@@ -16,6 +16,8 @@
   The tokenizer and chat template come from the directory (AutoTokenizer); a directory without
   tokenizer files serves token ids only. Stop ids: generation_config.json's `eos_token_id`, else
   the tokenizer's.
+The model itself is loaded by `batchkv.models.loading`, as `Engine(source)` and the tensor-parallel
+ranks load theirs.
 """
 
 from __future__ import annotations
@@ -25,15 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from batchkv.errors import CheckpointError, ConfigError
-from batchkv.models.config import MODEL_PRESETS, SenseNovaConfig
-
-TRANSFORMERS_FAMILIES = ("llama", "qwen3")
-EMBED = "model.embed_tokens.weight"
-GENERATION_BRANCH = "_mot_gen"
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from batchkv.errors import ConfigError
+from batchkv.models.config import MODEL_PRESETS
+from batchkv.models.loading import DTYPES, is_sensenova, load_whole, read_config
 
 
 @dataclass
@@ -45,57 +41,6 @@ class ServedModel:
     tokenizer: Any | None = None  # a transformers tokenizer, or None (token ids only)
     eos_ids: tuple[int, ...] = ()
     max_positions: int | None = None  # the config's max_position_embeddings, when it has one
-
-
-def _read_config(path: Path) -> dict:
-    try:
-        return json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path} has no config.json; give a directory in transformers' format or a preset") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path / 'config.json'} is not valid JSON ({exc})") from exc
-
-
-def is_sensenova(config: dict) -> bool:
-    """A config.json (as a dict) of SenseNova-U1: by model_type or an architecture name."""
-    model_type = str(config.get("model_type", "")).lower()
-    return model_type.startswith("sensenova") or any(
-        str(a).lower().startswith("sensenova") for a in config.get("architectures") or ()
-    )
-
-
-def sensenova_config(config: dict, dtype: torch.dtype | None) -> SenseNovaConfig:
-    """SenseNovaConfig from a config.json's language-model fields (transformers names)."""
-    c = config.get("llm_config") or config.get("text_config") or config
-    try:
-        heads = c["num_attention_heads"]
-        return SenseNovaConfig(
-            num_layers=c["num_hidden_layers"],
-            hidden=c["hidden_size"],
-            q_heads=heads,
-            kv_heads=c.get("num_key_value_heads", heads),
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            intermediate=c["intermediate_size"],
-            vocab=c["vocab_size"],
-            rms_eps=c.get("rms_norm_eps", 1e-6),
-            theta_t=c.get("rope_theta", 5e6),
-            theta_hw=c.get("rope_theta_hw", 1e4),
-            dtype=dtype or _DTYPES.get(str(c.get("dtype") or c.get("torch_dtype")), torch.bfloat16),
-        )
-    except KeyError as exc:
-        raise ConfigError(f"the SenseNova config lacks {exc.args[0]!r} (a transformers config field)") from None
-
-
-def checkpoint_prefix(path: Path) -> str:
-    """The prefix before `model.embed_tokens.weight` of the language model in a folder of shards."""
-    from safetensors import safe_open
-
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
-                if key.endswith(EMBED) and GENERATION_BRANCH not in key:
-                    return key[: -len(EMBED)]
-    raise CheckpointError(f"no safetensors shard in {path} holds a tensor named ...{EMBED}")
 
 
 def _tokenizer(path: Path):
@@ -124,11 +69,9 @@ def load_served_model(
     """Load a preset or a model directory onto `device` ("cpu" / "cuda"). See the module docstring.
     `weights=False`: everything but the model (its tokenizer, stop ids and limit; `model` None), for
     a tensor-parallel engine whose ranks load their own shares."""
-    torch_dtype = None if dtype == "auto" else _DTYPES[dtype]
+    torch_dtype = None if dtype == "auto" else DTYPES[dtype]
     if spec in MODEL_PRESETS:
-        from batchkv.models import build_model
-
-        return ServedModel(build_model(spec, device, dtype=torch_dtype, seed=seed) if weights else None, "preset")
+        return ServedModel(load_whole(spec, device, dtype=torch_dtype, seed=seed) if weights else None, "preset")
     path = Path(spec)
     if path.is_file():
         from batchkv.models.gguf import transformers_dir
@@ -138,33 +81,11 @@ def load_served_model(
         raise ConfigError(
             f"--model {spec!r} is neither a model directory, a GGUF file nor a preset ({', '.join(MODEL_PRESETS)})"
         )
-    config = _read_config(path)
+    config = read_config(path)
     tokenizer = _tokenizer(path)
     eos = _eos_ids(path, tokenizer)
     max_positions = (config.get("llm_config") or config.get("text_config") or config).get("max_position_embeddings")
     if not weights:
         return ServedModel(None, "sensenova" if is_sensenova(config) else "transformers", tokenizer, eos, max_positions)
-    if is_sensenova(config):
-        from batchkv.models import build_model
-
-        model = build_model(
-            sensenova_config(config, torch_dtype),
-            device,
-            checkpoint=path,
-            prefix=checkpoint_prefix(path),
-            skip=(GENERATION_BRANCH,),
-        )
-        return ServedModel(model, "sensenova", tokenizer, eos, max_positions)
-    model_type = config.get("model_type")
-    if model_type not in TRANSFORMERS_FAMILIES:
-        architecture = ", ".join(config.get("architectures") or ()) or "none named"
-        raise ConfigError(
-            f"{path}: model_type {model_type!r} (architectures: {architecture}) is not served by batchkv; "
-            f"it serves the transformers families {', '.join(TRANSFORMERS_FAMILIES)} and SenseNova-U1"
-        )
-    from transformers import AutoModelForCausalLM
-
-    from batchkv.models.hf import HFModel
-
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype or "auto").to(device)
-    return ServedModel(HFModel(hf), "transformers", tokenizer, eos, max_positions)
+    model = load_whole(path, device, dtype=torch_dtype, seed=seed)
+    return ServedModel(model, "sensenova" if is_sensenova(config) else "transformers", tokenizer, eos, max_positions)

@@ -1,19 +1,21 @@
 """Tensor parallelism over torch.distributed: one engine across the GPUs of a host.
 
-`Engine(source, tensor_parallel=N)` (and `batchkv run --tensor-parallel N`, `batchkv serve
---tensor-parallel-size N`) runs N processes, NCCL between GPUs or gloo on the CPU:
-- `shard`: one rank's share of a model (heads, MLP columns, vocabulary rows) and the collectives
-  that join the shares; `layers`, `hf`: the same for transformers models; `slices`: reading a
-  checkpoint by slice; `models`: what the engine is given instead of a model, and loading it;
+`Engine(source, tensor_parallel=N)` (or `launch(source, N, **options)`, and `batchkv run
+--tensor-parallel N`, `batchkv serve --tensor-parallel-size N`) runs N processes, NCCL between GPUs
+or gloo on the CPU. This package is the rank orchestration, above the executor:
+- `launch`: starting the ranks (`start`, which the engine calls through
+  `batchkv.executor.launch`) and running the followers;
 - `group`: the processes, rendezvous, timeouts, failure reports; `channel`: rank 0's plans;
-  `roles`: the fixed points the engine calls (one process: `Local`, plain calls);
-- `engine`: starting the ranks and running the followers.
+- `roles`: `Leader` and `Follower`, the multi-rank answers to the engine's fixed points
+  (`batchkv.executor.roles.Role`; one process: `LOCAL`, plain calls).
+What a model needs to run sharded (`Shard`, sharded layers, reading checkpoints by slice) is
+`batchkv.models.parallel`; loading a rank's share of a source is `batchkv.models.loading`.
 
     >>> engine = Engine("sensenova-u1-tiny", tensor_parallel=2, max_seqs=4, capacity=256)
 
 The design, what crosses between ranks and why, is in docs/design.md ("Tensor parallelism").
 """
 
-from batchkv.tp.shard import Shard
+from batchkv.tp.launch import launch
 
-__all__ = ["Shard"]
+__all__ = ["launch"]

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from batchkv.errors import ConfigError, TensorParallelError
-from batchkv.tp.shard import Shard
+from batchkv.models.parallel.shard import Shard
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 START_TIMEOUT = datetime.timedelta(minutes=30)

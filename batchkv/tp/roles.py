@@ -1,15 +1,10 @@
-"""Where tensor parallelism plugs into the engine: this process's role, called at fixed points.
+"""The multi-rank roles: how rank 0 and the other ranks answer the engine's fixed points.
 
-The engine and its runners call their role at the same few points whatever the world size; the
-one-process role, `Local`, makes each a plain call, so a single-GPU step has no branch for it:
-- `cache(config, device, attention=)`: the engine's cache (and a DFlash drafter's);
-- `bind(obj, staging)`: an object (a runner, the drafter's proposer) whose device steps run on
-  every rank, with the pinned staging buffers its steps read;
-- `run(step, *args)`: one device step, `step` a bound method of a bound object (forward,
-  sampling); `read(tokens)`: that step's tokens on the host;
-- `agree(positions)`, `ready()`: construction (store sizing; every rank built); `close()`.
+The engine and its runners call their role (`batchkv.executor.roles.Role`: `cache`, `bind`, `run`,
+`read`, `agree`, `ready`, `close`) at the same few points whatever the world size; one process
+holds `batchkv.executor.roles.LOCAL`, where each is a plain call.
 
-Rank 0, the `Leader`, runs the scheduler, the API and the host side of every cache. Its caches are
+With more ranks, rank 0, the `Leader`, runs the scheduler, the API and the host side of every cache. Its caches are
 `MirroredCache`s: each BatchControl verb that changes state is logged once it has succeeded (a
 refusal changes nothing and is not logged). At `run`, rank 0 sends one plan (`PlanChannel`): the
 verbs logged since the last plan, the step's method and arguments, and what changed in the
@@ -42,37 +37,6 @@ from batchkv.tp.channel import PlanChannel
 MIRRORED = ("seq_new", "seq_clone", "seq_rm", "rewind", "reserve", "declare_step", "prepare_step", "commit_step",
             "_set_length")  # fmt: skip  # every BatchedSequenceCache method that changes its state
 CHECKED = ("seq_new", "seq_clone")  # their results (ids) must agree on every rank
-
-
-class Local:
-    """One process: every fixed point is a plain call."""
-
-    rank, world = 0, 1
-    capture_error_mode = "global"  # torch.cuda.graph's default
-
-    def cache(self, config: CacheConfig, device: torch.device, *, attention: str) -> BatchedSequenceCache:
-        return BatchedSequenceCache(config, device, attention=attention)
-
-    def bind(self, obj: object, staging: Staging) -> None:
-        return None
-
-    def run(self, step, *args):
-        return step(*args)
-
-    def read(self, tokens):
-        return tokens.read()
-
-    def agree(self, positions: int) -> int:
-        return positions
-
-    def ready(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
-
-
-LOCAL = Local()
 
 
 def _mirrored(name: str):
@@ -262,6 +226,3 @@ class Follower(_Ranked):
 
     def close(self) -> None:
         self.group.close(graceful=True)
-
-
-Role = Local | Leader | Follower  # what the engine and its runners hold

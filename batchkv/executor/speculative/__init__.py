@@ -14,8 +14,10 @@ distribution (drafts are point-mass proposals; see `acceptance.py`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from batchkv.cache import BatchedSequenceCache
 from batchkv.errors import ConfigError
 from batchkv.executor.graphs import GraphSet
 from batchkv.executor.speculative.config import MAX_BLOCK_SIZE, SpeculativeConfig
@@ -23,14 +25,24 @@ from batchkv.executor.speculative.speculator import NgramProposer, NoSpeculation
 from batchkv.executor.speculative.verify import VerifyRunner
 
 if TYPE_CHECKING:
-    from batchkv.executor.engine import Engine
+    from batchkv.executor.metrics import Metrics
+    from batchkv.executor.roles import Role
     from batchkv.executor.runner import StepModel
 
 
 def build_speculator(
-    config: SpeculativeConfig, engine: Engine, model: StepModel, graphs: GraphSet | None
+    config: SpeculativeConfig,
+    model: StepModel,
+    graphs: GraphSet | None,
+    *,
+    cache: BatchedSequenceCache,
+    metrics: Metrics,
+    buckets: Sequence[int],
+    prefill_chunk: int,
+    role: Role,
 ) -> Speculator:
-    """The speculator an engine with `config` runs: its proposer and its `VerifyRunner` (`.runner`)."""
+    """The speculator an engine with `config` runs: its proposer and its `VerifyRunner` (`.runner`).
+    Handed what it uses of the engine: the cache, metrics, width buckets, prompt chunk and role."""
     missing = [name for name in ("hidden_states", "head") if not callable(getattr(model, name, None))]
     if missing:
         raise ConfigError(
@@ -44,13 +56,11 @@ def build_speculator(
     else:
         from batchkv.executor.speculative.dflash import DFlashProposer
 
-        proposer = DFlashProposer(config, engine, model, graphs)
+        proposer = DFlashProposer(config, model, graphs, cache=cache, buckets=buckets, prefill_chunk=prefill_chunk,
+                                  role=role)  # fmt: skip
         drafts, taps = proposer.drafts, proposer.taps
-    speculator = Speculator(config, engine.cache, proposer, engine.metrics)
-    runner = VerifyRunner(
-        model, engine.cache, engine.buckets, config.block_size, graphs=graphs, drafts=drafts, taps=taps,
-        tp=engine.tp,
-    )  # type: ignore[arg-type]  # fmt: skip
+    speculator = Speculator(config, cache, proposer, metrics)
+    runner = VerifyRunner(model, cache, buckets, config.block_size, graphs=graphs, drafts=drafts, taps=taps, tp=role)  # type: ignore[arg-type]
     speculator.runner = runner
     return speculator
 

@@ -24,6 +24,7 @@ min(64, max_seqs) * block_size; `max_write` is max(prefill_chunk, block_size) + 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,11 +38,12 @@ from batchkv.executor.graphs import GraphSet
 from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.runner import ModelFingerprint, ModelRunner
 from batchkv.executor.scheduler import Batch, SampleState
+from batchkv.executor.sizing import default_buckets
 from batchkv.executor.speculative.config import SpeculativeConfig
 from batchkv.executor.speculative.speculator import Drafts
 
 if TYPE_CHECKING:
-    from batchkv.executor.engine import Engine
+    from batchkv.executor.roles import Role
 
 HEAD_CHUNK = 256  # draft rows per LM-head call (argmax in the model dtype; each call reads the head once)
 
@@ -75,9 +77,19 @@ class DraftRunner(ModelRunner):
 class DFlashProposer:
     """Drafts with a `DFlashDrafter` for an engine (see the module docstring)."""
 
-    def __init__(self, config: SpeculativeConfig, engine: Engine, target: object, graphs: GraphSet | None) -> None:
-        from batchkv.executor.engine import default_buckets
-
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        target: object,
+        graphs: GraphSet | None,
+        *,
+        cache: BatchedSequenceCache,
+        buckets: Sequence[int],
+        prefill_chunk: int,
+        role: Role,
+    ) -> None:
+        """The drafter (built from `config.drafter` when that is a factory) drafting for `target`,
+        whose engine has `cache`, width `buckets`, `prefill_chunk` and tensor-parallel `role`."""
         drafter = config.drafter
         if not isinstance(drafter, nn.Module):  # a factory(target) (tensor parallelism: one per rank)
             drafter = drafter(target)  # type: ignore[operator]
@@ -89,20 +101,19 @@ class DFlashProposer:
             raise ConfigError("the drafter was built for another model; build_drafter(target=<the engine's model>)")
         block = config.block_size
         self.drafter, self.target, self.block = drafter, target, block
-        cache = engine.cache
         anchors = min(MAX_SAMPLE_ROWS, cache.max_seqs)
-        self.buckets = default_buckets(engine.buckets[-1] + anchors * block)  # type: ignore[operator]
+        self.buckets = default_buckets(buckets[-1] + anchors * block)
         width = self.buckets[-1]
-        max_write = min(cache.capacity, max(engine.scheduler.prefill_chunk, block) + block)  # type: ignore[operator]
+        max_write = min(cache.capacity, max(prefill_chunk, block) + block)
         spec = drafter.cache_spec()  # type: ignore[attr-defined]
-        self.tp = engine.tp
+        self.tp = role
         self.cache = self.tp.cache(
             CacheConfig(**spec, max_seqs=cache.max_seqs, capacity=cache.capacity, max_write=max_write, max_width=width),
             cache.device,
             attention=cache.attention,
         )
         self.target_cache = cache
-        self.taps = drafter.make_taps(engine.buckets[-1])  # type: ignore[attr-defined]
+        self.taps = drafter.make_taps(buckets[-1])  # type: ignore[attr-defined]
         device = cache.device
         names = ("ids", "t", "is_ctx", "gather", "rows")
         self._staging = NamedStaging({name: (torch.int64, width) for name in names}, device)

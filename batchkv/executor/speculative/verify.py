@@ -28,7 +28,8 @@ from batchkv.cache import BatchedSequenceCache
 from batchkv.cache.staging import NamedStaging
 from batchkv.errors import StepError
 from batchkv.executor.graphs import GraphSet
-from batchkv.executor.runner import LOCAL, ModelRunner, Role, StepModel
+from batchkv.executor.roles import LOCAL, Role
+from batchkv.executor.runner import ModelRunner, StepModel
 from batchkv.executor.sampling import uniform
 from batchkv.executor.scheduler import Batch
 from batchkv.executor.speculative.acceptance import combine, greedy_rows, sampled_rows

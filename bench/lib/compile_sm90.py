@@ -5,10 +5,10 @@ wgmma counts, and the hot loop's instruction mix (the backward branch enclosing 
 instructions): barriers, local-memory accesses (spills inside the loop), ldmatrix, smem traffic.
 Uses whatever Triton is importable, so the GPU machine's version can be checked here too:
 
-    PYTHONPATH=$PWD python bench/compile_sm90.py
-    PYTHONPATH=/path/to/triton-3.6:$PWD python bench/compile_sm90.py   # pip install --target
-    SASS_DIR=/tmp/sass PYTHONPATH=$PWD python bench/compile_sm90.py e4m3  # only labels with "e4m3",
-                                                                          # each hot loop's SASS kept
+    python bench/kernels.py --compile-sm90 ""
+    PYTHONPATH=/path/to/triton-3.6 python bench/kernels.py --compile-sm90 ""    # pip install --target
+    SASS_DIR=/tmp/sass python bench/kernels.py --compile-sm90 e4m3  # only labels with "e4m3",
+                                                                    # each hot loop's SASS kept
     TTGIR_DIR=/tmp/ir ...                                                 # each variant's TTGIR kept
 The loop's instruction count covers both sides of the in-loop mask branch (edge and interior key
 blocks), so it is an upper bound on what one iteration issues; compare variants by it.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -30,7 +29,6 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import mangle_type
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batchkv.models.gemv import _gemv_kernel
 from batchkv.ops.kv_write_triton import _kv_write_kernel
 from batchkv.ops.sdpa_varlen_kernels import split_kernel
@@ -235,9 +233,10 @@ VARIANTS = [  # (function, keyword arguments)
     (gemv, dict(block_n=64)),  # q/k/v, the LM head
 ]
 
-if __name__ == "__main__":
-    # optional argument: compile only the variants whose label contains it, e.g. "e4m3"
+
+def main(only: str = "") -> None:
+    """Compile every variant whose label contains `only` (all when empty), e.g. "e4m3"."""
     print(f"triton {triton.__version__}, sm_90")
     for fn, kwargs in VARIANTS:
-        if len(sys.argv) < 2 or sys.argv[1] in ("e4m3" if "store" in kwargs else "") + fn.__name__ + str(kwargs):
+        if only in ("e4m3" if "store" in kwargs else "") + fn.__name__ + str(kwargs):
             fn(**kwargs)

@@ -1,4 +1,4 @@
-"""Tensor-parallel layers for transformers models (`batchkv.tp.hf` puts them in place).
+"""Tensor-parallel layers for transformers models (`batchkv.models.parallel.hf` puts them in place).
 
 Column-parallel projections need no class of their own: an `nn.Linear` with this rank's output
 features is one. The others:
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchkv.tp.shard import Shard
+from batchkv.models.parallel.shard import Shard
 
 
 class RowParallelLinear(nn.Linear):

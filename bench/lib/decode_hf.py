@@ -1,11 +1,11 @@
 """The transformers parts of bench/decode.py, on a Qwen3ForCausalLM of the same shape (random bf16).
 
-- hf_cb_calibrate: every continuous-batching setting (bench/hf_cb.py) on the first few requests,
+- hf_cb_calibrate: every continuous-batching setting (bench/lib/hf_cb.py) on the first few requests,
   outputs capped, within `--hf-calibrate-s`; the fastest is kept.
 - hf_cb_offline: that setting on the longest prefix of the request list it can finish in
   `--hf-box-s` (from its calibrated rate; at least 8 requests), all submitted at once, at most 64 in
   flight. When no setting runs at all, the fallback: `generate` with a StaticCache, compiled, over
-  batches of 64 (bench/hf_baselines.py), and the reason.
+  batches of 64 (bench/lib/hf_baselines.py), and the reason.
 - hf_cb_online: the same requests and arrivals as each batchkv online rate, each time-boxed
   (`--hf-online-box-s`); past the box the peer did not keep up, and the record says how far it got.
 - batchkv_on_hf_prefix: batchkv on the peer's offline prefix (a warm-up pass, then the timed one).
@@ -14,16 +14,13 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import hf_cb
-from hf_baselines import decode_ms_per_token, qwen3_like, static_compiled_batches
-from online import poisson_arrivals
+from . import hf_cb
+from .hf_baselines import decode_ms_per_token, qwen3_like, static_compiled_batches
+from .online import poisson_arrivals
 
 
 def hf_parts(parts, ctx: SimpleNamespace, args) -> None:

@@ -2,7 +2,7 @@
 
 Timed the way a user would run them: eager forward with `DynamicCache`, `StaticCache` with the
 forward compiled in "reduce-overhead" mode (CUDA graphs inside torch.compile), and, as the serving
-fallback when continuous batching cannot run (bench/hf_cb.py is the serving peer), `generate` over
+fallback when continuous batching cannot run (bench/lib/hf_cb.py is the serving peer), `generate` over
 left-padded batches with a StaticCache, compiled. Works with transformers 5.17 (`past_key_values=`)
 and newer (`cache=`).
 """

@@ -14,7 +14,8 @@ On CPU (smoke runs) the sizes shrink to a few MiB and the numbers only exercise 
 from __future__ import annotations
 
 import torch
-from timing import time_calls
+
+from .timing import time_calls
 
 
 def _gib(device: torch.device) -> tuple[int, ...]:

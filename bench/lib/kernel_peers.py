@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from kernel_cases import Case
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .kernel_cases import Case
 
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,

@@ -11,10 +11,11 @@ import math
 from pathlib import Path
 
 import torch
-from kernel_cases import TOLERANCE, Case
-from timing import time_calls
 
 from batchkv.ops.sdpa_varlen_triton import SdpaConfig, sdpa_varlen
+
+from .kernel_cases import TOLERANCE, Case
+from .timing import time_calls
 
 SWEEP_CASES = ("b1-l1024", "b1-l9100", "b8-mixed", "b64-mixed", "b32-verify4", "prefill-4x512")
 SWEEP = [  # SdpaConfig overrides; the first is the default (heads 1 below 16 tokens, else 4)

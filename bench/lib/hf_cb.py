@@ -22,8 +22,9 @@ import time
 from collections.abc import Sequence
 
 import torch
-from online import latency_summary
-from timing import Deadline
+
+from .online import latency_summary
+from .timing import Deadline
 
 
 def candidates() -> list[dict]:

@@ -1,10 +1,13 @@
 """How an `Engine(source, tensor_parallel=N)` becomes N processes, one per GPU of a host.
 
-`start` (rank 0, at the top of `Engine.__init__`) spawns ranks 1..N-1 (`rank_main`), or joins
-torchrun's ranks, and builds rank 0's share of the model. Every other rank builds its share and
-then the same `Engine` from the same keywords, with a `Follower` role (`follow`), so each rank's
-cache, runners, CUDA graphs and speculator are built by the same code in the same order; then it
-replays rank 0's plans until rank 0 closes. Under torchrun every rank runs the caller's script:
+`start` (rank 0; called by `batchkv.executor.launch.start` at the top of `Engine.__init__` when
+N > 1, it implements that module's `Starter`) spawns ranks 1..N-1 (`rank_main`), or joins
+torchrun's ranks, and returns rank 0's role (`Leader`) and its share of the model. `launch(source,
+n, **options)` is `Engine(source, tensor_parallel=n, **options)` written from here. Every other
+rank builds its share and then the same `Engine` from the same keywords, with a `Follower` role
+(`follow`), so each rank's cache, runners, CUDA graphs and speculator are built by the same code
+in the same order; then it replays rank 0's plans until rank 0 closes. Under torchrun every rank
+runs the caller's script:
 on ranks > 0 `Engine(...)` serves rank 0 and then exits the process (SystemExit(0)).
 
 A DFlash drafter under tensor parallelism is given as a factory, `drafter(target)`, and is built
@@ -15,37 +18,36 @@ rank, so its drafts are the same everywhere.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import traceback
+from typing import Any
 
 import torch
 from torch import nn
 
-from batchkv.checks import int_arg
 from batchkv.errors import ConfigError
+from batchkv.executor.engine import Engine
+from batchkv.models.loading import ModelSource
 from batchkv.tp.group import Group, step_timeout
-from batchkv.tp.models import ModelSource
-from batchkv.tp.roles import LOCAL, Follower, Leader, Local
-from batchkv.tp.shard import Shard
-
-MAX_RANKS = 64
+from batchkv.tp.roles import Follower, Leader
 
 
 def _under_torchrun() -> bool:
     return all(name in os.environ for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"))
 
 
-def start(model: object, tensor_parallel: int, options: dict) -> tuple[Local | Leader, object]:
-    """This process's role and model for `Engine(model, tensor_parallel=..., **options)`."""
-    world = int_arg("Engine tensor_parallel", tensor_parallel, 1, MAX_RANKS, why=" (one process per GPU)")
-    if world == 1 and callable(getattr(model, "cache_spec", None)):
-        return LOCAL, model  # a built model: today's single-process engine
+def launch(source: object, tensor_parallel: int, **options: Any) -> Engine:
+    """An engine whose model is sharded over `tensor_parallel` processes: `Engine(source,
+    tensor_parallel=tensor_parallel, **options)` (the engine starts the ranks through `start`)."""
+    return Engine(source, tensor_parallel=tensor_parallel, **options)
+
+
+def start(model: object, world: int, options: dict) -> tuple[Leader, object]:
+    """Rank 0's role and model for `Engine(model, tensor_parallel=world, **options)`, world > 1: the
+    other ranks started (spawned here, or torchrun's joined)."""
     source = ModelSource.of(model)
     device = torch.device(options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if world == 1:
-        return LOCAL, source.build(Shard(device=device))
     spec = options.get("speculative")
     if spec is not None and isinstance(spec.drafter, nn.Module):
         raise ConfigError("under tensor parallelism every rank builds its drafter: give SpeculativeConfig(drafter=) "
@@ -71,27 +73,8 @@ def start(model: object, tensor_parallel: int, options: dict) -> tuple[Local | L
         raise
 
 
-def stops_ranks_on_failure(init):
-    """`Engine.__init__`, which on any failure first stops the ranks its start launched (they would
-    otherwise wait for a rank 0 that never becomes ready)."""
-
-    @functools.wraps(init)
-    def build(self, *args, **kwargs) -> None:
-        try:
-            init(self, *args, **kwargs)
-        except BaseException:
-            role = self.__dict__.get("tp")
-            if role is not None:
-                role.close()
-            raise
-
-    return build
-
-
 def follow(group: Group, source: ModelSource, options: dict) -> None:
     """A rank > 0: build its share and its engine, then replay rank 0's plans until told to stop."""
-    from batchkv.executor.engine import Engine
-
     role = Follower(group)
     model = source.build(group.shard)
     engine = Engine(model, **{**options, "device": group.device}, _role=role)

@@ -23,8 +23,9 @@ import time
 from collections.abc import Iterator
 
 import torch
-from kernel_cases import Case
-from kernel_peers import Candidate, gather
+
+from .kernel_cases import Case
+from .kernel_peers import Candidate, gather
 
 # Facts of a length mask that flex may exploit: every query row sees key 0, and each row's blocks
 # are a contiguous prefix. PRESCALE_QK folds the scale into q first (checked against the reference).

@@ -1,7 +1,7 @@
 """FlashInfer as a peer of sdpa_varlen: its paged decode and prefill wrappers, every page size and backend.
 
 FlashInfer (Apache-2.0; the attention kernels vLLM and SGLang serve with; built by
-bench/flashinfer_jit.py) reads K/V from a paged cache, NHD: `kv` [pages, 2, page, Hkv, D] (plane 0
+bench/lib/flashinfer_jit.py) reads K/V from a paged cache, NHD: `kv` [pages, 2, page, Hkv, D] (plane 0
 keys, 1 values), and for sequence b the pages `indices[indptr[b]:indptr[b + 1]]` in order, all full
 but the last, which holds `last_page_len[b]` positions (1..page). `paged_kv` builds that cache from
 a case's column store outside timing, one per rotation (the rotation's columns), each sequence's
@@ -30,8 +30,9 @@ from functools import partial
 from types import ModuleType
 
 import torch
-from kernel_cases import Case
-from kernel_peers import Candidate
+
+from .kernel_cases import Case
+from .kernel_peers import Candidate
 
 PAGE_SIZES = (16, 32, 64, 0)  # 0: one page per sequence
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-KV partials); it recommends 128 MiB

@@ -7,7 +7,7 @@ each segment, the K and V of its whole prefix (kv_end positions, every layer). I
 2 FLOPs per weight-matrix element per real token for the body (every projection and MLP matrix),
 2 per LM-head element per row that samples (only those rows need logits), and 4 * D * Hq FLOPs per
 attended (query, key) pair per layer; norms, RoPE and softmax are left out (well under 0.1%).
-Bandwidth and peak are measured in the same run (bench/ceilings.py).
+Bandwidth and peak are measured in the same run (bench/lib/ceilings.py).
 
 Bytes-only roofline (the earlier figure): weights once per step of `batch` decode tokens and each
 output token's KV prefix once, over a bandwidth; it ignores the prompts' compute.
