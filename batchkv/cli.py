@@ -262,6 +262,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    if args.ray_replicas:  # replicas on Ray Serve (batchkv.serve.ray) instead of one server process
+        try:
+            from batchkv.serve.ray import serve_on_ray
+        except ImportError as exc:
+            raise ConfigError(f"--ray-replicas needs Ray Serve: pip install 'batchkv[ray]' ({exc})") from exc
+        return serve_on_ray(args)
     from batchkv.serve.server import serve
 
     return serve(args)

@@ -36,7 +36,7 @@ from dataclasses import replace
 from batchkv.cache import BatchedSequenceCache
 from batchkv.checks import int_arg
 from batchkv.executor.logprobs import row_ks
-from batchkv.executor.prefix import NoPrefixCache, PrefixCache
+from batchkv.executor.prefix import NO_MATCH, NoPrefixCache, PrefixCache
 from batchkv.executor.request import MAX_SAMPLE_ROWS, Event
 from batchkv.executor.state import Batch, RequestState, SampleState
 

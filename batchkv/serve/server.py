@@ -77,12 +77,6 @@ def serve(args: argparse.Namespace) -> int:
     import torch
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    if args.ray_replicas:
-        try:
-            from batchkv.serve.ray import serve_on_ray
-        except ImportError as exc:
-            raise ConfigError(f"--ray-replicas needs Ray Serve: pip install 'batchkv[ray]' ({exc})") from exc
-        return serve_on_ray(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = _device(args.device)
