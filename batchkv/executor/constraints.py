@@ -41,7 +41,6 @@ MAX_CONSTRAINT_CHARS = 65_536  # a schema, regex or grammar longer than this is 
 MAX_CHOICES = 1024
 COMPILE_SECONDS = 10.0  # a constraint that takes longer to compile is refused
 CACHE_ENTRIES = 256  # compiled grammars kept per tokenizer (least recently used dropped)
-MAX_ROLLBACK = 64  # tokens a matcher can roll back: one step's look-ahead (drafts + 1)
 INSTALL = "pip install 'batchkv[structured]' (xgrammar)"
 
 
@@ -180,11 +179,10 @@ class Grammars:
 
     def _compile(self, c: Constraint) -> Any:
         comp = self.compiler
-        if c.kind == "json_object":
-            return comp.compile_builtin_json_grammar()
-        if c.kind == "json_schema":
+        if c.kind in ("json_object", "json_schema"):
             # Compact JSON (no free whitespace): a small model can otherwise loop on spaces forever.
-            return comp.compile_json_schema(c.spec, any_whitespace=False, strict_mode=True)
+            spec = c.spec if c.kind == "json_schema" else '{"type": "object"}'
+            return comp.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
         if c.kind == "regex":
             return comp.compile_regex(c.spec)
         return comp.compile_grammar(c.ebnf() or c.spec)
@@ -196,7 +194,6 @@ class Grammars:
             compiled,
             override_stop_tokens=list(stop_ids) or None,
             terminate_without_stop_token=not stop_ids,
-            max_rollback_tokens=MAX_ROLLBACK,
         )
 
     def fill(self, matcher: Any, out: torch.Tensor, index: int, ahead: Sequence[int] = ()) -> bool:
