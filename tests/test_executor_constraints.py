@@ -6,6 +6,7 @@ many constraints in one step); JSON that validates with jsonschema; finishes and
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -113,21 +114,9 @@ def test_every_generated_token_is_allowed_and_the_bitmask_matches_a_python_refer
 def test_overlap_decodes_the_same_constrained_tokens(model, tokenizer):
     c = Constraint.json_schema(SCHEMA)
     eos = tokenizer.eos_token_id
-    schedule = (
-        [
-            (
-                0,
-                Request(
-                    PROMPT,
-                    SamplingParams(
-                        max_new_tokens=60, temperature=0.8, seed=s, n=2, constraint=c, stop_token_ids=(eos,)
-                    ),
-                ),
-            )  # fmt: skip
-            for s in range(2)
-        ]
-        + [(1, Request(PROMPT[:3], SamplingParams(max_new_tokens=20, temperature=0.8, seed=9)))]
-    )
+    params = SamplingParams(max_new_tokens=60, temperature=0.8, n=2, constraint=c, stop_token_ids=(eos,))
+    schedule = [(0, Request(PROMPT, replace(params, seed=s))) for s in range(2)]
+    schedule.append((1, Request(PROMPT[:3], SamplingParams(max_new_tokens=20, temperature=0.8, seed=9))))
     plain, ids = drive(engine_for(model, tokenizer, overlap=False), schedule)
     ahead, ids2 = drive(engine_for(model, tokenizer, overlap=True), schedule)
     assert [plain[i].tokens for i in ids] == [ahead[i].tokens for i in ids2]
