@@ -29,7 +29,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from batchkv.serve import jobs, outputs
+from batchkv.serve import jobs, outputs, structured
 from batchkv.serve.guard import REQUEST_ID, Access, Guard, internal_error
 from batchkv.serve.limits import read_body
 from batchkv.serve.metrics import ServerMetrics
@@ -158,7 +158,11 @@ def build_app(
             jobs.check_model(body, info)
             refuse_unsupported(body)
             worker.refuse_batch(jobs.prompt_count(body))
-            return outputs.Tracker(jobs.make_job(body, prompts(body), info), info.tokenizer)
+            job = jobs.make_job(body, prompts(body), info)
+            constraint = job.requests[0].params.constraint if job.requests else None
+            if constraint is not None:  # compiled here, off the loop and the engine thread (then cached)
+                structured.compile_constraint(worker.engine, constraint)
+            return outputs.Tracker(job, info.tokenizer)
 
         tracker = await asyncio.to_thread(prepare)
         job = tracker.job

@@ -16,7 +16,7 @@ from typing import Any
 
 from batchkv.errors import RequestError
 from batchkv.executor import Request, SamplingParams
-from batchkv.serve import templates
+from batchkv.serve import structured, templates
 from batchkv.serve.detok import StopStrings
 from batchkv.serve.limits import Limits
 from batchkv.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -218,6 +218,7 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
     # The engine also stops at its model's own EOS ids unless ignore_eos; info.eos_ids covers models
     # whose object carries none (SenseNova-U1 directories: their generation_config's).
     stop_ids = tuple(body.stop_token_ids) + (() if body.ignore_eos else info.eos_ids)
+    bias, constraint = structured.logit_bias(body.logit_bias), structured.constraint_of(body)
     most = limits.prompt_tokens(info.capacity)
     requests = []
     for prompt in prompts:
@@ -250,6 +251,13 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
                 n=body.n,
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                min_p=body.min_p,
+                min_tokens=body.min_tokens,
+                logit_bias=bias,
+                constraint=constraint,
             )
             requests.append(Request(prompt, params, priority=body.priority))
         except RequestError as exc:  # the message starts with the field: "top_p is 1.5", "prompt_ids[1] is -2"

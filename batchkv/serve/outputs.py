@@ -8,7 +8,8 @@ tracker cancels that prompt's engine request so its columns free at once.
 
 Finish reasons: the engine's stop -> "stop", length and capacity -> "length", cancelled -> "abort"
 (vLLM's word for a request ended by the server), and the worker's "timeout" (a request past the
-server's --request-timeout) -> "timeout".
+server's --request-timeout) -> "timeout", and a constrained sample no token could continue ->
+"grammar".
 
 Log-probabilities (when the job asks, `Job.logprobs`): each choice keeps its tokens' `Logprobs`
 (one per id in `token_ids`, so none after a stop string), and the answers write them as OpenAI
@@ -30,7 +31,8 @@ from batchkv.serve.jobs import Job
 from batchkv.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from batchkv.serve.stream import Stream
 
-FINISH = {"stop": "stop", "length": "length", "capacity": "length", "cancelled": "abort", "timeout": "timeout"}
+FINISH = {"stop": "stop", "length": "length", "capacity": "length", "cancelled": "abort", "timeout": "timeout",
+          "grammar": "grammar"}  # fmt: skip
 
 
 @dataclass

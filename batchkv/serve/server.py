@@ -14,7 +14,7 @@ import signal
 import socket
 import sys
 
-from batchkv.errors import ConfigError
+from batchkv.errors import ConfigError, DependencyError, RequestError
 from batchkv.frontend import MODES, kv_dtype_option, model_source, scheduling_kwargs, speculative_option
 from batchkv.serve.options import DEFAULT_CAPACITY, access_from, add_arguments, api_key, is_loopback, limits_from
 
@@ -96,6 +96,19 @@ def serve(args: argparse.Namespace) -> int:
         sock.close()
 
 
+def _use_tokenizer(engine, tokenizer, tp: int) -> str:
+    """Bind the tokenizer for constrained decoding when it can be; says whether it was (and why not)."""
+    if tokenizer is None:
+        return "off (no tokenizer)"
+    if tp > 1:
+        return "off (tensor parallel)"
+    try:
+        engine.use_tokenizer(tokenizer)
+    except (DependencyError, RequestError) as exc:
+        return f"off ({exc})"
+    return "on"
+
+
 def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) -> int:
     import torch
 
@@ -127,6 +140,7 @@ def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) 
         kv_dtype=kv_dtype_option(args.kv_dtype),
         speculative=speculative_option(args, served.model),
     )
+    constraints = _use_tokenizer(engine, served.tokenizer, tp)
     max_seqs = engine.cache.max_seqs  # what --max-seqs auto chose, else --max-seqs
     metrics = ServerMetrics(max_seqs)
     limits = limits_from(args)
@@ -145,6 +159,7 @@ def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) 
         extras += f", prefill budget {args.prefill_budget}"
     host, port = sock.getsockname()[:2]
     extras += ", API key required" if access.api_key else ""
+    extras += f", structured outputs {constraints}"
     print(
         f"batchkv serve: {name} ({served.kind}, {text}) on {device} ({mode}), max_seqs {max_seqs}, "
         f"capacity {capacity}{extras}; http://{args.host}:{port}/v1",
