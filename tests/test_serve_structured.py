@@ -134,3 +134,25 @@ def test_bad_values_are_400s_naming_the_field(server, fields, param):
     body = {"messages": MESSAGES, "max_tokens": 4, **fields}
     refused = error(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60), 400)
     assert refused["param"] == param, refused
+
+
+def test_tokenize_detokenize_and_version_answer_in_vllms_shapes(server):
+    from tests.serve_helpers import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    text = "Hello world, hello batchkv!"
+    r = httpx.post(server.url + "/tokenize", json={"prompt": text, "return_token_strs": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == tokenizer.encode(text) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 256 and body["token_strs"] == tokenizer.convert_ids_to_tokens(body["tokens"])
+    chat = httpx.post(server.url + "/tokenize", json={"messages": MESSAGES}, timeout=60).json()
+    rendered = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
+    back = httpx.post(server.url + "/detokenize", json={"tokens": body["tokens"]}, timeout=60)
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+    assert error(httpx.post(server.url + "/detokenize", json={"tokens": [10**6]}, timeout=60), 400)["param"] == "tokens"
+    assert error(httpx.post(server.url + "/tokenize", json={}, timeout=60), 400)["param"] == "prompt"
+    assert error(httpx.post(server.url + "/tokenize", json={"prompt": "x", "bogus": 1}, timeout=60), 400)
+    version = httpx.get(server.url + "/version", timeout=60).json()
+    assert version == {"version": __import__("batchkv").__version__}
