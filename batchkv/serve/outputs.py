@@ -26,6 +26,7 @@ from typing import Any
 
 from batchkv.executor import Event
 from batchkv.executor.request import Logprobs
+from batchkv.serve import tools
 from batchkv.serve.detok import IncrementalDetokenizer, StopMatcher
 from batchkv.serve.jobs import Job
 from batchkv.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
@@ -179,11 +180,12 @@ def chat_body(tracker: Tracker, rid: str, model: str) -> dict[str, Any]:
     """The JSON of a finished /v1/chat/completions answer."""
     job, choices = tracker.job, []
     for c in tracker.choices:
+        message, finish = _message("".join(c.text), c.finish, job)
         choice: dict[str, Any] = {
             "index": c.index,
-            "message": {"role": "assistant", "content": "".join(c.text)},
+            "message": {"role": "assistant", **message},
             "logprobs": chat_logprobs(c.logprobs, tracker.tokens) if job.logprobs is not None else None,
-            "finish_reason": c.finish,
+            "finish_reason": finish,
         }
         if job.token_ids:
             choice["token_ids"] = c.token_ids
@@ -199,6 +201,17 @@ def chat_body(tracker: Tracker, rid: str, model: str) -> dict[str, Any]:
     if job.token_ids:
         body["prompt_token_ids"] = job.prompts[0]
     return body
+
+
+def _message(text: str, finish: str | None, job: Job) -> tuple[dict[str, Any], str | None]:
+    """A chat choice's message fields and finish reason: with tools, the calls parsed from its text
+    (`batchkv.serve.tools`) and "tool_calls" for a choice that stopped on its own."""
+    if job.tools is None:
+        return {"content": text}, finish
+    content, calls = tools.parse(text, job.tools)
+    if not calls:
+        return {"content": text}, finish
+    return {"content": content, "tool_calls": calls}, ("tool_calls" if finish == "stop" else finish)
 
 
 def completion_chunk(tracker: Tracker, deltas: list[Delta], rid: str, model: str, created: int) -> dict[str, Any]:
@@ -219,9 +232,18 @@ def chat_chunk(tracker: Tracker, deltas: list[Delta], rid: str, model: str, crea
     """One streamed /v1/chat/completions event (`chat.completion.chunk`)."""
     choices = []
     for d in deltas:
-        delta = {"content": d.text} if d.text or d.finish is None else {}
+        delta: dict[str, Any] = {"content": d.text} if d.text or d.finish is None else {}
+        finish = d.finish
+        if tracker.job.tools is not None:  # held until the choice ends: then its text and calls
+            delta = {}
+            if d.finish is not None:
+                message, finish = _message("".join(tracker.choices[d.index].text), d.finish, tracker.job)
+                if message.get("content"):
+                    delta["content"] = message["content"]
+                if "tool_calls" in message:
+                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
         lps = chat_logprobs(d.logprobs, tracker.tokens) if d.logprobs else None
-        choice: dict[str, Any] = {"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": d.finish}
+        choice: dict[str, Any] = {"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": finish}
         if tracker.job.token_ids:
             choice["token_ids"] = d.token_ids
         choices.append(choice)

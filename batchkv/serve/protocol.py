@@ -2,7 +2,7 @@
 
 Bodies decode with `decode_body`: malformed JSON, a field of the wrong type and a field this
 server does not know are all `APIError(400)` naming the field. OpenAI fields that batchkv does not
-implement (echo, suffix, tools, ...) are declared so that their default values pass and anything
+implement (echo, suffix, best_of) are declared so that their default values pass and anything
 else is refused by `refuse_unsupported` with the field named, rather than being silently ignored.
 Extensions that vLLM also accepts: `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`,
 `priority`, `repetition_penalty`, `min_p`, `min_tokens`, `structured_outputs` and the `guided_*`
@@ -133,6 +133,8 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (`tools`)
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -159,8 +161,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (False,),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
 }
 
 

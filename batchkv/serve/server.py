@@ -117,6 +117,7 @@ def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) 
     from batchkv.serve.jobs import ModelInfo
     from batchkv.serve.loading import load_served_model
     from batchkv.serve.metrics import ServerMetrics
+    from batchkv.serve.tools import check_parser
     from batchkv.serve.worker import EngineWorker
 
     tp = args.tensor_parallel  # > 1: the ranks load their shares, this process only what serving text needs
@@ -146,7 +147,8 @@ def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) 
     limits = limits_from(args)
     worker = EngineWorker(engine, metrics, max_waiting=args.max_waiting, request_timeout=limits.request_timeout)
     name = args.served_model_name or args.model
-    info = ModelInfo(name, served.tokenizer, capacity, served.eos_ids, limits)
+    parser = check_parser(getattr(args, "tool_call_parser", None))
+    info = ModelInfo(name, served.tokenizer, capacity, served.eos_ids, limits, tool_parser=parser)
     access = access_from(args, sock.getsockname()[0])
     app = build_app(worker, info, metrics, access)
     mode = ("graphs" if engine.uses_graphs else "eager") + (", overlap" if engine.overlap else "")
