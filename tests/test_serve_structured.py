@@ -156,3 +156,24 @@ def test_tokenize_detokenize_and_version_answer_in_vllms_shapes(server):
     assert error(httpx.post(server.url + "/tokenize", json={"prompt": "x", "bogus": 1}, timeout=60), 400)
     version = httpx.get(server.url + "/version", timeout=60).json()
     assert version == {"version": __import__("batchkv").__version__}
+
+
+def test_echo_puts_the_prompt_before_the_text_and_special_tokens_can_be_kept(server):
+    from tests.serve_helpers import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    base = {"prompt": "Hello world", "max_tokens": 6, "temperature": 0}
+    plain = httpx.post(server.url + "/v1/completions", json=base, timeout=60).json()["choices"][0]["text"]
+    echoed = httpx.post(server.url + "/v1/completions", json={**base, "echo": True}, timeout=60).json()
+    assert echoed["choices"][0]["text"] == "Hello world" + plain
+    with httpx.stream("POST", server.url + "/v1/completions", json={**base, "echo": True, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "Hello world" + plain
+    refused = error(httpx.post(server.url + "/v1/completions", json={**base, "echo": True, "logprobs": 1}), 400)
+    assert refused["param"] == "echo"
+    special = [tokenizer.convert_tokens_to_ids("<|im_start|>")]  # a special token the answer must show
+    body = {**base, "logit_bias": {str(special[0]): 100}, "max_tokens": 2, "ignore_eos": True}
+    kept = httpx.post(server.url + "/v1/completions", json={**body, "skip_special_tokens": False}, timeout=60)
+    dropped = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert kept.json()["choices"][0]["text"] == "<|im_start|><|im_start|>"
+    assert dropped.json()["choices"][0]["text"] == ""

@@ -48,6 +48,9 @@ class Job:
     token_ids: bool  # put token ids in the choices (always when there is no tokenizer)
     logprobs: int | None = None  # alternatives per token when the answer carries logprobs, else None
     tools: tools_module.ToolPlan | None = None  # chat with tools: how the answers are parsed
+    skip_special_tokens: bool = True  # the detokenizer's options (vLLM's)
+    spaces_between_special_tokens: bool = True
+    echo: list[str] | None = None  # completions' echo: each prompt's text, put before its choices' text
 
 
 def check_model(body: SamplingFields, info: ModelInfo) -> None:
@@ -290,4 +293,18 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
         token_ids=body.return_token_ids or info.tokenizer is None,
         logprobs=logprobs,
         tools=plan,
+        skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
+        echo=_echo(body, prompts, info, logprobs),
     )
+
+
+def _echo(body: SamplingFields, prompts: list[list[int]], info: ModelInfo, logprobs: int | None) -> list[str] | None:
+    """Completions' `echo`: each prompt's text (decoded as the answer is), or None when not asked."""
+    if not getattr(body, "echo", False):
+        return None
+    if logprobs is not None:
+        raise APIError(400, "echo with logprobs (the prompt's logprobs) is not supported; drop one", param="echo")
+    tokenizer = _need_tokenizer(info, "echo", "echo")
+    options = {"skip_special_tokens": body.skip_special_tokens, "clean_up_tokenization_spaces": False}
+    return [tokenizer.decode(prompt, **options) for prompt in prompts]

@@ -97,7 +97,10 @@ class Tracker:
         self.job = job
         decode = None
         if tokenizer is not None:
-            decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)  # noqa: E731
+            options = {"skip_special_tokens": job.skip_special_tokens, "clean_up_tokenization_spaces": False}
+            if not job.spaces_between_special_tokens:  # passed only when asked: the default is the tokenizer's
+                options["spaces_between_special_tokens"] = False
+            decode = lambda ids: tokenizer.decode(ids, **options)  # noqa: E731
         self.choices = [
             Choice(p * job.n + s, IncrementalDetokenizer(decode, prompt) if decode else None, StopMatcher(job.stops))
             for p, prompt in enumerate(job.prompts)
@@ -107,6 +110,7 @@ class Tracker:
         self.tokens = TokenText(tokenizer)  # logprobs' token texts
         self.offsets = [0] * len(self.choices)  # streamed completions: text_offset of each choice's next token
         self.cached: dict[int, int] = {}  # prompt index -> tokens reused from the prefix cache
+        self.echoed: set[int] = set()  # streamed completions with echo: choices whose prompt text went out
 
     @property
     def done(self) -> bool:
@@ -158,7 +162,8 @@ def completion_body(tracker: Tracker, rid: str, model: str) -> dict[str, Any]:
     """The JSON of a finished /v1/completions answer."""
     job, choices = tracker.job, []
     for c in tracker.choices:
-        choice: dict[str, Any] = {"index": c.index, "text": "".join(c.text), "logprobs": None}
+        echo = job.echo[c.index // job.n] if job.echo is not None else ""
+        choice: dict[str, Any] = {"index": c.index, "text": echo + "".join(c.text), "logprobs": None}
         if job.logprobs is not None:
             choice["logprobs"] = completion_logprobs(c.logprobs, tracker.tokens)[0]
         choice["finish_reason"] = c.finish
@@ -218,7 +223,11 @@ def completion_chunk(tracker: Tracker, deltas: list[Delta], rid: str, model: str
     """One streamed /v1/completions event: the choices one engine step touched."""
     choices = []
     for d in deltas:
-        choice: dict[str, Any] = {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish}
+        text = d.text
+        if tracker.job.echo is not None and d.index not in tracker.echoed:  # the prompt's text comes first
+            tracker.echoed.add(d.index)
+            text = tracker.job.echo[d.index // tracker.job.n] + text
+        choice: dict[str, Any] = {"index": d.index, "text": text, "logprobs": None, "finish_reason": d.finish}
         if d.logprobs:
             offset = tracker.offsets[d.index]
             choice["logprobs"], tracker.offsets[d.index] = completion_logprobs(d.logprobs, tracker.tokens, offset)

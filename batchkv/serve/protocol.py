@@ -103,6 +103,9 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's detokenizing options: special tokens' text out (False) or in, spaces between them
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         for name, default in NULL_MEANS_DEFAULT.items():
@@ -158,7 +161,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 # field -> values that mean "off"; anything else is refused with 400 naming the field.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "echo": (False,),
     "best_of": (None, 1),
     "suffix": (None, ""),
 }
