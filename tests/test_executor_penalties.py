@@ -165,3 +165,18 @@ def test_the_engine_refuses_logit_bias_past_the_vocabulary_and_penalties_when_sp
     with pytest.raises(RequestError, match="speculative decoding"):
         spec.submit(Request(PROMPT, SamplingParams(repetition_penalty=1.2)))
     assert not engine.has_work and not spec.has_work
+
+
+def test_a_jsonl_workload_line_carries_the_adjustments_and_bad_values_name_the_line(tmp_path):
+    import json
+
+    from batchkv.errors import WorkloadError
+    from batchkv.executor.workload import load_jsonl
+
+    path = tmp_path / "w.jsonl"
+    path.write_text(json.dumps({"prompt_ids": [1, 2], "repetition_penalty": 1.2, "logit_bias": {"5": -3}}) + "\n")
+    params = load_jsonl(path)[0].request.params
+    assert params.repetition_penalty == 1.2 and params.logit_bias == ((5, -3.0),)
+    path.write_text(json.dumps({"prompt_ids": [1], "min_p": 3}) + "\n")
+    with pytest.raises(WorkloadError, match=r"w.jsonl:1: min_p is 3.0"):
+        load_jsonl(path)
