@@ -114,3 +114,13 @@ def test_kernel_sweep_few_grid_runs_each_config_on_the_cases_given(tmp_path):
     for r in report["results"]:  # each config's speedup is the default's time over its own
         assert r["speedup_vs_default"] == round(base / r["us"]["b8-l40"], 3)
     assert report["best"]["speedup_vs_default"] == max(r["speedup_vs_default"] for r in report["results"])
+
+
+def test_structured_smoke_constrains_a_tenth_of_the_requests_only_in_the_runs_that_say_so(tmp_path):
+    pytest.importorskip("xgrammar")
+    report = _run(["bench/structured.py", "--small"], tmp_path / "structured.json")
+    runs = report["runs"]
+    assert [r["constrained"] for r in runs] == [False, True, False, True]
+    assert all(r["tokens"] == 10 * 4 for r in runs)
+    assert all((r["itl_ms_p50_constrained"] is None) == (not r["constrained"]) for r in runs)
+    assert report["unconstrained_tok_s_ratio"] > 0 and report["constrained_itl_ratio"] > 0

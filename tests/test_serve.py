@@ -343,7 +343,7 @@ BAD = [
     ("beyond capacity", {"prompt": "Hello", "max_tokens": CAPACITY}, 400, "max_tokens"),
     ("token id outside the vocabulary", {"prompt": [1, 2, 100000], "max_tokens": 3}, 400, None),
     ("unknown model", {"model": "gpt-5", "prompt": "x", "max_tokens": 3}, 404, "model"),
-    ("unsupported field", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("unsupported field", {"prompt": "x", "suffix": "end"}, 400, "suffix"),
     ("n beyond the columns", {"prompt": "x", "max_tokens": 3, "n": MAX_SEQS + 1}, 400, None),
     ("mixed prompt batch", {"prompt": ["x", [1, 2]], "max_tokens": 3}, 400, "prompt"),
     ("top_p out of range", {"prompt": "x", "max_tokens": 3, "top_p": 1.5}, 400, "top_p"),

@@ -22,11 +22,12 @@ from batchkv.cache import BatchedSequenceCache, CacheConfig
 from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
 from batchkv.checks import allocating, device_arg, int_arg, int_args
 from batchkv.errors import ConfigError, RequestError, StepError
+from batchkv.executor.constraints import Grammars
 from batchkv.executor.graphs import GraphSet
 from batchkv.executor.launch import start, stops_ranks_on_failure
 from batchkv.executor.metrics import Metrics
 from batchkv.executor.pipeline import InFlight, Pipeline
-from batchkv.executor.request import MAX_SAMPLE_ROWS, Event, Request
+from batchkv.executor.request import MAX_SAMPLE_ROWS, Event, Request, SamplingParams
 from batchkv.executor.roles import Role
 from batchkv.executor.runner import ModelRunner, StepModel
 from batchkv.executor.scheduler import RequestState, Scheduler
@@ -239,6 +240,7 @@ class Engine:
                 )
                 self.runner = self.speculator.runner
         self._seeds = random.Random(seed)
+        self.grammars: Grammars | None = None  # use_tokenizer: constrained decoding
         self._next_id = 0
         self._idle = False
         self.tp.ready()  # every rank has built its engine
@@ -333,16 +335,66 @@ class Engine:
                 "logprobs and prompt_logprobs are not computed under speculative decoding (a verify step keeps "
                 "no logits); drop them, or serve this request from an engine without speculative="
             )
+        if problem is None:
+            problem = self._sampling_problem(params)
         if problem is not None:
             self.metrics.refused += 1
             raise RequestError(f"request refused: {problem}")
+        grammar = None
+        if params.constraint is not None:
+            try:
+                grammar = self.grammars.compile(params.constraint)  # type: ignore[union-attr]  # cached
+            except RequestError:
+                self.metrics.refused += 1
+                raise
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = replace(request, params=params.stopping_at(self.eos_token_ids))  # unless ignore_eos
         request_id = self._next_id
         self._next_id += 1
-        self.scheduler.add(RequestState(request_id, request, seed, time.perf_counter()))
+        self.scheduler.add(RequestState(request_id, request, seed, time.perf_counter(), grammar=grammar))
         self.metrics.submitted += 1
         return request_id
+
+    def _sampling_problem(self, params: SamplingParams) -> str | None:
+        """Why this engine cannot apply `params`' logit adjustments or constraint, or None."""
+        bad = [token for token, _ in params.logit_bias if token >= self.vocab_size]
+        if bad:
+            return f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+        if not params.adjusts_sampling:
+            return None
+        where = None
+        if self.tp.world > 1:
+            where = "under tensor parallelism"
+        elif not isinstance(self.speculator, NoSpeculation):
+            if params.adjusts_logits or params.min_p > 0:
+                where = "under speculative decoding"
+            elif self.speculator.config.method != "ngram":
+                where = f"under {self.speculator.config.method} speculation (its drafts never reach the host)"
+        if where is not None:
+            what = (
+                "a constraint"
+                if params.constraint is not None and not params.adjusts_logits
+                else ("penalties, min_p, min_tokens and logit_bias")
+            )
+            return f"{what} are not applied {where}; drop them, or serve this request from a plain engine"
+        if params.constraint is not None and self.grammars is None:
+            return "a constraint needs the engine's tokenizer: call engine.use_tokenizer(tokenizer) first"
+        return None
+
+    def use_tokenizer(self, tokenizer: object) -> None:
+        """Bind the tokenizer (transformers', or an `xgrammar.TokenizerInfo`) that constrained
+        requests (`SamplingParams.constraint`) are compiled against. Needs xgrammar
+        (`batchkv[structured]`)."""
+        self.grammars = Grammars(tokenizer, self.vocab_size)
+        self.runner.grammars = self.grammars
+
+    def compile_constraint(self, constraint: object) -> None:
+        """Compile `constraint` now (cached), so that `submit` finds it ready; RequestError naming
+        its field when it is malformed, unsupported or compiles too long. Thread-safe: the server
+        runs it off its event loop."""
+        if self.grammars is None:
+            raise RequestError("a constraint needs the engine's tokenizer: call engine.use_tokenizer(tokenizer) first")
+        self.grammars.compile(constraint)  # type: ignore[arg-type]
 
     def _reach(self, request: Request) -> int:
         return min(self.cache.capacity, len(request.prompt_ids) + request.params.max_new_tokens - 1)

@@ -14,17 +14,41 @@ from batchkv.cache.config import MAX_POSITIONS
 from batchkv.checks import int_arg, int_args, real_arg
 from batchkv.errors import RequestError
 
-FINISH_REASONS = ("stop", "length", "capacity", "cancelled")
+FINISH_REASONS = ("stop", "length", "capacity", "cancelled", "grammar")
 MAX_SAMPLE_ROWS = 256  # most rows one step sends through the LM head (float32 [256, vocab] logits)
 MAX_SEED = 2**64 - 1  # seeds feed splitmix64
 MAX_TOP_K = 2**31 - 1  # staged as int64 each step; any k at or past the vocabulary keeps every token
 MAX_PRIORITY = 2**31 - 1  # priorities are int32's range
 MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs bound, vLLM's default max_logprobs)
+MAX_LOGIT_BIAS = 1024  # most logit_bias entries of one request (each staged every step it samples)
+MAX_BIAS = 100.0  # OpenAI's range of one logit_bias value: [-100, 100]
+MAX_PENALTY = 2.0  # OpenAI's range of presence_penalty and frequency_penalty: [-2, 2]
+MAX_REPETITION_PENALTY = 100.0  # repetition_penalty lies in (0, 100]; 1 is off
 
 
 def _int_tuple(values: Iterable[int], what: str) -> tuple[int, ...]:
     """Token ids as Python ints; a float (1.5, even 2.0), bool or str id is refused, not truncated."""
     return int_args(what, values, 0, error=RequestError)
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs, from a mapping or pairs; refused out of range."""
+    if isinstance(value, dict):
+        value = tuple(value.items())
+    if not isinstance(value, (tuple, list)):
+        raise RequestError(f"logit_bias is a {type(value).__name__}; give {{token id: bias}} or (id, bias) pairs")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias has {len(value)} entries; at most {MAX_LOGIT_BIAS} are allowed")
+    out: dict[int, float] = {}
+    for entry in value:
+        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+            raise RequestError(f"logit_bias entry {entry!r} is not a (token id, bias) pair")
+        token = int_arg("logit_bias token id", entry[0], 0, error=RequestError)
+        bias = real_arg(f"logit_bias[{token}]", entry[1], error=RequestError)
+        if not -MAX_BIAS <= bias <= MAX_BIAS:
+            raise RequestError(f"logit_bias[{token}] is {bias}; a bias must lie in [-100, 100]")
+        out[token] = bias
+    return tuple(sorted(out.items()))
 
 
 @dataclass(frozen=True)
@@ -51,6 +75,22 @@ class SamplingParams:
         Both are log_softmax of the model's raw float32 logits, before temperature, top-k and top-p
         (vLLM's default "raw" logprobs), so they do not depend on how the token was sampled. A
         speculating engine refuses both.
+    presence_penalty, frequency_penalty: in [-2, 2] (OpenAI's); each output token's logit drops
+        by presence_penalty once it has been generated and by frequency_penalty times how often.
+    repetition_penalty: in (0, 100], 1 off (transformers' and vLLM's): the logit of every token
+        of the prompt or the output is divided by it when positive, multiplied when not.
+    min_p: in [0, 1], 0 off: tokens less likely than min_p times the most likely are dropped
+        (after temperature, top-k and top-p, as transformers' MinPLogitsWarper).
+    min_tokens: the stop ids (stop_token_ids and the model's EOS) cannot be sampled before this
+        many tokens (at most max_new_tokens).
+    logit_bias: {token id: bias in [-100, 100]} added to the logits (OpenAI's), at most
+        MAX_LOGIT_BIAS entries; ids are checked against the vocabulary by `Engine.submit`.
+        Logit bias, min_tokens, then repetition, frequency and presence penalties are applied in
+        vLLM's order, on the device, only in steps where some row uses them; logprobs stay raw.
+    constraint: a `batchkv.executor.constraints.Constraint` (JSON schema, regex, choices or an
+        EBNF grammar): every sampled token keeps the output a prefix of the language; the sample
+        ends "stop" once the grammar is complete and a stop id or nothing else can follow, and
+        "grammar" if no token can continue it. Needs `Engine.use_tokenizer`.
     """
 
     max_new_tokens: int = 16
@@ -63,10 +103,18 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: object | None = None
 
     def __post_init__(self) -> None:
-        def put(name: str, value: object) -> None:
+        def put(name: str, value: object) -> object:
             object.__setattr__(self, name, value)
+            return value
 
         put("stop_token_ids", _int_tuple(self.stop_token_ids, "stop_token_ids"))
         put("max_new_tokens", int_arg("max_new_tokens", self.max_new_tokens, 1, error=RequestError))
@@ -87,6 +135,30 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 put(name, int_arg(name, getattr(self, name), 0, MAX_LOGPROBS, error=RequestError, why=why))
+        self._check_penalties(put)
+
+    def _check_penalties(self, put) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = put(name, real_arg(name, getattr(self, name), error=RequestError))
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise RequestError(f"{name} is {value}; it must lie in [-2, 2] (0 turns it off)")
+        value = put("repetition_penalty", real_arg("repetition_penalty", self.repetition_penalty, error=RequestError))
+        if not 0.0 < value <= MAX_REPETITION_PENALTY:
+            raise RequestError(f"repetition_penalty is {value}; it must lie in (0, 100] (1 turns it off)")
+        value = put("min_p", real_arg("min_p", self.min_p, error=RequestError))
+        if not 0.0 <= value <= 1.0:
+            raise RequestError(f"min_p is {value}; it must lie in [0, 1] (0 turns it off)")
+        why = f" (at most max_new_tokens={self.max_new_tokens})"
+        put("min_tokens", int_arg("min_tokens", self.min_tokens, 0, self.max_new_tokens, error=RequestError, why=why))
+        put("logit_bias", _logit_bias(self.logit_bias))
+        if self.constraint is not None:
+            from batchkv.executor.constraints import Constraint  # the module imports xgrammar only when used
+
+            if not isinstance(self.constraint, Constraint):
+                raise RequestError(
+                    f"constraint is a {type(self.constraint).__name__}; pass a Constraint "
+                    "(Constraint.json_schema, .regex, .choice or .grammar) or None"
+                )
 
     def stopping_at(self, eos_ids: Sequence[int]) -> SamplingParams:
         """These params with the model's `eos_ids` added to stop_token_ids, unless ignore_eos."""
@@ -98,6 +170,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when a penalty, min_tokens or logit_bias changes this request's logits."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.min_tokens or self.logit_bias
+        )  # fmt: skip
+
+    @property
+    def adjusts_sampling(self) -> bool:
+        """True when `adjusts_logits`, min_p is set, or a constraint applies."""
+        return self.adjusts_logits or self.min_p > 0.0 or self.constraint is not None
 
     @property
     def scores(self) -> bool:

@@ -21,6 +21,11 @@ Log-probabilities (`batchkv.executor.logprobs`) follow the same path when a step
 them: prompt scoring rows join the selector after the sampling rows, and the logprobs are copied
 into pinned host slots before the event, read with the tokens. A step where no row asks stages,
 launches and copies exactly what it did before they existed.
+
+So do the per-row logit adjustments (penalties, logit_bias, min_tokens, min_p) and constrained
+decoding: a step where a row uses one runs `_adjusted_step` (the forward, then the host's staging
+and bitmask fill while the device runs it, then sampling from the adjusted logits); any other step
+runs `_device_step`, unchanged.
 """
 
 from __future__ import annotations
@@ -34,8 +39,10 @@ from torch import nn
 from batchkv.cache import BatchedSequenceCache
 from batchkv.cache.staging import Staging
 from batchkv.errors import StepError
+from batchkv.executor.constraints import Grammars, MaskRows, allowed, constrained, fill_step
 from batchkv.executor.graphs import AdapterGuard, GraphSet, ModuleFingerprint
 from batchkv.executor.logprobs import LogprobSlots, StepLogprobs
+from batchkv.executor.penalties import stage_penalties
 from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.roles import LOCAL, Role
 from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform
@@ -124,6 +131,8 @@ class ModelRunner:
         self._host_tokens = torch.zeros(2, R, dtype=torch.int64, pin_memory=pin)
         self._read = [torch.cuda.Event() for _ in range(2)] if pin else [None, None]
         self.logprob_slots = LogprobSlots(R, device)  # used only by steps whose rows ask (rank 0's)
+        self.grammars: Grammars | None = None  # `Engine.use_tokenizer`: constrained decoding
+        self._masks: MaskRows | None = None  # its bitmask buffers, made at the first constrained step
         self.tp = tp
         tp.bind(self, self._staging)
 
@@ -233,7 +242,10 @@ class ModelRunner:
         plan = self.logprob_slots.stage(batch) if batch.logprob_k else None
         rows = min(self.rows, width) if self.pad_rows else batch.logits_rows
         real = len(batch.rows)
-        logits = self.tp.run(self._device_step, width, rows, real, sampling, slot)
+        if not any(sample.owner.request.params.adjusts_sampling for sample in batch.samples):
+            logits = self.tp.run(self._device_step, width, rows, real, sampling, slot)
+        else:
+            logits = self._adjusted_step(batch, width, rows, real, sampling, slot, previous)
         # rank 0's logits (every rank's are the same, gathered): its host reads the logprobs
         logprobs = None if plan is None else self.logprob_slots.launch(plan, logits, self.sampled[slot, :real], slot)
         host = self._host_tokens[slot, :real]
@@ -254,6 +266,53 @@ class ModelRunner:
             )
         else:
             tokens = greedy_tokens(logits[:real])
+        self.sampled[slot, :real].copy_(tokens)
+        return logits
+
+    def _adjusted_step(
+        self, batch: Batch, width: int, rows: int, real: int, sampling: bool, slot: int, previous: SampledTokens | None
+    ) -> torch.Tensor:
+        """`_device_step` for a step whose rows may adjust their logits (penalties, logit_bias,
+        min_tokens: `batchkv.executor.penalties`; min_p) or be constrained
+        (`batchkv.executor.constraints`). The forward is queued first; the host then stages the
+        adjustments and fills the constrained rows' bitmask while the device runs it (waiting for
+        the previous step's tokens only when a constrained row's newest token is among them). A step
+        with none of them samples exactly as `_device_step`. One process only (`Engine.submit`
+        refuses these parameters under tensor parallelism)."""
+        logits = self.execute(width, lambda: self._forward(width, rows))
+        device = logits.device
+        chosen = logits[:real]
+        penalties = stage_penalties(batch, device)
+        if penalties is not None:
+            chosen = penalties.apply(chosen, self.sampled[previous.slot] if previous is not None else None)
+        if self.grammars is not None and constrained(batch.samples):
+            masks = self._masks
+            if masks is None:
+                masks = self._masks = MaskRows(self.rows, self.grammars.words, device)
+            host = masks.host[slot]
+            runs: list[list[int]] | None = None
+
+            def ahead(i: int) -> list[int]:
+                nonlocal runs
+                if not batch.samples[i].pending:
+                    return []
+                if runs is None:  # the previous step's tokens: the device has queued this forward after it
+                    runs = previous.read() if previous is not None else []
+                return runs[batch.token_src[i]]
+
+            fill_step(self.grammars, batch.samples, host, ahead)
+            masks.upload(slot, real)
+            chosen = chosen.masked_fill(~allowed(masks.device[:real], chosen.shape[1]), float("-inf"))
+        if sampling:
+            min_p = None
+            if any(s.owner.request.params.min_p > 0 for s in batch.samples):
+                values = [s.owner.request.params.min_p for s in batch.samples]
+                min_p = torch.tensor(values, dtype=torch.float32).to(device)
+            tokens = sample_tokens(
+                chosen, self.temperature[:real], self.top_k[:real], self.top_p[:real], self.draws[:real], min_p
+            )
+        else:
+            tokens = greedy_tokens(chosen)
         self.sampled[slot, :real].copy_(tokens)
         return logits
 

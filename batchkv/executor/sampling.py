@@ -48,17 +48,19 @@ def sample_tokens(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     draws: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row.
 
     logits: float32 [R, V]; temperature, top_p, draws: float32 [R]; top_k: int64 [R]
-    (0: no top-k). Rows with temperature 0 take the argmax (first index on ties). Returns int64 [R]
+    (0: no top-k); min_p: float32 [R] or None (see `filtered_probs`). Rows with temperature 0 take
+    the argmax (first index on ties). Returns int64 [R]
     on the logits' device. Graph-safe (static shapes, no host reads).
 
     >>> sample_tokens(logits, torch.tensor([0.7]), torch.tensor([50]), torch.tensor([0.9]), torch.tensor([0.3]))
     """
     greedy = temperature <= 0
-    probs, order, keep = filtered_probs(logits, temperature, top_k, top_p)
+    probs, order, keep = filtered_probs(logits, temperature, top_k, top_p, min_p)
     cum = probs.cumsum(-1)
     choice = (cum < draws[:, None] * cum[:, -1:]).sum(-1)
     # Rounding can never land past the kept prefix; a row that keeps nothing (top_p <= 0, which
@@ -69,12 +71,18 @@ def sample_tokens(
 
 
 def filtered_probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The distribution a row samples from, in stably sorted order (most likely first).
 
     Returns probs float32 [R, V] (temperature, then top-k, then top-p; filtered entries 0, the
-    rest in proportion but not renormalised after top-p), order int64 [R, V] (the token id at
+    rest in proportion but not renormalised after top-p; then, with `min_p` (float32 [R], 0 off),
+    tokens whose probability is below min_p times the most likely's dropped, as transformers'
+    MinPLogitsWarper after top-p), order int64 [R, V] (the token id at
     each sorted rank) and keep bool [R, V] (a prefix of each row). Greedy rows (temperature 0)
     come out at temperature 1: the caller takes their argmax instead. Graph-safe.
     """
@@ -88,6 +96,8 @@ def filtered_probs(
     probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
     before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
     keep &= (before < top_p[:, None]) | (top_p >= 1.0)[:, None]  # still a prefix; rank 0 always kept
+    if min_p is not None:  # p >= min_p * p_max, in log space: still a prefix, rank 0 kept
+        keep &= sorted_logits >= sorted_logits[:, :1] + torch.log(min_p)[:, None]
     probs = probs.masked_fill(~keep, 0.0)
     return probs, order, keep
 

@@ -12,7 +12,8 @@ A step is applied in two halves, so the host can plan the next step before this 
 read (`batchkv.executor.pipeline`): `launched(batch)` right after the step is queued and committed
 (prompt progress, forks, one pending token per sampling row, and the columns of samples that just
 sampled their last possible token under max_new_tokens or capacity), and `complete(batch, runs)`
-once its tokens are on the host (tokens, stop finishes, events). A sample whose newest token is
+once its tokens are on the host (tokens, stop finishes, events; a constrained sample's matcher
+advances on each recorded token, `batchkv.executor.constraints`). A sample whose newest token is
 still pending decodes from the device: its row's id is gathered from the launched step's sampled
 tokens (`Batch.token_src`).
 
@@ -35,6 +36,7 @@ from dataclasses import replace
 
 from batchkv.cache import BatchedSequenceCache
 from batchkv.checks import int_arg
+from batchkv.executor.constraints import accept
 from batchkv.executor.logprobs import row_ks
 from batchkv.executor.prefix import NO_MATCH, NoPrefixCache, PrefixCache
 from batchkv.executor.request import MAX_SAMPLE_ROWS, Event
@@ -312,9 +314,14 @@ class Scheduler:
             if params.prompt_logprobs is not None and sample.index == 0 and not sample.tokens:
                 prompt_lps, state.prompt_logprobs = tuple(state.prompt_logprobs), []
             for token in run:
+                grammar = accept(sample.matcher, token) if sample.matcher is not None else None
+                if grammar == "grammar":  # no token could continue it: ends without the token
+                    sample.finish = "grammar"
+                    events.append(Event(state.id, None, "grammar", sample.index, None, prompt_lps))
+                    break
                 sample.tokens.append(token)
                 sample.last_emit = now
-                if token in params.stop_token_ids:
+                if token in params.stop_token_ids or grammar == "stop":
                     sample.finish = "stop"
                 elif len(sample.tokens) >= params.max_new_tokens:
                     sample.finish = "length"

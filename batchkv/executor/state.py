@@ -26,6 +26,7 @@ class SampleState:
     pending: int = 0
     finish: str | None = None
     last_emit: float = 0.0  # host time of the last token (inter-token latency)
+    matcher: object = None  # constrained decoding: its xgrammar matcher, made when it first samples
 
     @property
     def count(self) -> int:
@@ -57,6 +58,7 @@ class RequestState:
     samples: list[SampleState] = field(default_factory=list)
     # prompt_logprobs so far (entry 0 None: the first token has no prefix); handed out with the first token
     prompt_logprobs: list[Logprobs | None] = field(default_factory=lambda: [None])
+    grammar: object = None  # constrained decoding: the compiled grammar of params.constraint
 
     @property
     def prompt(self) -> tuple[int, ...]:

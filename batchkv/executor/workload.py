@@ -86,6 +86,8 @@ workload file (--workload PATH): JSON Lines, one request per line (blank lines a
   n               int         1         parallel samples of the request
   rope_offset     int         0         RoPE index t of the first prompt token
   priority        int         0         lower runs first (Request.priority: strict, background work)
+  presence_penalty, frequency_penalty, repetition_penalty, min_p, min_tokens, logit_bias
+                  as SamplingParams (logit_bias: {"token id": bias})
   arrival_step    int         0         engine step before which the request is submitted
 unknown fields are refused; an example line:
   {"prompt_ids": [151644, 872, 198], "max_new_tokens": 32, "temperature": 0.7, "seed": 1}"""
@@ -103,6 +105,12 @@ class _Line(msgspec.Struct, forbid_unknown_fields=True):
     rope_offset: int = 0
     priority: int = 0
     arrival_step: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = {}
 
 
 def load_jsonl(path: str | Path) -> list[WorkItem]:
@@ -125,6 +133,12 @@ def load_jsonl(path: str | Path) -> list[WorkItem]:
                     seed=line.seed,
                     stop_token_ids=tuple(line.stop_token_ids),
                     n=line.n,
+                    presence_penalty=line.presence_penalty,
+                    frequency_penalty=line.frequency_penalty,
+                    repetition_penalty=line.repetition_penalty,
+                    min_p=line.min_p,
+                    min_tokens=line.min_tokens,
+                    logit_bias=line.logit_bias,
                 )
                 request = Request(line.prompt_ids, params, rope_offset=line.rope_offset, priority=line.priority)
             except (msgspec.ValidationError, msgspec.DecodeError, BatchKVError) as exc:

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streamed as server-sent events with
 `stream: true`: `data: {json}` per engine step, then `data: [DONE]`), GET /v1/models, GET /health,
-GET /metrics (Prometheus text). `Guard` (see `guard`) checks the Host, the API key and the
+GET /metrics (Prometheus text), and vLLM's POST /tokenize, POST /detokenize and GET /version
+(`tokens`). `Guard` (see `guard`) checks the Host, the API key and the
 Content-Type first and marks every answer with `x-request-id`. A body is read up to the limit
 (413 past it), then decoded with msgspec (see `protocol`), tokenised and templated on a worker
 thread, so the event loop (and /health, and every other stream) never waits on one request's
@@ -29,7 +30,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from batchkv.serve import jobs, outputs
+from batchkv.serve import jobs, outputs, structured, tokens
 from batchkv.serve.guard import REQUEST_ID, Access, Guard, internal_error
 from batchkv.serve.limits import read_body
 from batchkv.serve.metrics import ServerMetrics
@@ -142,6 +143,8 @@ def build_app(
         card = {"id": info.name, "object": "model", "created": 0, "owned_by": "batchkv", "max_model_len": info.capacity}
         return _json({"object": "list", "data": [card]})
 
+    tokens.add_routes(app, info)  # /tokenize, /detokenize, /version (vLLM's)
+
     async def generate(
         request: Request,
         kind: type,
@@ -158,7 +161,11 @@ def build_app(
             jobs.check_model(body, info)
             refuse_unsupported(body)
             worker.refuse_batch(jobs.prompt_count(body))
-            return outputs.Tracker(jobs.make_job(body, prompts(body), info), info.tokenizer)
+            job = jobs.make_job(body, prompts(body), info)
+            constraint = job.requests[0].params.constraint if job.requests else None
+            if constraint is not None:  # compiled here, off the loop and the engine thread (then cached)
+                structured.compile_constraint(worker.engine, constraint)
+            return outputs.Tracker(job, info.tokenizer)
 
         tracker = await asyncio.to_thread(prepare)
         job = tracker.job

@@ -16,7 +16,8 @@ from typing import Any
 
 from batchkv.errors import RequestError
 from batchkv.executor import Request, SamplingParams
-from batchkv.serve import templates
+from batchkv.serve import structured, templates
+from batchkv.serve import tools as tools_module
 from batchkv.serve.detok import StopStrings
 from batchkv.serve.limits import Limits
 from batchkv.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -31,6 +32,7 @@ class ModelInfo:
     capacity: int  # positions per sequence: prompt + max_tokens must fit
     eos_ids: tuple[int, ...] = ()
     limits: Limits = field(default_factory=Limits)
+    tool_parser: str | None = None  # --tool-call-parser; None: from the chat template
 
 
 @dataclass
@@ -45,6 +47,10 @@ class Job:
     include_usage: bool
     token_ids: bool  # put token ids in the choices (always when there is no tokenizer)
     logprobs: int | None = None  # alternatives per token when the answer carries logprobs, else None
+    tools: tools_module.ToolPlan | None = None  # chat with tools: how the answers are parsed
+    skip_special_tokens: bool = True  # the detokenizer's options (vLLM's)
+    spaces_between_special_tokens: bool = True
+    echo: list[str] | None = None  # completions' echo: each prompt's text, put before its choices' text
 
 
 def check_model(body: SamplingFields, info: ModelInfo) -> None:
@@ -135,11 +141,15 @@ def chat_prompt(body: ChatCompletionRequest, info: ModelInfo) -> list[int]:
     if not getattr(tokenizer, "chat_template", None) and templates.requested(body) is None:
         raise APIError(400, f"{info.name!r} has no chat template; use /v1/completions", param="messages")
     messages = [{"role": m.role, "content": _message_text(m, i)} for i, m in enumerate(body.messages)]
+    plan = tools_module.plan(body.tools, body.tool_choice, tokenizer, info.tool_parser)
+    messages = tools_module.template_messages(messages, body.messages)
     limits = info.limits
     limit = limits.prompt_chars(info.capacity)
     _check_chars(sum(len(m["content"]) + len(m["role"]) for m in messages), limit, "messages")  # before rendering
     trusted, seconds = limits.trust_request_chat_template, limits.chat_template_timeout
-    text = templates.render(tokenizer, messages, body, trusted=trusted, seconds=seconds)
+    text = templates.render(
+        tokenizer, messages, body, trusted=trusted, seconds=seconds, tools=plan.tools if plan is not None else None
+    )
     _check_chars(len(text), limit, "messages")  # the template's own text counts too
     return tokenizer.encode(text, add_special_tokens=False)
 
@@ -218,6 +228,15 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
     # The engine also stops at its model's own EOS ids unless ignore_eos; info.eos_ids covers models
     # whose object carries none (SenseNova-U1 directories: their generation_config's).
     stop_ids = tuple(body.stop_token_ids) + (() if body.ignore_eos else info.eos_ids)
+    bias, constraint = structured.logit_bias(body.logit_bias), structured.constraint_of(body)
+    plan = None
+    if isinstance(body, ChatCompletionRequest):
+        plan = tools_module.plan(body.tools, body.tool_choice, info.tokenizer, info.tool_parser)
+    if plan is not None and plan.constraint is not None:
+        if constraint is not None:
+            raise APIError(400, f"tool_choice {plan.choice!r} and {constraint.field} both constrain the output; "
+                           "set one", param="tool_choice")  # fmt: skip
+        constraint = plan.constraint
     most = limits.prompt_tokens(info.capacity)
     requests = []
     for prompt in prompts:
@@ -250,6 +269,13 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
                 n=body.n,
                 ignore_eos=body.ignore_eos,
                 logprobs=logprobs,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                min_p=body.min_p,
+                min_tokens=body.min_tokens,
+                logit_bias=bias,
+                constraint=constraint,
             )
             requests.append(Request(prompt, params, priority=body.priority))
         except RequestError as exc:  # the message starts with the field: "top_p is 1.5", "prompt_ids[1] is -2"
@@ -266,4 +292,19 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
         include_usage=bool(options and options.include_usage),
         token_ids=body.return_token_ids or info.tokenizer is None,
         logprobs=logprobs,
+        tools=plan,
+        skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
+        echo=_echo(body, prompts, info, logprobs),
     )
+
+
+def _echo(body: SamplingFields, prompts: list[list[int]], info: ModelInfo, logprobs: int | None) -> list[str] | None:
+    """Completions' `echo`: each prompt's text (decoded as the answer is), or None when not asked."""
+    if not getattr(body, "echo", False):
+        return None
+    if logprobs is not None:
+        raise APIError(400, "echo with logprobs (the prompt's logprobs) is not supported; drop one", param="echo")
+    tokenizer = _need_tokenizer(info, "echo", "echo")
+    options = {"skip_special_tokens": body.skip_special_tokens, "clean_up_tokenization_spaces": False}
+    return [tokenizer.decode(prompt, **options) for prompt in prompts]

@@ -192,6 +192,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     m.add_argument("--served-model-name", metavar="NAME", help="the name clients send as `model` (default: --model)")
     m.add_argument(
+        "--tool-call-parser",
+        choices=("hermes", "llama3_json", "mistral"),
+        help="how tool calls are read from the model's output (default: from its chat template)",
+    )
+    m.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto (default): cuda when available"
     )
     m.add_argument(

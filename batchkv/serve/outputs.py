@@ -8,7 +8,8 @@ tracker cancels that prompt's engine request so its columns free at once.
 
 Finish reasons: the engine's stop -> "stop", length and capacity -> "length", cancelled -> "abort"
 (vLLM's word for a request ended by the server), and the worker's "timeout" (a request past the
-server's --request-timeout) -> "timeout".
+server's --request-timeout) -> "timeout", and a constrained sample no token could continue ->
+"grammar".
 
 Log-probabilities (when the job asks, `Job.logprobs`): each choice keeps its tokens' `Logprobs`
 (one per id in `token_ids`, so none after a stop string), and the answers write them as OpenAI
@@ -25,12 +26,14 @@ from typing import Any
 
 from batchkv.executor import Event
 from batchkv.executor.request import Logprobs
+from batchkv.serve import tools
 from batchkv.serve.detok import IncrementalDetokenizer, StopMatcher
 from batchkv.serve.jobs import Job
 from batchkv.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from batchkv.serve.stream import Stream
 
-FINISH = {"stop": "stop", "length": "length", "capacity": "length", "cancelled": "abort", "timeout": "timeout"}
+FINISH = {"stop": "stop", "length": "length", "capacity": "length", "cancelled": "abort", "timeout": "timeout",
+          "grammar": "grammar"}  # fmt: skip
 
 
 @dataclass
@@ -94,7 +97,10 @@ class Tracker:
         self.job = job
         decode = None
         if tokenizer is not None:
-            decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)  # noqa: E731
+            options = {"skip_special_tokens": job.skip_special_tokens, "clean_up_tokenization_spaces": False}
+            if not job.spaces_between_special_tokens:  # passed only when asked: the default is the tokenizer's
+                options["spaces_between_special_tokens"] = False
+            decode = lambda ids: tokenizer.decode(ids, **options)  # noqa: E731
         self.choices = [
             Choice(p * job.n + s, IncrementalDetokenizer(decode, prompt) if decode else None, StopMatcher(job.stops))
             for p, prompt in enumerate(job.prompts)
@@ -104,6 +110,7 @@ class Tracker:
         self.tokens = TokenText(tokenizer)  # logprobs' token texts
         self.offsets = [0] * len(self.choices)  # streamed completions: text_offset of each choice's next token
         self.cached: dict[int, int] = {}  # prompt index -> tokens reused from the prefix cache
+        self.echoed: set[int] = set()  # streamed completions with echo: choices whose prompt text went out
 
     @property
     def done(self) -> bool:
@@ -155,7 +162,8 @@ def completion_body(tracker: Tracker, rid: str, model: str) -> dict[str, Any]:
     """The JSON of a finished /v1/completions answer."""
     job, choices = tracker.job, []
     for c in tracker.choices:
-        choice: dict[str, Any] = {"index": c.index, "text": "".join(c.text), "logprobs": None}
+        echo = job.echo[c.index // job.n] if job.echo is not None else ""
+        choice: dict[str, Any] = {"index": c.index, "text": echo + "".join(c.text), "logprobs": None}
         if job.logprobs is not None:
             choice["logprobs"] = completion_logprobs(c.logprobs, tracker.tokens)[0]
         choice["finish_reason"] = c.finish
@@ -177,11 +185,12 @@ def chat_body(tracker: Tracker, rid: str, model: str) -> dict[str, Any]:
     """The JSON of a finished /v1/chat/completions answer."""
     job, choices = tracker.job, []
     for c in tracker.choices:
+        message, finish = _message("".join(c.text), c.finish, job)
         choice: dict[str, Any] = {
             "index": c.index,
-            "message": {"role": "assistant", "content": "".join(c.text)},
+            "message": {"role": "assistant", **message},
             "logprobs": chat_logprobs(c.logprobs, tracker.tokens) if job.logprobs is not None else None,
-            "finish_reason": c.finish,
+            "finish_reason": finish,
         }
         if job.token_ids:
             choice["token_ids"] = c.token_ids
@@ -199,11 +208,26 @@ def chat_body(tracker: Tracker, rid: str, model: str) -> dict[str, Any]:
     return body
 
 
+def _message(text: str, finish: str | None, job: Job) -> tuple[dict[str, Any], str | None]:
+    """A chat choice's message fields and finish reason: with tools, the calls parsed from its text
+    (`batchkv.serve.tools`) and "tool_calls" for a choice that stopped on its own."""
+    if job.tools is None:
+        return {"content": text}, finish
+    content, calls = tools.parse(text, job.tools)
+    if not calls:
+        return {"content": text}, finish
+    return {"content": content, "tool_calls": calls}, ("tool_calls" if finish == "stop" else finish)
+
+
 def completion_chunk(tracker: Tracker, deltas: list[Delta], rid: str, model: str, created: int) -> dict[str, Any]:
     """One streamed /v1/completions event: the choices one engine step touched."""
     choices = []
     for d in deltas:
-        choice: dict[str, Any] = {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish}
+        text = d.text
+        if tracker.job.echo is not None and d.index not in tracker.echoed:  # the prompt's text comes first
+            tracker.echoed.add(d.index)
+            text = tracker.job.echo[d.index // tracker.job.n] + text
+        choice: dict[str, Any] = {"index": d.index, "text": text, "logprobs": None, "finish_reason": d.finish}
         if d.logprobs:
             offset = tracker.offsets[d.index]
             choice["logprobs"], tracker.offsets[d.index] = completion_logprobs(d.logprobs, tracker.tokens, offset)
@@ -217,9 +241,18 @@ def chat_chunk(tracker: Tracker, deltas: list[Delta], rid: str, model: str, crea
     """One streamed /v1/chat/completions event (`chat.completion.chunk`)."""
     choices = []
     for d in deltas:
-        delta = {"content": d.text} if d.text or d.finish is None else {}
+        delta: dict[str, Any] = {"content": d.text} if d.text or d.finish is None else {}
+        finish = d.finish
+        if tracker.job.tools is not None:  # held until the choice ends: then its text and calls
+            delta = {}
+            if d.finish is not None:
+                message, finish = _message("".join(tracker.choices[d.index].text), d.finish, tracker.job)
+                if message.get("content"):
+                    delta["content"] = message["content"]
+                if "tool_calls" in message:
+                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
         lps = chat_logprobs(d.logprobs, tracker.tokens) if d.logprobs else None
-        choice: dict[str, Any] = {"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": d.finish}
+        choice: dict[str, Any] = {"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": finish}
         if tracker.job.token_ids:
             choice["token_ids"] = d.token_ids
         choices.append(choice)

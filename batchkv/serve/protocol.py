@@ -2,10 +2,11 @@
 
 Bodies decode with `decode_body`: malformed JSON, a field of the wrong type and a field this
 server does not know are all `APIError(400)` naming the field. OpenAI fields that batchkv does not
-implement (penalties, logit_bias, echo, suffix, tools, ...) are declared so that their
-default values pass and anything else is refused by `refuse_unsupported` with the field named,
-rather than being silently ignored. Extensions that vLLM also accepts: `top_k`, `stop_token_ids`,
-`ignore_eos`, `return_token_ids`, `priority`; for chat also `add_generation_prompt`, `chat_template_kwargs` and
+implement (echo, suffix, best_of) are declared so that their default values pass and anything
+else is refused by `refuse_unsupported` with the field named, rather than being silently ignored.
+Extensions that vLLM also accepts: `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`,
+`priority`, `repetition_penalty`, `min_p`, `min_tokens`, `structured_outputs` and the `guided_*`
+fields (see `structured`); for chat also `add_generation_prompt`, `chat_template_kwargs` and
 `chat_template` (refused unless the operator trusts request templates: see `templates`).
 
 Free-form fields (`chat_template_kwargs`, `tools`, `tool_choice`, `response_format`) may nest no
@@ -61,6 +62,9 @@ NULL_MEANS_DEFAULT: dict[str, Any] = {
     "return_token_ids": False,
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_p": 0.0,
+    "min_tokens": 0,
     "echo": False,
     "priority": 0,
 }
@@ -85,10 +89,23 @@ class SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     return_token_ids: bool | None = False
     user: str | None = None
     priority: int | None = 0  # lower runs first (`batchkv.executor.Request.priority`)
-    # OpenAI fields accepted only at their defaults (see UNSUPPORTED).
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict[str, float] | None = None
+    # vLLM's sampling extensions (SamplingParams: repetition_penalty, min_p, min_tokens)
+    repetition_penalty: float | None = 1.0
+    min_p: float | None = 0.0
+    min_tokens: int | None = 0
+    # Structured outputs (`batchkv.serve.structured`): OpenAI's response_format, vLLM's fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # vLLM's detokenizing options: special tokens' text out (False) or in, spaces between them
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         for name, default in NULL_MEANS_DEFAULT.items():
@@ -119,6 +136,8 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (`tools`)
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -133,7 +152,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -143,19 +161,12 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 
 # field -> values that mean "off"; anything else is refused with 400 naming the field.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0.0,),
-    "frequency_penalty": (0.0,),
-    "logit_bias": (None, {}),
-    "echo": (False,),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
 
 
-FREE_FORM = ("chat_template_kwargs", "tools", "tool_choice", "response_format")  # fields of any JSON
+FREE_FORM = ("chat_template_kwargs", "tools", "tool_choice", "response_format", "structured_outputs", "guided_json")
 
 
 def _too_deep(limit: int) -> APIError:

@@ -14,7 +14,7 @@ import signal
 import socket
 import sys
 
-from batchkv.errors import ConfigError
+from batchkv.errors import ConfigError, DependencyError, RequestError
 from batchkv.frontend import MODES, kv_dtype_option, model_source, scheduling_kwargs, speculative_option
 from batchkv.serve.options import DEFAULT_CAPACITY, access_from, add_arguments, api_key, is_loopback, limits_from
 
@@ -96,6 +96,19 @@ def serve(args: argparse.Namespace) -> int:
         sock.close()
 
 
+def _use_tokenizer(engine, tokenizer, tp: int) -> str:
+    """Bind the tokenizer for constrained decoding when it can be; says whether it was (and why not)."""
+    if tokenizer is None:
+        return "off (no tokenizer)"
+    if tp > 1:
+        return "off (tensor parallel)"
+    try:
+        engine.use_tokenizer(tokenizer)
+    except (DependencyError, RequestError) as exc:
+        return f"off ({exc})"
+    return "on"
+
+
 def build_engine(args: argparse.Namespace, device: str):
     """The engine `batchkv serve`'s options ask for, and the served model (tokenizer, stop ids) and
     capacity: what one server process, or one Ray Serve replica (`batchkv.serve.ray`), serves."""
@@ -137,16 +150,19 @@ def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) 
     from batchkv.serve.app import build_app
     from batchkv.serve.jobs import ModelInfo
     from batchkv.serve.metrics import ServerMetrics
+    from batchkv.serve.tools import check_parser
     from batchkv.serve.worker import EngineWorker
 
     tp = args.tensor_parallel
     engine, served, capacity = build_engine(args, device)
+    constraints = _use_tokenizer(engine, served.tokenizer, tp)
     max_seqs = engine.cache.max_seqs  # what --max-seqs auto chose, else --max-seqs
     metrics = ServerMetrics(max_seqs)
     limits = limits_from(args)
     worker = EngineWorker(engine, metrics, max_waiting=args.max_waiting, request_timeout=limits.request_timeout)
     name = args.served_model_name or args.model
-    info = ModelInfo(name, served.tokenizer, capacity, served.eos_ids, limits)
+    parser = check_parser(getattr(args, "tool_call_parser", None))
+    info = ModelInfo(name, served.tokenizer, capacity, served.eos_ids, limits, tool_parser=parser)
     access = access_from(args, sock.getsockname()[0])
     app = build_app(worker, info, metrics, access)
     mode = ("graphs" if engine.uses_graphs else "eager") + (", overlap" if engine.overlap else "")
@@ -159,6 +175,7 @@ def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) 
         extras += f", prefill budget {args.prefill_budget}"
     host, port = sock.getsockname()[:2]
     extras += ", API key required" if access.api_key else ""
+    extras += f", structured outputs {constraints}"
     print(
         f"batchkv serve: {name} ({served.kind}, {text}) on {device} ({mode}), max_seqs {max_seqs}, "
         f"capacity {capacity}{extras}; http://{args.host}:{port}/v1",

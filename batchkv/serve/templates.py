@@ -108,10 +108,20 @@ def template_arguments(body: ChatCompletionRequest, tokenizer: Any, *, trusted: 
     return {**kwargs, **({"chat_template": template} if template is not None else {})}
 
 
-def render(tokenizer: Any, messages: list[dict], body: ChatCompletionRequest, *, trusted: bool, seconds: float) -> str:
+def render(
+    tokenizer: Any,
+    messages: list[dict],
+    body: ChatCompletionRequest,
+    *,
+    trusted: bool,
+    seconds: float,
+    tools: list[dict] | None = None,
+) -> str:
     """The conversation as the prompt text; APIError(400) when the template refuses it, fails, or
-    runs past `seconds`."""
+    runs past `seconds`. `tools`: the function tools for the template's own tools support."""
     kwargs = template_arguments(body, tokenizer, trusted=trusted)
+    if tools:
+        kwargs["tools"] = tools
 
     def apply() -> str:
         return tokenizer.apply_chat_template(

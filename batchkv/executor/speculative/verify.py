@@ -15,7 +15,10 @@ more than a [64, vocab] float32 tensor or a [256, vocab] model-dtype one, howeve
 verifies.
 
 With a `GraphSet`, the forward, the head and the acceptance are one graph per (width bucket,
-logits-rows bucket, sampling or greedy) and storage generation and module tree.
+logits-rows bucket, sampling or greedy) and storage generation and module tree. A step with a
+constrained sample (`batchkv.executor.constraints`) stages one bitmask row per logits row (a
+segment's row j as its matcher allows after the first j drafts) and replays a graph of its own that
+masks the logits from the fixed-address bitmask buffer; other steps replay the unmasked one.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 from batchkv.cache import BatchedSequenceCache
 from batchkv.cache.staging import NamedStaging
 from batchkv.errors import StepError
+from batchkv.executor.constraints import MaskRows, allowed, constrained
 from batchkv.executor.graphs import GraphSet
 from batchkv.executor.roles import LOCAL, Role
 from batchkv.executor.runner import ModelRunner, StepModel
@@ -76,6 +80,8 @@ class VerifyRunner(ModelRunner):
         self._staging = NamedStaging(layout, cache.device)
         self.buf: dict[str, torch.Tensor] = self._staging.buf
         self.result = torch.zeros(w, block_size + 1, dtype=torch.int64, device=cache.device)
+        self.grammars = None  # `Engine.use_tokenizer`: constrained decoding
+        self._masks: MaskRows | None = None  # its bitmask rows, made at the first constrained step
         self.tp = tp
         tp.bind(self, self._staging)
 
@@ -125,7 +131,7 @@ class VerifyRunner(ModelRunner):
         self._staging.upload()
         return sampling
 
-    def _forward(self, width: int, rows: int, sampling: bool) -> torch.Tensor:  # type: ignore[override]
+    def _forward(self, width: int, rows: int, sampling: bool, masked: bool = False) -> torch.Tensor:  # type: ignore[override]
         """The captured region: forward, LM head in row chunks, acceptance; writes `self.result`."""
         b = self.buf
         ids = self.input_ids(width)
@@ -142,6 +148,9 @@ class VerifyRunner(ModelRunner):
         for c in range(0, rows, chunk):
             part = slice(c, min(rows, c + chunk))
             logits = self.model.head(h[part])  # type: ignore[attr-defined]  # [chunk, vocab], model dtype
+            if masked:  # constrained rows: the fixed-address bitmask buffer (a graph of its own)
+                keep = allowed(self._masks.device[part], logits.shape[-1])  # type: ignore[union-attr]
+                logits = logits.masked_fill(~keep, float("-inf"))
             if sampling:
                 params = (b[name][part] for name in ("temperature", "top_k", "top_p", "u_accept", "u_draw"))
                 ok, fix = sampled_rows(logits.float(), draft_next[part], *params)
@@ -163,13 +172,40 @@ class VerifyRunner(ModelRunner):
             raise StepError("a verify step reads its tokens on the host before the next plan; run it without overlap")
         rows = self._rows_bucket(len(batch.rows))
         sampling = self._stage(batch, width, rows)
-        result = self.tp.run(self._device_step, width, rows, sampling)
+        if self.grammars is not None and constrained(batch.samples):
+            self._stage_masks(batch, rows)
+            result = self._device_step(width, rows, sampling, True)  # one process (Engine.submit)
+        else:
+            result = self.tp.run(self._device_step, width, rows, sampling)
         return AcceptedRuns(result[: len(batch.samples)])
 
-    def _device_step(self, width: int, rows: int, sampling: bool) -> torch.Tensor:  # type: ignore[override]
-        """The step's device work from the staged inputs (the same on every tensor-parallel rank)."""
-        fn: Callable[[], torch.Tensor] = lambda: self._forward(width, rows, sampling)  # noqa: E731
-        return self.execute((width, rows, sampling), fn)
+    def _stage_masks(self, batch: Batch, rows: int) -> None:
+        """Fill and upload the bitmask of every logits row: row j of a constrained sample's segment
+        allows what its matcher allows after the segment's first j drafts (looked at and rolled
+        back: the matcher only advances on accepted tokens); every other row allows everything."""
+        grammars = self.grammars
+        assert grammars is not None
+        if self._masks is None:
+            self._masks = MaskRows(self.max_width, grammars.words, self.cache.device)
+        host = self._masks.host[0]
+        host[:rows] = -1
+        r = 0
+        for sample, span in zip(batch.samples, batch.spans, strict=True):
+            if sample.owner.grammar is not None:
+                if sample.matcher is None:
+                    stops = sample.owner.request.params.stop_token_ids
+                    sample.matcher = grammars.matcher(sample.owner.grammar, stops)
+                drafts = [batch.input_ids[batch.rows[r + j]] for j in range(1, span)]
+                for j in range(span):
+                    grammars.fill(sample.matcher, host, r + j, drafts[:j])
+            r += span
+        self._masks.upload(0, rows)
+
+    def _device_step(self, width: int, rows: int, sampling: bool, masked: bool = False) -> torch.Tensor:  # type: ignore[override]
+        """The step's device work from the staged inputs (the same on every tensor-parallel rank).
+        `masked`: apply the staged bitmask rows (constrained samples) before acceptance."""
+        fn: Callable[[], torch.Tensor] = lambda: self._forward(width, rows, sampling, masked)  # noqa: E731
+        return self.execute((width, rows, sampling, masked) if masked else (width, rows, sampling), fn)
 
 
 class AcceptedRuns:
