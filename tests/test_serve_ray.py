@@ -33,6 +33,9 @@ OPTIONS = {"model": "sensenova-u1-tiny", "served-model-name": "tiny", "device": 
 PROMPTS = [[5, 17, 99, 3, 250], list(range(40, 70)), [7] * 20, list(range(300, 340))]
 
 
+BEFORE_RAY: set[int] = set()  # this process's children before the cluster started (not Ray's)
+
+
 def descendants(root: int) -> set[int]:
     """Pids of every live process below `root` (from /proc)."""
     parents: dict[int, int] = {}
@@ -55,6 +58,8 @@ def descendants(root: int) -> set[int]:
 @pytest.fixture(scope="module")
 def endpoint():
     """The application on a local cluster; yields its URL. Torn down by the last test (or here)."""
+    global BEFORE_RAY
+    BEFORE_RAY = descendants(os.getpid())  # e.g. multiprocessing's resource tracker from earlier tests
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -157,7 +162,7 @@ def test_a_killed_replica_is_replaced_and_the_endpoint_keeps_answering(client):
 
 
 def test_shutting_serve_and_ray_down_leaves_nothing_running(endpoint):
-    started = descendants(os.getpid())
+    started = descendants(os.getpid()) - BEFORE_RAY
     assert started  # Ray's processes: gcs, raylet, the replicas' workers
     serve.shutdown()
     ray.shutdown()
