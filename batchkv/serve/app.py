@@ -158,7 +158,8 @@ def build_app(
             jobs.check_model(body, info)
             refuse_unsupported(body)
             worker.refuse_batch(jobs.prompt_count(body))
-            return outputs.Tracker(jobs.make_job(body, prompts(body), info), info.tokenizer)
+            job = jobs.make_job(body, prompts(body), info)
+            return outputs.Tracker(job, info.tokenizer, lambda reason: metrics.finished.labels(reason).inc())
 
         tracker = await asyncio.to_thread(prepare)
         job = tracker.job
