@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from batchkv.errors import CheckpointError, ConfigError
+from batchkv.errors import CheckpointError, ConfigError, DependencyError
 from batchkv.models.config import MODEL_PRESETS, SenseNovaConfig
 
 TRANSFORMERS_FAMILIES = ("llama", "qwen3")
@@ -98,9 +98,18 @@ def checkpoint_prefix(path: Path) -> str:
     raise CheckpointError(f"no safetensors shard in {path} holds a tensor named ...{EMBED}")
 
 
+def _need_transformers(what: str) -> None:
+    """DependencyError naming the extra, before anything imports transformers for `what`."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise DependencyError(f"{what} needs transformers ({exc}): pip install 'batchkv[hf]'") from exc
+
+
 def _tokenizer(path: Path):
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
+    _need_transformers(f"the tokenizer of {path}")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
@@ -162,6 +171,7 @@ def load_served_model(
             f"{path}: model_type {model_type!r} (architectures: {architecture}) is not served by batchkv; "
             f"it serves the transformers families {', '.join(TRANSFORMERS_FAMILIES)} and SenseNova-U1"
         )
+    _need_transformers(f"the transformers model {path}")
     from transformers import AutoModelForCausalLM
 
     from batchkv.models.hf import HFModel
