@@ -252,8 +252,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
         help=COMMANDS["serve"],
-        description="Serve a transformers model directory (Qwen3, Llama, SenseNova-U1) or a preset over "
-        "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics (needs batchkv[serve]).",
+        description="Serve a transformers model directory (Llama, Qwen3, SenseNova-U1), a GGUF file (converted once "
+        "to such a directory) or a preset over /v1/completions, /v1/chat/completions, /v1/models, /health and "
+        "/metrics (needs batchkv[serve]). vLLM's spellings of the shared options are accepted beside batchkv's.",
+        formatter_class=Help,
     )
     from batchkv.serve.options import add_arguments  # argparse only; the server's imports wait for _cmd_serve
 
@@ -268,6 +270,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _add_score(sub: argparse._SubParsersAction) -> None:
+    from batchkv.dtypes import STORAGE_DTYPES
+    from batchkv.frontend import add_model_options
+
+    names = ("fp8", *STORAGE_DTYPES)  # fp8 is float8_e4m3fn
+
     p = sub.add_parser(
         "score",
         help=COMMANDS["score"],
@@ -275,35 +282,30 @@ def _add_score(sub: argparse._SubParsersAction) -> None:
         "--reference (batchkv.score), and print perplexity under each, top-1 agreement and mean KL.",
         formatter_class=Help,
     )
-    p.add_argument("--model", required=True, metavar="PATH", help="a transformers directory or a GGUF file")
+    add_model_options(p.add_argument_group("model"))
     p.add_argument("files", nargs="+", metavar="FILE", help="UTF-8 text files (tokenized with the model's tokenizer)")
-    p.add_argument("--kv-dtype", default="fp8", help="storage dtype tested (fp8 is e4m3)")
-    p.add_argument("--reference", default="bfloat16", help="storage dtype compared against")
+    p.add_argument("--kv-dtype", choices=names, default="fp8", help="storage dtype tested (fp8 is e4m3)")
+    p.add_argument("--reference", choices=names, default="bfloat16", help="storage dtype compared against")
     p.add_argument("--chunk", type=bounded(int, 1, 1 << 16), default=64, help="tokens per prompt chunk")
     p.add_argument("--max-tokens", type=bounded(int, 2), default=4096, help="score at most this many tokens per file")
     p.add_argument("--key-rotation", action="store_true", help="rotate e4m3 keys (CacheConfig.key_rotation)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available")
-    p.add_argument("--threads", type=bounded(int, 0, 4096), default=0, help="CPU threads for torch (0: its default)")
     p.set_defaults(func=_cmd_score)
 
 
 def _cmd_score(args: argparse.Namespace) -> int:
-    import torch
-
-    from batchkv.dtypes import dtype_named
+    from batchkv.frontend import kv_dtype_option, load_model, resolve_device, set_threads
     from batchkv.score import make_cache, score_caches
-    from batchkv.serve.loading import load_served_model
 
+    if args.model is None:
+        raise ConfigError("score needs --model MODEL (a transformers directory or a GGUF file)")
     texts = []
     for path in args.files:
         with open(path, encoding="utf-8") as f:
             texts.append(f.read())
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    tested_dtype, reference_dtype = (dtype_named("float8_e4m3fn" if d == "fp8" else d) for d in
-                                     (args.kv_dtype, args.reference))  # fmt: skip
-    served = load_served_model(args.model, device)
+    device = resolve_device(args)
+    set_threads(args)
+    tested_dtype, reference_dtype = kv_dtype_option(args.kv_dtype), kv_dtype_option(args.reference)
+    served = load_model(args, device)
     if served.tokenizer is None:
         raise ConfigError(f"--model {args.model} has no tokenizer; batchkv score reads text")
     print(f"{'file':<32} {'tokens':>7} {'ppl ' + args.reference:>14} {'ppl ' + args.kv_dtype:>14} "
@@ -335,6 +337,7 @@ def build_parser(full: bool = True) -> Parser:
     _add_export(sub)
     _add_inspect(sub)
     _add_score(sub)
+    top.commands = sub.choices  # name -> the subcommand's parser
     return top
 
 
@@ -347,7 +350,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in (["-h"], ["--help"], ["--version"]):
         build_parser(full=False).parse_args(argv)  # prints and exits: the top level needs no command's options
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the subcommand, so the advice is its --help
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except BatchKVError as exc:

@@ -1,7 +1,10 @@
 """`batchkv run`: replay a workload through the engine; print a summary, write metrics and tokens.
 
 Everything a user can get wrong (options, files, the device) is refused before the model is
-built, with one line that names the flag; Ctrl-C stops the replay and still prints the summary.
+built, with one line that names the flag (a workload's lines once the model's tokenizer is known);
+Ctrl-C stops the replay and still prints the summary. A real model with a tokenizer replays text:
+`TEXT_PROMPTS` through its chat template, or a workload's "prompt" lines, and --output writes the
+decoded text beside the token ids.
 """
 
 from __future__ import annotations
@@ -10,27 +13,22 @@ import argparse
 import os
 import sys
 
-from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
 from batchkv.cli import COMMANDS, EXIT_INTERRUPTED, EXIT_REFUSED, Help, bounded, one_line
 from batchkv.errors import ConfigError
 from batchkv.executor.report import TOKENS_HELP
-from batchkv.executor.sizing import DEFAULT_CAPACITY, DEFAULT_PREFILL_CHUNK, DEFAULT_STEP_TOKENS
 from batchkv.executor.workload import JSONL_HELP
 from batchkv.frontend import (
-    MODES,
+    CPU_MODEL,
     add_engine_options,
-    add_scheduling_options,
-    add_tensor_parallel,
-    kv_dtype_option,
-    model_source,
-    or_auto,
-    scheduling_kwargs,
-    speculative_option,
+    add_model_options,
+    build_engine,
+    load_model,
+    resolve_device,
+    set_threads,
 )
-from batchkv.presets import KV_PRESETS
+from batchkv.models.config import MODEL_PRESETS
 
-MODELS = tuple(KV_PRESETS)  # model presets `batchkv run` can build
-CPU_MODEL = "sensenova-u1-tiny"  # the one preset small enough for a CPU
+MODELS = tuple(MODEL_PRESETS)  # model presets `batchkv run` can build
 
 
 def _length_range(text: str) -> tuple[int, int]:
@@ -57,22 +55,14 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "run",
         help=COMMANDS["run"],
-        description="Replay a workload (synthetic by default, or a JSONL file of token-id prompts) through the "
-        "continuous-batching engine, with a progress bar on stderr and a summary table at the end.",
+        description="Replay a workload through the continuous-batching engine, with a progress bar on stderr and "
+        "a summary table at the end: synthetic by default (random token ids on a preset; on a real model with a "
+        "tokenizer, a few built-in questions through its chat template), or a JSONL file of prompts (token ids, or "
+        "text for a model with a tokenizer).",
         epilog=RUN_EPILOG,
         formatter_class=Help,
     )
-    positions = MAX_POSITIONS  # int32 positions on the device
-    m = p.add_argument_group("model")
-    m.add_argument(
-        "--model",
-        default=CPU_MODEL,
-        metavar="PRESET_OR_PATH",
-        help=f"a preset ({', '.join(MODELS)}: random weights) or a real model: a transformers directory "
-        "(Llama, Qwen3, SenseNova-U1) or a GGUF file",
-    )
-    m.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available")
-    m.add_argument("--seed", type=bounded(int, 0), default=0, help="seed of the weights, the workload and the sampling")
+    add_model_options(p.add_argument_group("model"), default=CPU_MODEL)
     w = p.add_argument_group("workload")
     w.add_argument("--workload", metavar="PATH", help="JSONL file, one request per line (format below)")
     w.add_argument("--requests", type=bounded(int, 0), default=32, help="synthetic: number of requests")
@@ -81,7 +71,8 @@ def add_run(sub: argparse._SubParsersAction) -> None:
         type=_length_range,
         default="8:64",
         metavar="MIN:MAX",
-        help="synthetic: prompt length range, uniform",
+        help="synthetic: prompt length range, uniform (random token ids; a model with a tokenizer asks its "
+        "built-in questions instead)",
     )
     w.add_argument(
         "--output-len",
@@ -101,34 +92,14 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--top-k", type=bounded(int, 0), default=0, help="synthetic: keep the k most likely tokens (0: off)")
     w.add_argument("--top-p", type=bounded(float, 0.0, 1.0, open_lo=True), default=1.0, help="synthetic: nucleus mass")
     w.add_argument("--n", type=bounded(int, 1, 64), default=1, help="synthetic: parallel samples per request")
-    e = p.add_argument_group("engine")
-    add_scheduling_options(e, max_seqs=8, help_max_seqs="resident sequences (columns)")
-    e.add_argument(
-        "--capacity",
-        type=or_auto(bounded(int, 2, positions)),
-        help=f"most positions per sequence (default: min({DEFAULT_CAPACITY}, the model's limit), as serve; "
-        f"auto: the model's limit, else {DEFAULT_CAPACITY})",
-    )
-    steps = bounded(int, 1, MAX_STEP_TOKENS)
-    e.add_argument("--max-step-tokens", type=steps, default=DEFAULT_STEP_TOKENS, help="token budget of one step")
-    e.add_argument(
-        "--prefill-chunk",
-        type=bounded(int, 1),
-        help=f"most prompt tokens per sequence per step (default: {DEFAULT_PREFILL_CHUNK}, within --capacity "
-        "and --max-step-tokens)",
-    )
-    e.add_argument("--graphs", choices=tuple(MODES), default="auto", help="CUDA graphs (auto: on CUDA)")
-    add_tensor_parallel(e, "--tensor-parallel")
-    e.add_argument(
-        "--threads",
-        type=bounded(int, 0, 4096),
-        default=1,
-        help="CPU threads for torch; the tiny model's small ops run fastest on one (0: torch's default)",
-    )
-    add_engine_options(p.add_argument_group("storage and speculative decoding"))
+    add_engine_options(p.add_argument_group("engine"), p.add_argument_group("storage and speculative decoding"))
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write the metrics as JSON here (checked before the run)")
-    o.add_argument("--output", metavar="PATH", help="write every request's generated tokens here (format below)")
+    o.add_argument(
+        "--output",
+        metavar="PATH",
+        help="write every request's generated tokens here, and their text with a tokenizer (format below)",
+    )
     o.add_argument("--allow-refused", action="store_true", help="exit 0 even when the engine refused some requests")
     o.add_argument(
         "--progress",
@@ -139,27 +110,17 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_run)
 
 
-def _build_model(preset: str, device: str, seed: int):
-    """A preset's SenseNova-U1 model with random weights, or the model a path names (a transformers
-    directory or a GGUF file, loaded as `batchkv serve` loads it). Imported lazily: heavy, optional."""
-    if preset not in MODELS:
-        from batchkv.serve.loading import load_served_model
-
-        return load_served_model(preset, device, seed=seed).model
-    try:
-        from batchkv.models import build_model
-    except ImportError as exc:
-        raise ConfigError(
-            f"model {preset!r} is unavailable: batchkv.models.sensenova cannot be imported ({exc})"
-        ) from exc
-    return build_model(preset, device, seed=seed)
-
-
-def _capacity(flag: int | str | None, limit: int | None) -> int | None:
-    """--capacity: None (the default) min(4096, the model's limit); auto: the Engine's (the limit, else 4096)."""
-    if flag == "auto":
-        return None
-    return flag if flag is not None else min(DEFAULT_CAPACITY, limit or DEFAULT_CAPACITY)
+# Asked of a real model that has a tokenizer when no --workload is given (through its chat template).
+TEXT_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Name three primary colours.",
+    "How many legs does a spider have?",
+    "Give me one tip for writing clear code.",
+    "Translate 'good morning' into Spanish.",
+    "What is 12 times 7?",
+    "Why is the sky blue? Answer in one sentence.",
+)
 
 
 def _check_writable(path: str, flag: str) -> None:
@@ -176,94 +137,53 @@ def _check_writable(path: str, flag: str) -> None:
         os.remove(path)  # a run that fails leaves nothing behind
 
 
-def _run_device(args: argparse.Namespace) -> str:
-    """The device `batchkv run` uses, or a ConfigError whose advice works on this machine."""
-    import torch
-
-    from batchkv import ops
-
-    cuda = torch.cuda.is_available()
-    if args.model not in MODELS and not os.path.exists(args.model):
-        raise ConfigError(
-            f"--model {args.model}: neither a preset ({', '.join(MODELS)}) nor an existing directory or GGUF file"
-        )
-    small = args.model not in MODELS or args.model == CPU_MODEL  # a real model runs wherever it fits
-    device = ("cuda" if cuda else "cpu") if args.device == "auto" else args.device
-    if device == "cuda" and not cuda:
-        fix = "use --device cpu (or auto)" if small else f"{args.model} needs a GPU: here use --model {CPU_MODEL}"
-        raise ConfigError(f"--device cuda, but CUDA is not available on this machine; {fix}")
-    if device == "cpu" and not small:
-        fix = "use --device cuda (or auto)" if cuda else f"this machine has no CUDA GPU: use --model {CPU_MODEL} here"
-        raise ConfigError(f"--model {args.model} is too large for the CPU; {fix}")
-    if args.graphs == "on" and device != "cuda":
-        raise ConfigError("--graphs on needs a CUDA device (CUDA graphs); on the CPU use --graphs auto or off")
-    if args.graphs == "on" and not ops.triton_available(torch.device(device)):
-        raise ConfigError("--graphs on needs Triton (pip install 'batchkv[triton]'); use --graphs auto or off")
-    return device
-
-
-def _read_workload(path: str) -> list:
+def _read_workload(path: str, tokenizer) -> list:
     from batchkv.executor.workload import load_jsonl
 
+    encode = None if tokenizer is None else lambda text: tokenizer.encode(text)
     try:
-        return load_jsonl(path)
+        return load_jsonl(path, encode)
     except OSError as exc:
         raise ConfigError(f"--workload {path}: cannot read it: {exc.strerror or exc}") from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import torch
-
-    from batchkv.executor import Engine
     from batchkv.executor.workload import replay
 
     for flag, path in (("--json", args.json), ("--output", args.output)):
         if path:
             _check_writable(path, flag)
-    items = _read_workload(args.workload) if args.workload else None
-    device = _run_device(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.tensor_parallel > 1:  # every rank builds its share from the source
-        model, limit = model_source(args.model, seed=args.seed), _model_limit(args.model)
-    else:
-        model = _build_model(args.model, device, args.seed)
-        limit = getattr(model, "max_positions", None)
-    capacity = _capacity(args.capacity, limit)
-    speculative = speculative_option(args, model if args.tensor_parallel == 1 else None)
-    engine = Engine(
-        model,
-        tensor_parallel=args.tensor_parallel,
-        **scheduling_kwargs(args),
-        capacity=capacity,
-        max_step_tokens=args.max_step_tokens,
-        prefill_chunk=args.prefill_chunk,  # None: the Engine's default, within capacity and the step budget
-        device=device,
-        use_graphs=MODES[args.graphs],
-        seed=args.seed,
-        kv_dtype=kv_dtype_option(args.kv_dtype),
-        speculative=speculative,
-    )
+    if args.workload and not os.path.isfile(args.workload):  # before the model loads
+        problem = "is a directory" if os.path.isdir(args.workload) else "no such file"
+        raise ConfigError(f"--workload {args.workload}: cannot read it: {problem}")
+    device = resolve_device(args)
+    set_threads(args)
+    served = load_model(args, device)
+    items = _read_workload(args.workload, served.tokenizer) if args.workload else None
+    engine = build_engine(args, served, device)
     if engine.sizing is not None:
         print(f"batchkv run: sized the store: {engine.sizing.describe()}", file=sys.stderr)
     with engine:  # leaving stops the other tensor-parallel ranks
-        items = items if items is not None else _synthetic(args, engine.vocab_size)
+        items = items if items is not None else _synthetic(args, engine.vocab_size, served.tokenizer)
         progress = _Progress(args, sum(item.request.params.n for item in items))
         result = replay(engine, items, progress.on_step, stop_on_interrupt=True)
         progress.close(len(result.refusals))
-        return _report(args, engine, device, items, result, progress)
+        return _report(args, engine, device, items, result, progress, served.tokenizer)
 
 
-def _model_limit(name: str) -> int | None:
-    """A model directory's max_position_embeddings (presets have none), read without its weights."""
-    if name in MODELS:
-        return None
-    from batchkv.serve.loading import load_served_model
+def text_prompts(tokenizer) -> list[list[int]]:
+    """`TEXT_PROMPTS` as token ids: each a user message through the chat template when the tokenizer
+    has one, else the plain text."""
+    if getattr(tokenizer, "chat_template", None):
+        return [
+            list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=True)["input_ids"])
+            for text in TEXT_PROMPTS
+        ]  # fmt: skip
+    return [list(tokenizer.encode(text)) for text in TEXT_PROMPTS]
 
-    return load_served_model(name, "cpu", weights=False).max_positions
 
-
-def _synthetic(args: argparse.Namespace, vocab_size: int) -> list:
+def _synthetic(args: argparse.Namespace, vocab_size: int, tokenizer) -> list:
     from batchkv.executor import SamplingParams
     from batchkv.executor.workload import synthetic
 
@@ -275,6 +195,7 @@ def _synthetic(args: argparse.Namespace, vocab_size: int) -> list:
         arrival_gap=args.arrival_gap,
         seed=args.seed,
         sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, n=args.n),
+        prompts=None if tokenizer is None else text_prompts(tokenizer),
     )
 
 
@@ -298,7 +219,7 @@ class _Progress:
         self.bar.close()
 
 
-def _report(args: argparse.Namespace, engine, device: str, items: list, result, progress: _Progress) -> int:
+def _report(args: argparse.Namespace, engine, device: str, items: list, result, progress: _Progress, tokenizer) -> int:
     """Print the refusals and the summary, write --json and --output; returns the exit status."""
     import json
 
@@ -325,9 +246,12 @@ def _report(args: argparse.Namespace, engine, device: str, items: list, result, 
         record["interrupted"] = result.interrupted
         with open(args.json, "w") as f:
             json.dump(record, f, indent=2)
+    decode = None if tokenizer is None else lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    if decode is not None:
+        _print_first_answer(items, result, decode)
     if args.output:
-        with open(args.output, "w") as f:
-            f.writelines(line + "\n" for line in token_lines(result, items))
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.writelines(line + "\n" for line in token_lines(result, items, decode))
     if result.interrupted:
         done = f"{progress.finished} of {progress.total} samples had finished"
         print(f"batchkv run: interrupted; {done} (the summary covers what ran)", file=sys.stderr)
@@ -337,3 +261,12 @@ def _report(args: argparse.Namespace, engine, device: str, items: list, result, 
         print(f"batchkv run: {refused}; exit status {EXIT_REFUSED} (--allow-refused exits 0)", file=sys.stderr)
         return EXIT_REFUSED
     return 0
+
+
+def _print_first_answer(items: list, result, decode) -> None:
+    """The first request's prompt and answer, decoded (a real model: a few words, not only numbers)."""
+    for index, output in result.outputs(items):
+        if output is not None and output.tokens[0]:
+            prompt = decode(list(items[index].request.prompt_ids))
+            print(one_line(f"request {index}: {prompt.strip()} -> {decode(output.tokens[0]).strip()}"))
+            return

@@ -46,5 +46,5 @@ def test_help_states_each_default_once(command):
     assert "(default: None)" not in text
     spec = " ".join(text.rsplit("--spec-block N", 1)[1].split("--spec-layers")[0].split())
     assert spec.count("default") == 1, spec
-    capacity = " ".join(text.rsplit("--capacity CAPACITY", 1)[1].split("--max-step-tokens")[0].split())
+    capacity = " ".join(text.rsplit("--max-model-len N|auto", 1)[1].split("--max-step-tokens")[0].split())
     assert "256" not in capacity and capacity.count("default") == 1, capacity

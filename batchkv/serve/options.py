@@ -12,11 +12,9 @@ import argparse
 import ipaddress
 import os
 
-from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
 from batchkv.cli import bounded
 from batchkv.errors import ConfigError
-from batchkv.executor.sizing import DEFAULT_CAPACITY, DEFAULT_PREFILL_CHUNK, DEFAULT_STEP_TOKENS
-from batchkv.frontend import MODES, add_engine_options, add_scheduling_options, add_tensor_parallel
+from batchkv.frontend import add_engine_options, add_model_options
 from batchkv.serve.access import Access, loopback_hosts
 from batchkv.serve.limits import Limits
 
@@ -88,7 +86,7 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
         type=bounded(int, 1),
         default=d.max_body_bytes,
         metavar="N",
-        help="a larger request body is refused with 413 before it is read (%(default)s)",
+        help="a larger request body is refused with 413 before it is read",
     )
     g.add_argument(
         "--max-prompt-tokens",
@@ -108,50 +106,49 @@ def _add_limits(p: argparse.ArgumentParser) -> None:
         type=bounded(int, 0),
         default=d.max_stop_strings,
         metavar="N",
-        help="stop strings per request (%(default)s; OpenAI allows 4)",
+        help="stop strings per request (OpenAI allows 4)",
     )
     g.add_argument(
         "--max-stop-length",
         type=bounded(int, 1),
         default=d.max_stop_length,
         metavar="N",
-        help="characters per stop string (%(default)s)",
+        help="characters per stop string",
     )
     g.add_argument(
         "--max-stop-token-ids",
         type=bounded(int, 0),
         default=d.max_stop_token_ids,
         metavar="N",
-        help="stop_token_ids per request (%(default)s)",
+        help="stop_token_ids per request",
     )
     g.add_argument(
         "--max-n",
         type=bounded(int, 1, 64),
         default=d.max_n,
         metavar="N",
-        help="samples per prompt, n (%(default)s; at most --max-seqs)",
+        help="samples per prompt, n (at most --max-seqs)",
     )
     g.add_argument(
         "--max-json-depth",
         type=bounded(int, 2, 512),
         default=d.max_json_depth,
         metavar="N",
-        help="nesting of the request's JSON (%(default)s)",
+        help="nesting of the request's JSON",
     )
     g.add_argument(
         "--request-timeout",
         type=bounded(float, 0.0),
         default=d.request_timeout,
         metavar="S",
-        help="seconds from arrival to the last token; then the request ends with finish_reason "
-        "'timeout' (%(default)s; 0: no limit)",
+        help="seconds from arrival to the last token; then the request ends with finish_reason 'timeout' (0: no limit)",
     )
     g.add_argument(
         "--chat-template-timeout",
         type=bounded(float, 0.0, open_lo=True),
         metavar="S",
         default=d.chat_template_timeout,
-        help="seconds one chat template render may take (%(default)s)",
+        help="seconds one chat template render may take",
     )
     g.add_argument(
         "--trust-request-chat-template",
@@ -182,70 +179,44 @@ def _add_access(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `batchkv serve`."""
+    """The options of `batchkv serve`: the model (also its first positional argument, as vLLM takes
+    it) and engine options every command shares (`batchkv.frontend`), then serve's own."""
     m = p.add_argument_group("model")
-    m.add_argument(
-        "--model",
-        required=True,
-        metavar="PATH_OR_PRESET",
-        help="a transformers model directory, a GGUF file or a preset",
-    )
+    m.add_argument("model_argument", nargs="?", metavar="MODEL", help="the model, as --model (vLLM's spelling)")
+    add_model_options(m)
     m.add_argument("--served-model-name", metavar="NAME", help="the name clients send as `model` (default: --model)")
-    m.add_argument(
-        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto (default): cuda when available"
-    )
-    m.add_argument(
-        "--dtype",
-        choices=("auto", "bfloat16", "float16", "float32"),
-        default="auto",
-        help="auto (default): the config's",
-    )
-    m.add_argument(
-        "--seed", type=bounded(int, 0), default=0, help="seed of a preset's random weights and of unseeded sampling (0)"
-    )
     e = p.add_argument_group("engine")
-    add_scheduling_options(e, max_seqs=None, help_max_seqs="resident sequences (cache columns); n samples take n")
-    e.add_argument(
-        "--capacity",
-        type=bounded(int, 2, MAX_POSITIONS),
-        help=f"positions per sequence, prompt + max_tokens (default min({DEFAULT_CAPACITY}, max_position_embeddings))",
-    )
-    e.add_argument(
-        "--max-step-tokens",
-        type=bounded(int, 1, MAX_STEP_TOKENS),
-        default=DEFAULT_STEP_TOKENS,
-        help="token budget of one step (%(default)s)",
-    )
-    e.add_argument(
-        "--prefill-chunk",
-        type=bounded(int, 1),
-        help=f"most prompt tokens per sequence per step (default {DEFAULT_PREFILL_CHUNK}, within --capacity and "
-        "--max-step-tokens)",
-    )
+    add_engine_options(e, p.add_argument_group("storage and speculative decoding"))
     e.add_argument(
         "--max-waiting",
         type=bounded(int, 1),
         default=256,
-        help="requests queued for columns before 429s; a batch of more prompts is a 400 (%(default)s)",
+        metavar="N",
+        help="requests queued for columns before 429s; a batch of more prompts is a 400",
     )
-    e.add_argument("--graphs", choices=tuple(MODES), default="auto", help="CUDA graphs (auto, the default: on CUDA)")
-    add_tensor_parallel(e, "--tensor-parallel-size")
-    e.add_argument(
-        "--threads", type=bounded(int, 0, 4096), default=0, help="CPU threads for torch (0: torch's default)"
-    )
-    add_engine_options(p.add_argument_group("storage and speculative decoding"))
     h = p.add_argument_group("http")
-    h.add_argument("--host", default="127.0.0.1", help="address to listen on (%(default)s)")
-    h.add_argument("--port", type=bounded(int, 0, 65535), default=8000, help="0: any free port (%(default)s)")
+    h.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    h.add_argument("--port", type=bounded(int, 0, 65535), default=8000, help="0: any free port")
     h.add_argument(
         "--drain-timeout",
         type=bounded(float, 0.0, MAX_DRAIN_SECONDS),
         default=30.0,
-        help="seconds in-flight requests get at shutdown (%(default)s)",
+        metavar="S",
+        help="seconds in-flight requests get at shutdown",
     )
     h.add_argument(
-        "--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info", help="(%(default)s)"
+        "--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info", help="uvicorn's"
     )
     h.add_argument("--access-log", action="store_true", help="log every HTTP request")
     _add_limits(p)
     _add_access(p)
+
+
+def model_of(args: argparse.Namespace) -> str:
+    """The served model: the positional MODEL or --model (one of them; the same if both)."""
+    given = {name for name in (args.model_argument, args.model) if name is not None}
+    if not given:
+        raise ConfigError("serve needs a model: batchkv serve MODEL (or --model MODEL); see batchkv serve --help")
+    if len(given) > 1:
+        raise ConfigError(f"the model is given twice, as {args.model_argument!r} and --model {args.model!r}; give one")
+    return given.pop()

@@ -13,10 +13,11 @@ import logging
 import signal
 import socket
 import sys
+from dataclasses import replace
 
 from batchkv.errors import ConfigError
-from batchkv.frontend import MODES, kv_dtype_option, model_source, scheduling_kwargs, speculative_option
-from batchkv.serve.options import DEFAULT_CAPACITY, access_from, add_arguments, api_key, is_loopback, limits_from
+from batchkv.frontend import build_engine, load_model, resolve_device, set_threads
+from batchkv.serve.options import access_from, add_arguments, api_key, is_loopback, limits_from, model_of
 
 __all__ = ["add_arguments", "serve"]
 
@@ -39,16 +40,6 @@ def _uvicorn_server(uvicorn):
             self.on_exit()
 
     return Server
-
-
-def _device(name: str) -> str:
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda but CUDA is not available here; use --device cpu")
-    return name
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -74,12 +65,10 @@ def serve(args: argparse.Namespace) -> int:
         import uvicorn
     except ImportError as exc:
         raise ConfigError(f"batchkv serve needs its extra: pip install 'batchkv[serve]' ({exc})") from exc
-    import torch
-
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = _device(args.device)
+    args.model = model_of(args)
+    device = resolve_device(args)
+    set_threads(args)
     key = api_key(args)
     sock = _listen(args.host, args.port)
     bound = sock.getsockname()[0]
@@ -97,42 +86,22 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) -> int:
-    import torch
-
-    from batchkv.executor import Engine
     from batchkv.serve.app import build_app
     from batchkv.serve.jobs import ModelInfo
-    from batchkv.serve.loading import load_served_model
     from batchkv.serve.metrics import ServerMetrics
     from batchkv.serve.worker import EngineWorker
 
     tp = args.tensor_parallel  # > 1: the ranks load their shares, this process only what serving text needs
-    served = load_served_model(args.model, device, dtype=args.dtype, seed=args.seed, weights=tp == 1)
-    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = served.model if tp == 1 else model_source(args.model, seed=args.seed, dtype=dtype)
-    limit = served.max_positions
-    capacity = args.capacity or min(DEFAULT_CAPACITY, limit or DEFAULT_CAPACITY)
-    if limit and capacity > limit:
-        raise ConfigError(f"--capacity {capacity} is beyond the model's max_position_embeddings {limit}; lower it")
-    engine = Engine(
-        model,
-        tensor_parallel=tp,
-        **scheduling_kwargs(args, device),
-        capacity=capacity,
-        max_step_tokens=args.max_step_tokens,
-        prefill_chunk=args.prefill_chunk,  # None: the Engine's default, within capacity and the step budget
-        device=device,
-        use_graphs=MODES[args.graphs],
-        seed=args.seed,
-        kv_dtype=kv_dtype_option(args.kv_dtype),
-        speculative=speculative_option(args, served.model),
-    )
+    served = load_model(args, device)
+    engine = build_engine(args, served, device)
+    capacity = engine.cache.capacity
     max_seqs = engine.cache.max_seqs  # what --max-seqs auto chose, else --max-seqs
     metrics = ServerMetrics(max_seqs)
     limits = limits_from(args)
+    limits = replace(limits, max_n=min(limits.max_n, max_seqs))  # n samples take n columns: one bound on n
     worker = EngineWorker(engine, metrics, max_waiting=args.max_waiting, request_timeout=limits.request_timeout)
     name = args.served_model_name or args.model
-    info = ModelInfo(name, served.tokenizer, capacity, served.eos_ids, limits)
+    info = ModelInfo(name, served.tokenizer, capacity, served.eos_ids, limits, vocab_size=engine.vocab_size)
     access = access_from(args, sock.getsockname()[0])
     app = build_app(worker, info, metrics, access)
     mode = ("graphs" if engine.uses_graphs else "eager") + (", overlap" if engine.overlap else "")
