@@ -125,7 +125,7 @@ def test_run_serve_and_score_share_one_spelling_and_default_per_option():
 
 
 def test_vllm_spellings_are_aliases_and_a_memory_fraction_sizes_a_numbered_store():
-    from batchkv.frontend import scheduling_kwargs
+    from batchkv.cli.options import scheduling_kwargs
 
     parser = cli.build_parser()
     vllm = ["serve", "/models/x", "--max-num-seqs", "8", "--max-model-len", "2048", "--gpu-memory-utilization", "0.8",

@@ -7,7 +7,6 @@ import argparse
 
 import pytest
 
-from batchkv import cli
 from batchkv.executor import Engine
 from batchkv.executor.sizing import DEFAULT_PREFILL_CHUNK, DEFAULT_STEP_TOKENS
 from tests.toy_model import ToyModel
@@ -17,11 +16,13 @@ def _parser(command: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
     if command == "run":
-        from batchkv.cli_run import add_run
+        from batchkv.cli.run import add_run
 
         add_run(sub)
     else:
-        cli._add_serve(sub)
+        from batchkv.cli.serve import add_serve
+
+        add_serve(sub)
     return sub.choices[command]
 
 

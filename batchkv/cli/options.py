@@ -1,5 +1,5 @@
 """The options `batchkv run`, `batchkv serve` and `batchkv score` share, and the one construction of a
-model and an engine from them.
+model and an engine from them (`load_model`, `build_engine`).
 
 Every engine or model option is declared once, here, with one spelling, one default and one help
 line: `add_model_options` (what model, where, in what dtype; run, serve and score) and
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
-from batchkv.cli import bounded
+from batchkv.cli.common import bounded
 from batchkv.dtypes import STORAGE_DTYPES, dtype_named
 from batchkv.errors import ConfigError
 from batchkv.executor.sizing import DEFAULT_CAPACITY, DEFAULT_PREFILL_CHUNK, DEFAULT_STEP_TOKENS
@@ -66,6 +66,7 @@ def add_model_options(group: argparse._ArgumentGroup, *, default: str | None = N
     group.add_argument(
         "--seed", type=bounded(int, 0), default=0, help="seed of a preset's random weights, workloads and sampling"
     )
+    # Another model option (a weight quantisation, ...) is one add_argument here, read in `load_model`.
     group.add_argument(
         "-t",
         "--threads",

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TextIO
 
-from batchkv.executor.workload import ReplayResult, WorkItem
+from batchkv.cli.workload import ReplayResult, WorkItem
 
 
 class ProgressBar:

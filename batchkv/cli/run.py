@@ -13,11 +13,8 @@ import argparse
 import os
 import sys
 
-from batchkv.cli import COMMANDS, EXIT_INTERRUPTED, EXIT_REFUSED, Help, bounded, one_line
-from batchkv.errors import ConfigError
-from batchkv.executor.report import TOKENS_HELP
-from batchkv.executor.workload import JSONL_HELP
-from batchkv.frontend import (
+from batchkv.cli.common import COMMANDS, EXIT_INTERRUPTED, EXIT_REFUSED, Help, bounded, one_line
+from batchkv.cli.options import (
     CPU_MODEL,
     add_engine_options,
     add_model_options,
@@ -26,6 +23,9 @@ from batchkv.frontend import (
     resolve_device,
     set_threads,
 )
+from batchkv.cli.report import TOKENS_HELP
+from batchkv.cli.workload import JSONL_HELP
+from batchkv.errors import ConfigError
 from batchkv.models.config import MODEL_PRESETS
 
 MODELS = tuple(MODEL_PRESETS)  # model presets `batchkv run` can build
@@ -138,7 +138,7 @@ def _check_writable(path: str, flag: str) -> None:
 
 
 def _read_workload(path: str, tokenizer) -> list:
-    from batchkv.executor.workload import load_jsonl
+    from batchkv.cli.workload import load_jsonl
 
     encode = None if tokenizer is None else lambda text: tokenizer.encode(text)
     try:
@@ -148,7 +148,7 @@ def _read_workload(path: str, tokenizer) -> list:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from batchkv.executor.workload import replay
+    from batchkv.cli.workload import replay
 
     for flag, path in (("--json", args.json), ("--output", args.output)):
         if path:
@@ -184,8 +184,8 @@ def text_prompts(tokenizer) -> list[list[int]]:
 
 
 def _synthetic(args: argparse.Namespace, vocab_size: int, tokenizer) -> list:
+    from batchkv.cli.workload import synthetic
     from batchkv.executor import SamplingParams
-    from batchkv.executor.workload import synthetic
 
     return synthetic(
         args.requests,
@@ -203,7 +203,7 @@ class _Progress:
     """Finished samples and generated tokens so far, drawn as a progress bar on stderr."""
 
     def __init__(self, args: argparse.Namespace, total: int) -> None:
-        from batchkv.executor.report import ProgressBar
+        from batchkv.cli.report import ProgressBar
 
         enabled = args.progress == "on" or (args.progress == "auto" and sys.stderr.isatty())
         self.total, self.finished, self.tokens = total, 0, 0
@@ -223,7 +223,7 @@ def _report(args: argparse.Namespace, engine, device: str, items: list, result, 
     """Print the refusals and the summary, write --json and --output; returns the exit status."""
     import json
 
-    from batchkv.executor.report import summary_table, token_lines
+    from batchkv.cli.report import summary_table, token_lines
 
     for index, message in result.refusals:
         print(one_line(f"batchkv run: request {index} refused: {message}"), file=sys.stderr)

@@ -1,5 +1,6 @@
-"""The options of `batchkv serve`, and what they become: the engine's, the `Limits` on each
-request and the `Access` rules (argparse only at import: the server's imports wait for `serve`).
+"""`batchkv serve`: its options, and what they become (the engine, the `Limits` on each request,
+the `Access` rules), then the server of `batchkv.serve.server` over them. Argparse only at import:
+the server's imports wait for `cmd_serve`.
 
 Limits default to what a server facing untrusted clients wants (see `limits`); access defaults
 to a loopback server with no key that answers only to loopback Host names. An API key comes from
@@ -9,13 +10,21 @@ to a loopback server with no key that answers only to loopback Host names. An AP
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
+import sys
+from dataclasses import replace
 
-from batchkv.cli import bounded
+from batchkv.cli.common import COMMANDS, Help, bounded
+from batchkv.cli.options import (
+    add_engine_options,
+    add_model_options,
+    build_engine,
+    load_model,
+    resolve_device,
+    set_threads,
+)
 from batchkv.errors import ConfigError
-from batchkv.frontend import add_engine_options, add_model_options
-from batchkv.serve.access import Access, loopback_hosts
+from batchkv.serve.access import Access, is_loopback, loopback_hosts
 from batchkv.serve.limits import Limits
 
 MAX_DRAIN_SECONDS = 86400.0
@@ -28,14 +37,6 @@ def _names(text: str) -> tuple[str, ...]:
     if not names:
         raise argparse.ArgumentTypeError(f"{text!r} names nothing; give a comma-separated list")
     return names
-
-
-def is_loopback(address: str) -> bool:
-    """Whether a bound (numeric) address is a loopback one."""
-    try:
-        return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
-    except ValueError:
-        return address == "localhost"
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -178,9 +179,23 @@ def _add_access(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_serve(sub: argparse._SubParsersAction) -> None:
+    """The `serve` subcommand."""
+    p = sub.add_parser(
+        "serve",
+        help=COMMANDS["serve"],
+        description="Serve a transformers model directory (Llama, Qwen3, SenseNova-U1), a GGUF file (converted once "
+        "to such a directory) or a preset over /v1/completions, /v1/chat/completions, /v1/models, /health and "
+        "/metrics (needs batchkv[serve]). vLLM's spellings of the shared options are accepted beside batchkv's.",
+        formatter_class=Help,
+    )
+    add_arguments(p)
+    p.set_defaults(func=cmd_serve)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `batchkv serve`: the model (also its first positional argument, as vLLM takes
-    it) and engine options every command shares (`batchkv.frontend`), then serve's own."""
+    it) and the model and engine options every command shares (`batchkv.cli.options`), then serve's own."""
     m = p.add_argument_group("model")
     m.add_argument("model_argument", nargs="?", metavar="MODEL", help="the model, as --model (vLLM's spelling)")
     add_model_options(m)
@@ -220,3 +235,67 @@ def model_of(args: argparse.Namespace) -> str:
     if len(given) > 1:
         raise ConfigError(f"the model is given twice, as {args.model_argument!r} and --model {args.model!r}; give one")
     return given.pop()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Load the model, build the engine, serve until a signal stops the server; returns the exit status."""
+    import logging
+
+    from batchkv.serve import server
+
+    server.require_extra()
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    args.model = model_of(args)
+    device = resolve_device(args)
+    set_threads(args)
+    key = api_key(args)
+    sock = server.listen(args.host, args.port)  # before the model loads: an address in use fails at once
+    try:
+        bound = sock.getsockname()[0]
+        if key is None and not is_loopback(bound):
+            print(
+                f"batchkv serve: warning: listening on {args.host} (not a loopback address) without an API key: "
+                "anyone who reaches this address can use the server (set --api-key or BATCHKV_API_KEY)",
+                file=sys.stderr,
+                flush=True,
+            )
+        served = load_model(args, device)
+        with build_engine(args, served, device) as engine:  # leaving stops the other tensor-parallel ranks
+            info = _model_info(args, served, engine)
+            _announce(args, served, engine, info, device, sock.getsockname()[1], access_from(args, bound))
+            return server.run(engine, info, access_from(args, bound), sock, max_waiting=args.max_waiting,
+                              drain_timeout=args.drain_timeout, log_level=args.log_level,
+                              access_log=args.access_log)  # fmt: skip
+    finally:
+        sock.close()
+
+
+def _model_info(args: argparse.Namespace, served, engine):
+    from batchkv.serve.jobs import ModelInfo
+
+    max_seqs = engine.cache.max_seqs  # what --max-seqs auto chose, else --max-seqs
+    limits = replace(limits_from(args), max_n=min(args.max_n, max_seqs))  # n samples take n columns: one bound
+    name = args.served_model_name or args.model
+    return ModelInfo(name, served.tokenizer, engine.cache.capacity, served.eos_ids, limits,
+                     vocab_size=engine.vocab_size)  # fmt: skip
+
+
+def _announce(args: argparse.Namespace, served, engine, info, device: str, port: int, access: Access) -> None:
+    """The startup line on stderr: what is served, how, and where."""
+    mode = ("graphs" if engine.uses_graphs else "eager") + (", overlap" if engine.overlap else "")
+    mode += f", tensor parallel {args.tensor_parallel}" if args.tensor_parallel > 1 else ""
+    text = "text and token ids" if served.tokenizer is not None else "token ids only (no tokenizer)"
+    extras = f", kv {args.kv_dtype}" if args.kv_dtype != "model" else ""
+    if args.speculative != "off":
+        extras += f", speculative {args.speculative} (block {engine.speculator.block_size})"
+    if args.prefill_budget is not None:
+        extras += f", prefill budget {args.prefill_budget}"
+    extras += ", API key required" if access.api_key else ""
+    print(
+        f"batchkv serve: {info.name} ({served.kind}, {text}) on {device} ({mode}), max_seqs {engine.cache.max_seqs}, "
+        f"capacity {info.capacity}{extras}; http://{args.host}:{port}/v1",
+        file=sys.stderr,
+        flush=True,
+    )
+    if engine.sizing is not None:
+        print(f"batchkv serve: sized the store: {engine.sizing.describe()}", file=sys.stderr, flush=True)
