@@ -14,7 +14,7 @@ with the text. The default comparison is e4m3 against bf16 storage: bf16 is what
 without `--kv-dtype fp8` stores, so the numbers say what switching to e4m3 costs. On the CPU the
 attention is the torch reference, whose e4m3 arithmetic is the Triton kernels' with exact queries.
 
-`batchkv score --model PATH FILE...` (batchkv/cli.py) prints this for each file.
+`batchkv score --model PATH FILE...` (batchkv/cli/score.py) prints this for each file.
 
 >>> result = score(HFModel.from_pretrained(path), ids)   # ids: int token ids of a text
 >>> result.ppl_change, result.top1_agreement, result.kl_mean

@@ -1,4 +1,4 @@
-"""Engine replicas on Ray Serve (`batchkv.serve.ray`): the router's prefix hits, and two replicas
+"""Engine replicas on Ray Serve (`batchkv.cli.ray`): the router's prefix hits, and two replicas
 against one.
 
 `routing`: two replicas of the tiny preset on the CPU, a shared-prefix workload (16 prefixes of 64
@@ -50,7 +50,7 @@ def deploy(options: dict, *, prefix_affinity: bool = True) -> int:
     """Run the application on the local cluster; returns its HTTP port."""
     from ray import serve
 
-    from batchkv.serve.ray import APP, application, parser
+    from batchkv.cli.ray import APP, application, parser
     from tests.serve_helpers import free_port
 
     argv = list(itertools.chain.from_iterable((f"--{k}", str(v)) for k, v in options.items()))
@@ -68,7 +68,7 @@ def undeploy() -> None:
 
 
 def counters() -> dict[str, int]:
-    from batchkv.serve.ray import replica_stats
+    from batchkv.cli.ray import replica_stats
 
     stats = replica_stats().values()
     return {key: sum(s[key] for s in stats) for key in ("prefix_admitted", "prefix_hits", "prefix_reused",
@@ -109,8 +109,8 @@ def routing_run(port: int, prompts: list[list[int]]) -> dict:
 
 def holders(prompts: list[list[int]]) -> dict[str, int]:
     """How many prefixes each number of replicas holds at the end (their first block in its index)."""
+    from batchkv.cli.ray import replica_stats
     from batchkv.executor.prefix import block_hashes
-    from batchkv.serve.ray import replica_stats
 
     indexes = [set(s["blocks"]) for s in replica_stats().values()]
     firsts = {block_hashes(p[: ROUTING["prefix_len"]])[0] for p in prompts}

@@ -9,6 +9,7 @@ import torch
 
 from batchkv import BatchedSequenceCache, CacheConfig, LayerSpec, from_manifest, load_manifest
 from batchkv.cache import PagedDecodeCache
+from batchkv.cli.workload import load_jsonl, synthetic
 from batchkv.compat import DecodeGraphRunner
 from batchkv.errors import (
     CapacityError,
@@ -22,7 +23,6 @@ from batchkv.errors import (
     WorkloadError,
 )
 from batchkv.executor import Engine, Request, SamplingParams, SpeculativeConfig, gather
-from batchkv.executor.workload import load_jsonl, synthetic
 from batchkv.manifest import dump_manifest, window_pattern
 from batchkv.models import SenseNovaConfig, build_model, load_checkpoint, random_init
 from batchkv.models.hf import HFModel

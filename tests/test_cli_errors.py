@@ -16,9 +16,10 @@ import pytest
 import torch
 
 import batchkv
-from batchkv import cli, cli_run
+from batchkv import cli
+from batchkv.cli import run as cli_run
+from batchkv.cli.workload import JSONL_HELP, _Line
 from batchkv.executor import Engine
-from batchkv.executor.workload import JSONL_HELP, _Line
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "sensenova-u1-tiny"

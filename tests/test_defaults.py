@@ -7,7 +7,6 @@ import argparse
 
 import pytest
 
-from batchkv import cli
 from batchkv.executor import Engine
 from batchkv.executor.sizing import DEFAULT_PREFILL_CHUNK, DEFAULT_STEP_TOKENS
 from tests.toy_model import ToyModel
@@ -17,11 +16,13 @@ def _parser(command: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
     if command == "run":
-        from batchkv.cli_run import add_run
+        from batchkv.cli.run import add_run
 
         add_run(sub)
     else:
-        cli._add_serve(sub)
+        from batchkv.cli.serve import add_serve
+
+        add_serve(sub)
     return sub.choices[command]
 
 
@@ -46,5 +47,5 @@ def test_help_states_each_default_once(command):
     assert "(default: None)" not in text
     spec = " ".join(text.rsplit("--spec-block N", 1)[1].split("--spec-layers")[0].split())
     assert spec.count("default") == 1, spec
-    capacity = " ".join(text.rsplit("--capacity CAPACITY", 1)[1].split("--max-step-tokens")[0].split())
+    capacity = " ".join(text.rsplit("--max-model-len N|auto", 1)[1].split("--max-step-tokens")[0].split())
     assert "256" not in capacity and capacity.count("default") == 1, capacity

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
+from batchkv.cli.workload import WorkItem, replay, synthetic
 from batchkv.executor import Engine, Request, SamplingParams
-from batchkv.executor.workload import WorkItem, replay, synthetic
 from tests.executor_helpers import drive, random_prompt
 from tests.toy_model import ToyModel
 

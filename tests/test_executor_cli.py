@@ -9,9 +9,10 @@ import json
 import pytest
 import torch
 
-from batchkv import cli, cli_run
+from batchkv import cli
+from batchkv.cli import run as cli_run
+from batchkv.cli.workload import load_jsonl, synthetic
 from batchkv.errors import WorkloadError
-from batchkv.executor.workload import load_jsonl, synthetic
 from tests.toy_model import ToyModel
 
 
@@ -21,7 +22,10 @@ def tiny_model(monkeypatch):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     if not hasattr(importlib.import_module("batchkv.models"), "build_model"):
-        monkeypatch.setattr(cli_run, "_build_model", lambda preset, device, seed: ToyModel(seed=seed, device=device))
+        from batchkv.serve.loading import ServedModel
+
+        toy = lambda args, device: ServedModel(ToyModel(seed=args.seed, device=device), "preset")  # noqa: E731
+        monkeypatch.setattr(cli_run, "load_model", toy)
     yield
     torch.set_num_threads(threads)
 

@@ -204,6 +204,24 @@ def test_a_stop_string_spanning_tokens_ends_the_text_before_it_streamed_and_not(
     assert wait_idle(server)["batchkv_kv_columns_in_use"] == 0  # the stopped sample's column is free
 
 
+def _finished(server) -> dict[str, float]:
+    prefix = "batchkv_request_samples_finished_total{reason="
+    return {k[len(prefix) + 1 : -2]: v for k, v in wait_idle(server).items() if k.startswith(prefix)}
+
+
+def test_metrics_count_each_finish_reason_as_the_client_sees_it(server, client, hf):
+    prompt, _, stop = _stop_case(hf)
+    before = _finished(server)
+    reasons = [client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0, stop=stop)
+               .choices[0].finish_reason]  # fmt: skip
+    reasons += [c.finish_reason for c in client.completions.create(model="tiny", prompt=prompt, max_tokens=3,
+                                                                    temperature=0, n=2).choices]  # fmt: skip
+    assert reasons == ["stop", "length", "length"]
+    after = _finished(server)
+    grown = {reason: after[reason] - before.get(reason, 0.0) for reason in after}
+    assert {reason: n for reason, n in grown.items() if n} == {"stop": 1, "length": 2}
+
+
 def test_stop_token_ids_end_a_choice_at_that_token_whose_text_is_not_output(server, client, hf):
     tokenizer = hf[1]
     ids, _ = oracle(hf, tokenizer.encode("How are you"), 20)
@@ -280,7 +298,7 @@ def test_sixteen_concurrent_streams_each_equal_their_own_generate(server, hf):
 
 # ---- disconnects and the queue -----------------------------------------------------------------
 def _cancelled(server) -> float:
-    return metrics(server).get('batchkv_request_samples_finished_total{reason="cancelled"}', 0.0)
+    return metrics(server).get('batchkv_request_samples_finished_total{reason="abort"}', 0.0)
 
 
 def test_a_client_that_disconnects_mid_stream_cancels_its_request(server):
@@ -341,10 +359,14 @@ BAD = [
     ("unknown field", {"prompt": "x", "max_tokenz": 3}, 400, "max_tokenz"),
     ("wrong type", {"prompt": "x", "max_tokens": "three"}, 400, "max_tokens"),
     ("beyond capacity", {"prompt": "Hello", "max_tokens": CAPACITY}, 400, "max_tokens"),
-    ("token id outside the vocabulary", {"prompt": [1, 2, 100000], "max_tokens": 3}, 400, None),
+    ("token id outside the vocabulary", {"prompt": [1, 2, 100000], "max_tokens": 3}, 400, "prompt"),
+    ("token id 2**63", {"prompt": [1, 2**63], "max_tokens": 3}, 400, "prompt"),
+    ("token id 2**64 in a batch", {"prompt": [[1], [2**64]], "max_tokens": 3}, 400, "prompt"),
+    ("a stop token id past int64", {"prompt": [1], "max_tokens": 3, "stop_token_ids": [2**63]}, 400, "stop_token_ids"),
     ("unknown model", {"model": "gpt-5", "prompt": "x", "max_tokens": 3}, 404, "model"),
     ("unsupported field", {"prompt": "x", "suffix": "end"}, 400, "suffix"),
-    ("n beyond the columns", {"prompt": "x", "max_tokens": 3, "n": MAX_SEQS + 1}, 400, None),
+    ("n beyond the columns", {"prompt": "x", "max_tokens": 3, "n": MAX_SEQS + 1}, 400, "n"),
+    ("n 0", {"prompt": "x", "max_tokens": 3, "n": 0}, 400, "n"),
     ("mixed prompt batch", {"prompt": ["x", [1, 2]], "max_tokens": 3}, 400, "prompt"),
     ("top_p out of range", {"prompt": "x", "max_tokens": 3, "top_p": 1.5}, 400, "top_p"),
     ("max_tokens 0", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
@@ -364,6 +386,15 @@ def test_a_bad_request_gets_an_openai_error_and_the_server_keeps_serving(server,
     assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["param"] == param
     if case == "beyond capacity":
         assert str(CAPACITY) in error["message"] and error["code"] == "context_length_exceeded"
+    if case.startswith("token id"):
+        assert str(body["prompt"][-1]).strip("[]") in error["message"], error  # the id itself is named
+    if case.startswith("n "):  # one bound, said the same way below and above it
+        assert (
+            error["message"] == f"n is {body['n']}; this server takes n in [1, {MAX_SEQS}] (the server's --max-n, "
+            "at most its --max-seqs)"
+        )
+    if case == "unknown field":
+        assert error["message"] == "this server does not accept the field 'max_tokenz' (remove it)"
     assert client_still_serves(server)
 
 

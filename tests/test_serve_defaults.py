@@ -8,8 +8,8 @@ import argparse
 
 import pytest
 
-from batchkv.frontend import CPU_MAX_SEQS, scheduling_kwargs
-from batchkv.serve.options import add_arguments
+from batchkv.cli.options import CPU_MAX_SEQS, scheduling_kwargs
+from batchkv.cli.serve import add_arguments
 
 
 @pytest.fixture(scope="module")

@@ -149,8 +149,8 @@ def test_a_render_that_ends_at_its_budget_neither_leaks_the_interrupt_nor_loses_
 
 def test_a_server_on_a_non_loopback_address_without_a_key_warns_at_startup(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("BATCHKV_API_KEY", raising=False)
-    serve = ("serve", "--model", str(tmp_path / "missing"), "--device", "cpu", "--port", "0")
-    assert main([*serve, "--host", "0.0.0.0"]) == 2  # the model is missing: it stops after the warning
+    serve = ("serve", "--model", str(tmp_path), "--device", "cpu", "--port", "0")
+    assert main([*serve, "--host", "0.0.0.0"]) == 2  # the folder has no config.json: it stops after the warning
     assert "warning: listening on 0.0.0.0 (not a loopback address) without an API key" in capsys.readouterr().err
     for argv in (("--host", "0.0.0.0", "--api-key", "sk-x"), ("--host", "127.0.0.1")):
         assert main([*serve, *argv]) == 2
@@ -165,7 +165,7 @@ def test_a_server_on_a_non_loopback_address_without_a_key_warns_at_startup(tmp_p
 def test_the_host_rule_defaults_to_loopback_names_on_a_loopback_address_and_to_any_elsewhere():
     import argparse
 
-    from batchkv.serve.options import access_from, add_arguments
+    from batchkv.cli.serve import access_from, add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

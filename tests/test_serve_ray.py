@@ -1,4 +1,4 @@
-"""batchkv on Ray Serve (`batchkv.serve.ray`): a local Ray cluster of bounded CPUs, started once here,
+"""batchkv on Ray Serve (`batchkv.cli.ray`): a local Ray cluster of bounded CPUs, started once here,
 serves two engine replicas of the tiny preset behind one OpenAI-compatible endpoint on 127.0.0.1.
 The official `openai` client gets one engine's greedy tokens; 64 requests over four long shared
 prefixes are routed so that each prefix is computed once (the replicas' prefix-cache counters); a
@@ -21,11 +21,11 @@ httpx = pytest.importorskip("httpx")
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
+from batchkv.cli.ray import APP, ENGINE, build, replica_stats  # noqa: E402
 from batchkv.errors import ConfigError  # noqa: E402
 from batchkv.executor import Engine, Request, SamplingParams  # noqa: E402
 from batchkv.executor.prefix import block_hashes  # noqa: E402
 from batchkv.models import build_model  # noqa: E402
-from batchkv.serve.ray import APP, ENGINE, build, replica_stats  # noqa: E402
 from tests.serve_helpers import free_port  # noqa: E402
 
 OPTIONS = {"model": "sensenova-u1-tiny", "served-model-name": "tiny", "device": "cpu", "ray-replicas": 2,

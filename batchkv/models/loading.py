@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from batchkv.errors import CheckpointError, ConfigError
+from batchkv.errors import CheckpointError, ConfigError, DependencyError
 from batchkv.models.config import MODEL_PRESETS, SenseNovaConfig
 from batchkv.models.parallel.hf import shard_modules, span_of
 from batchkv.models.parallel.hf import spans as hf_spans
@@ -100,6 +100,14 @@ def checkpoint_prefix(path: Path) -> str:
     raise CheckpointError(f"no safetensors shard in {path} holds a tensor named ...{EMBED}")
 
 
+def need_transformers(what: str) -> None:
+    """DependencyError naming the extra, before anything imports transformers for `what`."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise DependencyError(f"{what} needs transformers ({exc}): pip install 'batchkv[hf]'") from exc
+
+
 def load_whole(source: str | os.PathLike, device: str | torch.device, *, dtype: torch.dtype | None = None,
                seed: int = 0):  # fmt: skip
     """The whole model of a preset or a model directory (a GGUF file converted) on `device`."""
@@ -121,6 +129,7 @@ def load_whole(source: str | os.PathLike, device: str | torch.device, *, dtype: 
             f"{path}: model_type {model_type!r} (architectures: {architecture}) is not served by batchkv; "
             f"it serves the transformers families {', '.join(TRANSFORMERS_FAMILIES)} and SenseNova-U1"
         )
+    need_transformers(f"the transformers model {path}")
     from transformers import AutoModelForCausalLM
 
     from batchkv.models.hf import HFModel

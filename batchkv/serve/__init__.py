@@ -2,10 +2,11 @@
 
     batchkv serve --model /path/to/Qwen3-0.6B --port 8000
 
-Files: `options` (flags), `protocol` (request bodies, errors), `limits` (what one request may ask),
+Files: `protocol` (request bodies, errors), `limits` (what one request may ask),
 `guard` (Host, API key, Content-Type, request ids), `loading` (model, tokenizer, stop ids), `jobs`
 (bodies to engine requests), `templates` (chat templates, sandboxed and timed), `worker` (the engine
 thread), `stream` (a request's events and deadline), `detok` (incremental text, stop strings),
-`outputs` (choices and answers), `metrics` (Prometheus), `app` (routes), `server` (startup and
-shutdown). Nothing outside this package imports it.
+`outputs` (choices and answers), `metrics` (Prometheus), `app` (routes), `server` (uvicorn around a
+built engine, startup and shutdown). Its options are parsed, and its engine built, by
+`batchkv.cli.serve`; nothing here imports the front end.
 """

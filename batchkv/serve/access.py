@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from dataclasses import dataclass
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
@@ -40,3 +41,11 @@ def host_name(host: str) -> str:
 def loopback_hosts(bound: str) -> tuple[str, ...]:
     """The Host names a server bound to the loopback address `bound` answers to by default."""
     return tuple(dict.fromkeys([*LOOPBACK_NAMES, host_name(bound)]))
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a bound (numeric) address is a loopback one."""
+    try:
+        return ipaddress.ip_address(address.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return address == "localhost"

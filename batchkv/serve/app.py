@@ -165,7 +165,7 @@ def build_app(
             constraint = job.requests[0].params.constraint if job.requests else None
             if constraint is not None:  # compiled here, off the loop and the engine thread (then cached)
                 structured.compile_constraint(worker.engine, constraint)
-            return outputs.Tracker(job, info.tokenizer)
+            return outputs.Tracker(job, info.tokenizer, lambda reason: metrics.finished.labels(reason).inc())
 
         tracker = await asyncio.to_thread(prepare)
         job = tracker.job

@@ -3,8 +3,8 @@
 A `Job` is what one HTTP request asks for: one engine `Request` per prompt (each with n samples),
 the stop strings applied to the text (one automaton for all its choices), and how to answer.
 Every refusal is an `APIError` raised before anything reaches the engine, except those only the
-engine can judge (token ids outside the vocabulary, n beyond its columns), which `Engine.submit`
-refuses and the worker turns into 400s. The `Limits` of `info` are checked before the work they
+engine can judge (n beyond the store's room), which `Engine.submit` refuses and the worker turns
+into 400s. The `Limits` of `info` are checked before the work they
 bound: a text prompt's characters before it is tokenised, the number of stop strings before the
 automaton is built. These functions run on a worker thread (`app`), never on the event loop.
 """
@@ -33,6 +33,15 @@ class ModelInfo:
     eos_ids: tuple[int, ...] = ()
     limits: Limits = field(default_factory=Limits)
     tool_parser: str | None = None  # --tool-call-parser; None: from the chat template
+    vocab_size: int | None = None  # token ids lie in [0, vocab_size); None: int32's range
+
+
+def check_ids(ids: list[int], info: ModelInfo, what: str, param: str) -> None:
+    """APIError(400) naming the first id outside [0, vocab) (2**63 included: never a 500)."""
+    vocab = info.vocab_size or 2**31
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"{what} {bad} is outside the vocabulary [0, {vocab})", param=param)
 
 
 @dataclass
@@ -89,8 +98,11 @@ def completion_prompts(body: CompletionRequest, info: ModelInfo) -> list[list[in
     if isinstance(prompt, str):
         texts: list[str] = [prompt]
     elif all(isinstance(p, int) for p in prompt) and prompt:
+        check_ids(prompt, info, "prompt token id", "prompt")  # type: ignore[arg-type]
         return [list(prompt)]  # type: ignore[arg-type]
     elif all(isinstance(p, list) for p in prompt) and prompt:
+        for ids in prompt:
+            check_ids(ids, info, "prompt token id", "prompt")  # type: ignore[arg-type]
         return [list(p) for p in prompt]  # type: ignore[arg-type,union-attr]
     elif all(isinstance(p, str) for p in prompt) and prompt:
         texts = list(prompt)  # type: ignore[arg-type]
@@ -219,10 +231,11 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
         _need_tokenizer(info, "stop strings", "stop")
     if body.top_k < -1:
         raise APIError(400, f"top_k is {body.top_k}; use -1 or 0 (off) or a positive integer", param="top_k")
-    if body.n > limits.max_n:
-        raise APIError(
-            400, f"n is {body.n}; this server takes at most {limits.max_n} (the server's --max-n)", param="n"
-        )
+    if not 1 <= body.n <= limits.max_n:
+        raise APIError(400, f"n is {body.n}; this server takes n in [1, {limits.max_n}] (the server's --max-n, at most "
+                       "its --max-seqs)",
+                       param="n")  # fmt: skip
+    check_ids(body.stop_token_ids, info, "stop_token_ids holds", "stop_token_ids")
     max_tokens = _max_tokens(body)
     logprobs = logprobs_asked(body)
     # The engine also stops at its model's own EOS ids unless ignore_eos; info.eos_ids covers models

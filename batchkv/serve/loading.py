@@ -29,7 +29,7 @@ from typing import Any
 
 from batchkv.errors import ConfigError
 from batchkv.models.config import MODEL_PRESETS
-from batchkv.models.loading import DTYPES, is_sensenova, load_whole, read_config
+from batchkv.models.loading import DTYPES, is_sensenova, load_whole, need_transformers, read_config
 
 
 @dataclass
@@ -46,6 +46,7 @@ class ServedModel:
 def _tokenizer(path: Path):
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
+    need_transformers(f"the tokenizer of {path}")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))

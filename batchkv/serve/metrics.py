@@ -51,7 +51,10 @@ class ServerMetrics:
         self.cached = Counter("batchkv_prompt_tokens_cached", "Prompt tokens reused from the prefix cache", registry=r)
         self.captures = Counter("batchkv_graph_captures", "CUDA graphs captured", registry=r)
         self.finished = Counter(
-            "batchkv_request_samples_finished", "Samples finished, by reason", ["reason"], registry=r
+            "batchkv_request_samples_finished",
+            "Samples finished, by the finish_reason the client sees (stop, length, abort, timeout)",
+            ["reason"],
+            registry=r,
         )
         self.refused = Counter("batchkv_requests_refused", "HTTP requests refused, by status", ["status"], registry=r)
         self.ttft = Histogram(

@@ -9,7 +9,8 @@ tracker cancels that prompt's engine request so its columns free at once.
 Finish reasons: the engine's stop -> "stop", length and capacity -> "length", cancelled -> "abort"
 (vLLM's word for a request ended by the server), and the worker's "timeout" (a request past the
 server's --request-timeout) -> "timeout", and a constrained sample no token could continue ->
-"grammar".
+"grammar". `Tracker.on_finish` hears each choice's reason as the client sees it (a choice the client
+left before it finished: "abort"), which the server counts in /metrics.
 
 Log-probabilities (when the job asks, `Job.logprobs`): each choice keeps its tokens' `Logprobs`
 (one per id in `token_ids`, so none after a stop string), and the answers write them as OpenAI
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,8 +94,9 @@ class Choice:
 class Tracker:
     """The choices of one job, fed from its stream."""
 
-    def __init__(self, job: Job, tokenizer: Any | None) -> None:
+    def __init__(self, job: Job, tokenizer: Any | None, on_finish: Callable[[str], None] | None = None) -> None:
         self.job = job
+        self.on_finish = on_finish or (lambda reason: None)  # each choice's finish reason, as the client sees it
         decode = None
         if tokenizer is not None:
             options = {"skip_special_tokens": job.skip_special_tokens, "clean_up_tokenization_spaces": False}
@@ -126,6 +128,8 @@ class Tracker:
                 out: dict[int, Delta] = {}  # one delta per choice, even over several steps
                 for prompt, event in items:
                     delta = self.choices[prompt * n + event.sample].add(event)
+                    if delta is not None and delta.finish is not None:
+                        self.on_finish(delta.finish)
                     if delta is not None:
                         out[delta.index] = out[delta.index].merge(delta) if delta.index in out else delta
                     self._release(stream, prompt)
@@ -136,6 +140,9 @@ class Tracker:
         finally:
             if not all(c.engine_done for c in self.choices):
                 stream.cancel()
+            for choice in self.choices:
+                if choice.finish is None:  # the client left, or the stream failed: ended by the server
+                    self.on_finish(FINISH["cancelled"])
 
     def _release(self, stream: Stream, prompt: int) -> None:
         group = self.choices[prompt * self.job.n : (prompt + 1) * self.job.n]

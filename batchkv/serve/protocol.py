@@ -199,7 +199,9 @@ def decode_body(raw: bytes, kind: type[msgspec.Struct], *, max_depth: int = 32) 
         param = text.rsplit("at `$.", 1)[1].rstrip("`").split("[")[0].split(".")[0] if "at `$." in text else None
         if text.startswith("Object contains unknown field"):
             param = text.split("`")[1]
-            text = f"{text}; this server does not accept the field {param!r} (remove it)"
+            where = text.rsplit(" - at `", 1)[1].rstrip("`") if " - at `" in text else "$"
+            inside = "" if where == "$" else f" inside {where[2:]}"
+            text = f"this server does not accept the field {param!r}{inside} (remove it)"
         raise APIError(400, text, param=param) from exc
     except msgspec.DecodeError as exc:
         raise APIError(400, f"the request body is not valid JSON ({exc})") from exc

@@ -92,8 +92,6 @@ def route_events(
         route = routes.get(event.request_id)
         if route is not None and route.timed_out and event.finish_reason == "cancelled":
             event = replace(event, finish_reason="timeout")
-        if event.finish_reason is not None:
-            metrics.finished.labels(event.finish_reason).inc()
         if route is None:
             continue
         if route.note(event, now, metrics):

@@ -5,13 +5,14 @@ engine's step number `arrival_step` (steps the engine actually ran; an idle engi
 arrival instead of spinning).
 
 JSONL: one request object per line; `JSONL_HELP` (also printed by `batchkv run --help`) lists the
-fields, their defaults and an example. Only "prompt_ids" is required; unknown fields are refused.
+fields, their defaults and an example. A line gives its prompt as "prompt_ids" or, for a model with
+a tokenizer, as text in "prompt"; unknown fields are refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
@@ -42,11 +43,13 @@ def synthetic(
     arrival_gap: float = 1.0,
     seed: int = 0,
     sampling: SamplingParams | None = None,
+    prompts: Sequence[Sequence[int]] | None = None,
 ) -> list[WorkItem]:
     """`num_requests` requests with prompt and output lengths uniform in the given inclusive ranges,
     prompt tokens uniform over the vocabulary, and arrivals spaced by geometric gaps with mean
     `arrival_gap` steps (0: all at step 0). `sampling` gives every other parameter; each request
-    gets seed `seed + i` when `sampling.seed` is None, so the run is reproducible.
+    gets seed `seed + i` when `sampling.seed` is None, so the run is reproducible. `prompts` (token
+    ids of real text) replaces the random prompts: request i asks `prompts[i % len(prompts)]`.
     """
     for name, bounds in (("prompt_len", prompt_len), ("output_len", output_len)):
         values = int_args(name, bounds, 1, error=WorkloadError)
@@ -61,7 +64,10 @@ def synthetic(
     rng = np.random.default_rng(seed)
     items, step = [], 0
     for i in range(num_requests):
-        prompt = rng.integers(0, vocab_size, size=int(rng.integers(prompt_len[0], prompt_len[1] + 1))).tolist()
+        if prompts:
+            prompt = list(prompts[i % len(prompts)])
+        else:
+            prompt = rng.integers(0, vocab_size, size=int(rng.integers(prompt_len[0], prompt_len[1] + 1))).tolist()
         params = dataclasses.replace(
             base,
             max_new_tokens=int(rng.integers(output_len[0], output_len[1] + 1)),
@@ -76,7 +82,9 @@ def synthetic(
 JSONL_HELP = """\
 workload file (--workload PATH): JSON Lines, one request per line (blank lines are skipped)
   field           type        default   meaning
-  prompt_ids      [int]       required  prompt token ids, each in [0, vocab)
+  prompt_ids      [int]       -         prompt token ids, each in [0, vocab) (this or prompt)
+  prompt          str         -         prompt text, tokenized by the model's tokenizer as given (no chat
+                                        template); a model without a tokenizer (a preset) needs prompt_ids
   max_new_tokens  int         16        most tokens generated per sample
   temperature     float       0.0       0 is greedy; > 0 samples from softmax(logits / temperature)
   top_k           int         0         keep the k most likely tokens (0: off)
@@ -94,7 +102,8 @@ unknown fields are refused; an example line:
 
 
 class _Line(msgspec.Struct, forbid_unknown_fields=True):
-    prompt_ids: list[int]
+    prompt_ids: list[int] | None = None
+    prompt: str | None = None
     max_new_tokens: int = 16
     temperature: float = 0.0
     top_k: int = 0
@@ -113,8 +122,9 @@ class _Line(msgspec.Struct, forbid_unknown_fields=True):
     logit_bias: dict[int, float] = {}
 
 
-def load_jsonl(path: str | Path) -> list[WorkItem]:
-    """Read a JSONL workload; a bad line raises WorkloadError naming the line, field and rule."""
+def load_jsonl(path: str | Path, encode: Callable[[str], list[int]] | None = None) -> list[WorkItem]:
+    """Read a JSONL workload; a bad line raises WorkloadError naming the line, field and rule.
+    `encode` turns a line's text "prompt" into token ids (None: the model has no tokenizer)."""
     if not isinstance(path, (str, PathLike)):  # an int would open that file descriptor
         raise WorkloadError(f"load_jsonl reads a file path, not {type(path).__name__}")
     decoder = msgspec.json.Decoder(_Line)
@@ -125,6 +135,7 @@ def load_jsonl(path: str | Path) -> list[WorkItem]:
                 continue
             try:
                 line = decoder.decode(raw)
+                prompt = _prompt(line, encode)
                 params = SamplingParams(
                     max_new_tokens=line.max_new_tokens,
                     temperature=line.temperature,
@@ -140,13 +151,24 @@ def load_jsonl(path: str | Path) -> list[WorkItem]:
                     min_tokens=line.min_tokens,
                     logit_bias=line.logit_bias,
                 )
-                request = Request(line.prompt_ids, params, rope_offset=line.rope_offset, priority=line.priority)
+                request = Request(prompt, params, rope_offset=line.rope_offset, priority=line.priority)
             except (msgspec.ValidationError, msgspec.DecodeError, BatchKVError) as exc:
                 raise WorkloadError(f"{path}:{number}: {exc}") from exc
             if line.arrival_step < 0:
                 raise WorkloadError(f"{path}:{number}: arrival_step is {line.arrival_step}; it must be >= 0")
             items.append(WorkItem(line.arrival_step, request))
     return items
+
+
+def _prompt(line: _Line, encode: Callable[[str], list[int]] | None) -> list[int]:
+    """A line's prompt token ids: its prompt_ids, or its text prompt encoded."""
+    if (line.prompt_ids is None) == (line.prompt is None):
+        raise WorkloadError('give the prompt as "prompt_ids" (token ids) or as "prompt" (text), one of them')
+    if line.prompt_ids is not None:
+        return line.prompt_ids
+    if encode is None:
+        raise WorkloadError('"prompt" is text, and the model has no tokenizer (a preset): give "prompt_ids"')
+    return encode(line.prompt)
 
 
 @dataclass

@@ -1,63 +1,13 @@
-"""The `batchkv` command: run | serve | score | export | inspect (benchmarks live in bench/, run as scripts).
-
-Each subcommand adds its own options (`_add_*`) and runs in its own function (`_cmd_*`); `run`
-lives in `batchkv.cli_run`. A user error is one line on stderr and exit status 2, never a
-traceback (`main`); heavy imports happen inside the commands. Nothing at this module's top
-imports torch: `batchkv --help` and `--version` answer from a parser of the commands' names and
-help lines alone (`COMMANDS`), without the ~2 s torch import.
-"""
+"""`batchkv export` (write a manifest: the KV cache geometry an exported model needs) and `batchkv
+inspect` (validate one and print its geometry and memory)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
 
-from batchkv import __version__
-from batchkv.errors import BatchKVError, ConfigError, ManifestError
-
-EXIT_USER_ERROR, EXIT_REFUSED, EXIT_INTERRUPTED = 2, 1, 130
-COMMANDS = {  # each subcommand's help line, in `batchkv --help` order
-    "run": "replay a workload through the executor and print a summary",
-    "serve": "serve a model over an OpenAI-compatible HTTP API",
-    "export": "write a manifest: the KV cache geometry an exported model needs",
-    "inspect": "validate a manifest, then print its cache geometry and memory",
-    "score": "check a K/V storage dtype on your own text: perplexity, top-1 agreement, KL",
-}
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with a one-line error: `batchkv run: error: ... (see batchkv run --help)`."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USER_ERROR, one_line(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n")
-
-
-class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults after each option (none where the default is None: the help says what None
-    means); the epilog (the workload format) printed as written."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
-
-
-def bounded(kind: type, lo: float, hi: float | None = None, *, open_lo: bool = False):
-    """An argparse type: `kind` (int or float) in [lo, hi] ((lo, hi] when open_lo)."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
-        if value != value or (value <= lo if open_lo else value < lo) or (hi is not None and value > hi):
-            bounds = f"{'(' if open_lo else '['}{lo}, {hi if hi is not None else 'inf'}]"
-            raise argparse.ArgumentTypeError(f"{text} is outside {bounds}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its fallback message
-    return parse
-
+from batchkv.cli.common import COMMANDS, EXIT_USER_ERROR, one_line
+from batchkv.errors import ConfigError, ManifestError
 
 # Manifest fields and the export flags that set them, for error messages.
 _EXPORT_FLAGS = {
@@ -85,12 +35,7 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
-def one_line(text: str) -> str:
-    """Control characters escaped, so an error is exactly one line whatever the file held."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-
-
-def _add_export(sub: argparse._SubParsersAction) -> None:
+def add_export(sub: argparse._SubParsersAction) -> None:
     from batchkv.dtypes import MODEL_DTYPES, STORAGE_DTYPES
     from batchkv.presets import KV_PRESETS
 
@@ -209,7 +154,7 @@ def _export_pair(args: argparse.Namespace, manifest) -> int:
     return 0
 
 
-def _add_inspect(sub: argparse._SubParsersAction) -> None:
+def add_inspect(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help=COMMANDS["inspect"])
     p.add_argument("file", help="a .json or .msgpack manifest")
     p.set_defaults(func=_cmd_inspect)
@@ -246,127 +191,3 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     for name, part in (("target", pair.target), ("drafter", pair.drafter)):
         print(f"\n[{name}]\n{describe(part)}")
     return 0
-
-
-def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "serve",
-        help=COMMANDS["serve"],
-        description="Serve a transformers model directory (Qwen3, Llama, SenseNova-U1) or a preset over "
-        "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics (needs batchkv[serve]).",
-    )
-    from batchkv.serve.options import add_arguments  # argparse only; the server's imports wait for _cmd_serve
-
-    add_arguments(p)
-    p.set_defaults(func=_cmd_serve)
-
-
-def _cmd_serve(args: argparse.Namespace) -> int:
-    if args.ray_replicas:  # replicas on Ray Serve (batchkv.serve.ray) instead of one server process
-        try:
-            from batchkv.serve.ray import serve_on_ray
-        except ImportError as exc:
-            raise ConfigError(f"--ray-replicas needs Ray Serve: pip install 'batchkv[ray]' ({exc})") from exc
-        return serve_on_ray(args)
-    from batchkv.serve.server import serve
-
-    return serve(args)
-
-
-def _add_score(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "score",
-        help=COMMANDS["score"],
-        description="Teacher-force each text file through the model twice, K/V stored as --kv-dtype and as "
-        "--reference (batchkv.score), and print perplexity under each, top-1 agreement and mean KL.",
-        formatter_class=Help,
-    )
-    p.add_argument("--model", required=True, metavar="PATH", help="a transformers directory or a GGUF file")
-    p.add_argument("files", nargs="+", metavar="FILE", help="UTF-8 text files (tokenized with the model's tokenizer)")
-    p.add_argument("--kv-dtype", default="fp8", help="storage dtype tested (fp8 is e4m3)")
-    p.add_argument("--reference", default="bfloat16", help="storage dtype compared against")
-    p.add_argument("--chunk", type=bounded(int, 1, 1 << 16), default=64, help="tokens per prompt chunk")
-    p.add_argument("--max-tokens", type=bounded(int, 2), default=4096, help="score at most this many tokens per file")
-    p.add_argument("--key-rotation", action="store_true", help="rotate e4m3 keys (CacheConfig.key_rotation)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when available")
-    p.add_argument("--threads", type=bounded(int, 0, 4096), default=0, help="CPU threads for torch (0: its default)")
-    p.set_defaults(func=_cmd_score)
-
-
-def _cmd_score(args: argparse.Namespace) -> int:
-    import torch
-
-    from batchkv.dtypes import dtype_named
-    from batchkv.score import make_cache, score_caches
-    from batchkv.serve.loading import load_served_model
-
-    texts = []
-    for path in args.files:
-        with open(path, encoding="utf-8") as f:
-            texts.append(f.read())
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    tested_dtype, reference_dtype = (dtype_named("float8_e4m3fn" if d == "fp8" else d) for d in
-                                     (args.kv_dtype, args.reference))  # fmt: skip
-    served = load_served_model(args.model, device)
-    if served.tokenizer is None:
-        raise ConfigError(f"--model {args.model} has no tokenizer; batchkv score reads text")
-    print(f"{'file':<32} {'tokens':>7} {'ppl ' + args.reference:>14} {'ppl ' + args.kv_dtype:>14} "
-          f"{'change':>8} {'top-1':>7} {'KL':>9}")  # fmt: skip
-    for path, text in zip(args.files, texts, strict=True):
-        ids = served.tokenizer(text).input_ids[: args.max_tokens]
-        extra = {"key_rotation": True} if args.key_rotation else {}
-        tested = make_cache(served.model, tested_dtype, max(len(ids), 2), args.chunk, **extra)
-        reference = make_cache(served.model, reference_dtype, max(len(ids), 2), args.chunk)
-        s = score_caches(served.model, ids, [tested], reference, args.chunk)[0]
-        print(f"{path[-32:]:<32} {s.tokens:>7} {s.reference_ppl:>14.4f} {s.ppl:>14.4f} {s.ppl_change:>+8.2%} "
-              f"{s.top1_agreement:>7.2%} {s.kl_mean:>9.5f}")  # fmt: skip
-    return 0
-
-
-def build_parser(full: bool = True) -> Parser:
-    """The `batchkv` parser; `full=False` gives the commands their help lines only (no imports)."""
-    top = Parser(prog="batchkv", description=__doc__.splitlines()[0])
-    top.add_argument("--version", action="version", version=f"batchkv {__version__}")
-    sub = top.add_subparsers(dest="command", required=True)
-    if not full:
-        for name, line in COMMANDS.items():
-            sub.add_parser(name, help=line)
-        return top
-    from batchkv.cli_run import add_run  # imports this module: here, not at the top
-
-    add_run(sub)
-    _add_serve(sub)
-    _add_export(sub)
-    _add_inspect(sub)
-    _add_score(sub)
-    return top
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `batchkv` and `python -m batchkv`; returns the exit status.
-
-    A user error (a bad option, an unreadable or unwritable file, a refused configuration) prints
-    one line on stderr and returns 2, never a traceback; Ctrl-C returns 130.
-    """
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["-h"], ["--help"], ["--version"]):
-        build_parser(full=False).parse_args(argv)  # prints and exits: the top level needs no command's options
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except BatchKVError as exc:
-        message = f"batchkv {args.command}: {type(exc).__name__}: {exc}"
-    except OSError as exc:
-        where = f"{exc.filename}: " if exc.filename else ""
-        message = f"batchkv {args.command}: {where}{exc.strerror or exc}"
-    except KeyboardInterrupt:
-        print(f"batchkv {args.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    print(one_line(message), file=sys.stderr)
-    return EXIT_USER_ERROR
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TextIO
 
-from batchkv.executor.workload import ReplayResult, WorkItem
+from batchkv.cli.workload import ReplayResult, WorkItem
 
 
 class ProgressBar:
@@ -105,25 +105,31 @@ TOKENS_HELP = """\
 tokens file (--output PATH): JSON Lines, one line per request and sample, in workload order
   {"request_id": 0, "sample": 0, "tokens": [17, 4, 9], "finish_reason": "length"}
 request_id is the request's index in the workload; finish_reason is stop | length | capacity,
-null for a sample cut short by Ctrl-C, and "refused" (with "error") for a refused request."""
+null for a sample cut short by Ctrl-C, and "refused" (with "error") for a refused request. A model
+with a tokenizer also writes "text": the tokens decoded (special tokens left out)."""
 
 
-def token_lines(result: ReplayResult, items: list[WorkItem]) -> Iterator[str]:
+def token_lines(
+    result: ReplayResult, items: list[WorkItem], decode: Callable[[list[int]], str] | None = None
+) -> Iterator[str]:
     """What `batchkv run --output` writes: one JSON line per request and sample, in workload order.
 
     `{"request_id": i, "sample": s, "tokens": [...], "finish_reason": r}` where i is the request's
     index in the workload; r is stop | length | capacity | cancelled, null for a sample that had
     not finished when the run was interrupted, and "refused" (with "error", the message, and no
-    tokens) for a request the engine refused.
+    tokens) for a request the engine refused. `decode` (a tokenizer's) adds each sample's "text".
     """
     refused = dict(result.refusals)
     for index, output in result.outputs(items):
         if index in refused:
             line = {"request_id": index, "sample": 0, "tokens": [], "finish_reason": "refused", "error": refused[index]}
-            yield json.dumps(line)
+            yield json.dumps(line, ensure_ascii=False)
             continue
         n = items[index].request.params.n
         tokens = output.tokens if output is not None else [[] for _ in range(n)]
         reasons = output.finish_reasons if output is not None else [None] * n
         for sample, (ids, reason) in enumerate(zip(tokens, reasons, strict=True)):
-            yield json.dumps({"request_id": index, "sample": sample, "tokens": ids, "finish_reason": reason})
+            line = {"request_id": index, "sample": sample, "tokens": ids, "finish_reason": reason}
+            if decode is not None:
+                line["text"] = decode(ids)
+            yield json.dumps(line, ensure_ascii=False)

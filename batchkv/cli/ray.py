@@ -3,8 +3,8 @@ endpoint, each request sent to the replica whose prefix cache holds most of its 
 (needs `pip install 'batchkv[ray]'`; nothing else in batchkv imports ray).
 
     batchkv serve --model /models/Qwen3-0.6B --ray-replicas 2 --port 8000
-    serve run batchkv.serve.ray:build model=/models/Qwen3-0.6B ray-replicas=2    # Ray's own CLI
-    serve deploy config.yaml     # import_path: batchkv.serve.ray:build, args: {model: ..., ...}
+    serve run batchkv.cli.ray:build model=/models/Qwen3-0.6B ray-replicas=2    # Ray's own CLI
+    serve deploy config.yaml     # import_path: batchkv.cli.ray:build, args: {model: ..., ...}
 
 Two deployments. `BatchkvFrontend` (one replica by default, no GPU) is batchkv's own HTTP app (the
 routes, limits, templates, tokenising and detokenising of `batchkv serve`) over a `RemoteWorker`,
@@ -159,17 +159,17 @@ class EngineReplica:
     """One engine on its engine thread, built from `batchkv serve`'s options (a dict of its flags)."""
 
     async def __init__(self, options: dict[str, Any]) -> None:
-        import torch
-
+        from batchkv.cli.options import build_engine, load_model, resolve_device, set_threads
+        from batchkv.cli.serve import limits_from, use_tokenizer
         from batchkv.serve.metrics import ServerMetrics
-        from batchkv.serve.options import limits_from
-        from batchkv.serve.server import _device, build_engine
         from batchkv.serve.worker import EngineWorker
 
         args = argparse.Namespace(**options)
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        self.engine, _, _ = build_engine(args, _device(args.device))
+        set_threads(args)
+        device = resolve_device(args)
+        served = load_model(args, device)
+        self.engine = build_engine(args, served, device)
+        use_tokenizer(self.engine, served.tokenizer, args.tensor_parallel)  # constrained decoding, when it can
         self.engine.warm_up()  # graphs captured before the first request (0 s without graphs)
         self.metrics = ServerMetrics(self.engine.cache.max_seqs)
         timeout = limits_from(args).request_timeout
@@ -275,17 +275,19 @@ class Frontend:
     """batchkv's HTTP app over the engine replicas (a Serve ingress, built at replica start)."""
 
     def __init__(self, engines, options: dict[str, Any]) -> None:
+        from batchkv.cli.options import resolve_capacity
+        from batchkv.cli.serve import access_from, limits_from
         from batchkv.serve.jobs import ModelInfo
         from batchkv.serve.loading import load_served_model
         from batchkv.serve.metrics import ServerMetrics
-        from batchkv.serve.options import access_from, limits_from
-        from batchkv.serve.server import served_capacity
+        from batchkv.serve.tools import check_parser
 
         args = argparse.Namespace(**options)
         served = load_served_model(args.model, "cpu", dtype=args.dtype, seed=args.seed, weights=False)
         name = args.served_model_name or args.model
-        capacity = served_capacity(args, served.max_positions)
-        self.info = ModelInfo(name, served.tokenizer, capacity, served.eos_ids, limits_from(args))
+        capacity = resolve_capacity(args.capacity, served.max_positions)
+        self.info = ModelInfo(name, served.tokenizer, capacity, served.eos_ids, limits_from(args),
+                              tool_parser=check_parser(args.tool_call_parser))  # fmt: skip
         self.access = access_from(args, args.host)
         self.metrics = ServerMetrics(0)
         self.worker = RemoteWorker(engines, args.max_waiting)
@@ -325,15 +327,15 @@ def application(args: argparse.Namespace, *, prefix_affinity: bool = True):
 
 def parser() -> argparse.ArgumentParser:
     """`batchkv serve`'s options, for `build`."""
-    from batchkv.serve.options import add_arguments
+    from batchkv.cli.serve import add_arguments
 
-    p = argparse.ArgumentParser(prog="batchkv.serve.ray:build")
+    p = argparse.ArgumentParser(prog="batchkv.cli.ray:build")
     add_arguments(p)
     return p
 
 
 def build(args: dict[str, Any]):
-    """Ray Serve's application builder (`serve run batchkv.serve.ray:build model=... ray-replicas=2`):
+    """Ray Serve's application builder (`serve run batchkv.cli.ray:build model=... ray-replicas=2`):
     the arguments are `batchkv serve`'s flags without their dashes (true/false for switches)."""
     argv: list[str] = []
     for key, value in args.items():
@@ -342,7 +344,11 @@ def build(args: dict[str, Any]):
             argv += [flag] if str(value).lower() == "true" else []
         else:
             argv += [flag, str(value)]
-    return application(parser().parse_args(argv))
+    from batchkv.cli.serve import model_of
+
+    parsed = parser().parse_args(argv)
+    parsed.model = model_of(parsed)
+    return application(parsed)
 
 
 def replica_stats(app: str = APP) -> dict[str, dict[str, Any]]:

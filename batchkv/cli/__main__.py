@@ -1,0 +1,7 @@
+"""`python -m batchkv.cli`: the `batchkv` command."""
+
+import sys
+
+from batchkv.cli import main
+
+sys.exit(main())
