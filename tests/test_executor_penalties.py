@@ -171,7 +171,7 @@ def test_a_jsonl_workload_line_carries_the_adjustments_and_bad_values_name_the_l
     import json
 
     from batchkv.errors import WorkloadError
-    from batchkv.executor.workload import load_jsonl
+    from batchkv.cli.workload import load_jsonl
 
     path = tmp_path / "w.jsonl"
     path.write_text(json.dumps({"prompt_ids": [1, 2], "repetition_penalty": 1.2, "logit_bias": {"5": -3}}) + "\n")

@@ -94,8 +94,12 @@ workload file (--workload PATH): JSON Lines, one request per line (blank lines a
   n               int         1         parallel samples of the request
   rope_offset     int         0         RoPE index t of the first prompt token
   priority        int         0         lower runs first (Request.priority: strict, background work)
-  presence_penalty, frequency_penalty, repetition_penalty, min_p, min_tokens, logit_bias
-                  as SamplingParams (logit_bias: {"token id": bias})
+  presence_penalty    float  0.0    subtracted once from the logit of every token already generated
+  frequency_penalty   float  0.0    subtracted from a token's logit per time it was generated
+  repetition_penalty  float  1.0    divides positive logits (multiplies negative) of prompt and output tokens
+  min_p               float  0.0    drop tokens less likely than min_p times the most likely one
+  min_tokens          int    0      no stop id or EOS before this many tokens
+  logit_bias          {str: float}  {}  added to the named token ids' logits ({"token id": bias})
   arrival_step    int         0         engine step before which the request is submitted
 unknown fields are refused; an example line:
   {"prompt_ids": [151644, 872, 198], "max_new_tokens": 32, "temperature": 0.7, "seed": 1}"""
