@@ -17,9 +17,19 @@ without layer types) become `LayerSpec("flat", window=sliding_window)` in `cache
 cache applies the window, with the same meaning as transformers' (the last `window` positions,
 the query's own included).
 
+The cache reaches the attention function two ways: in the forward's kwargs, and as the active cache
+of the running `HFModel` call (a context variable), for decoder layers that do not pass their
+kwargs on to the attention module (StableLM). Gemma2's `softcap` and gpt-oss's sinks (`s_aux`), which
+the attention modules hand the function, go to `update_and_attend(softcap=, sinks=)`.
+
+Refused at construction (ConfigError naming the architecture): an attention class whose forward
+does not dispatch through `ALL_ATTENTION_FUNCTIONS` (Falcon picks its kernels itself: the cache
+would never see its keys), query/key and value head dims that differ (DeepSeek-V2/V3's multi-head
+latent attention), a soft-capping config whose attention does not pass the cap on, and non-causal
+configs. `tests/test_model_coverage.py` holds the table of architectures served and refused.
+
 Graph safety: with the mask skipped and position ids given, the Qwen3/Llama forwards do no host
-reads, so the call is capturable when the cache's attention is. Models with attention logit
-soft-capping, attention sinks or non-causal layers are refused (the cache does not do them).
+reads, so the call is capturable when the cache's attention is.
 Uses only APIs present in transformers 5.17 through 5.24 (`TRANSFORMERS_RANGE`, the `batchkv[hf]`
 extra); importing this module without a transformers in that range is a DependencyError.
 """
@@ -27,6 +37,8 @@ extra); importing this module without a transformers in that range is a Dependen
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import inspect
 import os
 import re
 from collections.abc import Iterator
@@ -53,6 +65,9 @@ if not (5, 17) <= _VERSION < (6, 0):
 
 ATTN_NAME = "batchkv"
 CACHE_KWARG = "batchkv_cache"
+# The cache of the HFModel call running now: the attention finds it here when a decoder layer does not
+# pass the forward's kwargs on to its attention module (StableLM), as well as in the kwargs.
+_ACTIVE_CACHE: contextvars.ContextVar = contextvars.ContextVar("batchkv_cache", default=None)
 
 
 def batchkv_attention(
@@ -73,18 +88,24 @@ def batchkv_attention(
     """
     cache = kwargs.get(CACHE_KWARG)
     if cache is None:
+        cache = _ACTIVE_CACHE.get()
+    if cache is None:
         raise ContractError(
-            f"the '{ATTN_NAME}' attention needs the cache in the forward kwargs ({CACHE_KWARG}=...); "
+            f"the '{ATTN_NAME}' attention runs inside an HFModel call only (its cache is none here); "
             "call the model through batchkv.models.hf.HFModel"
         )
     if query.shape[0] != 1:
         raise ContractError(f"'{ATTN_NAME}' attention packs a step into one batch row; got batch {query.shape[0]}")
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise ContractError(f"'{ATTN_NAME}' attention has no attention sinks; this model cannot be served through it")
     q = query[0].transpose(0, 1).contiguous()  # [W, Hq, D]
     k = key[0].transpose(0, 1).contiguous()  # [W, Hkv, D]
     v = value[0].transpose(0, 1).contiguous()
-    out = cache.update_and_attend(module.layer_idx, q, k, v, scale=scaling)
+    extras = {}  # only when a model has them: caches that predate them keep their signature
+    if kwargs.get("softcap"):  # Gemma2: attn_logit_softcapping
+        extras["softcap"] = float(kwargs["softcap"])
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # gpt-oss: one logit per query head
+    if sinks is not None:
+        extras["sinks"] = sinks
+    out = cache.update_and_attend(module.layer_idx, q, k, v, scale=scaling, **extras)
     return out[None], None
 
 
@@ -92,22 +113,70 @@ AttentionInterface.register(ATTN_NAME, batchkv_attention)
 
 
 @contextlib.contextmanager
-def _attention_implementation(config, name: str) -> Iterator[None]:
-    """Switch `config._attn_implementation` for one call and put it back afterwards."""
+def _attention_implementation(config, name: str, cache=None) -> Iterator[None]:
+    """Switch `config._attn_implementation` for one call, with `cache` the active one, and put both
+    back afterwards."""
     previous = config._attn_implementation
     config._attn_implementation = name
+    token = _ACTIVE_CACHE.set(cache)
     try:
         yield
     finally:
+        _ACTIVE_CACHE.reset(token)
         config._attn_implementation = previous
 
 
 def _refuse_unsupported(config) -> None:
-    for attr in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, attr, None):
-            raise ConfigError(f"{config.model_type}: {attr}={getattr(config, attr)} is not supported by the cache")
     if getattr(config, "is_causal", True) is False:
         raise ConfigError(f"{config.model_type}: a non-causal config (is_causal=False) cannot be served")
+
+
+def _attention_classes(hf_model: torch.nn.Module) -> list[type]:
+    """The classes of the model's attention modules (named `...Attention`), in first-seen order."""
+    seen: dict[type, None] = {}
+    for module in hf_model.modules():
+        if type(module).__name__.endswith("Attention"):
+            seen.setdefault(type(module), None)
+    return list(seen)
+
+
+def _forward_source(cls: type) -> str | None:
+    """The source of `cls.forward`, or None where Python cannot show it (then nothing is inferred)."""
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return None
+
+
+def _refuse_unrouted_attention(hf_model: torch.nn.Module) -> None:
+    """ConfigError, naming the architecture, for a model whose attention would not reach the cache:
+    an attention class whose forward does not dispatch through transformers' `AttentionInterface`
+    (Falcon picks its kernels by the implementation's name and would attend within the step only),
+    one whose query/key and value head dims differ (multi-head latent attention: the cache keeps one
+    head_dim for K and V), or a soft-capping config whose attention does not pass the cap on."""
+    config = hf_model.config
+    arch = f"{type(hf_model).__name__} ({config.model_type})"
+    for cls in _attention_classes(hf_model):
+        source = _forward_source(cls)
+        if source is not None and "ALL_ATTENTION_FUNCTIONS" not in source:
+            raise ConfigError(
+                f"{arch}: {cls.__name__} does not dispatch through transformers' AttentionInterface (it picks "
+                "its attention kernel itself), so the batchkv cache would never see its keys; this architecture "
+                "cannot be served through HFModel"
+            )
+        if source is not None and getattr(config, "attn_logit_softcapping", None) and "softcap" not in source:
+            raise ConfigError(
+                f"{arch}: attn_logit_softcapping={config.attn_logit_softcapping} is set but {cls.__name__} does "
+                "not pass a soft-cap to the attention function; it cannot be served as configured"
+            )
+    qk_dim = getattr(config, "qk_head_dim", None)
+    v_dim = getattr(config, "v_head_dim", None)
+    if qk_dim is not None and v_dim is not None and qk_dim != v_dim:
+        raise ConfigError(
+            f"{arch}: multi-head latent attention with query/key head dim {qk_dim} (qk_nope_head_dim + "
+            f"qk_rope_head_dim) and value head dim {v_dim}; the batchkv cache stores one head_dim for K and V "
+            "(docs/design.md, 'Latent KV'), so this architecture cannot be served (equal dims can)"
+        )
 
 
 def _tap_hook(taps, layer: int):
@@ -171,11 +240,7 @@ class HFModel:
         self.kv_dtype = kv_dtype
         self.config = hf_model.config
         _refuse_unsupported(self.config)
-        sinks = [name for name, _ in hf_model.named_parameters() if name.rsplit(".", 1)[-1] == "sinks"]
-        if sinks:
-            raise ConfigError(
-                f"{self.config.model_type}: attention sinks ({sinks[0]}, ...) are not supported by the cache"
-            )
+        _refuse_unrouted_attention(hf_model)
         self._head = hf_model.get_output_embeddings()
         self.shard = shard  # a batchkv.tp.Shard, or None: the whole model
         self.directory: Path | None = None  # set by from_pretrained
@@ -238,7 +303,9 @@ class HFModel:
         return {
             "num_layers": cfg.num_hidden_layers,
             "kv_heads": kv_heads,
-            "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            # multi-head latent attention (equal K and V widths only: `_refuse_unrouted_attention`): the
+            # expanded heads' width, qk_nope + qk_rope, not the config's head_dim (the rope part alone)
+            "head_dim": getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             "layers": self._layer_specs(),
             "dtype": self.dtype,
             "kv_dtype": self.kv_dtype,
@@ -268,7 +335,7 @@ class HFModel:
                 hook = _tap_hook(taps, layer)
                 hooks.append(decoder.layers[layer].register_forward_hook(hook))
         try:
-            with _attention_implementation(self.config, ATTN_NAME):
+            with _attention_implementation(self.config, ATTN_NAME, cache):
                 out = decoder(
                     input_ids=input_ids[None],
                     position_ids=indexes[0][None],
@@ -287,7 +354,7 @@ class HFModel:
         """One packed step: input_ids int64 [W], indexes int64 [3, W] (row 0 = position ids),
         logits_rows int64 [R]. Returns float32 [R, vocab]. Capturable when the cache is.
         """
-        with _attention_implementation(self.config, ATTN_NAME):
+        with _attention_implementation(self.config, ATTN_NAME, cache):
             out = self.hf(
                 input_ids=input_ids[None],
                 position_ids=indexes[0][None],
