@@ -24,9 +24,12 @@ the attention modules hand the function, go to `update_and_attend(softcap=, sink
 
 Refused at construction (ConfigError naming the architecture): an attention class whose forward
 does not dispatch through `ALL_ATTENTION_FUNCTIONS` (Falcon picks its kernels itself: the cache
-would never see its keys), query/key and value head dims that differ (DeepSeek-V2/V3's multi-head
-latent attention), a soft-capping config whose attention does not pass the cap on, and non-causal
-configs. `tests/test_model_coverage.py` holds the table of architectures served and refused.
+would never see its keys), a soft-capping config whose attention does not pass the cap on, and
+non-causal configs. Query/key and value heads of different widths (DeepSeek-V2/V3's multi-head
+latent attention, expanded by transformers) are served by zero-padding the narrower to the wider,
+the cache's head_dim, and slicing the output: V then costs the key width in the store (192 for
+128 on DeepSeek-V3; docs/design.md, "Latent KV", has what a latent store would save).
+`tests/test_model_coverage.py` holds the table of architectures served and refused.
 
 Graph safety: with the mask skipped and position ids given, the Qwen3/Llama forwards do no host
 reads, so the call is capturable when the cache's attention is.
@@ -96,9 +99,13 @@ def batchkv_attention(
         )
     if query.shape[0] != 1:
         raise ContractError(f"'{ATTN_NAME}' attention packs a step into one batch row; got batch {query.shape[0]}")
-    q = query[0].transpose(0, 1).contiguous()  # [W, Hq, D]
-    k = key[0].transpose(0, 1).contiguous()  # [W, Hkv, D]
-    v = value[0].transpose(0, 1).contiguous()
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [W, Hq, D], [W, Hkv, D], [W, Hkv, Dv]
+    value_dim, width = v.shape[-1], max(k.shape[-1], v.shape[-1])
+    if k.shape[-1] < width:  # zero columns change no score (the scale is the model's own)
+        q, k = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k))
+    if value_dim < width:  # multi-head latent attention: V zero-padded to the key width, sliced off after
+        v = torch.nn.functional.pad(v, (0, width - value_dim))
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     extras = {}  # only when a model has them: caches that predate them keep their signature
     if kwargs.get("softcap"):  # Gemma2: attn_logit_softcapping
         extras["softcap"] = float(kwargs["softcap"])
@@ -106,7 +113,7 @@ def batchkv_attention(
     if sinks is not None:
         extras["sinks"] = sinks
     out = cache.update_and_attend(module.layer_idx, q, k, v, scale=scaling, **extras)
-    return out[None], None
+    return out[None, :, :, :value_dim], None
 
 
 AttentionInterface.register(ATTN_NAME, batchkv_attention)
@@ -152,8 +159,7 @@ def _refuse_unrouted_attention(hf_model: torch.nn.Module) -> None:
     """ConfigError, naming the architecture, for a model whose attention would not reach the cache:
     an attention class whose forward does not dispatch through transformers' `AttentionInterface`
     (Falcon picks its kernels by the implementation's name and would attend within the step only),
-    one whose query/key and value head dims differ (multi-head latent attention: the cache keeps one
-    head_dim for K and V), or a soft-capping config whose attention does not pass the cap on."""
+    or a soft-capping config whose attention does not pass the cap on."""
     config = hf_model.config
     arch = f"{type(hf_model).__name__} ({config.model_type})"
     for cls in _attention_classes(hf_model):
@@ -169,14 +175,16 @@ def _refuse_unrouted_attention(hf_model: torch.nn.Module) -> None:
                 f"{arch}: attn_logit_softcapping={config.attn_logit_softcapping} is set but {cls.__name__} does "
                 "not pass a soft-cap to the attention function; it cannot be served as configured"
             )
-    qk_dim = getattr(config, "qk_head_dim", None)
-    v_dim = getattr(config, "v_head_dim", None)
-    if qk_dim is not None and v_dim is not None and qk_dim != v_dim:
-        raise ConfigError(
-            f"{arch}: multi-head latent attention with query/key head dim {qk_dim} (qk_nope_head_dim + "
-            f"qk_rope_head_dim) and value head dim {v_dim}; the batchkv cache stores one head_dim for K and V "
-            "(docs/design.md, 'Latent KV'), so this architecture cannot be served (equal dims can)"
-        )
+
+
+def _head_dim(cfg) -> int:
+    """The cache's head_dim: the config's, or for multi-head latent attention (DeepSeek-V2/V3, whose
+    `head_dim` is the rope part alone) the wider of the expanded query/key heads (qk_nope + qk_rope)
+    and the value heads; the attention zero-pads the narrower to it."""
+    qk_dim, v_dim = getattr(cfg, "qk_head_dim", None), getattr(cfg, "v_head_dim", None)
+    if qk_dim and v_dim:
+        return max(qk_dim, v_dim)
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 def _tap_hook(taps, layer: int):
@@ -303,9 +311,7 @@ class HFModel:
         return {
             "num_layers": cfg.num_hidden_layers,
             "kv_heads": kv_heads,
-            # multi-head latent attention (equal K and V widths only: `_refuse_unrouted_attention`): the
-            # expanded heads' width, qk_nope + qk_rope, not the config's head_dim (the rope part alone)
-            "head_dim": getattr(cfg, "qk_head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            "head_dim": _head_dim(cfg),
             "layers": self._layer_specs(),
             "dtype": self.dtype,
             "kv_dtype": self.kv_dtype,
