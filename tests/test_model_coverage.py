@@ -55,7 +55,7 @@ ARCHS = [
     Arch("Phi", "phi", dict(partial_rotary_factor=0.5)),
     Arch("OLMo2", "olmo2"),
     Arch("GPT-NeoX", "gpt_neox", dict(rotary_pct=0.5), base=MHA),
-    Arch("Granite", "granite"),
+    Arch("Granite", "granite", dict(logits_scaling=4.0)),
     Arch("Cohere", "cohere"),
     Arch("Starcoder2", "starcoder2"),
     Arch("GPT-2", "gpt2", base=dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256, pad_token_id=0)),

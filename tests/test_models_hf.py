@@ -148,6 +148,25 @@ def test_the_attention_outside_an_hfmodel_call_raises_contract_error():
         batchkv_attention(hf.model.layers[0].self_attn, x, x, x, None)
 
 
+@pytest.mark.parametrize("model_type", ["gemma2", "cohere", "granite", "llama"])
+def test_head_of_the_hidden_states_gives_the_logits_of_the_models_own_forward(model_type):
+    # speculative verification samples from head(hidden_states(...)): a final soft-cap (Gemma2) or a
+    # logit scale (Cohere, Granite) that only the model's forward applied would change its distribution
+    from tests.test_model_coverage import ARCHS, build
+
+    arch = next(a for a in ARCHS if a.model_type == model_type)
+    model = HFModel(build(arch))
+    cache = make_cache(model, max_seqs=1, max_write=16)
+    seq = cache.seq_new()
+    ids, idx, rows = torch.tensor(PROMPTS[1]), text_idx(0, len(PROMPTS[1])), torch.arange(len(PROMPTS[1]))
+    cache.declare_step([seq] * len(ids))
+    cache.prepare_step(len(ids))
+    h = model.hidden_states(ids, idx, cache, rows)
+    with torch.no_grad():
+        want = model.hf(ids[None]).logits[0]
+    torch.testing.assert_close(model.head(h), want, atol=1e-4, rtol=1e-4)
+
+
 def test_an_engine_without_a_capacity_takes_the_configs_max_position_embeddings():
     from batchkv.executor import Engine
 

@@ -322,8 +322,21 @@ class HFModel:
         return self.hf.get_input_embeddings()(input_ids)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """LM head of final-normed hidden states [R, H] -> logits [R, vocab] in the model dtype."""
-        return self._head(h)
+        """LM head of final-normed hidden states [R, H] -> logits [R, vocab] in the model dtype, with what
+        the model's own forward does to its logits after the head: Cohere's `logit_scale`, Granite's
+        `logits_scaling`, Gemma2's `final_logit_softcapping` (so a speculative verify, which calls this,
+        samples what `__call__` would)."""
+        logits = self._head(h)
+        cfg = self.config
+        scale = getattr(self.hf, "logit_scale", None)
+        if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+            logits = logits * scale
+        if getattr(cfg, "logits_scaling", None):
+            logits = logits / cfg.logits_scaling
+        cap = getattr(cfg, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @torch.no_grad()
     def hidden_states(
