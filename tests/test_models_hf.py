@@ -119,6 +119,13 @@ def test_a_softcapping_config_whose_attention_does_not_pass_the_cap_on_is_refuse
         HFModel(hf)
 
 
+def test_attention_sinks_that_the_attention_does_not_hand_over_are_refused():
+    hf = _qwen3()
+    hf.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))  # Qwen3's forward never reads them
+    with pytest.raises(ConfigError, match="sinks"):
+        HFModel(hf)
+
+
 class _Recording:
     """A cache that records what the attention function hands it and returns zeros."""
 

@@ -159,7 +159,8 @@ def _refuse_unrouted_attention(hf_model: torch.nn.Module) -> None:
     """ConfigError, naming the architecture, for a model whose attention would not reach the cache:
     an attention class whose forward does not dispatch through transformers' `AttentionInterface`
     (Falcon picks its kernels by the implementation's name and would attend within the step only),
-    or a soft-capping config whose attention does not pass the cap on."""
+    a soft-capping config whose attention does not pass the cap on, or attention modules holding sinks
+    that their forward does not hand over."""
     config = hf_model.config
     arch = f"{type(hf_model).__name__} ({config.model_type})"
     for cls in _attention_classes(hf_model):
@@ -169,6 +170,13 @@ def _refuse_unrouted_attention(hf_model: torch.nn.Module) -> None:
                 f"{arch}: {cls.__name__} does not dispatch through transformers' AttentionInterface (it picks "
                 "its attention kernel itself), so the batchkv cache would never see its keys; this architecture "
                 "cannot be served through HFModel"
+            )
+        modules = [m for m in hf_model.modules() if type(m) is cls]
+        has_sinks = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in modules)
+        if source is not None and has_sinks and "sinks" not in source:
+            raise ConfigError(
+                f"{arch}: {cls.__name__} holds attention sinks but its forward does not hand them to the attention "
+                "function; it cannot be served as configured"
             )
         if source is not None and getattr(config, "attn_logit_softcapping", None) and "softcap" not in source:
             raise ConfigError(
