@@ -139,9 +139,6 @@ def served(model: torch.nn.Module) -> list[list[int]]:
         engine.close()
 
 
-SLOW = {"Qwen3-MoE", "Mixtral", "gpt-oss (attention sinks, sliding window 8)"}
-
-
 @pytest.mark.parametrize(
     "arch", [pytest.param(a, id=a.model_type + ("-" + re.sub(r"\W+", "-", a.name) if "(" in a.name else ""))
              for a in ARCHS],
