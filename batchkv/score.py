@@ -161,12 +161,12 @@ class _QueryMoments(BatchedSequenceCache):
         self.sums = torch.zeros(config.num_layers, hkv, d, d, dtype=torch.float64, device=self.device)
         self.count = 0  # queries per KV head, summed over layer 0's steps
 
-    def update_and_attend(self, layer, q, k, v, scale=None, causal=True):
+    def update_and_attend(self, layer, q, k, v, scale=None, causal=True, **extras):
         x = q.float() if self.h is None else q.float() @ self.h
         x = x.reshape(x.shape[0], self.config.kv_heads, -1, x.shape[-1])  # [W, Hkv, group, D]
         self.sums[layer] += torch.einsum("wgid,wgie->gde", x, x).double()
         self.count += x.shape[0] * x.shape[2] if layer == 0 else 0
-        return super().update_and_attend(layer, q, k, v, scale=scale, causal=causal)
+        return super().update_and_attend(layer, q, k, v, scale=scale, causal=causal, **extras)
 
 
 @torch.no_grad()

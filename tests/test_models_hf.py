@@ -112,21 +112,66 @@ def test_cache_spec_follows_the_config_including_sliding_layers():
     assert HFModel(_llama()).cache_spec()["layers"] == (LayerSpec(),) * 3
 
 
-def test_a_model_with_attention_softcapping_is_refused():
+def test_a_softcapping_config_whose_attention_does_not_pass_the_cap_on_is_refused():
     hf = _qwen3()
-    hf.config.attn_logit_softcapping = 50.0
+    hf.config.attn_logit_softcapping = 50.0  # Qwen3's attention never reads it: served as is it would be wrong
     with pytest.raises(ConfigError, match="attn_logit_softcapping"):
         HFModel(hf)
 
 
-def test_a_model_with_attention_sinks_is_refused():
+def test_attention_sinks_that_the_attention_does_not_hand_over_are_refused():
     hf = _qwen3()
-    hf.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))  # as gpt-oss keeps them
+    hf.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(4))  # Qwen3's forward never reads them
     with pytest.raises(ConfigError, match="sinks"):
         HFModel(hf)
-    x = torch.zeros(1, 2, 3, 8)
-    with pytest.raises(ContractError, match="sinks"):
-        batchkv_attention(hf.model.layers[0].self_attn, x, x, x, None, batchkv_cache=object(), s_aux=torch.zeros(2))
+
+
+class _Recording:
+    """A cache that records what the attention function hands it and returns zeros."""
+
+    def __init__(self):
+        self.calls = []
+
+    def update_and_attend(self, layer, q, k, v, **kwargs):
+        self.calls.append((layer, kwargs))
+        return torch.zeros_like(q)
+
+
+def test_the_attention_hands_the_cache_a_soft_cap_and_sinks_only_when_the_model_has_them():
+    hf = _qwen3()
+    x, cache = torch.zeros(1, 4, 3, 16), _Recording()
+    module = hf.model.layers[1].self_attn
+    batchkv_attention(module, x, x, x, None, scaling=0.25, batchkv_cache=cache)
+    batchkv_attention(module, x, x, x, None, scaling=0.25, batchkv_cache=cache, softcap=50, s_aux=torch.ones(4))
+    (layer, plain), (_, extras) = cache.calls
+    assert layer == 1 and plain == {"scale": 0.25}
+    assert extras["softcap"] == 50.0 and torch.equal(extras["sinks"], torch.ones(4))
+
+
+def test_the_attention_outside_an_hfmodel_call_raises_contract_error():
+    hf = _qwen3()
+    x = torch.zeros(1, 4, 3, 16)
+    with pytest.raises(ContractError, match="HFModel"):
+        batchkv_attention(hf.model.layers[0].self_attn, x, x, x, None)
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "cohere", "granite", "llama"])
+def test_head_of_the_hidden_states_gives_the_logits_of_the_models_own_forward(model_type):
+    # speculative verification samples from head(hidden_states(...)): a final soft-cap (Gemma2) or a
+    # logit scale (Cohere, Granite) that only the model's forward applied would change its distribution
+    from tests.test_model_coverage import ARCHS, build
+
+    arch = next(a for a in ARCHS if a.model_type == model_type)
+    model = HFModel(build(arch))
+    cache = make_cache(model, max_seqs=1, max_write=16)
+    seq = cache.seq_new()
+    ids, idx, rows = torch.tensor(PROMPTS[1]), text_idx(0, len(PROMPTS[1])), torch.arange(len(PROMPTS[1]))
+    cache.declare_step([seq] * len(ids))
+    cache.prepare_step(len(ids))
+    h = model.hidden_states(ids, idx, cache, rows)
+    with torch.no_grad():
+        want = model.hf(ids[None]).logits[0]
+    torch.testing.assert_close(model.head(h), want, atol=1e-4, rtol=1e-4)
 
 
 def test_an_engine_without_a_capacity_takes_the_configs_max_position_embeddings():

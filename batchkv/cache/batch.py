@@ -574,6 +574,8 @@ class BatchedSequenceCache:
         v: torch.Tensor,
         scale: float | None = None,
         causal: bool = True,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write this step's K/V for `layer`, then attend over each sequence's history.
 
@@ -586,10 +588,15 @@ class BatchedSequenceCache:
         attributes only, no tensor reads) before anything is written, so a refusal leaves the store
         as it was. Capturable: reads only device buffers staged by `prepare_step`, whose addresses
         are fixed for a given `generation`.
+
+        softcap (None or 0: none): each scaled score s becomes softcap * tanh(s / softcap) (Gemma2's
+        attention logit soft-capping). sinks: one logit per query head, float [Hq] on the cache's
+        device, in every row's softmax denominator (gpt-oss's attention sinks), or None.
         """
         if self._width is None:
             raise StepError("update_and_attend: no prepared step; call declare_step and prepare_step first")
-        check_attend_args(self.config, self._width, self._buffers.seq_info.device, layer, q, k, v, scale, causal)
+        check_attend_args(self.config, self._width, self._buffers.seq_info.device, layer, q, k, v, scale, causal,
+                          softcap, sinks)  # fmt: skip
         width, cfg = self._width, self.config
         if not causal and self._plan is not None and self._plan.split:
             raise StepError("a non-causal step needs each sequence's tokens in one run (a draft block is one segment)")
@@ -605,5 +612,5 @@ class BatchedSequenceCache:
         return self._attend(  # the step's K/V written first (a kv_write launch, or inside the attention)
             q, store["k"], store["v"], seq_info, scale=scale, causal=causal,
             window=cfg.layers[layer].window, k_scale=store.get("k_scale"), v_scale=store.get("v_scale"),
-            write=(k, v, slots), rows=self._store.modulus(layer),
+            write=(k, v, slots), rows=self._store.modulus(layer), softcap=float(softcap or 0.0), sinks=sinks,
         )  # fmt: skip

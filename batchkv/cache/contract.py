@@ -6,6 +6,8 @@ It runs per layer per step, also while a CUDA graph is captured, so it reads onl
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from batchkv.cache.config import CacheConfig
@@ -26,12 +28,15 @@ def check_attend_args(
     v: torch.Tensor,
     scale: float | None,
     causal: bool,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Refuse (ContractError naming the argument) anything but: `layer` an int in [0, num_layers);
     q [width, Hq, D] with Hq a positive multiple of kv_heads; k, v [width, kv_heads, D]; all three
     float16/bfloat16/float32 (k, v are cast to the store's dtype on write; the Triton write loads
     no other dtype, so no backend takes one) on `device` with a contiguous last dim; `scale` None
-    or a number; `causal` a bool.
+    or a number; `causal` a bool; `softcap` None or a finite number >= 0; `sinks` None or a
+    float16/bfloat16/float32 tensor [Hq] with unit stride on `device`.
     """
     if not is_int(layer) or not 0 <= layer < cfg.num_layers:
         raise ContractError(f"{WHERE}: layer is {layer!r}; it must be an integer in [0, {cfg.num_layers})")
@@ -62,3 +67,17 @@ def check_attend_args(
         raise ContractError(f"{WHERE}: scale is {scale!r}; use None (1/sqrt(D)) or a number")
     if not isinstance(causal, bool):
         raise ContractError(f"{WHERE}: causal is {causal!r}; use True or False")
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf
+    ):
+        raise ContractError(f"{WHERE}: softcap is {softcap!r}; use None (no cap) or a positive finite number")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            raise ContractError(f"{WHERE}: sinks is a {type(sinks).__name__}; pass a float tensor [Hq] or None")
+        if sinks.shape != (q.shape[1],) or sinks.dtype not in COMPUTE_DTYPES or sinks.stride() != (1,):
+            raise ContractError(
+                f"{WHERE}: sinks must be one float16/bfloat16/float32 logit per query head, contiguous "
+                f"[Hq={q.shape[1]}]; got {sinks.dtype} {list(sinks.shape)}"
+            )
+        if sinks.device != device:
+            raise ContractError(f"{WHERE}: sinks are on {sinks.device}; the cache is on {device}")

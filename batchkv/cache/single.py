@@ -319,6 +319,9 @@ class PagedDecodeCache:
         v: torch.Tensor,
         scale: float | None = None,
         causal: bool = True,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The batchkv cache protocol (q [1, Hq, D], k/v [1, Hkv, D] -> [1, Hq, D]) for batchkv models."""
-        return self._cache.update_and_attend(layer, q, k, v, scale=scale, causal=causal)
+        """The batchkv cache protocol (q [1, Hq, D], k/v [1, Hkv, D] -> [1, Hq, D]) for batchkv models;
+        softcap and sinks as `BatchedSequenceCache.update_and_attend` takes them."""
+        return self._cache.update_and_attend(layer, q, k, v, scale=scale, causal=causal, softcap=softcap, sinks=sinks)

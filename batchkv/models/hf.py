@@ -18,9 +18,22 @@ cache applies the window, with the same meaning as transformers' (the last `wind
 the query's own included). A sliding layer without a window (a Qwen3 config with
 `use_sliding_window=False` leaves `sliding_window` None) attends fully, as in transformers.
 
+The cache reaches the attention function two ways: in the forward's kwargs, and as the active cache
+of the running `HFModel` call (a context variable), for decoder layers that do not pass their
+kwargs on to the attention module (StableLM). Gemma2's `softcap` and gpt-oss's sinks (`s_aux`), which
+the attention modules hand the function, go to `update_and_attend(softcap=, sinks=)`.
+
+Refused at construction (ConfigError naming the architecture): an attention class whose forward
+does not dispatch through `ALL_ATTENTION_FUNCTIONS` (Falcon picks its kernels itself: the cache
+would never see its keys), a soft-capping config whose attention does not pass the cap on, and
+non-causal configs. Query/key and value heads of different widths (DeepSeek-V2/V3's multi-head
+latent attention, expanded by transformers) are served by zero-padding the narrower to the wider,
+the cache's head_dim, and slicing the output: V then costs the key width in the store (192 for
+128 on DeepSeek-V3; docs/design.md, "Latent KV", has what a latent store would save).
+`tests/test_model_coverage.py` holds the table of architectures served and refused.
+
 Graph safety: with the mask skipped and position ids given, the Qwen3/Llama forwards do no host
-reads, so the call is capturable when the cache's attention is. Models with attention logit
-soft-capping, attention sinks or non-causal layers are refused (the cache does not do them).
+reads, so the call is capturable when the cache's attention is.
 Uses only APIs present in transformers 5.17 through 5.24 (`TRANSFORMERS_RANGE`, the `batchkv[hf]`
 extra); importing this module without a transformers in that range is a DependencyError.
 """
@@ -28,6 +41,8 @@ extra); importing this module without a transformers in that range is a Dependen
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import inspect
 import os
 import re
 from collections.abc import Iterator
@@ -54,6 +69,9 @@ if not (5, 17) <= _VERSION < (6, 0):
 
 ATTN_NAME = "batchkv"
 CACHE_KWARG = "batchkv_cache"
+# The cache of the HFModel call running now: the attention finds it here when a decoder layer does not
+# pass the forward's kwargs on to its attention module (StableLM), as well as in the kwargs.
+_ACTIVE_CACHE: contextvars.ContextVar = contextvars.ContextVar("batchkv_cache", default=None)
 
 
 def batchkv_attention(
@@ -74,41 +92,108 @@ def batchkv_attention(
     """
     cache = kwargs.get(CACHE_KWARG)
     if cache is None:
+        cache = _ACTIVE_CACHE.get()
+    if cache is None:
         raise ContractError(
-            f"the '{ATTN_NAME}' attention needs the cache in the forward kwargs ({CACHE_KWARG}=...); "
+            f"the '{ATTN_NAME}' attention runs inside an HFModel call only (its cache is none here); "
             "call the model through batchkv.models.hf.HFModel"
         )
     if query.shape[0] != 1:
         raise ContractError(f"'{ATTN_NAME}' attention packs a step into one batch row; got batch {query.shape[0]}")
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise ContractError(f"'{ATTN_NAME}' attention has no attention sinks; this model cannot be served through it")
-    q = query[0].transpose(0, 1).contiguous()  # [W, Hq, D]
-    k = key[0].transpose(0, 1).contiguous()  # [W, Hkv, D]
-    v = value[0].transpose(0, 1).contiguous()
-    out = cache.update_and_attend(module.layer_idx, q, k, v, scale=scaling)
-    return out[None], None
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [W, Hq, D], [W, Hkv, D], [W, Hkv, Dv]
+    value_dim, width = v.shape[-1], max(k.shape[-1], v.shape[-1])
+    if k.shape[-1] < width:  # zero columns change no score (the scale is the model's own)
+        q, k = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k))
+    if value_dim < width:  # multi-head latent attention: V zero-padded to the key width, sliced off after
+        v = torch.nn.functional.pad(v, (0, width - value_dim))
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    extras = {}  # only when a model has them: caches that predate them keep their signature
+    if kwargs.get("softcap"):  # Gemma2: attn_logit_softcapping
+        extras["softcap"] = float(kwargs["softcap"])
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # gpt-oss: one logit per query head
+    if sinks is not None:
+        extras["sinks"] = sinks
+    out = cache.update_and_attend(module.layer_idx, q, k, v, scale=scaling, **extras)
+    return out[None, :, :, :value_dim], None
 
 
 AttentionInterface.register(ATTN_NAME, batchkv_attention)
 
 
 @contextlib.contextmanager
-def _attention_implementation(config, name: str) -> Iterator[None]:
-    """Switch `config._attn_implementation` for one call and put it back afterwards."""
+def _attention_implementation(config, name: str, cache=None) -> Iterator[None]:
+    """Switch `config._attn_implementation` for one call, with `cache` the active one, and put both
+    back afterwards."""
     previous = config._attn_implementation
     config._attn_implementation = name
+    token = _ACTIVE_CACHE.set(cache)
     try:
         yield
     finally:
+        _ACTIVE_CACHE.reset(token)
         config._attn_implementation = previous
 
 
 def _refuse_unsupported(config) -> None:
-    for attr in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, attr, None):
-            raise ConfigError(f"{config.model_type}: {attr}={getattr(config, attr)} is not supported by the cache")
     if getattr(config, "is_causal", True) is False:
         raise ConfigError(f"{config.model_type}: a non-causal config (is_causal=False) cannot be served")
+
+
+def _attention_classes(hf_model: torch.nn.Module) -> list[type]:
+    """The classes of the model's attention modules (named `...Attention`), in first-seen order."""
+    seen: dict[type, None] = {}
+    for module in hf_model.modules():
+        if type(module).__name__.endswith("Attention"):
+            seen.setdefault(type(module), None)
+    return list(seen)
+
+
+def _forward_source(cls: type) -> str | None:
+    """The source of `cls.forward`, or None where Python cannot show it (then nothing is inferred)."""
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return None
+
+
+def _refuse_unrouted_attention(hf_model: torch.nn.Module) -> None:
+    """ConfigError, naming the architecture, for a model whose attention would not reach the cache:
+    an attention class whose forward does not dispatch through transformers' `AttentionInterface`
+    (Falcon picks its kernels by the implementation's name and would attend within the step only),
+    a soft-capping config whose attention does not pass the cap on, or attention modules holding sinks
+    that their forward does not hand over."""
+    config = hf_model.config
+    arch = f"{type(hf_model).__name__} ({config.model_type})"
+    for cls in _attention_classes(hf_model):
+        source = _forward_source(cls)
+        if source is not None and "ALL_ATTENTION_FUNCTIONS" not in source:
+            raise ConfigError(
+                f"{arch}: {cls.__name__} does not dispatch through transformers' AttentionInterface (it picks "
+                "its attention kernel itself), so the batchkv cache would never see its keys; this architecture "
+                "cannot be served through HFModel"
+            )
+        modules = [m for m in hf_model.modules() if type(m) is cls]
+        has_sinks = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in modules)
+        if source is not None and has_sinks and "sinks" not in source:
+            raise ConfigError(
+                f"{arch}: {cls.__name__} holds attention sinks but its forward does not hand them to the attention "
+                "function; it cannot be served as configured"
+            )
+        if source is not None and getattr(config, "attn_logit_softcapping", None) and "softcap" not in source:
+            raise ConfigError(
+                f"{arch}: attn_logit_softcapping={config.attn_logit_softcapping} is set but {cls.__name__} does "
+                "not pass a soft-cap to the attention function; it cannot be served as configured"
+            )
+
+
+def _head_dim(cfg) -> int:
+    """The cache's head_dim: the config's, or for multi-head latent attention (DeepSeek-V2/V3, whose
+    `head_dim` is the rope part alone) the wider of the expanded query/key heads (qk_nope + qk_rope)
+    and the value heads; the attention zero-pads the narrower to it."""
+    qk_dim, v_dim = getattr(cfg, "qk_head_dim", None), getattr(cfg, "v_head_dim", None)
+    if qk_dim and v_dim:
+        return max(qk_dim, v_dim)
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
 def _tap_hook(taps, layer: int):
@@ -172,11 +257,7 @@ class HFModel:
         self.kv_dtype = kv_dtype
         self.config = hf_model.config
         _refuse_unsupported(self.config)
-        sinks = [name for name, _ in hf_model.named_parameters() if name.rsplit(".", 1)[-1] == "sinks"]
-        if sinks:
-            raise ConfigError(
-                f"{self.config.model_type}: attention sinks ({sinks[0]}, ...) are not supported by the cache"
-            )
+        _refuse_unrouted_attention(hf_model)
         self._head = hf_model.get_output_embeddings()
         self.shard = shard  # a batchkv.models.parallel.Shard, or None: the whole model
         self.directory: Path | None = None  # set by from_pretrained
@@ -239,7 +320,7 @@ class HFModel:
         return {
             "num_layers": cfg.num_hidden_layers,
             "kv_heads": kv_heads,
-            "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            "head_dim": _head_dim(cfg),
             "layers": self._layer_specs(),
             "dtype": self.dtype,
             "kv_dtype": self.kv_dtype,
@@ -250,8 +331,21 @@ class HFModel:
         return self.hf.get_input_embeddings()(input_ids)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """LM head of final-normed hidden states [R, H] -> logits [R, vocab] in the model dtype."""
-        return self._head(h)
+        """LM head of final-normed hidden states [R, H] -> logits [R, vocab] in the model dtype, with what
+        the model's own forward does to its logits after the head: Cohere's `logit_scale`, Granite's
+        `logits_scaling`, Gemma2's `final_logit_softcapping` (so a speculative verify, which calls this,
+        samples what `__call__` would)."""
+        logits = self._head(h)
+        cfg = self.config
+        scale = getattr(self.hf, "logit_scale", None)
+        if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+            logits = logits * scale
+        if getattr(cfg, "logits_scaling", None):
+            logits = logits / cfg.logits_scaling
+        cap = getattr(cfg, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @torch.no_grad()
     def hidden_states(
@@ -269,7 +363,7 @@ class HFModel:
                 hook = _tap_hook(taps, layer)
                 hooks.append(decoder.layers[layer].register_forward_hook(hook))
         try:
-            with _attention_implementation(self.config, ATTN_NAME):
+            with _attention_implementation(self.config, ATTN_NAME, cache):
                 out = decoder(
                     input_ids=input_ids[None],
                     position_ids=indexes[0][None],
@@ -288,7 +382,7 @@ class HFModel:
         """One packed step: input_ids int64 [W], indexes int64 [3, W] (row 0 = position ids),
         logits_rows int64 [R]. Returns float32 [R, vocab]. Capturable when the cache is.
         """
-        with _attention_implementation(self.config, ATTN_NAME):
+        with _attention_implementation(self.config, ATTN_NAME, cache):
             out = self.hf(
                 input_ids=input_ids[None],
                 position_ids=indexes[0][None],

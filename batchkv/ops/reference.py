@@ -16,7 +16,11 @@ Contract (`sdpa_varlen`), for each row s of `seq_info` = (q_start, q_len, col, k
   store viewed [R * C, Hkv, D], which is store[t % rows, col] (`rows` defaults to the store's R); with
   one column (C = 1, a pool of extents) `col` is the first row of the segment's extent;
 - GQA: query head h reads KV head h // (Hq // Hkv);
-- rows of q no segment covers, and rows with no resident key, come out as exact zeros.
+- rows of q no segment covers, and rows with no resident key, come out as exact zeros;
+- softcap > 0 caps each scaled score: s = softcap * tanh(scale * q.k / softcap) (Gemma2's order:
+  the softmax scale first, then the cap, then the mask);
+- sinks [Hq]: one more logit per query head in each row's softmax denominator, unscaled and
+  uncapped, whose probability is dropped (gpt-oss): out = sum_t e^s_t v_t / (e^sink + sum_t e^s_t).
 """
 
 from __future__ import annotations
@@ -86,6 +90,8 @@ def sdpa_varlen_reference(
     v_scale: torch.Tensor | None = None,
     write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     rows: int | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over the column store, computed in float32.
 
@@ -93,6 +99,7 @@ def sdpa_varlen_reference(
     k_scale, v_scale: fp32 [R, C, Hkv] for e4m3 stores (the value is code * scale), else None.
     write: (k, v, slots) rows `kv_write_reference` stores first into the stores viewed
     [R * C, Hkv, D], or None. rows: the ring modulus (default R; see the module docstring).
+    softcap: the logit soft-cap (0: none); sinks: one logit per query head [Hq], or None.
     Returns [T, Hq, D] in q's dtype. Not graph-capturable (reads seq_info on the host).
 
     >>> out = sdpa_varlen_reference(q, k, v, torch.tensor([[0, 3, 1, 3]], dtype=torch.int32))
@@ -127,8 +134,14 @@ def sdpa_varlen_reference(
                 allowed &= (t >= kv_end - window)[None, :]
         queries = q[q_start : q_start + q_len].float()  # [q_len, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~allowed[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key gives zeros
+        if sinks is not None:  # the sink's column takes its share of the softmax, then is dropped
+            sink = sinks.float().to(q.device)[:, None, None].expand(num_q_heads, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], -1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no key gives zeros
         # Masked keys can hold NaN (never-written storage); zero them so 0 * NaN cannot leak.
         values = values.masked_fill(~allowed.any(0)[:, None, None], 0.0)
         out[q_start : q_start + q_len] = torch.einsum("hqk,khd->qhd", probs, values)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchkv.ops.sdpa_varlen_common import NEG_INF, P_SHIFT, prefetch_keys, ring_rows, unpack_pairs
+from batchkv.ops.sdpa_varlen_common import NEG_INF, P_SHIFT, prefetch_keys, ring_rows, soft_cap, unpack_pairs
 
 
 @triton.jit
@@ -38,7 +38,8 @@ def _qk(q, k, acc, HEADS: tl.constexpr, DOT_PREC: tl.constexpr):
 def attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_sr, stride_sh, rows, k0, k1, row_lo,
            row_hi, full_lo, full_hi, qk_scale, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
            HEAD_DIM: tl.constexpr, SKIP_MASKS: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr,
-           CVT_ASM: tl.constexpr, PREFETCH: tl.constexpr, SECTOR: tl.constexpr, CHECK: tl.constexpr):  # fmt: skip
+           CVT_ASM: tl.constexpr, PREFETCH: tl.constexpr, SECTOR: tl.constexpr, CHECK: tl.constexpr, cap2=0.0,
+           SOFTCAP: tl.constexpr = False):  # fmt: skip
     """Online softmax of [HEADS, BLOCK_M, D] queries over keys [k0, k1) (block-aligned pieces).
 
     k_base, v_base: the first head's (column, KV head) at key row 0; row_lo, row_hi: [BLOCK_M]. Returns the
@@ -47,7 +48,8 @@ def attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_
     work in some Triton versions (3.6 puts every warp on the batch axis).
     QUANT (e4m3 stores): q_tile is fp16 or fp32 (the dots' dtype); ks_base, vs_base point at the
     first head's scales at key row 0 (row stride stride_sr, head stride stride_sh); CVT_ASM as in
-    `unpack_pairs`. PREFETCH: each block asks the L2 for the block PREFETCH blocks ahead (`prefetch_keys`)."""
+    `unpack_pairs`. PREFETCH: each block asks the L2 for the block PREFETCH blocks ahead (`prefetch_keys`).
+    SOFTCAP: each score (log2 units) is capped, `soft_cap(s, cap2)`, before the mask."""
     DIM: tl.constexpr = HEAD_DIM // 2 if QUANT else HEAD_DIM  # elements a load reads per key and head
     AXIS: tl.constexpr = 1 if HEADS == 1 else 2  # the key axis of the scores
     if QUANT:  # codes as int16 pairs
@@ -114,6 +116,8 @@ def attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_
             s = tl.dot(q_tile, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         else:
             s = tl.dot(q_tile, tl.trans(k, (0, 2, 1)), input_precision=DOT_PREC) * qk_scale
+        if SOFTCAP:
+            s = soft_cap(s, cap2)
         if PREFETCH > 0:
             trip = prefetch_keys(k_base, v_base, stride_r, stride_h, rows, k0, start + PREFETCH * BLOCK_N, k1, BLOCK_N,
                                  HEADS, HEAD_DIM, SECTOR, CHECK)  # fmt: skip

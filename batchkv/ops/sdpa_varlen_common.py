@@ -15,6 +15,7 @@ import triton.language as tl
 from batchkv.ops.kv_write_triton import E4M3_FLOOR, E4M3_MAX, round_e4m3
 
 NEG_INF = tl.constexpr(float("-inf"))
+LOG2E = tl.constexpr(1.4426950408889634)  # 1/ln(2)
 # e4m3: p * v_scale enters the PV dot in fp16, whose normals start at 2^-14. The tile loops take p
 # 2^P_SHIFT times larger (exp2 of the scores minus (row max - P_SHIFT): no instruction per element;
 # l_i and acc both carry the factor, so acc / l_i is unchanged and lse subtracts P_SHIFT), so
@@ -42,6 +43,25 @@ def load_table(info, S, S_POW2: tl.constexpr):
     col = tl.sum(tl.where(c == 2, tab, 0), 1)
     kv_end = tl.sum(tl.where(c == 3, tab, 0), 1)
     return idx, q_start, q_len, col, kv_end
+
+
+@triton.jit
+def soft_cap(s, cap2):
+    """cap2 * tanh(s / cap2): a score s in log2 units (softmax scale and 1/ln2 folded in) capped as
+    Gemma2 caps its scaled scores, cap2 the cap times 1/ln2, so the result stays in log2 units.
+    tanh(x) = 1 - 2 / (e^2x + 1): one exp2 and one division per score, exact limits (+-1 where
+    e^2x overflows or vanishes), an absolute error of ~1e-7 near 0; NaN stays NaN."""
+    e = tl.exp2(s * ((2.0 * LOG2E) / cap2))
+    return cap2 - (2.0 * cap2) / (e + 1.0)
+
+
+@triton.jit
+def sink_weight(lse, sinks, head, ok):
+    """The factor 1 / (1 + 2^(sink - lse)) that turns a row's output normalised over its keys into one
+    normalised over its keys and its query head's sink logit (`sinks[head]`, natural units, any float
+    dtype): lse is the row's log2-sum-exp over every key. A row without keys (lse = -inf) gets 0."""
+    sink = tl.load(sinks + head, mask=ok, other=0.0).to(tl.float32) * LOG2E
+    return 1.0 / (1.0 + tl.exp2(sink - lse))
 
 
 @triton.jit

@@ -27,6 +27,10 @@ segment covers. Long segments (prefill) are `long_kernel`'s (`sdpa_varlen_long.p
   state per warp (`sdpa_varlen_warp_split.py`); PREFETCH asks the L2 for the blocks ahead
   (`prefetch_keys`), a piece's first ones before q is loaded.
 
+- Soft-capping and sinks (constexpr SOFTCAP, SINKS; off: the code is unchanged): the tile loop
+  caps each score (`soft_cap`); a sink changes only a row's normaliser, so it is applied once per
+  row where the row's output is final, by `sink_weight` of its lse over all its keys: by the sole
+  program of an item, or in the merge (partials are normalised over their own keys only).
 - e4m3 stores (QUANT): the tile loop (`sdpa_varlen_attend.attend`) reads codes as int16 pairs and
   converts them in registers to fp16 (fp32 for fp32 queries), so the dots run on 16-bit operands
   in their native layouts; per tile one [BLOCK_N] vector of K scales (times qk_scale) multiplies
@@ -45,7 +49,15 @@ import triton
 import triton.language as tl
 
 from batchkv.ops.sdpa_varlen_attend import attend
-from batchkv.ops.sdpa_varlen_common import first_key, full_bounds, load_table, prefetch_keys, q_for_dots, row_bounds
+from batchkv.ops.sdpa_varlen_common import (
+    first_key,
+    full_bounds,
+    load_table,
+    prefetch_keys,
+    q_for_dots,
+    row_bounds,
+    sink_weight,
+)
 from batchkv.ops.sdpa_varlen_merge import merge_partials
 from batchkv.ops.sdpa_varlen_warp_split import attend_warp_split
 
@@ -94,7 +106,8 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
                  MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr, HG_POW2: tl.constexpr,
                  ZERO_ROWS: tl.constexpr, AXIS64: tl.constexpr, DOT_PREC: tl.constexpr, WARP_SPLIT: tl.constexpr,
                  PREFETCH: tl.constexpr, SECTOR: tl.constexpr, PREFETCH_CHECK: tl.constexpr,
-                 MERGE_STAGES: tl.constexpr, CVT_ASM: tl.constexpr):  # fmt: skip
+                 MERGE_STAGES: tl.constexpr, CVT_ASM: tl.constexpr, cap2, sinks, SOFTCAP: tl.constexpr,
+                 SINKS: tl.constexpr):  # fmt: skip
     hp = tl.program_id(0)  # head group: KV heads h0 .. h0 + HEADS - 1
     p = tl.program_id(1)
     h0 = hp * HEADS
@@ -167,14 +180,16 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
             o, lse = attend_warp_split(q_tile, k_store + kv, v_store + kv, k_scale + sc, v_scale + sc, stride_r,
                                        stride_sr, rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, BLOCK_M,
                                        BLOCK_N, HEAD_DIM, WARP_SPLIT, SKIP_MASKS, DOT_PREC, QUANT, CVT_ASM, PREFETCH,
-                                       SECTOR, PREFETCH_CHECK)  # fmt: skip
+                                       SECTOR, PREFETCH_CHECK, cap2, SOFTCAP)  # fmt: skip
         else:
             o, lse = attend(q_tile, k_store + kv, v_store + kv, k_scale + sc, v_scale + sc, stride_r, stride_h,
                             stride_sr, stride_sh, rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, HEADS,
                             BLOCK_M, BLOCK_N, HEAD_DIM, SKIP_MASKS, DOT_PREC, QUANT, CVT_ASM, PREFETCH, SECTOR,
-                            PREFETCH_CHECK)  # fmt: skip
+                            PREFETCH_CHECK, cap2, SOFTCAP)  # fmt: skip
         out_ptrs = out + token.to(tl.int64)[None, :, None] * stride_ot + head * stride_oh + d
         if p_first == p_last:  # the item is this program's alone
+            if SINKS:  # its lse covers every key of the row: the sink's share comes off here
+                o = o * sink_weight(lse[:, :, None], sinks, head, row_ok[None, :, None])
             tl.store(out_ptrs, o.to(out.dtype.element_ty), mask=row_ok[None, :, None])
         elif it < MAX_ITEMS:  # (always, unless the table overlaps itself)
             row = ((p + it).to(tl.int64) * num_kv_heads + h0 + hh) * BLOCK_M + r3  # partial slot p + item
@@ -186,6 +201,6 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
             if done == p_last - p_first:  # the last to finish: every other partial is visible
                 merge_partials(out, o_part, lse_part, it, p_first, p_last, h0, num_kv_heads, q_start, q_len, qb, T,
                                stride_ot, stride_oh, GROUP, HEADS, HEAD_DIM, BLOCK_M, BLOCK_Q, MERGE_ROWS, MERGE_SLOTS,
-                               MERGE_STAGES)  # fmt: skip
+                               MERGE_STAGES, sinks, SINKS)  # fmt: skip
                 tl.store(counter, 0)  # self-cleaning: the next launch finds zeros
         x = piece_end

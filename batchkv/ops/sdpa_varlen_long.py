@@ -15,6 +15,9 @@ TMA (`SdpaConfig.tma_long`, sm_90+): the interior's K and V tiles come by tensor
 copies through two host descriptors over the stores viewed [R, C * Hkv * D] (whole contiguous key
 rows, `tma_views`), a block one box of BLOCK_N rows and D columns, instead of per-thread
 addresses; an interior that wraps the ring (its two ends on different laps) takes pointer loads.
+Soft-capping (SOFTCAP) caps each score in `_update`; it runs with exact queries only (the launcher
+turns QK_E4M3 off for it). A sink (SINKS) rescales each row's output once, by `sink_weight`.
+
 Masked blocks always take pointer loads: a box brings the rows past k1 too, and their contents
 (NaN in the tests' poisoned stores) would reach the PV dot through p = 0.
 """
@@ -33,6 +36,8 @@ from batchkv.ops.sdpa_varlen_common import (
     quantize_rows,
     ring_rows,
     row_bounds,
+    sink_weight,
+    soft_cap,
 )
 
 
@@ -77,19 +82,24 @@ def _qk(q_tile, k, QUANT: tl.constexpr, QK_E4M3: tl.constexpr, DOT_PREC: tl.cons
 
 @triton.jit
 def _update(q_tile, raw, k_s, v, v_s, start, row_lo, row_hi, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr,
-            BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr, QK_E4M3: tl.constexpr):  # fmt: skip
+            BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr, QK_E4M3: tl.constexpr, cap2,
+            SOFTCAP: tl.constexpr):  # fmt: skip
     """One key block's online-softmax step from its raw scores and V tile (with their scales); q_tile
     gives the dots' dtype. MASKED: the block is masked to each row's [row_lo, row_hi).
 
     QUANT: e4m3 codes convert to q's dtype; the K scales scale the score columns and the V scales
     p before the PV dot (see `sdpa_varlen_kernels`). QK_E4M3: raw holds e4m3 products and qk_scale is
-    [BLOCK_M] (each row's q scale times the softmax scale); V converts to fp16 for the PV dot."""
+    [BLOCK_M] (each row's q scale times the softmax scale); V converts to fp16 for the PV dot.
+    SOFTCAP: each score is capped (`soft_cap`) before the mask; never with QK_E4M3 (the launcher's rule)."""
+    tl.static_assert(not (SOFTCAP and QK_E4M3))
     if QK_E4M3:
         s = raw * k_s[None, :]  # log2 units / qk_scale rows
     elif QUANT:
         s = raw * (k_s * qk_scale)[None, :]  # [M, N], log2 units
     else:
         s = raw * qk_scale  # [M, N], log2 units
+    if SOFTCAP:
+        s = soft_cap(s, cap2)
     if MASKED:
         t = start + tl.arange(0, BLOCK_N)
         s = tl.where((t[None, :] >= row_lo[:, None]) & (t[None, :] < row_hi[:, None]), s, NEG_INF)
@@ -118,7 +128,7 @@ def _update(q_tile, raw, k_s, v, v_s, start, row_lo, row_hi, m_i, l_i, acc, qk_s
 def _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k_ring, start0, stop, k1,
                   row_lo, row_hi, m_i, l_i, acc, qk_scale, k_desc, v_desc, row0, col0, MASKED: tl.constexpr,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr,
-                  QK_E4M3: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+                  QK_E4M3: tl.constexpr, TMA: tl.constexpr, cap2, SOFTCAP: tl.constexpr):  # fmt: skip
     """Online softmax over key blocks [start0, stop) (keys < k1), continuing (m_i, l_i, acc); tiles
     as `_tile` loads them (TMA: unmasked blocks of one lap only)."""
     for start in range(start0, stop, BLOCK_N):
@@ -128,7 +138,7 @@ def _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr,
         v, v_s = _tile(v_base, v_desc, vs_base, stride_r, stride_sr, rows, k_ring, start, k1, row0, col0, MASKED,
                        BLOCK_N, HEAD_DIM, QUANT, TMA)  # fmt: skip
         m_i, l_i, acc = _update(q_tile, raw, k_s, v, v_s, start, row_lo, row_hi, m_i, l_i, acc, qk_scale, MASKED,
-                                BLOCK_N, DOT_PREC, QUANT, QK_E4M3)  # fmt: skip
+                                BLOCK_N, DOT_PREC, QUANT, QK_E4M3, cap2, SOFTCAP)  # fmt: skip
     return m_i, l_i, acc
 
 
@@ -139,7 +149,8 @@ def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, k_desc, v_desc
                 stride_oh, QUANT: tl.constexpr, QK_E4M3: tl.constexpr, HW_CAST: tl.constexpr, CAUSAL: tl.constexpr,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
                 BLOCK_N: tl.constexpr, Q_SHORT: tl.constexpr, S_POW2: tl.constexpr,
-                DOT_PREC: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
+                DOT_PREC: tl.constexpr, TMA: tl.constexpr, cap2, sinks, SOFTCAP: tl.constexpr,
+                SINKS: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0) // num_kv_heads
     h = tl.program_id(0) % num_kv_heads
     idx = tl.arange(0, S_POW2)
@@ -185,21 +196,26 @@ def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, k_desc, v_desc
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, k0, a, k1,
                                   row_lo, row_hi, m_i, l_i, acc, qk_scale, k_desc, v_desc, 0, 0, True, BLOCK_N,
-                                  HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, False)  # fmt: skip
+                                  HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, False, cap2, SOFTCAP)  # fmt: skip
     one_lap = TMA and b - 1 - (k0 // rows) * rows < rows  # an interior within one lap: whole rows of one view
     if one_lap:
         flat = base // stride_r  # this (column, head)'s first row and column in [R, C * Hkv * D]
         m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, a, b,
                                       k1, row_lo, row_hi, m_i, l_i, acc, qk_scale, k_desc, v_desc,
                                       flat.to(tl.int32), (base - flat * stride_r).to(tl.int32), False, BLOCK_N,
-                                      HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, TMA)  # fmt: skip
+                                      HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, TMA, cap2, SOFTCAP)  # fmt: skip
     else:
         m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, a, b,
                                       k1, row_lo, row_hi, m_i, l_i, acc, qk_scale, k_desc, v_desc, 0, 0, False,
-                                      BLOCK_N, HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, False)  # fmt: skip
+                                      BLOCK_N, HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, False, cap2, SOFTCAP)  # fmt: skip
     m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, b, k1, k1,
                                   row_lo, row_hi, m_i, l_i, acc, qk_scale, k_desc, v_desc, 0, 0, True, BLOCK_N,
-                                  HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, False)  # fmt: skip
+                                  HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, False, cap2, SOFTCAP)  # fmt: skip
     o = tl.where((l_i > 0)[:, None], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+    if SINKS:  # the row's log2-sum-exp over all its keys (P_SHIFT and the e4m3 row scales taken out)
+        l_ok = tl.where(l_i > 0, l_i, 1.0)
+        m_log2 = m_i * qk_scale if QK_E4M3 else m_i  # (QK_E4M3: maxima of scores / the row's qk_scale)
+        lse = m_log2 + tl.log2(l_ok) - (P_SHIFT if QUANT else 0.0)
+        o = o * sink_weight(tl.where(l_i > 0, lse, NEG_INF)[:, None], sinks, head[:, None], row_ok[:, None])
     ptrs = out + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(ptrs, o.to(out.dtype.element_ty), mask=row_ok[:, None])

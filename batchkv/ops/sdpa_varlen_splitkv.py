@@ -11,7 +11,8 @@ atomic, and a merge that starts only after the slowest program). Here instead:
   runs on different programs. Each run's normalised fp32 output and log2-sum-exp go to the slots
   (token, KV head, p, group row) of its queries' rows only; an empty run writes lse = -inf.
 - `splitkv_merge`, grid (T, Hq): one program per (token, query head) combines the P partials, or
-  writes zeros for a token no segment covers (its slots are never read).
+  writes zeros for a token no segment covers (its slots are never read); a head's sink logit
+  (SINKS) joins the row's normaliser here, once.
 
 On sm_90+ (`SdpaConfig.pdl`) both are programmatic dependent launches (`ops/pdl.py`), so their
 launch latency overlaps the grid before them (the K/V write, then the partials).
@@ -31,7 +32,7 @@ import triton.language as tl
 from batchkv.ops.kv_write_triton import _store_rows
 from batchkv.ops.pdl import pdl_enter, pdl_kwargs
 from batchkv.ops.sdpa_varlen_attend import attend
-from batchkv.ops.sdpa_varlen_common import NEG_INF, full_bounds, load_table, q_for_dots, row_bounds
+from batchkv.ops.sdpa_varlen_common import NEG_INF, full_bounds, load_table, q_for_dots, row_bounds, sink_weight
 from batchkv.ops.sdpa_varlen_kernels import _blocks
 
 
@@ -48,7 +49,8 @@ def splitkv_partials(q, k_store, v_store, k_scale, v_scale, info, o_part, lse_pa
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, S_POW2: tl.constexpr, SKIP_MASKS: tl.constexpr,
                      DOT_PREC: tl.constexpr, SECTOR: tl.constexpr, CVT_ASM: tl.constexpr,
                      new_k, new_v, slots, W, columns, stride_nks, stride_nkh, stride_nvs, stride_nvh,
-                     WRITE: tl.constexpr, W_POW2: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
+                     WRITE: tl.constexpr, W_POW2: tl.constexpr, GDC: tl.constexpr, cap2,
+                     SOFTCAP: tl.constexpr):  # fmt: skip
     pdl_enter(GDC)  # launched early: wait until the grids before have finished (the K/V write, q)
     h = tl.program_id(0)
     p = tl.program_id(1)
@@ -108,7 +110,7 @@ def splitkv_partials(q, k_store, v_store, k_scale, v_scale, info, o_part, lse_pa
         sc = col * stride_sc + h.to(tl.int64) * stride_sh
         o, lse = attend(q_tile, k_store + kv, v_store + kv, k_scale + sc, v_scale + sc, stride_r, stride_h, stride_sr,
                         stride_sh, rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, 1, BLOCK_M, BLOCK_N,
-                        HEAD_DIM, SKIP_MASKS, DOT_PREC, QUANT, CVT_ASM, 0, SECTOR, False)  # fmt: skip
+                        HEAD_DIM, SKIP_MASKS, DOT_PREC, QUANT, CVT_ASM, 0, SECTOR, False, cap2, SOFTCAP)  # fmt: skip
         # partial slot (token, head, program, group row): only rows with a query are written
         slot = ((token.to(tl.int64) * num_kv_heads + h) * P + p) * GROUP + g
         tl.store(lse_part + slot, tl.reshape(lse, [BLOCK_M]), mask=row_ok)
@@ -119,7 +121,7 @@ def splitkv_partials(q, k_store, v_store, k_scale, v_scale, info, o_part, lse_pa
 @triton.jit
 def splitkv_merge(out, o_part, lse_part, info, S, P, stride_ot, stride_oh, GROUP: tl.constexpr,
                   HEAD_DIM: tl.constexpr, S_POW2: tl.constexpr, MERGE_SLOTS: tl.constexpr,
-                  GDC: tl.constexpr):  # fmt: skip
+                  GDC: tl.constexpr, sinks, SINKS: tl.constexpr):  # fmt: skip
     t = tl.program_id(0)
     hq = tl.program_id(1)  # query head: KV head hq // G, group row hq % G
     num_kv_heads = tl.num_programs(1) // GROUP
@@ -147,6 +149,9 @@ def splitkv_merge(out, o_part, lse_part, info, S, P, stride_ot, stride_oh, GROUP
         acc = acc * alpha + tl.sum(w[:, None] * o, 0)
         m_i = m_new
     res = tl.where(l_i > 0, acc / tl.where(l_i > 0, l_i, 1.0), 0.0)  # zeros: no key, or no segment
+    if SINKS:  # the row's sink logit joins its normaliser once, here, after every partial
+        res = res * sink_weight(tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), NEG_INF), sinks, hq,
+                                covered)  # fmt: skip
     tl.store(out + t.to(tl.int64) * stride_ot + hq * stride_oh + d, res.to(out.dtype.element_ty))
 
 
@@ -162,11 +167,13 @@ def takes_split_merge(num_tokens: int, group: int, cfg, quant: bool = False) -> 
 
 
 def split_merge(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, strides, cfg, common, cvt_asm,
-                launch: dict, write=None) -> None:  # fmt: skip
+                launch: dict, write=None, extras: dict | None = None) -> None:  # fmt: skip
     """Launch both kernels for a step that `takes_split_merge`. `args`, `strides` and `common` are
     `sdpa_varlen`'s; `cfg` the resolved config (`programs` is P per KV head); `launch` the partials'
     launch options (warps, stages, register cap); `write`, checked by the caller, (k, v, slots) rows
-    the partials kernel stores first (`sdpa_varlen`'s `write` with `fuse_write`), or None."""
+    the partials kernel stores first (`sdpa_varlen`'s `write` with `fuse_write`), or None; `extras`
+    the soft-cap and sink arguments (cap2, SOFTCAP, sinks, SINKS; default: neither)."""
+    extras = extras or dict(cap2=0.0, SOFTCAP=False, sinks=q, SINKS=False)
     num_segments, num_tokens, _rows, _window, _qk_scale = args
     num_kv_heads, head_dim, group = k_store.shape[2], q.shape[2], common["GROUP"]
     programs = cfg.programs
@@ -186,9 +193,10 @@ def split_merge(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, stri
         SECTOR=32 // k_store.dtype.itemsize, CVT_ASM=cvt_asm, new_k=new_k, new_v=new_v, slots=slots, W=width,
         columns=k_store.shape[1], stride_nks=new_k.stride(0), stride_nkh=new_k.stride(1), stride_nvs=new_v.stride(0),
         stride_nvh=new_v.stride(1), WRITE=width > 0, W_POW2=triton.next_power_of_2(max(width, 1)), **launch, **pdl,
+        cap2=extras["cap2"], SOFTCAP=extras["SOFTCAP"],
     )  # fmt: skip
     splitkv_merge[(num_tokens, num_kv_heads * group)](
         out, o_part, lse_part, seq_info, num_segments, programs, stride_ot, stride_oh, GROUP=group,
         HEAD_DIM=head_dim, S_POW2=s_pow2, MERGE_SLOTS=min(64, triton.next_power_of_2(programs)), num_warps=4,
-        **pdl,
+        **pdl, sinks=extras["sinks"], SINKS=extras["SINKS"],
     )  # fmt: skip

@@ -20,6 +20,9 @@ How (device code in `sdpa_varlen_kernels.py` and `sdpa_varlen_long.py`):
 - `SdpaConfig.split_merge` (the default's narrow config: steps of at most 2 tokens, tables of at
   most 2 rows), steps of at most q_short tokens whose segments fit one tile: equal runs of every
   segment's keys per program, then a separate merge launch (`sdpa_varlen_splitkv.py`).
+`softcap` (Gemma2) caps every score in the tile loops; `sinks` (gpt-oss) rescale each row once where
+its output is final (an item's sole program, the merge, the long path). Both are constexpr switches:
+a call with neither compiles and runs the kernels it did before.
 `write` = (k, v, slots) first stores the step's K/V rows as `kv_write` does (its own launch, or,
 with `SdpaConfig.fuse_write` on a split_merge step, inside the partials kernel).
 One program serves `heads` KV heads and their whole query groups, so K/V are read once per group
@@ -90,6 +93,24 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor:
 def _regs(max_regs: int, device: torch.device) -> dict:
     """Triton's `maxnreg` launch option when a cap is wanted (CUDA only; the interpreter has none)."""
     return {"maxnreg": max_regs} if max_regs and device.type == "cuda" else {}
+
+
+def _check_extras(q: torch.Tensor, softcap: float, sinks: torch.Tensor | None) -> None:
+    """Refuse a soft-cap that is not a finite number >= 0, and sinks that are not one float logit per
+    query head ([Hq], contiguous, on q's device)."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
+        raise ContractError(f"sdpa_varlen: softcap is {softcap!r}; use 0 (none) or a positive finite number")
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise ContractError(f"sdpa_varlen: sinks is a {type(sinks).__name__}; pass a float tensor [Hq] or None")
+    if sinks.shape != (q.shape[1],) or sinks.dtype not in COMPUTE_DTYPES or sinks.stride() != (1,):
+        raise ContractError(
+            f"sdpa_varlen: sinks must be one fp16/bf16/fp32 logit per query head, contiguous [{q.shape[1]}]; "
+            f"got {sinks.dtype} {list(sinks.shape)} strides {sinks.stride()}"
+        )
+    if sinks.device != q.device:
+        raise ContractError(f"sdpa_varlen: sinks are on {sinks.device}, q on {q.device}; move them to q's device")
 
 
 def _check(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale) -> None:
@@ -197,6 +218,8 @@ def sdpa_varlen(
     v_scale: torch.Tensor | None = None,
     write: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     rows: int | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over the column store (Triton; contract in the module docstring).
 
@@ -233,6 +256,7 @@ def sdpa_varlen(
     >>> out = sdpa_varlen(q, k_store, v_store, info)  # q [5, 32, 128], stores [1024, 65, 8, 128]
     """
     _check(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale)
+    _check_extras(q, softcap, sinks)
     num_tokens, num_q_heads, head_dim = q.shape
     columns, num_kv_heads = k_store.shape[1:3]
     rows = k_store.shape[0] if rows is None else int_arg("sdpa_varlen: rows", rows, 1, 2**31 - 1, error=ContractError)
@@ -272,11 +296,14 @@ def sdpa_varlen(
         DOT_PREC="ieee" if dots == torch.float32 else "tf32",
     )
     args = (num_segments, num_tokens, rows, window, qk_scale)
+    # soft-cap in log2 units (the scores' own); sinks unread (any pointer) without SINKS
+    extras = dict(cap2=float(softcap) * LOG2E, SOFTCAP=softcap > 0, sinks=q if sinks is None else sinks,
+                  SINKS=sinks is not None)  # fmt: skip
     long = num_tokens > cfg.q_short  # else no segment can be long: no second launch
     if takes_split_merge(num_tokens, group, cfg, quant):  # the two-launch variant for narrow steps
         launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device))
         split_merge(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, strides, cfg, common,
-                    cvt_asm, launch, write)  # fmt: skip
+                    cvt_asm, launch, write, extras)  # fmt: skip
         return out
 
     # Split path: block_q queries per item; at most max_items items over all short segments.
@@ -301,7 +328,7 @@ def sdpa_varlen(
         ZERO_ROWS=pow2_floor(2048 // (hg_pow2 * head_dim)), AXIS64=axis_bound * slots >= AXIS32_LIMIT,
         WARP_SPLIT=cfg.warp_split, PREFETCH=cfg.prefetch, SECTOR=32 // k_store.dtype.itemsize,
         PREFETCH_CHECK=cfg.prefetch > 0 and q.device.type != "cuda", MERGE_STAGES=cfg.merge_stages,
-        CVT_ASM=cvt_asm, **common,
+        CVT_ASM=cvt_asm, **common, **extras,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device),
     )  # fmt: skip
     if long:
@@ -309,7 +336,7 @@ def sdpa_varlen(
         most_long = min(num_segments, num_tokens // (cfg.q_short + 1))
         e4m3_dots = q.device.type == "cpu" or cvt_asm  # NVIDIA sm_89+, or the interpreter
         qk_e4m3 = quant and cfg.e4m3_qk_long and q.dtype != torch.float32 and head_dim >= 32 and qk_scale > 0
-        qk_e4m3 = qk_e4m3 and e4m3_dots
+        qk_e4m3 = qk_e4m3 and e4m3_dots and not softcap  # a cap works on true scores: exact queries
         descs = tma_views(k_store, v_store, cfg.block_n_long) if cfg.tma_long else None
         long_kernel[((-(-num_tokens // block_q_long) + most_long) * num_kv_heads,)](
             q, k_store, v_store, k_scale, v_scale, seq_info, out, *(descs or (k_store, v_store)), *args, num_kv_heads,
@@ -317,6 +344,6 @@ def sdpa_varlen(
             QK_E4M3=qk_e4m3, TMA=descs is not None,
             HW_CAST=qk_e4m3 and cvt_asm, BLOCK_M=max(16, triton.next_power_of_2(block_q_long * group)),
             BLOCK_Q=block_q_long,
-            BLOCK_N=cfg.block_n_long, **common, num_warps=cfg.num_warps_long, num_stages=cfg.num_stages_long,
+            BLOCK_N=cfg.block_n_long, **common, **extras, num_warps=cfg.num_warps_long, num_stages=cfg.num_stages_long,
         )  # fmt: skip
     return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchkv.ops.sdpa_varlen_common import NEG_INF, P_SHIFT, prefetch_keys, ring_rows, unpack_pairs
+from batchkv.ops.sdpa_varlen_common import NEG_INF, P_SHIFT, prefetch_keys, ring_rows, soft_cap, unpack_pairs
 
 
 @triton.jit
@@ -24,13 +24,13 @@ def attend_warp_split(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride
                       full_lo, full_hi, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, SKIP_MASKS: tl.constexpr, DOT_PREC: tl.constexpr,
                       QUANT: tl.constexpr, CVT_ASM: tl.constexpr, PREFETCH: tl.constexpr, SECTOR: tl.constexpr,
-                      CHECK: tl.constexpr):  # fmt: skip
+                      CHECK: tl.constexpr, cap2=0.0, SOFTCAP: tl.constexpr = False):  # fmt: skip
     """`attend` of `sdpa_varlen_attend` for one KV head, keys cut across SPLIT warps.
 
     q_tile: [1, BLOCK_M, D]; k_base, v_base: the (column, KV head) at key row 0; row_lo, row_hi:
     [BLOCK_M]. Returns the normalised output [1, BLOCK_M, D] and its lse [1, BLOCK_M] (log2 units).
     QUANT: e4m3 codes read as int16 pairs, dots split by column parity, as in `sdpa_varlen_attend`.
-    PREFETCH: the loop asks the L2 for the block PREFETCH blocks ahead (`prefetch_keys`)."""
+    PREFETCH: the loop asks the L2 for the block PREFETCH blocks ahead (`prefetch_keys`). SOFTCAP: as in `attend`."""
     SUB: tl.constexpr = BLOCK_N // SPLIT
     DIM: tl.constexpr = HEAD_DIM // 2 if QUANT else HEAD_DIM  # elements a load reads per key
     q3 = tl.broadcast_to(tl.reshape(q_tile, [1, BLOCK_M, HEAD_DIM]), [SPLIT, BLOCK_M, HEAD_DIM])
@@ -70,6 +70,8 @@ def attend_warp_split(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride
                 s = tl.dot(q3, tl.trans(k, (0, 2, 1)), input_precision=DOT_PREC) * k_s
         else:
             s = tl.dot(q3, tl.trans(k, (0, 2, 1)), input_precision=DOT_PREC) * qk_scale  # [SPLIT, M, SUB]
+        if SOFTCAP:
+            s = soft_cap(s, cap2)
         if PREFETCH > 0:
             trip = prefetch_keys(k_base, v_base, stride_r, 0, rows, k0, start + PREFETCH * BLOCK_N, k1, BLOCK_N, 1,
                                  HEAD_DIM, SECTOR, CHECK)  # fmt: skip
