@@ -170,8 +170,8 @@ def test_the_engine_refuses_logit_bias_past_the_vocabulary_and_penalties_when_sp
 def test_a_jsonl_workload_line_carries_the_adjustments_and_bad_values_name_the_line(tmp_path):
     import json
 
-    from batchkv.errors import WorkloadError
     from batchkv.cli.workload import load_jsonl
+    from batchkv.errors import WorkloadError
 
     path = tmp_path / "w.jsonl"
     path.write_text(json.dumps({"prompt_ids": [1, 2], "repetition_penalty": 1.2, "logit_bias": {"5": -3}}) + "\n")
