@@ -88,8 +88,13 @@ def fp8_matmul_emulated(
     xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """(Q_x @ Q_w.T) * s_x * s_w in float32 ([M, K] x [N, K] -> [M, N]), rounded to `dtype`: the
-    hardware paths' oracle. Each e4m3 product is exact in float32; only the summation order differs."""
+    hardware paths' oracle. Each e4m3 product is exact in float32; only the summation order differs.
+    `wq` may also be the codes already widened to float32 (exactly: every e4m3 value is a float32)."""
     return ((xq.float() @ wq.float().T) * sx.reshape(-1, 1) * sw.reshape(1, -1)).to(dtype)
+
+
+def _hardware(xq: torch.Tensor, n: int) -> bool:
+    return not EMULATE and xq.is_cuda and fp8_gemm(xq.device) and xq.shape[1] % 16 == 0 and n % 16 == 0
 
 
 # ---- Triton kernels (CUDA) ---------------------------------------------------------------------
@@ -170,7 +175,7 @@ def fp8_matmul(
     """(Q_x @ Q_w.T) * s_x * s_w rounded to `dtype`: in hardware where the device and shapes allow
     (see the module docstring), else `fp8_matmul_emulated`."""
     (m, k), n = xq.shape, wq.shape[0]
-    if EMULATE or not (xq.is_cuda and fp8_gemm(xq.device)) or k % 16 or n % 16:
+    if not _hardware(xq, n):
         return fp8_matmul_emulated(xq, sx, wq, sw, dtype)
     if m <= FP8_GEMV_MAX_ROWS and triton is not None:
         return fp8_gemv(xq, sx, wq, sw, dtype)
@@ -228,13 +233,23 @@ class Fp8Linear(nn.Module):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         xq, sx = quantize_rows(x2)
-        y = fp8_matmul(xq, sx, self.weight, self.weight_scale, self.dtype)
+        if _hardware(xq, self.out_features):
+            y = fp8_matmul(xq, sx, self.weight, self.weight_scale, self.dtype)
+        else:  # the emulation, on codes widened once (widening e4m3 on the CPU costs more than the product)
+            y = fp8_matmul_emulated(xq, sx, self._widened(), self.weight_scale, self.dtype)
         if self.reduce is not None:
             y = self.reduce(y)
         if self.bias is not None:
             y = y + self.bias
         y = y.reshape(*lead, self.out_features)
         return y if out_dtype is None else y.to(out_dtype)
+
+    def _widened(self) -> torch.Tensor:
+        """The codes as float32 (for the emulation), kept while the weight stays where it is."""
+        key = (self.weight.data_ptr(), self.weight.device)
+        if getattr(self, "_widened_key", None) != key:
+            self._widened_codes, self._widened_key = self.weight.float(), key
+        return self._widened_codes
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-channel, {self.dtype}"
