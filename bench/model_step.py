@@ -153,12 +153,12 @@ def fp8_matmuls(preset: str, device: torch.device, rows_list: list[int], iters: 
     for rows in rows_list:
         xs = [torch.randn(rows, k, generator=gen, device=device).to(torch.bfloat16) for _, k in shapes]
 
-        def bf16_step():
+        def bf16_step(xs=xs):
             for ws, _ in layers:
                 for x, w in zip(xs, ws, strict=True):
                     gemv_module.linear(x, w)
 
-        def fp8_step():
+        def fp8_step(xs=xs):
             for _, fs in layers:
                 for x, f in zip(xs, fs, strict=True):
                     f(x)

@@ -174,7 +174,7 @@ def fp8_matmul(
 ) -> torch.Tensor:
     """(Q_x @ Q_w.T) * s_x * s_w rounded to `dtype`: in hardware where the device and shapes allow
     (see the module docstring), else `fp8_matmul_emulated`."""
-    (m, k), n = xq.shape, wq.shape[0]
+    m, n = xq.shape[0], wq.shape[0]
     if not _hardware(xq, n):
         return fp8_matmul_emulated(xq, sx, wq, sw, dtype)
     if m <= FP8_GEMV_MAX_ROWS and triton is not None:
