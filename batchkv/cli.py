@@ -277,7 +277,11 @@ def _add_score(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", required=True, metavar="PATH", help="a transformers directory or a GGUF file")
     p.add_argument("files", nargs="+", metavar="FILE", help="UTF-8 text files (tokenized with the model's tokenizer)")
-    p.add_argument("--kv-dtype", default="fp8", help="storage dtype tested (fp8 is e4m3)")
+    p.add_argument("--kv-dtype", default=None, help="storage dtype tested (fp8 is e4m3; default fp8, or with "
+                   "--quantization the reference's)")  # fmt: skip
+    from batchkv.frontend import add_quantization
+
+    add_quantization(p)
     p.add_argument("--reference", default="bfloat16", help="storage dtype compared against")
     p.add_argument("--chunk", type=bounded(int, 1, 1 << 16), default=64, help="tokens per prompt chunk")
     p.add_argument("--max-tokens", type=bounded(int, 2), default=4096, help="score at most this many tokens per file")
@@ -301,19 +305,24 @@ def _cmd_score(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    kv_dtype = args.kv_dtype or (args.reference if args.quantization else "fp8")
     tested_dtype, reference_dtype = (dtype_named("float8_e4m3fn" if d == "fp8" else d) for d in
-                                     (args.kv_dtype, args.reference))  # fmt: skip
+                                     (kv_dtype, args.reference))  # fmt: skip
     served = load_served_model(args.model, device)
     if served.tokenizer is None:
         raise ConfigError(f"--model {args.model} has no tokenizer; batchkv score reads text")
-    print(f"{'file':<32} {'tokens':>7} {'ppl ' + args.reference:>14} {'ppl ' + args.kv_dtype:>14} "
+    tested_model = served.model
+    if args.quantization:
+        tested_model = load_served_model(args.model, device, quantization=args.quantization).model
+    label = f"{args.quantization} " * bool(args.quantization) + kv_dtype
+    print(f"{'file':<32} {'tokens':>7} {'ppl ' + args.reference:>14} {'ppl ' + label:>14} "
           f"{'change':>8} {'top-1':>7} {'KL':>9}")  # fmt: skip
     for path, text in zip(args.files, texts, strict=True):
         ids = served.tokenizer(text).input_ids[: args.max_tokens]
         extra = {"key_rotation": True} if args.key_rotation else {}
-        tested = make_cache(served.model, tested_dtype, max(len(ids), 2), args.chunk, **extra)
+        tested = make_cache(tested_model, tested_dtype, max(len(ids), 2), args.chunk, **extra)
         reference = make_cache(served.model, reference_dtype, max(len(ids), 2), args.chunk)
-        s = score_caches(served.model, ids, [tested], reference, args.chunk)[0]
+        s = score_caches(served.model, ids, [tested], reference, args.chunk, [tested_model])[0]
         print(f"{path[-32:]:<32} {s.tokens:>7} {s.reference_ppl:>14.4f} {s.ppl:>14.4f} {s.ppl_change:>+8.2%} "
               f"{s.top1_agreement:>7.2%} {s.kl_mean:>9.5f}")  # fmt: skip
     return 0

@@ -139,20 +139,20 @@ def add_run(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_run)
 
 
-def _build_model(preset: str, device: str, seed: int):
+def _build_model(preset: str, device: str, seed: int, quantization: str | None = None):
     """A preset's SenseNova-U1 model with random weights, or the model a path names (a transformers
     directory or a GGUF file, loaded as `batchkv serve` loads it). Imported lazily: heavy, optional."""
     if preset not in MODELS:
         from batchkv.serve.loading import load_served_model
 
-        return load_served_model(preset, device, seed=seed).model
+        return load_served_model(preset, device, seed=seed, quantization=quantization).model
     try:
         from batchkv.models import build_model
     except ImportError as exc:
         raise ConfigError(
             f"model {preset!r} is unavailable: batchkv.models.sensenova cannot be imported ({exc})"
         ) from exc
-    return build_model(preset, device, seed=seed)
+    return build_model(preset, device, seed=seed, quantization=quantization)
 
 
 def _capacity(flag: int | str | None, limit: int | None) -> int | None:
@@ -225,9 +225,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.tensor_parallel > 1:  # every rank builds its share from the source
-        model, limit = model_source(args.model, seed=args.seed), _model_limit(args.model)
+        model = model_source(args.model, seed=args.seed, quantization=args.quantization)
+        limit = _model_limit(args.model)
     else:
-        model = _build_model(args.model, device, args.seed)
+        model = _build_model(args.model, device, args.seed, args.quantization)
         limit = getattr(model, "max_positions", None)
     capacity = _capacity(args.capacity, limit)
     speculative = speculative_option(args, model if args.tensor_parallel == 1 else None)

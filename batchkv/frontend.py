@@ -91,12 +91,14 @@ def add_tensor_parallel(group: argparse._ArgumentGroup, flag: str) -> None:
     )
 
 
-def model_source(name: str, *, seed: int, dtype: torch.dtype | None = None) -> functools.partial:
+def model_source(
+    name: str, *, seed: int, dtype: torch.dtype | None = None, quantization: str | None = None
+) -> functools.partial:
     """What each tensor-parallel rank builds its share from: a preset, or a model directory (a GGUF file
     is converted here, once, before the ranks start)."""
     from batchkv.tp.models import load, resolve
 
-    return functools.partial(load, resolve(name), seed=seed, dtype=dtype)
+    return functools.partial(load, resolve(name), seed=seed, dtype=dtype, quantization=quantization)
 
 
 def scheduling_kwargs(args: argparse.Namespace, device: torch.device | str | None = None) -> dict[str, Any]:
@@ -115,7 +117,8 @@ def scheduling_kwargs(args: argparse.Namespace, device: torch.device | str | Non
 
 
 def add_engine_options(group: argparse._ArgumentGroup) -> None:
-    """--kv-dtype, --speculative, --spec-block, --spec-layers, --drafter."""
+    """--kv-dtype, --quantization, --speculative, --spec-block, --spec-layers, --drafter."""
+    add_quantization(group)
     group.add_argument(
         "--kv-dtype",
         choices=("model", "fp8", *STORAGE_DTYPES),
@@ -133,6 +136,17 @@ def add_engine_options(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument("--spec-layers", type=int, default=1, metavar="N", help="dflash: layers of a random drafter")
     group.add_argument("--drafter", metavar="DIR", help="dflash: drafter checkpoint folder (config.json + safetensors)")
+
+
+def add_quantization(group: argparse._ArgumentGroup) -> None:
+    """--quantization (run, serve and score): FP8 compute for the decoder's linear layers."""
+    group.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        default=None,
+        help="fp8: e4m3 weights (per-channel scales computed at load) and per-token e4m3 activations in the "
+        "decoder's linear layers (an FP8 checkpoint loads as published without it)",
+    )
 
 
 def kv_dtype_option(name: str) -> torch.dtype | None:

@@ -119,16 +119,23 @@ def _eos_ids(path: Path, tokenizer) -> tuple[int, ...]:
 
 
 def load_served_model(
-    spec: str, device: str, *, dtype: str = "auto", seed: int = 0, weights: bool = True
-) -> ServedModel:
+    spec: str, device: str, *, dtype: str = "auto", seed: int = 0, weights: bool = True,
+    quantization: str | None = None,
+) -> ServedModel:  # fmt: skip
     """Load a preset or a model directory onto `device` ("cpu" / "cuda"). See the module docstring.
     `weights=False`: everything but the model (its tokenizer, stop ids and limit; `model` None), for
-    a tensor-parallel engine whose ranks load their own shares."""
+    a tensor-parallel engine whose ranks load their own shares. `quantization="fp8"`: the decoder's
+    linear layers in e4m3 (`batchkv.models.quant`); a directory with a `quantization_config` (an FP8
+    checkpoint) loads as published either way."""
+    from batchkv.models.quant import check_quantization
+
+    check_quantization(quantization)
     torch_dtype = None if dtype == "auto" else _DTYPES[dtype]
     if spec in MODEL_PRESETS:
         from batchkv.models import build_model
 
-        return ServedModel(build_model(spec, device, dtype=torch_dtype, seed=seed) if weights else None, "preset")
+        model = build_model(spec, device, dtype=torch_dtype, seed=seed, quantization=quantization) if weights else None
+        return ServedModel(model, "preset")
     path = Path(spec)
     if path.is_file():
         from batchkv.models.gguf import transformers_dir
@@ -147,12 +154,16 @@ def load_served_model(
     if is_sensenova(config):
         from batchkv.models import build_model
 
+        if config.get("quantization_config") is not None:
+            raise ConfigError(f"{path}: SenseNova-U1 is loaded from float checkpoints only; give the float "
+                              "checkpoint and --quantization fp8")  # fmt: skip
         model = build_model(
             sensenova_config(config, torch_dtype),
             device,
             checkpoint=path,
             prefix=checkpoint_prefix(path),
             skip=(GENERATION_BRANCH,),
+            quantization=quantization,
         )
         return ServedModel(model, "sensenova", tokenizer, eos, max_positions)
     model_type = config.get("model_type")
@@ -164,7 +175,13 @@ def load_served_model(
         )
     from transformers import AutoModelForCausalLM
 
-    from batchkv.models.hf import HFModel
+    from batchkv.models.hf import HFModel, quantize_decoder
+    from batchkv.models.quant.checkpoints import load_quantized_hf
 
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype or "auto").to(device)
+    if config.get("quantization_config") is not None:  # an FP8 checkpoint, as published
+        hf = load_quantized_hf(path, device=torch.device(device), dtype=torch_dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype or "auto").to(device)
+        if quantization is not None:
+            quantize_decoder(hf)
     return ServedModel(HFModel(hf), "transformers", tokenizer, eos, max_positions)

@@ -107,9 +107,11 @@ def _serve(args: argparse.Namespace, uvicorn, sock: socket.socket, device: str) 
     from batchkv.serve.worker import EngineWorker
 
     tp = args.tensor_parallel  # > 1: the ranks load their shares, this process only what serving text needs
-    served = load_served_model(args.model, device, dtype=args.dtype, seed=args.seed, weights=tp == 1)
+    served = load_served_model(args.model, device, dtype=args.dtype, seed=args.seed, weights=tp == 1,
+                               quantization=args.quantization)  # fmt: skip
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = served.model if tp == 1 else model_source(args.model, seed=args.seed, dtype=dtype)
+    model = served.model if tp == 1 else model_source(args.model, seed=args.seed, dtype=dtype,
+                                                      quantization=args.quantization)  # fmt: skip
     limit = served.max_positions
     capacity = args.capacity or min(DEFAULT_CAPACITY, limit or DEFAULT_CAPACITY)
     if limit and capacity > limit:

@@ -68,15 +68,20 @@ def _span_of(name: str, spans: dict[str, tuple[int, range]], shard: Shard, vocab
 
 
 def load_hf_shard(
-    path: str | os.PathLike, shard: Shard, *, dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None
-):
-    """`HFModel` of rank `shard.rank`'s share of the transformers model directory `path`."""
+    path: str | os.PathLike, shard: Shard, *, dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None,
+    quantization: str | None = None,
+):  # fmt: skip
+    """`HFModel` of rank `shard.rank`'s share of the transformers model directory `path`;
+    `quantization="fp8"`: its projections `Fp8Linear`s (a row-parallel one keeps its all-reduce)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from batchkv.models.hf import HFModel
 
     path = Path(path)
     config = AutoConfig.from_pretrained(str(path))
+    if getattr(config, "quantization_config", None) is not None:
+        raise ConfigError(f"{path}: an FP8 checkpoint is served on one GPU; tensor parallelism reads float "
+                          "checkpoints (give one and quantization='fp8')")  # fmt: skip
     if config.model_type not in FAMILIES:
         raise ConfigError(f"{path}: tensor parallelism shards the transformers families {FAMILIES}, not "
                           f"{config.model_type!r}")  # fmt: skip
@@ -101,6 +106,10 @@ def load_hf_shard(
             param[part.shape[0] :].zero_()  # the last ranks' vocabulary padding
     if (path / "generation_config.json").is_file():
         hf.generation_config = GenerationConfig.from_pretrained(str(path))
+    if quantization is not None:
+        from batchkv.models.hf import quantize_decoder
+
+        quantize_decoder(hf)
     model = HFModel(hf.eval(), kv_dtype=kv_dtype, shard=shard)
     model.directory = path
     return model

@@ -28,14 +28,15 @@ from batchkv.tp.shard import Shard
 
 
 def load(source: str | os.PathLike | SenseNovaConfig, shard: Shard, *, dtype: torch.dtype | None = None,
-         seed: int = 0, kv_dtype: torch.dtype | None = None):  # fmt: skip
+         seed: int = 0, kv_dtype: torch.dtype | None = None, quantization: str | None = None):  # fmt: skip
     """Rank `shard.rank`'s share of a preset or a `SenseNovaConfig` (random weights from `seed`), or
-    of a model directory."""
+    of a model directory. `quantization="fp8"`: its projections in e4m3, each rank's scales computed
+    from the slices it holds (per output channel, so a column-parallel slice's are the whole's)."""
     from batchkv.models import MODEL_PRESETS, build_model
 
     if isinstance(source, SenseNovaConfig) or str(source) in MODEL_PRESETS:
         preset = source if isinstance(source, SenseNovaConfig) else str(source)
-        return build_model(preset, shard.device, dtype=dtype, seed=seed, shard=shard)
+        return build_model(preset, shard.device, dtype=dtype, seed=seed, shard=shard, quantization=quantization)
     from batchkv.serve.loading import GENERATION_BRANCH, _read_config, checkpoint_prefix, is_sensenova, sensenova_config
 
     path = Path(source)
@@ -43,10 +44,11 @@ def load(source: str | os.PathLike | SenseNovaConfig, shard: Shard, *, dtype: to
     if is_sensenova(config):
         cfg = sensenova_config(config, dtype)
         prefix = checkpoint_prefix(path)
-        return build_model(cfg, shard.device, checkpoint=path, prefix=prefix, skip=(GENERATION_BRANCH,), shard=shard)
+        return build_model(cfg, shard.device, checkpoint=path, prefix=prefix, skip=(GENERATION_BRANCH,), shard=shard,
+                           quantization=quantization)  # fmt: skip
     from batchkv.tp.hf import load_hf_shard
 
-    return load_hf_shard(path, shard, dtype=dtype, kv_dtype=kv_dtype)
+    return load_hf_shard(path, shard, dtype=dtype, kv_dtype=kv_dtype, quantization=quantization)
 
 
 def resolve(source: str | os.PathLike) -> str:
