@@ -50,7 +50,7 @@ def test_weight_codes_and_scales_match_a_float64_computation_from_the_definition
     w64 = w.double()
     amax = w64.abs().amax(dim=1)
     want_scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
-    torch.testing.assert_close(scale.double(), want_scale, rtol=2**-24, atol=0)  # the float32 rounding of it
+    torch.testing.assert_close(scale.double(), want_scale, rtol=2**-23, atol=0)  # amax times float32(1/448)
     want_codes, near_tie = nearest_e4m3(w64 / scale.double()[:, None])
     ok = (codes.double() == want_codes) | near_tie
     assert ok.all() and near_tie.float().mean() < 0.01
@@ -65,7 +65,7 @@ def test_activation_codes_and_the_emulated_product_match_float64():
     xq, sx = quantize_rows_torch(x)
     wq, sw = quantize_weight(w)
     want_sx = (x.double().abs().amax(dim=1, keepdim=True) / 448).clamp_min(MIN_ACT_SCALE)
-    torch.testing.assert_close(sx.double(), want_sx, rtol=2**-24, atol=0)
+    torch.testing.assert_close(sx.double(), want_sx, rtol=2**-23, atol=0)
     want_codes, near_tie = nearest_e4m3(x.double() / sx.double())
     assert ((xq.double() == want_codes) | near_tie).all()
     y = fp8_matmul_emulated(xq, sx, wq, sw, torch.bfloat16)

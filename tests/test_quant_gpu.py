@@ -3,9 +3,10 @@ matmul) against the exact emulation at the 8B shapes, under graph replay, and th
 
 Run on the H200: `python3 -m pytest -m gpu tests/test_quant_gpu.py -q`.
 
-Tolerance: the hardware and the emulation multiply the same e4m3 codes exactly and differ only in the
-order of the float32 sums (and, with fast accumulation off, nothing else), so outputs agree to
-within 2 bf16 ulps of each output's magnitude: |got - want| <= 2^-7 |want| + 2^-7 * rms(want).
+Tolerance: the hardware and the emulation multiply the same e4m3 codes exactly. With exact
+accumulation they differ only in the order of the float32 sums, so outputs agree to within 2 bf16
+ulps: |got - want| <= 2^-7 |want| + 2^-7 rms(want). With the scaled matmul's fast accumulation (the
+default: Hopper's FP8 tensor cores carry fewer bits between k-blocks) the bound is 2^-5 instead.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ pytestmark = pytest.mark.gpu
 SHAPES_8B = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (28672, 4096), (4096, 14336)]  # [N, K]
 
 
-def assert_within_tolerance(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_within_tolerance(got: torch.Tensor, want: torch.Tensor, tol: float = 2**-7) -> None:
     got, want = got.float(), want.float()
     scale = want.pow(2).mean().sqrt()
-    bad = (got - want).abs() > 2**-7 * want.abs() + 2**-7 * scale
+    bad = (got - want).abs() > tol * want.abs() + tol * scale
     assert not bad.any(), f"{int(bad.sum())} of {got.numel()} outside, worst {(got - want).abs().max():.4g}"
 
 
@@ -45,9 +46,11 @@ def test_triton_quantiser_gives_the_torch_codes_and_scales_bit_for_bit(rows):
         assert q[2].float().isnan().all()
 
 
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize(("n", "k"), SHAPES_8B)
 @pytest.mark.parametrize("rows", [1, 4, 64, 256, 1024])
-def test_hardware_product_matches_the_emulation_at_8b_shapes(n, k, rows):
+def test_hardware_product_matches_the_emulation_at_8b_shapes(n, k, rows, fast, monkeypatch):
+    monkeypatch.setattr(fp8_module, "FAST_ACCUM", fast)
     g = torch.Generator(device="cuda").manual_seed(n + rows)
     w = (torch.randn(n, k, generator=g, device="cuda") / k**0.5).to(torch.bfloat16)
     x = torch.randn(rows, k, generator=g, device="cuda").to(torch.bfloat16)
@@ -55,7 +58,8 @@ def test_hardware_product_matches_the_emulation_at_8b_shapes(n, k, rows):
     xq, sx = quantize_rows(x)
     got = fp8_matmul(xq, sx, layer.weight, layer.weight_scale, torch.bfloat16)
     want = fp8_matmul_emulated(xq, sx, layer.weight, layer.weight_scale, torch.bfloat16)
-    assert_within_tolerance(got, want)
+    exact = rows <= fp8_module.FP8_GEMV_MAX_ROWS or not fast  # the few-row kernel sums in float32
+    assert_within_tolerance(got, want, 2**-7 if exact else 2**-5)
 
 
 @pytest.mark.parametrize("rows", [2, 200])
@@ -75,7 +79,8 @@ def test_the_layer_replays_in_a_cuda_graph_with_new_inputs(rows):
         x.copy_(torch.randn(rows, 4096, generator=g.manual_seed(seed), device="cuda").to(torch.bfloat16))
         graph.replay()
         xq, sx = quantize_rows_torch(x)
-        assert_within_tolerance(out, fp8_matmul_emulated(xq, sx, layer.weight, layer.weight_scale, torch.bfloat16))
+        want = fp8_matmul_emulated(xq, sx, layer.weight, layer.weight_scale, torch.bfloat16)
+        assert_within_tolerance(out, want, 2**-5)
 
 
 PROMPTS = [[5, 17, 33, 2, 9, 61, 4], [101, 7, 7, 250, 3, 88, 41, 19, 2, 64, 77], [9, 200, 150, 4]]

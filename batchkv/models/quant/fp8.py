@@ -39,9 +39,14 @@ except ImportError:  # pragma: no cover - triton is a Linux dependency
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+# Scales are amax times the float32 nearest 1/448 (one multiplication, as torch's CUDA division by a
+# scalar computes it), so that the CPU, torch on CUDA and the Triton quantiser agree bit for bit.
+INV_E4M3_MAX = float(torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32))
 MIN_ACT_SCALE = 1.0 / (E4M3_MAX * 512.0)  # a row of zeros (or of tiny values) takes this scale
 FP8_GEMV_MAX_ROWS = 4  # rows up to which the few-row e4m3 kernel runs on CUDA (scaled matmul above)
-FAST_ACCUM = False  # cuBLASLt's fast FP8 accumulation (fewer bits kept between k-blocks); see bench/model_step.py
+# The scaled matmul's fast accumulation (Hopper's FP8 tensor cores keep fewer bits between k-blocks,
+# as every FP8 serving stack runs them): 1.16x at 1,024 rows on the H200 (bench/results/model-step-fp8-h200.json).
+FAST_ACCUM = True
 EMULATE = False  # tests and benches: run the emulation on every device
 QUANTIZATIONS = ("fp8",)
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # a row-parallel layer's join (Shard.all_reduce)
@@ -57,21 +62,21 @@ def check_quantization(quantization: str | None) -> str | None:
 # ---- quantisers (torch: the CPU path and the oracle) -------------------------------------------
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 codes [N, K] and float32 per-output-channel scales [N] of a weight w [N, K]:
-    scale = amax / 448 over each row (1 for a row of zeros), codes = e4m3(w / scale)."""
+    scale = amax * INV_E4M3_MAX over each row (1 for a row of zeros), codes = e4m3(w / scale)."""
     if w.dim() != 2:
         raise ContractError(f"quantize_weight wants a matrix [N, K]; got shape {tuple(w.shape)}")
     wf = w.float()
     amax = wf.abs().amax(dim=1)
-    scale = (amax / E4M3_MAX).masked_fill(amax == 0, 1.0)  # NaN stays NaN
+    scale = (amax * INV_E4M3_MAX).masked_fill(amax == 0, 1.0)  # NaN stays NaN
     return _codes(wf, scale[:, None]), scale
 
 
 def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 codes [M, K] and float32 scales [M, 1] of activations x [M, K], one scale per row:
-    max(amax / 448, MIN_ACT_SCALE)."""
+    max(amax * INV_E4M3_MAX, MIN_ACT_SCALE)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = torch.clamp(amax / E4M3_MAX, min=MIN_ACT_SCALE)  # clamp keeps NaN
+    scale = torch.clamp(amax * INV_E4M3_MAX, min=MIN_ACT_SCALE)  # clamp keeps NaN
     return _codes(xf, scale), scale
 
 
@@ -101,8 +106,8 @@ def _hardware(xq: torch.Tensor, n: int) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
-                              GDC: tl.constexpr):  # fmt: skip
+    def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, INV_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                              BLOCK: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
         pdl_enter(GDC)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -110,7 +115,7 @@ if triton is not None:
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
         nan = tl.sum((x != x).to(tl.int32), axis=0) > 0
         amax = tl.max(tl.abs(x), axis=0)
-        scale = tl.maximum(tl.math.div_rn(amax, 448.0), MIN_SCALE)
+        scale = tl.maximum(amax * INV_MAX, MIN_SCALE)
         scale = tl.where(nan, float("nan"), scale)  # tl.max and tl.maximum drop NaN; the torch path keeps it
         v = tl.math.div_rn(x, scale)
         v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -448.0), 448.0))
@@ -152,19 +157,22 @@ def quantize_rows(x: torch.Tensor, *, triton_kernel: bool | None = None) -> tupl
     s = torch.empty(m, 1, dtype=torch.float32, device=x.device)
     if m:
         block = triton.next_power_of_2(k)
-        _quantize_rows_kernel[(m,)](x, q, s, k, x.stride(0), MIN_SCALE=MIN_ACT_SCALE, BLOCK=block,
+        _quantize_rows_kernel[(m,)](x, q, s, k, x.stride(0), INV_MAX=INV_E4M3_MAX, MIN_SCALE=MIN_ACT_SCALE, BLOCK=block,
                                     num_warps=min(16, max(4, block // 1024)), **pdl_kwargs(x.device))  # fmt: skip
     return q, s
 
 
-def fp8_gemv(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, dtype: torch.dtype,
-             *, block_n: int = 32, block_k: int = 256, num_stages: int = 4) -> torch.Tensor:  # fmt: skip
-    """`fp8_matmul_emulated` for at most 16 rows in one Triton launch (e4m3 dots, float32 sums). Capturable."""
+def fp8_gemv(
+    xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, dtype: torch.dtype, *, block_n: int = 32,
+    block_k: int = 256, num_stages: int = 4, num_warps: int = 4,
+) -> torch.Tensor:  # fmt: skip
+    """`fp8_matmul_emulated` for few rows in one Triton launch (e4m3 dots, float32 sums): one program per
+    `block_n` outputs, all rows in one tile (16 at least). Capturable."""
     (m, k), n = xq.shape, wq.shape[0]
     out = torch.empty(m, n, dtype=dtype, device=xq.device)
     _fp8_gemv_kernel[(triton.cdiv(n, block_n),)](
-        xq, sx, wq, sw, out, m, n, k, BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-        num_stages=num_stages, **pdl_kwargs(xq.device),
+        xq, sx, wq, sw, out, m, n, k, BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=num_warps, num_stages=num_stages, **pdl_kwargs(xq.device),
     )  # fmt: skip
     return out
 
