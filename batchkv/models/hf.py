@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -113,18 +113,21 @@ def _refuse_unsupported(config) -> None:
 PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
 
 
-def quantize_decoder(hf_model: torch.nn.Module) -> int:
+def quantize_decoder(hf_model: torch.nn.Module, keep: Callable[[int, str], bool] | None = None) -> int:
     """Replace the decoder layers' q/k/v/o and gate/up/down `nn.Linear`s of a transformers causal LM
     by `batchkv.models.quant.Fp8Linear`s (a row-parallel one keeps its all-reduce); the embedding
-    and the LM head are left alone. Returns the number of layers replaced (ConfigError if none)."""
+    and the LM head are left alone, and so is every projection for which `keep(layer index, name)`
+    is true (e.g. sensitive layers kept in the model dtype). Returns the number replaced (ConfigError
+    if none)."""
     from batchkv.models.quant import quantize_layers
 
     decoder = getattr(hf_model, hf_model.base_model_prefix)
     done = 0
-    for layer in decoder.layers:
+    for i, layer in enumerate(decoder.layers):
         for part, names in PROJECTIONS:
             if getattr(layer, part, None) is not None:
-                done += quantize_layers(getattr(layer, part), names)
+                chosen = [n for n in names if keep is None or not keep(i, n)]
+                done += quantize_layers(getattr(layer, part), chosen)
     if not done:
         raise ConfigError(f"{hf_model.config.model_type}: no q/k/v/o or gate/up/down projections to quantise")
     return done

@@ -43,7 +43,10 @@ E4M3_MAX = 448.0
 # scalar computes it), so that the CPU, torch on CUDA and the Triton quantiser agree bit for bit.
 INV_E4M3_MAX = float(torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32))
 MIN_ACT_SCALE = 1.0 / (E4M3_MAX * 512.0)  # a row of zeros (or of tiny values) takes this scale
-FP8_GEMV_MAX_ROWS = 4  # rows up to which the few-row e4m3 kernel runs on CUDA (scaled matmul above)
+# Rows up to which the few-row e4m3 kernel runs on CUDA (the scaled matmul above): on the H200 the
+# 8B step's matmuls took 3.26 / 3.60 / 3.88 ms at 1 / 16 / 64 rows against the scaled matmul's
+# 4.53 / 4.57 / 4.66, and 5.74 against 4.81 at 128 (bench/results/model-step-fp8-h200.json).
+FP8_GEMV_MAX_ROWS = 64
 # The scaled matmul's fast accumulation (Hopper's FP8 tensor cores keep fewer bits between k-blocks,
 # as every FP8 serving stack runs them): 1.16x at 1,024 rows on the H200 (bench/results/model-step-fp8-h200.json).
 FAST_ACCUM = True
