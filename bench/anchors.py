@@ -173,7 +173,7 @@ def main() -> None:
     config = TINY if args.small else LLAMA_8B
     names = [w for w in args.workloads.split(",") if w]
     if args.small:
-        names = ["16/8", "32/16"]
+        names = ["16/8"]
     counts = {}
     for part in args.requests.split(","):
         key, _, values = part.partition("=")
@@ -223,7 +223,7 @@ def main() -> None:
         print(f"{cfg_name}: engine {engine.sizing.describe() if engine.sizing else ''}; warm-up {warm_s:.0f} s",
               flush=True)  # fmt: skip
         for j, name in enumerate(names):
-            n = 8 if args.small else counts[cfg_name][j]
+            n = 4 if args.small else counts[cfg_name][j]
             if deadline.left() < 30:
                 works[name][cfg_name] = {"status": f"skipped: {deadline.left():.0f} s of the budget left"}
                 continue
