@@ -41,7 +41,7 @@ def test_model_step_fp8_matmuls_smoke_times_both_formats(tmp_path):
 
 
 def test_decode_fp8_parts_record_tokens_per_s_and_their_limit(tmp_path):
-    skip = "b1_batchkv,online_batchkv,budgets_batchkv,serve_e4m3_batchkv,serve_max64_batchkv"
+    skip = "b1_batchkv,serve_batchkv,online_batchkv,budgets_batchkv,serve_e4m3_batchkv,serve_max64_batchkv"
     report = _run(["bench/decode.py", "--small", "--skip-hf", "--device", "cpu", "--skip-parts", skip],
                   tmp_path / "d.json")  # fmt: skip
     for key in ("serve_fp8", "serve_fp8_e4m3"):

@@ -161,3 +161,14 @@ def test_compressed_tensors_schemes_other_than_fp8_are_refused():
     with pytest.raises(ConfigError):
         read_scheme(int8)
     assert read_scheme(CT_CONFIG).strategy == "channel" and read_scheme(FP8_CONFIG).block == (128, 128)
+
+
+def test_from_pretrained_with_quantization_fp8_quantises_a_float_directory_at_load(tmp_path):
+    float_model = _float_model()
+    float_model.save_pretrained(tmp_path)
+    loaded = HFModel.from_pretrained(tmp_path, dtype=torch.float32, quantization="fp8")
+    assert isinstance(loaded.hf.model.layers[0].self_attn.o_proj, Fp8Linear)
+    quantize_decoder(float_model)
+    assert torch.equal(_logits(loaded), _logits(HFModel(float_model)))
+    with pytest.raises(ConfigError):
+        HFModel.from_pretrained(tmp_path, quantization="int8")
