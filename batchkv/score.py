@@ -14,7 +14,9 @@ with the text. The default comparison is e4m3 against bf16 storage: bf16 is what
 without `--kv-dtype fp8` stores, so the numbers say what switching to e4m3 costs. On the CPU the
 attention is the torch reference, whose e4m3 arithmetic is the Triton kernels' with exact queries.
 
-`batchkv score --model PATH FILE...` (batchkv/cli/score.py) prints this for each file.
+`batchkv score --model PATH FILE...` (batchkv/cli/score.py) prints this for each file. With
+`--quantization fp8` the tested side is the same model with FP8 compute (`batchkv.models.quant`),
+K/V stored as the reference's unless `--kv-dtype` says otherwise: what FP8 compute costs.
 
 >>> result = score(HFModel.from_pretrained(path), ids)   # ids: int token ids of a text
 >>> result.ppl_change, result.top1_agreement, result.kl_mean
@@ -102,14 +104,19 @@ def make_cache(model, kv_dtype: torch.dtype, capacity: int, chunk: int, attentio
 
 @torch.no_grad()
 def score_caches(
-    model, ids: Sequence[int], tested: Sequence[BatchedSequenceCache], reference, chunk: int
-) -> list[Score]:
+    model, ids: Sequence[int], tested: Sequence[BatchedSequenceCache], reference, chunk: int,
+    tested_models: Sequence | None = None,
+) -> list[Score]:  # fmt: skip
     """`score` of each of `tested` (fresh caches, each one sequence of capacity >= len(ids)) against
-    `reference`, sharing the reference's forwards."""
+    `reference`, sharing the reference's forwards. `tested_models`: the model each tested cache runs
+    (default `model` for all), e.g. the same weights with FP8 compute against `model` in bf16."""
     ids = list(ids)
     if len(ids) < 2:
         raise ConfigError(f"scoring needs at least 2 tokens (one to predict from); the text has {len(ids)}")
     caches = [*tested, reference]
+    models = [*(tested_models or [model] * len(tested)), model]
+    if len(models) != len(caches):
+        raise ConfigError(f"{len(tested)} tested caches and {len(models) - 1} tested models; give one model each")
     seqs = [cache.seq_new() for cache in caches]
     text = torch.tensor(ids, dtype=torch.int64, device=model.device)
     n = len(tested)
@@ -119,7 +126,8 @@ def score_caches(
     for start in range(0, len(ids) - 1, chunk):
         piece = text[start : min(start + chunk, len(ids) - 1)]  # the last token predicts nothing
         target = text[start + 1 : start + 1 + piece.shape[0]]
-        logps = [_chunk_logits(model, c, s, piece, start).log_softmax(-1) for c, s in zip(caches, seqs, strict=True)]
+        runs = zip(models, caches, seqs, strict=True)
+        logps = [_chunk_logits(m, c, s, piece, start).log_softmax(-1) for m, c, s in runs]
         ref = logps[-1]
         for i, logp in enumerate(logps):
             nll[i] -= logp.gather(1, target[:, None]).sum().double().cpu()

@@ -12,7 +12,10 @@ Parts, in order, each under the run's budget (`--budget-s`), each written to the
    bytes, perfectly overlapped and not at all), the fair roofline over the steps the engine ran and
    the bytes-only roofline (bench/lib/roofline.py); serve_e4m3, the same with e4m3 K/V; serve_max64,
    the configuration before (64 sequences, every column at capacity) in the same run; budgets, the
-   prefill budgets 256, 512 and 1,024 at 256 sequences (inter-token p99 against p50);
+   prefill budgets 256, 512 and 1,024 at 256 sequences (inter-token p99 against p50); serve_fp8 and
+   serve_fp8_e4m3, the serve run on the same weights with FP8 compute (`quantization="fp8"`), K/V in
+   bf16 and in e4m3, each with its own limit (bench/anchors.py `limit`: the projections' FLOPs at the
+   FP8 GEMM rate measured in the same part, their weights at one byte);
 4. online: three Poisson arrival rates (0.25, 0.5 and 0.9 of the offline run's requests/s), each
    over the first `rate * --online-window-s` requests of the same list, on the engine the offline
    run warmed (bench/lib/online.py): tokens/s, TTFT (from arrival) and inter-token p50/p99;
@@ -232,6 +235,45 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
     parts.run("serve_e4m3_batchkv", other("serve_e4m3", "auto", torch.float8_e4m3fn), need_s=40)
     parts.run("serve_max64_batchkv", other("serve_max64", 64), need_s=50)
 
+    def fp8(key: str, kv_dtype=None):
+        def part():
+            from bench.lib.fp8_limits import fp8_peak, limit
+
+            if ctx.engine is not None:
+                ctx.engine.close()
+                ctx.engine = None
+                release(dev)
+            if "fp8_tflops" not in r:
+                r["fp8_tflops"] = fp8_peak(dev)
+            engine = serving_engine(ctx.fp8_model(), dev, ctx.prompts, ctx.outputs, "auto", kv_dtype)
+            warm_up(engine, dev, ctx.prompts, ctx.outputs)
+            warm_captures = engine.runner.captures
+            d = serve_offline(engine, dev, ctx.prompts, ctx.outputs)
+            cfg = preset_config(ctx.preset)
+            shape = {"hidden_size": cfg.hidden, "intermediate_size": cfg.intermediate, "num_hidden_layers":
+                     cfg.num_layers, "num_attention_heads": cfg.q_heads, "num_key_value_heads": cfg.kv_heads,
+                     "vocab_size": cfg.vocab}  # fmt: skip
+            kv_pos = engine.cache.config.bytes_per_position()
+            lim = limit(ctx.prompts, ctx.outputs, shape, fp8=True, kv_bytes_per_pos=kv_pos, read_gbps=r["read_gbps"],
+                        bf16_tflops=r["matmul_tflops"], fp8_tflops=r["fp8_tflops"])  # fmt: skip
+            r[key] = {"requests": len(ctx.prompts), "tokens_per_s": d["output_tokens_per_s_wall"],
+                      "kv_dtype": str(engine.cache.config.kv_dtype), "quantization": "fp8",
+                      "workload_limit_tokens_per_s": {"overlap": lim["overlap"], "no_overlap": lim["serial"]},
+                      "workload_limit": lim, "p50_itl_ms": d["itl_ms_p50"], "p99_itl_ms": d["itl_ms_p99"],
+                      "ttft_p50_ms": d["ttft_ms_p50"], "steps": d["steps"], "wall_s": d["wall_s"],
+                      "captures": d["captures"] - warm_captures, "max_seqs": engine.cache.max_seqs,
+                      "store": engine.sizing.describe() if engine.sizing else None, "warm_up": WARM_UP}  # fmt: skip
+            engine.close()
+            release(dev)
+            print(
+                f"{key}: {r[key]['tokens_per_s']:.0f} tok/s (limit {r[key]['workload_limit_tokens_per_s']})", flush=True
+            )
+
+        return part
+
+    parts.run("serve_fp8_batchkv", fp8("serve_fp8"), need_s=40)
+    parts.run("serve_fp8_e4m3_batchkv", fp8("serve_fp8_e4m3", torch.float8_e4m3fn), need_s=40)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -274,6 +316,16 @@ def main() -> None:
         return built["model"]
 
     ctx.model = model
+    ctx.preset = preset
+
+    def fp8_model():
+        if "fp8" not in built:
+            built.pop("model", None)  # the bf16 model's memory goes to the store
+            release(device)
+            built["fp8"] = build_model(preset, device, seed=0, quantization="fp8")
+        return built["fp8"]
+
+    ctx.fp8_model = fp8_model
     engines: dict = {}
 
     def serve_batchkv(p, o):  # one engine per prefix, kept: a second call runs warm (graphs captured)

@@ -12,6 +12,16 @@ Each width is timed twice on CUDA: as the model runs (the few-row kernel of batc
 up to GEMV_MAX_ROWS rows) and with every matmul on cuBLAS; `kernels` counts the kernels one eager
 step launches (= the nodes of its graph), from the profiler.
     python bench/model_step.py --preset sensenova-u1-tiny --device cpu --iters 3   # smoke test
+
+`--quantization fp8` times the model with e4m3 projections (`batchkv.models.quant`). `--fp8-matmuls`
+times the decoder's matmuls of one step alone (every layer's q/k/v, o, gate/up and down, each with
+its own weights, so every weight is read from HBM), bf16 (as the model runs them: the few-row kernel
+at up to GEMV_MAX_ROWS rows, cuBLAS above) against fp8 (the activation quantiser and the e4m3 product,
+as `Fp8Linear` runs them), each captured in one CUDA graph, at each of `--rows`; with the variants
+`fp8_exact_accum` (the scaled matmul without fast accumulation), at few rows `fp8_scaled_mm` (the scaled
+matmul instead of the e4m3 few-row kernel) and `bf16_cublas`, and up to 128 rows `fp8_triton` (the
+few-row kernel with every row in one tile).
+    python bench/model_step.py --fp8-matmuls --rows 1 64 256 1024 --json out.json      # on the GPU
 """
 
 from __future__ import annotations
@@ -23,7 +33,9 @@ import time
 import torch
 
 import batchkv.models.gemv as gemv_module
-from batchkv.models import build_model
+import batchkv.models.quant.fp8 as fp8_module
+from batchkv.models import build_model, preset_config
+from batchkv.models.quant import Fp8Linear
 
 
 class NullAttention:
@@ -97,6 +109,95 @@ def kernels_per_step(model, rows: int) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
+def graph_ms(fn, iters: int, device: torch.device) -> float:
+    """Median-free mean ms of `fn()` replayed from one CUDA graph (wall clock per call on the CPU)."""
+    if device.type != "cuda":
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters * 1e3
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    graph.reset()
+    return start.elapsed_time(end) / iters
+
+
+def fp8_matmuls(preset: str, device: torch.device, rows_list: list[int], iters: int) -> list[dict]:
+    """The decoder matmuls of one step, bf16 against fp8 (module docstring), per row count."""
+    cfg = preset_config(preset)
+    h, i = cfg.hidden, cfg.intermediate
+    shapes = [((cfg.q_heads + 2 * cfg.kv_heads) * cfg.head_dim, h), (h, cfg.q_heads * cfg.head_dim), (2 * i, h), (h, i)]
+    gen = torch.Generator(device=device).manual_seed(0)
+    layers = []
+    for _ in range(cfg.num_layers):
+        ws = [(torch.randn(n, k, generator=gen, device=device) / k**0.5).to(torch.bfloat16) for n, k in shapes]
+        layers.append((ws, [Fp8Linear.from_weight(w) for w in ws]))
+    flops = 2 * sum(n * k for n, k in shapes) * cfg.num_layers
+    bf16_bytes = flops  # two FLOPs and two bytes per weight element
+    out = []
+    if device.type == "cuda":  # clocks up before the first timing
+        a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 2.0:
+            a @ a
+        torch.cuda.synchronize()
+        del a
+    for rows in rows_list:
+        xs = [torch.randn(rows, k, generator=gen, device=device).to(torch.bfloat16) for _, k in shapes]
+
+        def bf16_step(xs=xs):
+            for ws, _ in layers:
+                for x, w in zip(xs, ws, strict=True):
+                    gemv_module.linear(x, w)
+
+        def fp8_step(xs=xs):
+            for _, fs in layers:
+                for x, f in zip(xs, fs, strict=True):
+                    f(x)
+
+        row = {"rows": rows, "bf16_ms": graph_ms(bf16_step, iters, device), "fp8_ms": graph_ms(fp8_step, iters, device)}
+        limit = fp8_module.FP8_GEMV_MAX_ROWS
+        if rows <= limit:
+            fp8_module.FP8_GEMV_MAX_ROWS = 0
+            row["fp8_scaled_mm_ms"] = graph_ms(fp8_step, iters, device)
+        elif rows <= 128:  # the few-row e4m3 kernel past its limit, all rows in one tile
+            fp8_module.FP8_GEMV_MAX_ROWS = rows
+            row["fp8_triton_ms"] = graph_ms(fp8_step, iters, device)
+        fp8_module.FP8_GEMV_MAX_ROWS = limit
+        fp8_module.FAST_ACCUM = False
+        row["fp8_exact_accum_ms"] = graph_ms(fp8_step, iters, device)
+        fp8_module.FAST_ACCUM = True
+        if rows <= max(gemv_module.GEMV_MAX_ROWS, fp8_module.FP8_GEMV_MAX_ROWS):
+            limit, gemv_module.GEMV_MAX_ROWS = gemv_module.GEMV_MAX_ROWS, 0
+            row["bf16_cublas_ms"] = graph_ms(bf16_step, iters, device)
+            gemv_module.GEMV_MAX_ROWS = limit
+        row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
+        row["bf16_tflops"] = flops * rows / (row["bf16_ms"] / 1e3) / 1e12
+        row["fp8_tflops"] = flops * rows / (row["fp8_ms"] / 1e3) / 1e12
+        row["bf16_weight_gbs"] = bf16_bytes / (row["bf16_ms"] / 1e3) / 1e9
+        row["fp8_weight_gbs"] = bf16_bytes / 2 / (row["fp8_ms"] / 1e3) / 1e9
+        out.append(row)
+        print("  " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+              flush=True)  # fmt: skip
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="sensenova-u1-8b")
@@ -104,15 +205,25 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--quantization", choices=["fp8"], default=None, help="e4m3 projections (batchkv.models.quant)")
+    parser.add_argument("--fp8-matmuls", action="store_true", help="the decoder's matmuls alone, bf16 against fp8")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.fp8_matmuls:
+        print(f"{args.preset} decoder matmuls per step on {device}, bf16 against fp8 (ms)")
+        with torch.inference_mode():
+            steps = fp8_matmuls(args.preset, device, args.rows, args.iters)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"preset": args.preset, "device": str(device), "fp8_matmuls": steps}, f)
+        return
     with torch.inference_mode():
         t0 = time.perf_counter()
-        model = build_model(args.preset, device)
+        model = build_model(args.preset, device, quantization=args.quantization)
         built_s = time.perf_counter() - t0
         cfg = model.config
-        elem = torch.empty((), dtype=model.dtype).element_size()
-        weight_bytes = (cfg.num_params - cfg.vocab * cfg.hidden) * elem  # the embedding reads W rows only
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        weight_bytes = sum(t.numel() * t.element_size() for name, t in tensors if name != "embed_tokens")
         peak = copy_peak_gbs(device) if device.type == "cuda" else float("nan")
         print(
             f"{args.preset} on {device}: {cfg.num_params / 1e9:.2f} B params, {weight_bytes / 1e9:.2f} GB read "

@@ -203,3 +203,23 @@ def test_three_ranks_give_transformers_logprobs_over_a_vocabulary_padded_to_the_
         assert entry.token == ids[position]
         assert entry.logprob == pytest.approx(row[entry.token].item(), abs=2e-4)
         assert [v for _, v in entry.top] == pytest.approx(row.topk(len(entry.top)).values.tolist(), abs=2e-4)
+
+
+def test_two_ranks_with_fp8_projections_agree_with_one_fp8_process_to_the_scales_rounding(qwen3_dir):
+    """Each rank quantises its own slices (a row-parallel slice has its own per-channel scales), so
+    the sharded model is not bit-identical to the whole one; its logits agree to e4m3's rounding."""
+    from batchkv.models.hf import HFModel, quantize_decoder
+    from batchkv.models.loading import load
+
+    path, hf = qwen3_dir
+    whole = type(hf)(hf.config)
+    whole.load_state_dict(hf.state_dict())
+    quantize_decoder(whole.eval())
+    prompt = random_prompt(random.Random(7), 9, 9, vocab=250)
+    exact = first_logits(Engine(HFModel(hf), **ENGINE), prompt)
+    want = first_logits(Engine(HFModel(whole), **ENGINE), prompt)
+    with tp_engine(functools.partial(load, str(path), quantization="fp8"), 2) as engine:
+        got = first_logits(engine, prompt)
+    assert not torch.equal(got, want)  # the o and down slices' scales are the ranks' own
+    assert (got - want).norm() <= 1.5 * (want - exact).norm()  # no further than fp8 is from float
+    assert (got - exact).norm() / exact.norm() < 0.1

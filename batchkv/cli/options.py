@@ -49,7 +49,7 @@ def or_auto(parse):
 
 
 def add_model_options(group: argparse._ArgumentGroup, *, default: str | None = None) -> None:
-    """-m/--model, --device, --dtype, --seed, --threads (run, serve, score). `default` None: --model is
+    """-m/--model, --device, --dtype, --seed, --quantization, --threads (run, serve, score). `default` None: --model is
     required (serve also takes it as its first positional argument, as vLLM does)."""
     group.add_argument(
         "-m",
@@ -66,7 +66,13 @@ def add_model_options(group: argparse._ArgumentGroup, *, default: str | None = N
     group.add_argument(
         "--seed", type=bounded(int, 0), default=0, help="seed of a preset's random weights, workloads and sampling"
     )
-    # Another model option (a weight quantisation, ...) is one add_argument here, read in `load_model`.
+    group.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        default=None,
+        help="fp8: e4m3 weights (per-channel scales computed at load) and per-token e4m3 activations in the "
+        "decoder's linear layers (an FP8 checkpoint loads as published without it)",
+    )
     group.add_argument(
         "-t",
         "--threads",
@@ -212,13 +218,15 @@ def torch_dtype(name: str) -> torch.dtype | None:
     return None if name == "auto" else dtype_named(name)
 
 
-def load_model(args: argparse.Namespace, device: str):
+def load_model(args: argparse.Namespace, device: str, *, quantized: bool = True):
     """The `ServedModel` (model, tokenizer, stop ids, limit) --model names; with --tensor-parallel > 1
     everything but the weights, which each rank loads (`build_engine`)."""
     from batchkv.serve.loading import load_served_model
 
     weights = getattr(args, "tensor_parallel", 1) == 1
-    return load_served_model(args.model, device, dtype=args.dtype, seed=args.seed, weights=weights)
+    quantization = args.quantization if quantized else None  # quantized=False: the float model (score's reference)
+    return load_served_model(args.model, device, dtype=args.dtype, seed=args.seed, weights=weights,
+                             quantization=quantization)  # fmt: skip
 
 
 def resolve_capacity(flag: int | str | None, limit: int | None) -> int:
@@ -239,7 +247,8 @@ def build_engine(args: argparse.Namespace, served, device: str):
     from batchkv.executor import Engine
 
     tp = args.tensor_parallel
-    model = served.model if tp == 1 else model_source(args.model, seed=args.seed, dtype=torch_dtype(args.dtype))
+    model = served.model if tp == 1 else model_source(args.model, seed=args.seed, dtype=torch_dtype(args.dtype),
+                                                      quantization=args.quantization)  # fmt: skip
     return Engine(
         model,
         tensor_parallel=tp,
@@ -255,12 +264,14 @@ def build_engine(args: argparse.Namespace, served, device: str):
     )
 
 
-def model_source(name: str, *, seed: int, dtype: torch.dtype | None = None) -> functools.partial:
+def model_source(
+    name: str, *, seed: int, dtype: torch.dtype | None = None, quantization: str | None = None
+) -> functools.partial:
     """What each tensor-parallel rank builds its share from: a preset, or a model directory (a GGUF file
     is converted here, once, before the ranks start)."""
     from batchkv.models.loading import load, resolve
 
-    return functools.partial(load, resolve(name), seed=seed, dtype=dtype)
+    return functools.partial(load, resolve(name), seed=seed, dtype=dtype, quantization=quantization)
 
 
 def scheduling_kwargs(args: argparse.Namespace, device: torch.device | str | None = None) -> dict[str, Any]:

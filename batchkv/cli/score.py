@@ -24,7 +24,12 @@ def add_score(sub: argparse._SubParsersAction) -> None:
     )
     add_model_options(p.add_argument_group("model"))
     p.add_argument("files", nargs="+", metavar="FILE", help="UTF-8 text files (tokenized with the model's tokenizer)")
-    p.add_argument("--kv-dtype", choices=names, default="fp8", help="storage dtype tested (fp8 is e4m3)")
+    p.add_argument(
+        "--kv-dtype",
+        choices=names,
+        default=None,
+        help="storage dtype tested (fp8 is e4m3; default fp8, or with --quantization the reference's)",
+    )
     p.add_argument("--reference", choices=names, default="bfloat16", help="storage dtype compared against")
     p.add_argument("--chunk", type=bounded(int, 1, 1 << 16), default=64, help="tokens per prompt chunk")
     p.add_argument("--max-tokens", type=bounded(int, 2), default=4096, help="score at most this many tokens per file")
@@ -44,18 +49,21 @@ def _cmd_score(args: argparse.Namespace) -> int:
             texts.append(f.read())
     device = resolve_device(args)
     set_threads(args)
-    tested_dtype, reference_dtype = kv_dtype_option(args.kv_dtype), kv_dtype_option(args.reference)
-    served = load_model(args, device)
+    kv_dtype = args.kv_dtype or (args.reference if args.quantization else "fp8")
+    tested_dtype, reference_dtype = kv_dtype_option(kv_dtype), kv_dtype_option(args.reference)
+    served = load_model(args, device, quantized=False)  # the reference: the model as it is
     if served.tokenizer is None:
         raise ConfigError(f"--model {args.model} has no tokenizer; batchkv score reads text")
-    print(f"{'file':<32} {'tokens':>7} {'ppl ' + args.reference:>14} {'ppl ' + args.kv_dtype:>14} "
+    tested_model = load_model(args, device).model if args.quantization else served.model  # FP8 compute
+    label = f"{args.quantization} " * bool(args.quantization) + kv_dtype
+    print(f"{'file':<32} {'tokens':>7} {'ppl ' + args.reference:>14} {'ppl ' + label:>14} "
           f"{'change':>8} {'top-1':>7} {'KL':>9}")  # fmt: skip
     for path, text in zip(args.files, texts, strict=True):
         ids = served.tokenizer(text).input_ids[: args.max_tokens]
         extra = {"key_rotation": True} if args.key_rotation else {}
-        tested = make_cache(served.model, tested_dtype, max(len(ids), 2), args.chunk, **extra)
+        tested = make_cache(tested_model, tested_dtype, max(len(ids), 2), args.chunk, **extra)
         reference = make_cache(served.model, reference_dtype, max(len(ids), 2), args.chunk)
-        s = score_caches(served.model, ids, [tested], reference, args.chunk)[0]
+        s = score_caches(served.model, ids, [tested], reference, args.chunk, [tested_model])[0]
         print(f"{path[-32:]:<32} {s.tokens:>7} {s.reference_ppl:>14.4f} {s.ppl:>14.4f} {s.ppl_change:>+8.2%} "
               f"{s.top1_agreement:>7.2%} {s.kl_mean:>9.5f}")  # fmt: skip
     return 0

@@ -138,14 +138,17 @@ def gemv(
 
 
 def linear(
-    x: torch.Tensor, w: torch.Tensor, *, silu_mul: bool = False, out_dtype: torch.dtype | None = None
+    x: torch.Tensor, w: torch.Tensor | torch.nn.Module, *, silu_mul: bool = False, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """`F.linear(x, w)` (of silu(gate) * up for x = [gate | up] when silu_mul), in `out_dtype`.
 
     The few-row kernel on CUDA for up to GEMV_MAX_ROWS rows, cuBLAS otherwise; with silu_mul the
     elementwise kernel runs first. Both round the product to x's dtype. The row count is static per
-    captured width, so a graph takes one path.
+    captured width, so a graph takes one path. `w` may also be a layer that computes itself with the
+    same keywords (a `batchkv.models.quant.Fp8Linear` put in place of a weight at load).
     """
+    if not isinstance(w, torch.Tensor):
+        return w(x, silu_mul=silu_mul, out_dtype=out_dtype)
     if silu_mul:
         x = silu_mul_rows(x)
     if x.is_cuda and triton is not None and x.shape[0] <= GEMV_MAX_ROWS:

@@ -45,7 +45,7 @@ import contextvars
 import inspect
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -196,6 +196,29 @@ def _head_dim(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
+PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+
+
+def quantize_decoder(hf_model: torch.nn.Module, keep: Callable[[int, str], bool] | None = None) -> int:
+    """Replace the decoder layers' q/k/v/o and gate/up/down `nn.Linear`s of a transformers causal LM
+    by `batchkv.models.quant.Fp8Linear`s (a row-parallel one keeps its all-reduce); the embedding
+    and the LM head are left alone, and so is every projection for which `keep(layer index, name)`
+    is true (e.g. sensitive layers kept in the model dtype). Returns the number replaced (ConfigError
+    if none)."""
+    from batchkv.models.quant import quantize_layers
+
+    decoder = getattr(hf_model, hf_model.base_model_prefix)
+    done = 0
+    for i, layer in enumerate(decoder.layers):
+        for part, names in PROJECTIONS:
+            if getattr(layer, part, None) is not None:
+                chosen = [n for n in names if keep is None or not keep(i, n)]
+                done += quantize_layers(getattr(layer, part), chosen)
+    if not done:
+        raise ConfigError(f"{hf_model.config.model_type}: no q/k/v/o or gate/up/down projections to quantise")
+    return done
+
+
 def _tap_hook(taps, layer: int):
     """A forward hook recording a decoder layer's output ([1, W, H], or a tuple starting with it)."""
 
@@ -228,11 +251,17 @@ class HFModel:
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
         kv_dtype: torch.dtype | None = None,
+        quantization: str | None = None,
     ) -> HFModel:
         """Load a transformers model directory, or a GGUF file (converted once and cached by
         `batchkv.models.gguf.transformers_dir`), onto `device`. `dtype` None: the config's.
         The EOS ids and max positions then come from its configuration; `model.directory` is the
         transformers directory (its tokenizer and chat template live there).
+        `quantization="fp8"`: the decoder's q/k/v/o and gate/up/down become
+        `batchkv.models.quant.Fp8Linear`s (per-channel scales computed at load); the embedding and
+        the LM head keep `dtype`. A directory whose config.json carries a `quantization_config`
+        (an FP8 checkpoint) loads as published (`batchkv.models.quant.checkpoints`), whatever
+        `quantization` says.
 
         >>> model = HFModel.from_pretrained("SmolLM2-135M-Instruct.Q4_1.gguf")
         >>> model.eos_token_ids, model.max_positions   # ((2,), 8192)
@@ -245,7 +274,16 @@ class HFModel:
         directory = transformers_dir(source) if is_gguf(source) else source
         if not (directory / "config.json").is_file():
             raise ConfigError(f"{source} is neither a GGUF file nor a transformers directory (no config.json)")
-        hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or "auto").to(device)
+        from batchkv.models.quant import check_quantization
+        from batchkv.models.quant.checkpoints import load_quantized_hf, quantization_config
+
+        check_quantization(quantization)
+        if quantization_config(directory) is not None:
+            hf = load_quantized_hf(directory, device=torch.device(device), dtype=dtype)
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or "auto").to(device)
+            if quantization is not None:
+                quantize_decoder(hf)
         model = cls(hf, kv_dtype=kv_dtype)
         model.directory = directory
         return model

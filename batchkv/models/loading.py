@@ -109,19 +109,28 @@ def need_transformers(what: str) -> None:
 
 
 def load_whole(source: str | os.PathLike, device: str | torch.device, *, dtype: torch.dtype | None = None,
-               seed: int = 0):  # fmt: skip
-    """The whole model of a preset or a model directory (a GGUF file converted) on `device`."""
+               seed: int = 0, quantization: str | None = None):  # fmt: skip
+    """The whole model of a preset or a model directory (a GGUF file converted) on `device`.
+    `quantization="fp8"`: the decoder's linear layers in e4m3 (`batchkv.models.quant`); a directory
+    with a `quantization_config` (an FP8 checkpoint) loads as published either way."""
+    from batchkv.models.quant import check_quantization
+
+    check_quantization(quantization)
     if str(source) in MODEL_PRESETS:
         from batchkv.models import build_model
 
-        return build_model(str(source), device, dtype=dtype, seed=seed)
+        return build_model(str(source), device, dtype=dtype, seed=seed, quantization=quantization)
     path = Path(resolve(source))
     config = read_config(path)
     if is_sensenova(config):
         from batchkv.models import build_model
 
+        if config.get("quantization_config") is not None:
+            raise ConfigError(f"{path}: SenseNova-U1 is loaded from float checkpoints only; give the float "
+                              "checkpoint and --quantization fp8")  # fmt: skip
         cfg = sensenova_config(config, dtype)
-        return build_model(cfg, device, checkpoint=path, prefix=checkpoint_prefix(path), skip=(GENERATION_BRANCH,))
+        return build_model(cfg, device, checkpoint=path, prefix=checkpoint_prefix(path), skip=(GENERATION_BRANCH,),
+                           quantization=quantization)  # fmt: skip
     model_type = config.get("model_type")
     if model_type not in TRANSFORMERS_FAMILIES:
         architecture = ", ".join(config.get("architectures") or ()) or "none named"
@@ -132,28 +141,36 @@ def load_whole(source: str | os.PathLike, device: str | torch.device, *, dtype: 
     need_transformers(f"the transformers model {path}")
     from transformers import AutoModelForCausalLM
 
-    from batchkv.models.hf import HFModel
+    from batchkv.models.hf import HFModel, quantize_decoder
+    from batchkv.models.quant.checkpoints import load_quantized_hf
 
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or "auto").to(device)
+    if config.get("quantization_config") is not None:  # an FP8 checkpoint, as published
+        hf = load_quantized_hf(path, device=torch.device(device), dtype=dtype)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or "auto").to(device)
+        if quantization is not None:
+            quantize_decoder(hf)
     return HFModel(hf)
 
 
 def load(source: str | os.PathLike | SenseNovaConfig, shard: Shard, *, dtype: torch.dtype | None = None,
-         seed: int = 0, kv_dtype: torch.dtype | None = None):  # fmt: skip
+         seed: int = 0, kv_dtype: torch.dtype | None = None, quantization: str | None = None):  # fmt: skip
     """Rank `shard.rank`'s share of a preset or a `SenseNovaConfig` (random weights from `seed`), or
-    of a model directory."""
+    of a model directory. `quantization="fp8"`: its projections in e4m3, each rank's scales computed
+    from the slices it holds (per output channel, so a column-parallel slice's are the whole's)."""
     from batchkv.models import build_model
 
     if isinstance(source, SenseNovaConfig) or str(source) in MODEL_PRESETS:
         preset = source if isinstance(source, SenseNovaConfig) else str(source)
-        return build_model(preset, shard.device, dtype=dtype, seed=seed, shard=shard)
+        return build_model(preset, shard.device, dtype=dtype, seed=seed, shard=shard, quantization=quantization)
     path = Path(source)
     config = read_config(path)
     if is_sensenova(config):
         cfg = sensenova_config(config, dtype)
         prefix = checkpoint_prefix(path)
-        return build_model(cfg, shard.device, checkpoint=path, prefix=prefix, skip=(GENERATION_BRANCH,), shard=shard)
-    return load_hf_shard(path, shard, dtype=dtype, kv_dtype=kv_dtype)
+        return build_model(cfg, shard.device, checkpoint=path, prefix=prefix, skip=(GENERATION_BRANCH,), shard=shard,
+                           quantization=quantization)  # fmt: skip
+    return load_hf_shard(path, shard, dtype=dtype, kv_dtype=kv_dtype, quantization=quantization)
 
 
 def resolve(source: str | os.PathLike) -> str:
@@ -204,15 +221,20 @@ class ModelSource:
 
 
 def load_hf_shard(
-    path: str | os.PathLike, shard: Shard, *, dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None
-):
-    """`HFModel` of rank `shard.rank`'s share of the transformers model directory `path`."""
+    path: str | os.PathLike, shard: Shard, *, dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None,
+    quantization: str | None = None,
+):  # fmt: skip
+    """`HFModel` of rank `shard.rank`'s share of the transformers model directory `path`;
+    `quantization="fp8"`: its projections `Fp8Linear`s (a row-parallel one keeps its all-reduce)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from batchkv.models.hf import HFModel
 
     path = Path(path)
     config = AutoConfig.from_pretrained(str(path))
+    if getattr(config, "quantization_config", None) is not None:
+        raise ConfigError(f"{path}: an FP8 checkpoint is served on one GPU; tensor parallelism reads float "
+                          "checkpoints (give one and quantization='fp8')")  # fmt: skip
     if config.model_type not in TRANSFORMERS_FAMILIES:
         raise ConfigError(f"{path}: tensor parallelism shards the transformers families {TRANSFORMERS_FAMILIES}, not "
                           f"{config.model_type!r}")  # fmt: skip
@@ -237,6 +259,10 @@ def load_hf_shard(
             param[part.shape[0] :].zero_()  # the last ranks' vocabulary padding
     if (path / "generation_config.json").is_file():
         hf.generation_config = GenerationConfig.from_pretrained(str(path))
+    if quantization is not None:
+        from batchkv.models.hf import quantize_decoder
+
+        quantize_decoder(hf)
     model = HFModel(hf.eval(), kv_dtype=kv_dtype, shard=shard)
     model.directory = path
     return model

@@ -120,8 +120,11 @@ class DecoderLayer(nn.Module):
     """One decoder layer's fused weights (see `batchkv.models.weights` for the checkpoint names).
 
     qkv: [(Hq + 2 Hkv) D, H] = cat(q_proj, k_proj, v_proj); gate_up: [2 I, H] = cat(gate, up);
-    q_norm, k_norm: [2, D/2] = stack(t-half weight, hw-half weight).
+    q_norm, k_norm: [2, D/2] = stack(t-half weight, hw-half weight). Under FP8 compute the four
+    projections are `batchkv.models.quant.Fp8Linear` layers (`SenseNovaLM.quantize`).
     """
+
+    PROJECTIONS = ("qkv", "o_proj", "gate_up", "down")
 
     def __init__(self, cfg: SenseNovaConfig, device: torch.device, dtype: torch.dtype) -> None:
         super().__init__()
@@ -174,6 +177,7 @@ class SenseNovaLM(nn.Module):
         self.lm_head = _param(local.vocab, h, device=device, dtype=dtype)
         self.rope = Rope3D(config.head_dim, config.theta_t, config.theta_hw).to(device)
         self.scale = config.head_dim**-0.5  # as the published code writes it
+        self.quantization: str | None = None  # "fp8" after `quantize`
 
     @property
     def vocab_size(self) -> int:
@@ -186,6 +190,17 @@ class SenseNovaLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.dtype
+
+    def quantize(self, quantization: str) -> None:
+        """Replace every decoder projection (qkv, o, gate_up, down) by its `Fp8Linear` (quantization
+        "fp8"); the embedding, norms and LM head keep the model dtype. The float weights are freed."""
+        from batchkv.models.quant import check_quantization, quantize_layers
+
+        if check_quantization(quantization) is None:
+            return
+        for layer in self.layers:
+            quantize_layers(layer, DecoderLayer.PROJECTIONS)
+        self.quantization = quantization
 
     def cache_spec(self) -> dict:
         """KV geometry for `CacheConfig(**model.cache_spec(), max_seqs=..., capacity=..., ...)`."""

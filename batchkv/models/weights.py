@@ -48,6 +48,7 @@ from batchkv.checks import device_arg, int_arg
 from batchkv.errors import CheckpointError, ConfigError, DependencyError
 from batchkv.models.config import SenseNovaConfig, preset_config
 from batchkv.models.parallel.shard import Shard
+from batchkv.models.quant import check_quantization
 from batchkv.models.sensenova import SenseNovaLM
 
 # Fused parameter of a layer -> the checkpoint names it is made of, in order.
@@ -116,6 +117,11 @@ def named_weights(model: SenseNovaLM) -> Iterator[tuple[str, torch.Tensor]]:
     The views share storage with the model: no copy, same device and dtype. A tensor-parallel
     shard's views have its shapes (`model.local_config`): see `shard_span`.
     """
+    if getattr(model, "quantization", None) is not None:
+        raise CheckpointError(
+            f"this model's projections are {model.quantization} layers, not float weights: load, initialise or "
+            "save the float model (build_model without quantization=) and quantise it after"
+        )
     shapes = checkpoint_shapes(model.local_config)
     yield "model.embed_tokens.weight", model.embed_tokens.data
     for layer, p in enumerate(model.layers):
@@ -274,12 +280,16 @@ def build_model(
     prefix: str = "",
     skip: Sequence[str] = (),
     shard: Shard | None = None,
+    quantization: str | None = None,
 ) -> SenseNovaLM:
     """A SenseNova-U1 language model from a preset name (see MODEL_PRESETS) or a config.
 
     Weights come from `checkpoint` (see `load_checkpoint`; `prefix`/`skip` pass through) or, when
     it is None, from a random init seeded by `seed` (see `random_init`; `init_on`). `dtype`
     defaults to the preset's. `shard`: one tensor-parallel rank's share (`batchkv.models.parallel.Shard`).
+    `quantization="fp8"`: the decoder's projections become `batchkv.models.quant.Fp8Linear`s
+    (e4m3 weights with per-output-channel scales computed from the loaded weights; a shard's from
+    its slices); the embedding and the LM head stay in `dtype`.
 
     >>> model = build_model("sensenova-u1-tiny", "cpu", seed=0)
     """
@@ -290,9 +300,12 @@ def build_model(
     seed = int_arg("build_model seed", seed)
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ConfigError(f"build_model dtype is {dtype!r}; use None (the preset's) or a floating torch dtype")
+    check_quantization(quantization)
     model = SenseNovaLM(cfg, device, dtype, shard=shard)
     if checkpoint is None:
         random_init(model, seed, on=init_on)
     else:
         load_checkpoint(model, checkpoint, prefix=prefix, skip=skip)
+    if quantization is not None:
+        model.quantize(quantization)
     return model.eval()

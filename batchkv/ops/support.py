@@ -139,6 +139,12 @@ def e4m3_cvt_asm(device: torch.device) -> bool:
     return _nvidia_at_least(device, (8, 9))
 
 
+def fp8_gemm(device: torch.device) -> bool:
+    """Whether `device` multiplies e4m3 matrices in hardware (torch's scaled matmul through cuBLASLt and
+    Triton's e4m3 dots): NVIDIA sm_89+ (Ada, Hopper). Elsewhere FP8 layers run their exact emulation."""
+    return _nvidia_at_least(device, (8, 9))
+
+
 def pdl_launch(device: torch.device) -> bool:
     """Whether kernels on `device` may use programmatic dependent launch (Triton's `launch_pdl` and
     `griddepcontrol`): NVIDIA sm_90+; never under the interpreter or on ROCm."""

@@ -65,14 +65,20 @@ def _eos_ids(path: Path, tokenizer) -> tuple[int, ...]:
 
 
 def load_served_model(
-    spec: str, device: str, *, dtype: str = "auto", seed: int = 0, weights: bool = True
-) -> ServedModel:
+    spec: str, device: str, *, dtype: str = "auto", seed: int = 0, weights: bool = True,
+    quantization: str | None = None,
+) -> ServedModel:  # fmt: skip
     """Load a preset or a model directory onto `device` ("cpu" / "cuda"). See the module docstring.
     `weights=False`: everything but the model (its tokenizer, stop ids and limit; `model` None), for
-    a tensor-parallel engine whose ranks load their own shares."""
+    a tensor-parallel engine whose ranks load their own shares. `quantization="fp8"`: the decoder's
+    linear layers in e4m3 (`batchkv.models.quant`); an FP8 checkpoint loads as published either way."""
+    from batchkv.models.quant import check_quantization
+
+    check_quantization(quantization)
     torch_dtype = None if dtype == "auto" else DTYPES[dtype]
     if spec in MODEL_PRESETS:
-        return ServedModel(load_whole(spec, device, dtype=torch_dtype, seed=seed) if weights else None, "preset")
+        model = load_whole(spec, device, dtype=torch_dtype, seed=seed, quantization=quantization) if weights else None
+        return ServedModel(model, "preset")
     path = Path(spec)
     if path.is_file():
         from batchkv.models.gguf import transformers_dir
@@ -88,5 +94,5 @@ def load_served_model(
     max_positions = (config.get("llm_config") or config.get("text_config") or config).get("max_position_embeddings")
     if not weights:
         return ServedModel(None, "sensenova" if is_sensenova(config) else "transformers", tokenizer, eos, max_positions)
-    model = load_whole(path, device, dtype=torch_dtype, seed=seed)
+    model = load_whole(path, device, dtype=torch_dtype, seed=seed, quantization=quantization)
     return ServedModel(model, "sensenova" if is_sensenova(config) else "transformers", tokenizer, eos, max_positions)

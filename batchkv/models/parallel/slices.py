@@ -21,7 +21,8 @@ import torch
 from batchkv.errors import CheckpointError
 
 DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-          "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}  # fmt: skip
+          "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+          "F8_E4M3": torch.float8_e4m3fn}  # fmt: skip
 MAX_HEADER = 100 * 2**20  # bytes: safetensors' own limit
 
 

@@ -1,0 +1,204 @@
+"""TensorRT-LLM's published Llama-3.1-8B workloads on one H200, served by batchkv on the same shape.
+
+TensorRT-LLM's performance overview (`docs/source/performance/perf-overview.md`, `trtllm-bench`
+throughput, FP8 weights and activations, fixed input/output lengths, all requests at once) gives for
+Llama-3.1-8B on one H200: 128/128 27,911; 1000/1000 17,744; 2048/2048 12,194; 5000/500 3,902 output
+tokens/s, from 30,000 / 3,000 / 1,500 / 1,500 requests. This bench serves the same workloads on the
+Llama-3.1-8B shape (transformers `LlamaConfig`: hidden 4096, intermediate 14336, 32 layers, 32 query
+and 8 KV heads, vocabulary 128,256; random bf16 weights) through `HFModel`, every request submitted
+at once, EOS ignored, greedy, on the README's engine (`max_seqs="auto"`, the store sized to the
+device, CUDA graphs, overlap), in three configurations: bf16; fp8 (`batchkv.models.quant`: e4m3
+projections, per-token activations); fp8 + e4m3 K/V. One engine per configuration (capacity the
+longest workload's reach), warmed once (`Engine.warm_up`), serves the workloads in turn.
+
+Each (workload, configuration) records output tokens/s over the whole run (`tokens_per_s`, what
+trtllm-bench reports), the steady-state rate (`steady_tokens_per_s`: output tokens over the window
+in which requests were still waiting, so every column was busy; None when none waited) and the
+workload's own limit from its request list (`limit_tokens_per_s`: its FLOPs at the GEMM rates and its
+bytes at the read bandwidth, all measured in this run, perfectly overlapped and serial, as
+bench/roofline.py's `workload_limit` computes them; the projections' FLOPs at the FP8 rate and their
+weights at one byte for fp8). The request counts run are recorded beside the published ones.
+
+    python3 bench/anchors.py --out bench/results/anchors-h200.json --budget-s 500     # on the H200
+    python bench/anchors.py --small --out /tmp/a.json                                  # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout: bench.lib and batchkv
+from batchkv.executor import Engine, Request, SamplingParams
+from bench.lib.ceilings import matmul_peak, read_ceiling
+from bench.lib.fp8_limits import fp8_peak, limit
+from bench.lib.timing import Deadline
+
+SOURCE = (
+    "TensorRT-LLM docs/source/performance/perf-overview.md, Llama 3.1 8B FP8, one H200 (trtllm-bench throughput, "
+    "output tokens/s)"
+)
+PUBLISHED = {
+    "128/128": (27911, 30000),
+    "1000/1000": (17744, 3000),
+    "2048/2048": (12194, 1500),
+    "5000/500": (3902, 1500),
+}  # workload: (output tokens/s, requests)
+CONFIGS = ("bf16", "fp8", "fp8_e4m3")
+LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+            "rope_theta": 500000.0}  # fmt: skip
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512}  # fmt: skip
+
+
+def workload(name: str, n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """n random prompts of the workload's input length, each asking its output length."""
+    isl, osl = (int(x) for x in name.split("/"))
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, vocab, (n, isl), generator=gen).tolist()
+    return prompts, [osl] * n
+
+
+def serve(engine: Engine, prompts, outputs, device: torch.device) -> dict:
+    """Every request at once, EOS ignored, greedy; whole-run and steady-state output tokens/s."""
+    engine.clear_prefix_cache()
+    engine.metrics = engine.metrics.fresh()
+    params = [SamplingParams(max_new_tokens=o, ignore_eos=True) for o in outputs]
+    for p, sp in zip(prompts, params, strict=True):
+        engine.submit(Request(p, sp))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    finished, times, tokens = 0, [], 0  # times[j]: (seconds, tokens so far) when the j-th request finished
+    for event in engine.stream():
+        tokens += event.token is not None
+        if event.finish_reason is not None:
+            finished += 1
+            times.append((time.perf_counter() - start, tokens))
+    wall = time.perf_counter() - start
+    n, seqs = len(prompts), engine.cache.max_seqs
+    waiting_until = n - seqs  # while fewer had finished, requests were still waiting for a column
+    steady = None
+    if waiting_until > 1:
+        (t0, k0), (t1, k1) = times[0], times[waiting_until - 1]
+        steady = (k1 - k0) / (t1 - t0) if t1 > t0 else None
+    summary = engine.metrics.summary()
+    return {"requests": n, "tokens_per_s": tokens / wall, "steady_tokens_per_s": steady, "wall_s": wall,
+            "output_tokens": tokens, "steps": summary.get("steps"), "ttft_p50_ms": summary.get("ttft_ms_p50"),
+            "p50_itl_ms": summary.get("itl_ms_p50"), "steady_window": [times[0][0], times[waiting_until - 1][0]]
+            if steady else None}  # fmt: skip
+
+
+def build(config: dict, device: torch.device):
+    """A transformers Llama of `config` with random bf16 weights (fp32 on the CPU), made on the device."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(**config, attn_implementation="sdpa")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        hf = transformers.LlamaForCausalLM._from_config(cfg, dtype=dtype)
+    return hf.eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/anchors-h200.json"))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--small", action="store_true", help="a tiny Llama and workloads: a smoke run")
+    ap.add_argument("--budget-s", type=float, default=500.0, help="wall-clock budget; parts past it are skipped")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of bf16, fp8, fp8_e4m3 (run in order)")
+    ap.add_argument("--workloads", default=",".join(PUBLISHED), help="comma list of ISL/OSL")
+    ap.add_argument("--requests", default="fp8_e4m3=2048:512:320:384,fp8=1024:256:160:192,bf16=1024:256:160:192",
+                    help="per configuration, the request count of each workload in --workloads order")  # fmt: skip
+    ap.add_argument("--max-step-tokens", type=int, default=None, help="the Engine's step budget (default its own)")
+    ap.add_argument("--resume", type=Path, default=None, help="a result JSON to add to")
+    args = ap.parse_args()
+    deadline = Deadline(args.budget_s)
+    device = torch.device(args.device)
+    config = TINY if args.small else LLAMA_8B
+    names = [w for w in args.workloads.split(",") if w]
+    if args.small:
+        names = ["16/8"]
+    counts = {}
+    for part in args.requests.split(","):
+        key, _, values = part.partition("=")
+        counts[key] = [int(v) for v in values.split(":")]
+    result = json.loads(args.resume.read_text()) if args.resume else {}
+    result.update(model="Llama-3.1-8B shape (transformers LlamaConfig, random weights)" if not args.small else
+                  "tiny Llama (smoke)", device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                  torch=torch.__version__, config=config, source=SOURCE)  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        args.out.write_text(json.dumps(result, indent=1))
+
+    if "read_gbps" not in result:
+        result["read_gbps"] = read_ceiling(device)[0]
+        result["bf16_tflops"] = matmul_peak(device)[0]
+        result["fp8_tflops"] = fp8_peak(device)
+        save()
+    print(f"read {result['read_gbps']:.0f} GB/s, bf16 {result['bf16_tflops']:.0f} TFLOP/s, fp8 "
+          f"{result['fp8_tflops']:.0f} TFLOP/s", flush=True)  # fmt: skip
+    from batchkv.models.hf import HFModel, quantize_decoder
+
+    hf = build(config, device)
+    quantized = False
+    works = result.setdefault("workloads", {})
+    for name in names:
+        entry = works.setdefault(name, {})
+        if name in PUBLISHED:
+            entry["published"] = {"source": SOURCE, "tokens_per_s": PUBLISHED[name][0], "requests": PUBLISHED[name][1]}
+    reach = max(sum(int(x) for x in name.split("/")) for name in names) + 1
+    for cfg_name in [c for c in args.configs.split(",") if c]:
+        if deadline.left() < 60:
+            print(f"{cfg_name}: skipped, {deadline.left():.0f} s left", flush=True)
+            continue
+        if cfg_name != "bf16" and not quantized:
+            quantize_decoder(hf)
+            quantized = True
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        elif cfg_name == "bf16" and quantized:
+            raise SystemExit("bf16 must come before the fp8 configurations (the model is quantised in place)")
+        kv_dtype = torch.float8_e4m3fn if cfg_name == "fp8_e4m3" else None
+        model = HFModel(hf, kv_dtype=kv_dtype)
+        engine = Engine(model, max_seqs="auto", capacity=reach, use_graphs=device.type == "cuda", device=device,
+                        **({"max_step_tokens": args.max_step_tokens} if args.max_step_tokens else {}))  # fmt: skip
+        warm_s = engine.warm_up()
+        print(f"{cfg_name}: engine {engine.sizing.describe() if engine.sizing else ''}; warm-up {warm_s:.0f} s",
+              flush=True)  # fmt: skip
+        for j, name in enumerate(names):
+            n = 4 if args.small else counts[cfg_name][j]
+            if deadline.left() < 30:
+                works[name][cfg_name] = {"status": f"skipped: {deadline.left():.0f} s of the budget left"}
+                continue
+            prompts, outputs = workload(name, n, config["vocab_size"])
+            got = serve(engine, prompts, outputs, device)
+            kv_pos = engine.cache.config.bytes_per_position()
+            got["limit_tokens_per_s"] = lim = limit(prompts, outputs, config, fp8=cfg_name != "bf16",
+                                                    kv_bytes_per_pos=kv_pos, read_gbps=result["read_gbps"],
+                                                    bf16_tflops=result["bf16_tflops"],
+                                                    fp8_tflops=result["fp8_tflops"])  # fmt: skip
+            got.update(max_seqs=engine.cache.max_seqs, store=engine.sizing.describe() if engine.sizing else None,
+                       warm_up_s=warm_s, kv_dtype=str(engine.cache.config.kv_dtype))  # fmt: skip
+            works[name][cfg_name] = got
+            save()
+            published = PUBLISHED.get(name, (None,))[0]
+            print(f"{name} {cfg_name}: {got['tokens_per_s']:.0f} tok/s (steady {got['steady_tokens_per_s'] or 0:.0f}) "
+                  f"from {n} requests; limit {lim['overlap']:.0f} / {lim['serial']:.0f}; published {published}",
+                  flush=True)  # fmt: skip
+        engine.close()
+        del engine, model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    save()
+
+
+if __name__ == "__main__":
+    main()
