@@ -173,7 +173,7 @@ def load_quantized_hf(directory: str | Path, *, device: torch.device, dtype: tor
     its quantised projections `Fp8Linear`s, everything else in `dtype` (None: the config's)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from batchkv.tp.slices import SafetensorsSlices
+    from batchkv.models.parallel.slices import SafetensorsSlices
 
     directory = Path(directory)
     scheme = read_scheme(quantization_config(directory) or {}, f"{directory}/config.json quantization_config")

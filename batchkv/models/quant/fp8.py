@@ -202,7 +202,7 @@ class Fp8Linear(nn.Module):
     optional `bias` [N] in `dtype`; inputs and outputs in `dtype` (the model's).
 
     `reduce` (e.g. `Shard.all_reduce` of a row-parallel projection) runs on the product before the
-    bias is added, as `batchkv.tp.layers.RowParallelLinear` does. Capturable.
+    bias is added, as `batchkv.models.parallel.layers.RowParallelLinear` does. Capturable.
 
     >>> layer = Fp8Linear.from_linear(nn.Linear(4096, 4096, bias=False, dtype=torch.bfloat16))
     >>> y = layer(x)   # x [..., 4096] bf16 -> [..., 4096] bf16
