@@ -28,14 +28,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout: bench.lib and batchkv
 import batchkv.models.gemv as gemv_module
 import batchkv.models.quant.fp8 as fp8_module
 from batchkv.models import build_model, preset_config
 from batchkv.models.quant import Fp8Linear
+from bench.lib.timing import capture
 
 
 class NullAttention:
@@ -61,36 +65,14 @@ def copy_peak_gbs(device: torch.device, nbytes: int = 2 << 30) -> float:
 
 
 def step_ms(model, rows: int, iters: int) -> float:
+    """Mean ms of one decoder step of `rows` rows (attention left out), replayed from one CUDA graph."""
     dev = model.device
     ids = torch.randint(0, model.vocab_size, (rows,), device=dev)
     idx = torch.zeros(3, rows, dtype=torch.int64, device=dev)
     idx[0] = torch.arange(rows, device=dev) + 100
     sel = torch.arange(rows, device=dev)
     cache = NullAttention()
-    if dev.type != "cuda":
-        model(ids, idx, cache, sel)
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            model(ids, idx, cache, sel)
-        return (time.perf_counter() - t0) / iters * 1e3
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            model(ids, idx, cache, sel)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        model(ids, idx, cache, sel)
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+    return graph_ms(lambda: model(ids, idx, cache, sel), iters, dev)
 
 
 def kernels_per_step(model, rows: int) -> int:
@@ -117,15 +99,7 @@ def graph_ms(fn, iters: int, device: torch.device) -> float:
         for _ in range(iters):
             fn()
         return (time.perf_counter() - t0) / iters * 1e3
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture(fn)
     for _ in range(3):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
