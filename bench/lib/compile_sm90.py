@@ -69,6 +69,9 @@ def build(fn, types: dict, consts: dict, warps: int, stages: int, label: str, al
     `aligned`: integer arguments taken as multiples of 16, as Triton specialises them at launch."""
     if consts.get("QUANT"):  # the store's scale planes have row stride 1, which Triton specialises as a constant
         consts = {**consts, "stride_sr": 1}
+    # soft-capping and sinks: off unless a variant asks (the kernels compile as before them)
+    consts = {**{n: False for n in ("SOFTCAP", "SINKS") if n in fn.arg_names}, **consts}
+    types = {"sinks": "*fp32", "cap2": "fp32", **types}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in consts and (sig[n].startswith("*") or n.startswith("stride") or n in aligned)}  # fmt: skip
