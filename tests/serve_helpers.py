@@ -198,3 +198,16 @@ def error(r: httpx.Response, status: int) -> dict:
     body = r.json()["error"]
     assert set(body) == {"message", "type", "param", "code"} and body["message"]
     return body
+
+
+def chat_text(client, args: dict, stream: bool) -> tuple[str, str]:
+    """(text, finish reason) of one chat completion through the openai client, streamed or not."""
+    if not stream:
+        choice = client.chat.completions.create(**args).choices[0]
+        return choice.message.content, choice.finish_reason
+    text, finish = "", None
+    for chunk in client.chat.completions.create(stream=True, **args):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    return text, finish

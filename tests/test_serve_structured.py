@@ -19,7 +19,7 @@ httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
-from tests.serve_helpers import Server, error, make_model_dir, make_tokenizer  # noqa: E402
+from tests.serve_helpers import Server, chat_text, error, make_model_dir, make_tokenizer  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -52,15 +52,7 @@ def client(server):
 def chat(client, stream: bool = False, **kwargs) -> tuple[str, str]:
     """(text, finish reason) of one chat completion, streamed or not."""
     args = {"model": "tiny", "messages": MESSAGES, "max_tokens": 80, "temperature": 0.8, "seed": 1, **kwargs}
-    if not stream:
-        choice = client.chat.completions.create(**args).choices[0]
-        return choice.message.content, choice.finish_reason
-    text, finish = "", None
-    for chunk in client.chat.completions.create(stream=True, **args):
-        for choice in chunk.choices:
-            text += choice.delta.content or ""
-            finish = choice.finish_reason or finish
-    return text, finish
+    return chat_text(client, args, stream)
 
 
 @pytest.mark.parametrize("stream", [False, True])

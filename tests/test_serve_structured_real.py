@@ -18,7 +18,7 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
 from tests.real_model import gguf_path, model_dir  # noqa: E402
-from tests.serve_helpers import Server  # noqa: E402
+from tests.serve_helpers import Server, chat_text  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -62,15 +62,7 @@ def client(server):
 
 def ask(client, question: str, stream: bool, **kwargs) -> tuple[str, str]:
     args = {"model": "smollm2", "messages": [{"role": "user", "content": question}], "max_tokens": 160, **kwargs}
-    if not stream:
-        choice = client.chat.completions.create(**args).choices[0]
-        return choice.message.content, choice.finish_reason
-    text, finish = "", None
-    for chunk in client.chat.completions.create(stream=True, **args):
-        for choice in chunk.choices:
-            text += choice.delta.content or ""
-            finish = choice.finish_reason or finish
-    return text, finish
+    return chat_text(client, args, stream)
 
 
 def test_twenty_json_schema_requests_parse_and_validate_streamed_and_not(client):
