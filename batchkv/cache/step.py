@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from batchkv.cache.staging import Staging
-from batchkv.errors import UnknownSequenceError
+from batchkv.errors import CapacityError, UnknownSequenceError
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,6 +71,24 @@ class StepPlan:
         totals = np.add.reduceat(sorted_len, np.flatnonzero(first))
         order = np.argsort(heads, kind="stable")
         return cls(array, seqs, q_start, q_len, consumed, seqs[heads][order], totals[order])
+
+    def refuse_writes(self, lengths: np.ndarray, max_write: int, capacity: int) -> None:
+        """CapacityError for the first sequence, in packed order, that writes more than `max_write`
+        tokens in the step or ends it past `capacity` positions; `lengths` [U] are the members'."""
+        counts, ends = self.counts, lengths + self.counts
+        over, beyond = counts > max_write, ends > capacity
+        if over.any() or beyond.any():
+            i = int(np.argmax(over | beyond))
+            seq = self.members[i].item()
+            if over[i]:
+                raise CapacityError(
+                    f"declare_step: sequence {seq} writes {counts[i]} tokens; max_write is {max_write} "
+                    "(split its prefill into smaller chunks)"
+                )
+            raise CapacityError(
+                f"sequence {seq} needs {ends[i]} positions; capacity is {capacity} "
+                "(raise capacity or finish the sequence)"
+            )
 
     @property
     def num_tokens(self) -> int:
