@@ -101,7 +101,8 @@ def test_each_rank_reads_only_its_slices_of_a_transformers_checkpoint(tmp_path):
 READ_ONLY = {"pos", "can_admit", "fits", "reach", "ring_floor", "column", "planes", "k_store", "v_store",
              "update_and_attend", "_known", "_layer", "_free_column", "_height_arg", "_growth", "_placements",
              "_restage", "_resize", "_read_prefix", "_load_prefix",
-             "_hold", "_drop_plan",  # called only by mirrored verbs (seq_new, seq_clone; seq_rm, declare, commit)
+             "_hold", "_drop_declaration",  # called only by mirrored verbs (seq_new, seq_clone; seq_rm, declare,
+             # commit)
              "_holds", "static_bytes"}  # fmt: skip
 
 

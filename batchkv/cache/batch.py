@@ -25,7 +25,7 @@ from batchkv.cache.config import CacheConfig
 from batchkv.cache.contract import check_attend_args
 from batchkv.cache.hooks import FacadeHooks
 from batchkv.cache.staging import Staging
-from batchkv.cache.step import Placement, StepBuffers, StepPlan
+from batchkv.cache.step import Declaration, Placement, StepBuffers
 from batchkv.cache.store import SCRATCH, Allocator, ColumnStore
 from batchkv.cache.views import CacheViews
 from batchkv.checks import allocating, device_arg, int_arg, is_int
@@ -102,7 +102,7 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
         self._fresh = 0  # no id from here up was ever handed out
         rings = [config.ring_rows(layer) for layer in range(config.num_layers) if config.ring_rows(layer)]
         self._min_ring = min(rings, default=0)  # a sequence wrapped some ring once it wrote more
-        self._plan: StepPlan | None = None
+        self._declaration: Declaration | None = None
         self._width: int | None = None  # set by prepare_step, cleared by commit/invalidation
 
     static_bytes = staticmethod(footprint.static_bytes)
@@ -188,13 +188,13 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
         heapq.heappush(self._released, seq)
         self._held[seq] = False
         self._len[seq] = self._hw[seq] = self._height[seq] = 0
-        if self._plan is not None and self._declared[seq]:
-            self._drop_plan()
+        if self._declaration is not None and self._declared[seq]:
+            self._drop_declaration()
 
-    def _drop_plan(self) -> None:
-        if self._plan is not None:
-            self._declared[self._plan.members] = False
-        self._plan, self._width = None, None
+    def _drop_declaration(self) -> None:
+        if self._declaration is not None:
+            self._declared[self._declaration.members] = False
+        self._declaration, self._width = None, None
 
     def rewind(self, seq: int, new_len: int) -> None:
         """Move `seq`'s length back to `new_len` (speculative rejection, retries)."""
@@ -213,8 +213,8 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
         self._restage(seq)
 
     def _restage(self, seq: int) -> None:
-        """`seq`'s length moved: a declared step naming it keeps its plan but must be prepared again."""
-        if self._plan is not None and self._declared[seq]:
+        """`seq`'s length moved: a declared step naming it keeps its declaration but must be prepared again."""
+        if self._declaration is not None and self._declared[seq]:
             self._width = None  # staged positions are stale
 
     def reserve(self, seq: int, length: int) -> bool:
@@ -255,24 +255,24 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
         the previous declaration standing. O(1) Python: every check is one array operation over
         the step's tokens, segments or sequences.
         """
-        plan = StepPlan.from_ids(seq_ids)
+        decl = Declaration.from_ids(seq_ids)
         cfg = self.config
-        if plan.num_tokens == 0:
+        if decl.num_tokens == 0:
             raise StepError("declare_step needs at least one token id")
-        if plan.num_tokens > cfg.max_width:
-            raise CapacityError(f"declare_step: {plan.num_tokens} tokens exceed max_width={cfg.max_width}")
-        members = plan.members
+        if decl.num_tokens > cfg.max_width:
+            raise CapacityError(f"declare_step: {decl.num_tokens} tokens exceed max_width={cfg.max_width}")
+        members = decl.members
         known = (members >= 0) & (members < cfg.max_seqs)
         known[known] = self._held[members[known]]
         if not known.all():  # the first unknown id, in packed order
             self._known(members[np.argmin(known)].item())
-        if plan.num_segments > cfg.max_segments:
+        if decl.num_segments > cfg.max_segments:
             raise CapacityError(
-                f"declare_step: {plan.num_segments} runs exceed max_segments={cfg.max_segments}; "
+                f"declare_step: {decl.num_segments} runs exceed max_segments={cfg.max_segments}; "
                 "pack each sequence's tokens together"
             )
-        plan.refuse_writes(self._len[members], cfg.max_write, cfg.capacity)
-        growth = self._growth(plan)
+        decl.refuse_writes(self._len[members], cfg.max_write, cfg.capacity)
+        growth = self._growth(decl)
         if growth:
             more = sum(h - int(self._height[seq]) for seq, h in growth.items())
             if more > self.free_rows:
@@ -280,18 +280,18 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
                     f"declare_step: the sequences {sorted(growth)} need {more} more rows and the store can give "
                     f"{self.free_rows}; finish or remove sequences, or give the store more rows (pool_rows)"
                 )
-        self._drop_plan()
+        self._drop_declaration()
         self._declared[members] = True
-        self._plan = plan
+        self._declaration = decl
 
-    def _growth(self, plan: StepPlan) -> dict[int, int]:
+    def _growth(self, decl: Declaration) -> dict[int, int]:
         """The extent heights the sequences of a step must grow to (those that must): a sequence
         ends the step at its length plus its tokens."""
-        ends = self._len[plan.members] + plan.counts
-        short = ends > self._height[plan.members]
+        ends = self._len[decl.members] + decl.counts
+        short = ends > self._height[decl.members]
         if not short.any():
             return {}
-        grow = zip(plan.members[short].tolist(), ends[short].tolist(), strict=True)
+        grow = zip(decl.members[short].tolist(), ends[short].tolist(), strict=True)
         return {seq: self.config.rows_for(end) for seq, end in grow}
 
     def prepare_step(self, width: int) -> None:
@@ -301,21 +301,21 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
         padding (they write to the scratch column and come out of attention as zeros).
         """
         width = int_arg("prepare_step: width", width, error=StepError)
-        plan = self._plan
-        if plan is None:
+        decl = self._declaration
+        if decl is None:
             raise StepError("prepare_step: no step is declared; call declare_step(seq_ids) first")
-        if not plan.num_tokens <= width <= self.config.max_width:
+        if not decl.num_tokens <= width <= self.config.max_width:
             raise StepError(
-                f"prepare_step: width {width} must cover the {plan.num_tokens} declared tokens "
+                f"prepare_step: width {width} must cover the {decl.num_tokens} declared tokens "
                 f"and be at most max_width={self.config.max_width}"
             )
-        growth = self._growth(plan)
+        growth = self._growth(decl)
         if growth:
             self._resize(growth)  # grow before staging, so a refusal leaves the cache as it was
-        self._buffers.fill(plan, plan.kv_end(self._len), self._placements(), width)
+        self._buffers.fill(decl, decl.kv_end(self._len), self._placements(), width)
         # Written on the device from now on, whether or not the step commits.
-        members = plan.members
-        self._hw[members] = np.maximum(self._hw[members], self._len[members] + plan.counts)
+        members = decl.members
+        self._hw[members] = np.maximum(self._hw[members], self._len[members] + decl.counts)
         self._width = width
 
     def _placements(self) -> list[Placement]:
@@ -328,10 +328,10 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
 
     def commit_step(self) -> None:
         """Advance every declared sequence by its tokens in the step; clears the declaration."""
-        if self._plan is None or self._width is None:
+        if self._declaration is None or self._width is None:
             raise StepError("commit_step: no prepared step; declare_step and prepare_step come first")
-        self._len[self._plan.members] += self._plan.counts
-        self._drop_plan()
+        self._len[self._declaration.members] += self._declaration.counts
+        self._drop_declaration()
 
     # ---- device work (capturable) -------------------------------------------------------------
     def update_and_attend(
@@ -366,7 +366,7 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
         check_attend_args(self.config, self._width, self._buffers.seq_info.device, layer, q, k, v, scale, causal,
                           softcap, sinks)  # fmt: skip
         width, cfg = self._width, self.config
-        if not causal and self._plan is not None and self._plan.split:
+        if not causal and self._declaration is not None and self._declaration.split:
             raise StepError("a non-causal step needs each sequence's tokens in one run (a draft block is one segment)")
         if self._rotation is not None:  # e4m3 keys: rotate q and k alike (q . k unchanged), V as is
             q, k = self._rotation.rotate(q, k)
