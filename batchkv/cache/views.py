@@ -120,6 +120,7 @@ class CacheViews:
         return self._known(seq)
 
     def can_admit(self, seq: int, n: int = 1) -> bool:
-        """Whether `seq` may still grow by `n` positions (reach, not room). False for unknown ids."""
+        """Whether `seq` may still grow by `n` positions within capacity (whatever its reach now: a step
+        grows the extent). False for unknown ids."""
         n = int_arg("can_admit: n", n, 0, error=PositionError)
         return self._holds(seq) and int(self._len[seq]) + n <= self.capacity
