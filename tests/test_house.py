@@ -57,3 +57,10 @@ def test_the_allow_lists_name_only_what_exists():
     assert set(LONG_FILES) <= set(modules)
     for name, function in LONG_FUNCTIONS:
         assert f"def {function}(" in modules[name], (name, function)
+
+
+def test_bench_keeps_at_most_12_entry_points():
+    """bench/ holds the scripts a user re-runs; their shared parts go to bench/lib/ (a new
+    measurement is a part or a flag of an existing entry point, or replaces one)."""
+    entry_points = sorted(path.name for path in (PACKAGE.parent / "bench").glob("*.py"))
+    assert len(entry_points) <= 12, entry_points
