@@ -363,9 +363,7 @@ class Engine:
         if not params.adjusts_sampling:
             return None
         where = None
-        if self.tp.world > 1:
-            where = "under tensor parallelism"
-        elif not isinstance(self.speculator, NoSpeculation):
+        if not isinstance(self.speculator, NoSpeculation):
             if params.adjusts_logits or params.min_p > 0:
                 where = "under speculative decoding"
             elif self.speculator.config.method != "ngram":

@@ -148,7 +148,9 @@ class VerifyRunner(ModelRunner):
         for c in range(0, rows, chunk):
             part = slice(c, min(rows, c + chunk))
             logits = self.model.head(h[part])  # type: ignore[attr-defined]  # [chunk, vocab], model dtype
-            if masked:  # constrained rows: the fixed-address bitmask buffer (a graph of its own)
+            # Constrained rows: the fixed-address bitmask buffer (a graph of its own). Only rank 0
+            # holds one: the other ranks' acceptance is never read (rank 0 plans from its own).
+            if masked and self._masks is not None:
                 keep = allowed(self._masks.device[part], logits.shape[-1])  # type: ignore[union-attr]
                 logits = logits.masked_fill(~keep, float("-inf"))
             if sampling:
@@ -174,7 +176,7 @@ class VerifyRunner(ModelRunner):
         sampling = self._stage(batch, width, rows)
         if self.grammars is not None and constrained(batch.samples):
             self._stage_masks(batch, rows)
-            result = self._device_step(width, rows, sampling, True)  # one process (Engine.submit)
+            result = self.tp.run(self._device_step, width, rows, sampling, True)
         else:
             result = self.tp.run(self._device_step, width, rows, sampling)
         return AcceptedRuns(result[: len(batch.samples)])
