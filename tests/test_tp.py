@@ -258,14 +258,14 @@ def test_two_ranks_apply_penalties_and_constraints_as_one_process_does(options):
 
     tokenizer = make_tokenizer()  # 320 tokens inside sensenova-tiny's 512
     plan = adjusted_schedule(512)
-    if "speculative" in options:  # penalties under speculation: those refused there are left out
-        plan = ([(a, r) for a, r in plan[0] if not r.params.adjusts_logits and r.params.min_p == 0], {})
     reference = Engine(build_model("sensenova-u1-tiny", "cpu", seed=0), **ENGINE, **options)
     reference.use_tokenizer(tokenizer)
     expected = outputs(reference, plan)
     with tp_engine("sensenova-u1-tiny", 2, **options) as engine:
         engine.use_tokenizer(tokenizer)
         assert outputs(engine, plan) == expected
+        proposed = engine.metrics.spec_proposed
+        assert proposed == reference.metrics.spec_proposed and (proposed > 0) == ("speculative" in options)
     pairs = zip(plan[0], expected, strict=True)
     texts = {r.params.constraint.kind: tokenizer.decode(out[0]) for (_, r), (out, _) in pairs if r.params.constraint}
     assert regex.fullmatch(TP_PATTERN, texts["regex"]) and texts["choice"] in ("red", "green", "blue")
