@@ -124,14 +124,19 @@ def test_the_penalties_change_what_is_decoded(model):
 
 def test_a_step_without_adjusting_rows_never_stages_them(model, monkeypatch):
     import batchkv.executor.runner as runner_module
+    import batchkv.executor.speculative.verify as verify_module
 
     def refuse(*args, **kwargs):
         raise AssertionError("a plain step staged penalties")
 
     monkeypatch.setattr(runner_module, "stage_penalties", refuse)
-    engine = Engine(model, max_seqs=2, capacity=64)
-    out, ids = drive(engine, [(0, Request(PROMPT, SamplingParams(max_new_tokens=8, temperature=0.7, seed=1)))])
-    assert len(out[ids[0]].tokens[0]) == 8
+    monkeypatch.setattr(verify_module, "stage_verify_penalties", refuse)
+    params = SamplingParams(max_new_tokens=8, temperature=0.7, seed=1)
+    for speculative in (None, SpeculativeConfig("ngram", block_size=4)):
+        engine = Engine(model, max_seqs=2, capacity=64, speculative=speculative)
+        out, ids = drive(engine, [(0, Request(REPEATING, params))])
+        assert len(out[ids[0]].tokens[0]) == 8
+    assert engine.metrics.spec_proposed > 0
 
 
 @pytest.mark.parametrize(
