@@ -39,8 +39,9 @@ GEOMETRY = {
 }
 
 
-def make_tokenizer():
-    """ByteLevel BPE trained on CORPUS (offline), wrapped with a chat template; eos <|im_end|>."""
+def make_tokenizer(special: tuple[str, ...] = ()):
+    """ByteLevel BPE trained on CORPUS (offline), wrapped with a chat template; eos <|im_end|>;
+    `special`: more special tokens (e.g. fill-in-the-middle markers), after the three."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -49,23 +50,28 @@ def make_tokenizer():
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=320,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", *special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS * 4, trainer)
+    extra = {"additional_special_tokens": list(special)} if special else {}  # read as one token each in text
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", clean_up_tokenization_spaces=False
-    )
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", clean_up_tokenization_spaces=False,
+        **extra,
+    )  # fmt: skip
     hf.chat_template = CHAT_TEMPLATE
     return hf
 
 
 @torch.no_grad()
-def make_model_dir(path: Path, max_positions: int = GEOMETRY["max_position_embeddings"]) -> Path:
-    """Qwen3 with random, peaky weights (clear greedy winners) and the tokenizer, saved to `path`."""
+def make_model_dir(
+    path: Path, max_positions: int = GEOMETRY["max_position_embeddings"], special: tuple[str, ...] = ()
+) -> Path:
+    """Qwen3 with random, peaky weights (clear greedy winners) and the tokenizer (`make_tokenizer`),
+    saved to `path`."""
     import transformers
 
-    tokenizer = make_tokenizer()
+    tokenizer = make_tokenizer(special)
     geometry = {**GEOMETRY, "max_position_embeddings": max_positions}
     cfg = transformers.Qwen3Config(
         **geometry, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, dtype="float32"

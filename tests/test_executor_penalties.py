@@ -124,14 +124,19 @@ def test_the_penalties_change_what_is_decoded(model):
 
 def test_a_step_without_adjusting_rows_never_stages_them(model, monkeypatch):
     import batchkv.executor.runner as runner_module
+    import batchkv.executor.speculative.verify as verify_module
 
     def refuse(*args, **kwargs):
         raise AssertionError("a plain step staged penalties")
 
     monkeypatch.setattr(runner_module, "stage_penalties", refuse)
-    engine = Engine(model, max_seqs=2, capacity=64)
-    out, ids = drive(engine, [(0, Request(PROMPT, SamplingParams(max_new_tokens=8, temperature=0.7, seed=1)))])
-    assert len(out[ids[0]].tokens[0]) == 8
+    monkeypatch.setattr(verify_module, "stage_verify_penalties", refuse)
+    params = SamplingParams(max_new_tokens=8, temperature=0.7, seed=1)
+    for speculative in (None, SpeculativeConfig("ngram", block_size=4)):
+        engine = Engine(model, max_seqs=2, capacity=64, speculative=speculative)
+        out, ids = drive(engine, [(0, Request(REPEATING, params))])
+        assert len(out[ids[0]].tokens[0]) == 8
+    assert engine.metrics.spec_proposed > 0
 
 
 @pytest.mark.parametrize(
@@ -157,14 +162,89 @@ def test_out_of_range_sampling_parameters_are_refused_naming_the_field(kwargs, f
         SamplingParams(max_new_tokens=16, **kwargs)
 
 
-def test_the_engine_refuses_logit_bias_past_the_vocabulary_and_penalties_when_speculating(model):
+def test_the_engine_refuses_logit_bias_past_the_vocabulary_and_penalties_under_dflash(model):
+    import functools
+
+    from batchkv.models import build_model
+    from batchkv.models.dflash import build_drafter
+
     engine = Engine(model, max_seqs=2, capacity=64)
     with pytest.raises(RequestError, match="outside the vocabulary"):
         engine.submit(Request(PROMPT, SamplingParams(logit_bias={model.vocab_size: 1.0})))
-    spec = Engine(model, max_seqs=2, capacity=64, speculative=SpeculativeConfig("ngram", block_size=3))
-    with pytest.raises(RequestError, match="speculative decoding"):
-        spec.submit(Request(PROMPT, SamplingParams(repetition_penalty=1.2)))
-    assert not engine.has_work and not spec.has_work
+    drafter = functools.partial(build_drafter, num_layers=1, target_layer_ids=(0, 2), block_size=4, seed=1)
+    config = SpeculativeConfig("dflash", block_size=4, drafter=drafter)
+    dflash = Engine(build_model("sensenova-u1-tiny", "cpu", seed=0), max_seqs=2, capacity=64, speculative=config)
+    for params in (SamplingParams(repetition_penalty=1.2), SamplingParams(min_p=0.1, temperature=1.0)):
+        with pytest.raises(RequestError, match=r"under dflash speculation .*n-gram speculation or none"):
+            dflash.submit(Request(PROMPT, params))
+    assert not engine.has_work and not dflash.has_work
+
+
+REPEATING = [4, 8, 15, 16, 23, 42] * 3  # n-gram lookup finds drafts in it
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_penalties_under_ngram_speculation_decode_what_transformers_and_plain_decoding_do(model, case):
+    params = SamplingParams(max_new_tokens=16, **CASES[case])
+    plain = Request([9, 9, 1, 9, 9, 1], SamplingParams(max_new_tokens=10))  # a neighbour without them
+    spec = Engine(model, max_seqs=4, capacity=96, speculative=SpeculativeConfig("ngram", block_size=4))
+    out, ids = drive(spec, [(0, Request(REPEATING, params)), (0, plain)])
+    expected = transformers_decode(model, REPEATING, params, 0)
+    assert out[ids[0]].tokens[0] == expected
+    alone, alone_ids = drive(Engine(model, max_seqs=4, capacity=96), [(0, Request(REPEATING, params)), (0, plain)])
+    assert [out[i].tokens for i in ids] == [alone[i].tokens for i in alone_ids]  # as without speculation
+    # verify steps judged drafts under the adjustments (a 1.8 repetition penalty repeats nothing to look up)
+    assert spec.metrics.spec_proposed > 0 or case == "repetition"
+
+
+def test_penalties_under_ngram_speculation_accept_drafts_they_agree_with(model):
+    # A logit_bias that makes token 42 win everywhere: every draft of 42 after the first is accepted.
+    params = SamplingParams(max_new_tokens=24, logit_bias={42: 100.0}, frequency_penalty=0.0)
+    spec = Engine(model, max_seqs=2, capacity=96, speculative=SpeculativeConfig("ngram", block_size=4))
+    out, ids = drive(spec, [(0, Request(REPEATING, params))])
+    assert out[ids[0]].tokens[0] == [42] * 24 == transformers_decode(model, REPEATING, params, 0)
+    assert spec.metrics.spec_accepted > 0
+
+
+@pytest.mark.parametrize("case", ["everything", "min p", "logit bias"])
+def test_seeded_penalties_under_ngram_speculation_only_emit_tokens_the_processors_keep(model, case):
+    extra = {"min p": dict(min_p=0.3), "everything": CASES["everything"], "logit bias": CASES["logit bias"]}[case]
+    params = SamplingParams(max_new_tokens=20, temperature=1.3, top_k=40, seed=8, **extra)
+    spec = Engine(model, max_seqs=2, capacity=96, speculative=SpeculativeConfig("ngram", block_size=4))
+    out, ids = drive(spec, [(0, Request(REPEATING, params))])
+    tokens = out[ids[0]].tokens[0]
+    again, again_ids = drive(
+        Engine(model, max_seqs=2, capacity=96, speculative=SpeculativeConfig("ngram", block_size=4)),
+        [(0, Request(REPEATING, params))],
+    )
+    assert again[again_ids[0]].tokens[0] == tokens  # seeded: reproducible
+    for i, token in enumerate(tokens):  # the processed distribution at each position keeps the token
+        support = processed_probs(model, REPEATING, tokens[:i], params)
+        assert support[token] > 0, (i, token)
+    assert spec.metrics.spec_proposed > 0
+
+
+@torch.no_grad()
+def processed_probs(model: ToyModel, prompt: list[int], out: list[int], params: SamplingParams) -> torch.Tensor:
+    """transformers' processors and warpers (vLLM's order, as `transformers_decode`) after `out`."""
+    ids = list(prompt) + list(out)
+    scores = model.reference_logits(ids)[-1][None].clone()
+    input_ids = torch.tensor([ids])
+    if params.logit_bias:
+        scores = SequenceBiasLogitsProcessor([[[t], b] for t, b in params.logit_bias])(input_ids, scores)
+    if params.min_tokens and params.stop_token_ids:
+        stops = list(params.stop_token_ids)
+        scores = MinNewTokensLengthLogitsProcessor(len(prompt), params.min_tokens, stops)(input_ids, scores)
+    if params.repetition_penalty != 1.0:
+        scores = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(input_ids, scores)
+    for token, c in collections.Counter(out).items():
+        scores[0, token] -= params.frequency_penalty * c + params.presence_penalty
+    scores = TemperatureLogitsWarper(params.temperature)(input_ids, scores)
+    if params.top_k:
+        scores = TopKLogitsWarper(params.top_k)(input_ids, scores)
+    if params.min_p:
+        scores = MinPLogitsWarper(params.min_p)(input_ids, scores)
+    return torch.softmax(scores[0], -1)
 
 
 def test_a_jsonl_workload_line_carries_the_adjustments_and_bad_values_name_the_line(tmp_path):

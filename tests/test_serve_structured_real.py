@@ -89,3 +89,9 @@ def test_json_object_regex_and_choice_on_the_real_model(client):
     text, finish = ask(client, "What is the capital of France?", False, extra_body={"guided_choice": options},
                        temperature=0)  # fmt: skip
     assert finish == "stop" and text in options
+
+
+def test_a_suffix_is_refused_naming_it_since_smollm2s_tokenizer_has_no_fill_in_the_middle_tokens(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="smollm2", prompt="def add(a, b):", suffix="\n    return c", max_tokens=8)
+    assert info.value.body["param"] == "suffix" and "fill-in-the-middle" in info.value.body["message"]

@@ -1,7 +1,9 @@
 """Tool calls: the output parsers (Hermes, Llama 3 JSON, Mistral, and the constrained forms), and a
 round trip through `batchkv serve` with the official `openai` client over a tiny Qwen3 whose chat
 template has Hermes-style tools support: tools -> tool_calls parsed (auto, required, named; streamed
-and not) -> a tool message -> a final answer."""
+and not) -> a tool message -> a final answer; streamed calls as index/id/name then argument
+fragments, incremental over the text, equal to the whole answer's calls (the parser fed piece by
+piece, and the `openai` client's stream helpers)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import signal
 import pytest
 
 from batchkv.serve.protocol import APIError
-from batchkv.serve.tools import ToolPlan, parse, plan
+from batchkv.serve.tools import ToolPlan, ToolStream, parse, plan
 
 WEATHER = {
     "type": "function",
@@ -73,6 +75,76 @@ def test_the_parsers_read_each_template_familys_calls_and_leave_plain_text_alone
     named = ToolPlan([WEATHER], "get_weather", "named")
     _, calls = parse('{"city": "Rome", "days": 5}', named)
     assert calls[0]["function"]["name"] == "get_weather"
+
+
+def stream_pieces(tool_plan: ToolPlan, pieces: list[str], finish: str = "stop") -> tuple[str | None, list, str, list]:
+    """Feed `pieces` to a `ToolStream`: (content, calls as {id, name, arguments}, finish, the deltas)."""
+    stream, content, calls, deltas = ToolStream(tool_plan), "", {}, []
+    for piece in [*pieces, None]:
+        if piece is None:
+            text, parts, finish = stream.finish(finish)
+        else:
+            text, parts = stream.feed(piece)
+        content += text
+        deltas.append((text, parts))
+        for part in parts:
+            entry = calls.setdefault(part["index"], {"id": None, "name": "", "arguments": ""})
+            assert ("id" in part) == (entry["id"] is None)  # id, type and name come once, first
+            entry["id"] = part.get("id", entry["id"])
+            entry["name"] += part["function"].get("name", "")
+            entry["arguments"] += part["function"]["arguments"]
+    return content or None, [calls[i] for i in sorted(calls)], finish, deltas
+
+
+STREAMED = [
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris}", "days": 2}}\n'
+     "</tool_call>"),
+    ("hermes", '<tool_call>{"name": "a", "arguments": {}}</tool_call> then <tool_call>{"arguments": {"x": [1, '
+     '{"y": "}"}]}, "name": "b"}</tool_call>'),
+    ("hermes", '  Sure <tool_call>{"name": "a", "arguments": "{\\"q\\": 1}"}</tool_call>'),
+    ("hermes", "Just an answer {not a call} <tool_"),
+    ("mistral", 'ok [TOOL_CALLS] [{"name": "get_time", "arguments": {}}, {"arguments": {"c": 1}, "name": "w"}, '
+     '{"name": "get_weather", "arguments": {"city": "Rome"}, "id": "x}"}]'),
+    ("mistral", '[TOOL_CALLS]{"name": "f", "parameters": 5}'),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome", "days": 1}}'),
+    ("llama3_json", "plain text"),
+    ("forced", '[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, {"name": "t", "arguments": {}}]'),
+    ("named", '{"city": "Rome", "days": 5}'),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("parser", "text"), STREAMED, ids=[f"{p} {i}" for i, (p, _) in enumerate(STREAMED)])
+def test_a_streamed_choice_fed_piece_by_piece_sends_what_the_whole_text_parses_to(parser, text):
+    import random
+
+    tool_plan = ToolPlan([WEATHER], "get_weather" if parser == "named" else "auto", parser)
+    content, calls = parse(text, tool_plan)
+    expected = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls]
+    rng = random.Random(len(text))
+    for cut in (1, 2, 3, 7, None):  # characters per piece; None: random sizes
+        pieces, at = [], 0
+        while at < len(text):
+            size = cut or rng.randint(1, 9)
+            pieces.append(text[at : at + size])
+            at += size
+        got, got_calls, finish, deltas = stream_pieces(tool_plan, pieces)
+        assert got == content and [{k: c[k] for k in ("name", "arguments")} for c in got_calls] == expected, cut
+        assert finish == ("tool_calls" if calls else "stop")
+        for piece_text, _ in deltas[:-1]:  # markup never reaches the content (a cut-off one at the end may)
+            assert "<tool_call" not in piece_text and "TOOL_CALLS" not in piece_text
+        streams = parser == "named" or (parser != "llama3_json" and '"arguments": {' in text)  # object arguments
+        if streams and cut == 1:  # incremental: some call's arguments arrive in many fragments
+            fragments = [p["index"] for _, parts in deltas for p in parts if p["function"]["arguments"]]
+            assert max(fragments.count(i) for i in set(fragments)) > 1
+    for call in calls:
+        json.loads(call["function"]["arguments"])
+
+
+def test_a_call_cut_off_by_max_tokens_has_streamed_as_far_as_it_got():
+    text = 'Hi <tool_call>{"name": "get_weather", "arguments": {"city": "Pa'
+    content, calls, finish, _ = stream_pieces(auto("hermes"), list(text), finish="length")
+    assert content == "Hi" and calls[0]["name"] == "get_weather" and finish == "length"
+    assert calls[0]["arguments"] == '{"city": "Pa'
 
 
 @pytest.mark.parametrize(
@@ -195,3 +267,33 @@ def test_the_history_with_a_tool_result_reaches_the_template(server):
     )  # fmt: skip
     assert "<tool_response>noon</tool_response>" in rendered and "<tool_call>" in rendered
     assert r.json()["prompt_token_ids"] == tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def test_the_openai_stream_helpers_assemble_fragments_equal_to_the_whole_answers_call(client):
+    # the regex makes the random model write text, then one Hermes call; streamed and not, the same seed
+    call_text = (
+        r'Checking\.\n<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", "days": [1-7]\}\}'
+        r"</tool_call>"
+    )
+    args = {"model": "tiny", "messages": QUESTION, "tools": [WEATHER, TIME], "max_tokens": 100, "temperature": 0.7,
+            "seed": 3, "extra_body": {"guided_regex": call_text}}  # fmt: skip
+    whole = client.chat.completions.create(**args).choices[0]
+    (call,) = whole.message.tool_calls
+    fragments, content, done = [], [], []
+    with client.chat.completions.stream(**args) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                fragments.append(event.arguments_delta)
+            elif event.type == "content.delta":
+                content.append(event.delta)
+            elif event.type == "tool_calls.function.arguments.done":
+                done.append((event.name, event.arguments))
+        final = stream.get_final_completion().choices[0]
+    assert whole.finish_reason == final.finish_reason == "tool_calls"
+    assert len(fragments) > 1 and "".join(fragments) == call.function.arguments  # incremental, and equal
+    assert done == [("get_weather", call.function.arguments)] and json.loads(call.function.arguments)["days"] >= 1
+    (streamed,) = final.message.tool_calls
+    assert (streamed.function.name, streamed.type) == ("get_weather", "function")
+    assert streamed.function.arguments == call.function.arguments
+    assert streamed.id and streamed.id.startswith("call_")
+    assert "".join(content) == whole.message.content == final.message.content == "Checking."  # no markup

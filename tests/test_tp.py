@@ -223,3 +223,49 @@ def test_two_ranks_with_fp8_projections_agree_with_one_fp8_process_to_the_scales
     assert not torch.equal(got, want)  # the o and down slices' scales are the ranks' own
     assert (got - want).norm() <= 1.5 * (want - exact).norm()  # no further than fp8 is from float
     assert (got - exact).norm() / exact.norm() < 0.1
+
+
+def adjusted_schedule(vocab: int) -> tuple[list[tuple[int, Request]], dict]:
+    """Penalties, logit_bias, min_tokens and min_p (greedy and seeded) and constraints beside plain
+    requests, arriving over the first steps."""
+    from batchkv.executor.constraints import Constraint
+
+    rng = random.Random(21)
+    params = [
+        {"repetition_penalty": 1.8, "frequency_penalty": 0.7, "presence_penalty": 0.5},
+        {"logit_bias": {7: 5.0, 9: -100.0}, "min_tokens": 4, "temperature": 0.8, "seed": 2, "n": 2},
+        {"min_p": 0.2, "temperature": 1.1, "seed": 3, "presence_penalty": -1.0},
+        {"constraint": Constraint.regex(TP_PATTERN)},
+        {"constraint": Constraint.choice(["red", "green", "blue"]), "temperature": 0.9, "seed": 4},
+        {},
+    ]
+    out = []
+    for i, extra in enumerate(params):
+        request = Request(random_prompt(rng, 3, 20, vocab=vocab), SamplingParams(max_new_tokens=10, **extra))
+        out.append((i % 3, request))
+    return out, {}
+
+
+TP_PATTERN = r"[0-9]{2,4}-[a-c]{1,3}\."  # at most 9 tokens: done within max_new_tokens
+
+
+@pytest.mark.parametrize("options", [{"overlap": True}, {"speculative": SpeculativeConfig("ngram", block_size=3)}],
+                         ids=["overlap", "ngram speculation"])  # fmt: skip
+def test_two_ranks_apply_penalties_and_constraints_as_one_process_does(options):
+    import regex
+
+    from tests.serve_helpers import make_tokenizer
+
+    tokenizer = make_tokenizer()  # 320 tokens inside sensenova-tiny's 512
+    plan = adjusted_schedule(512)
+    reference = Engine(build_model("sensenova-u1-tiny", "cpu", seed=0), **ENGINE, **options)
+    reference.use_tokenizer(tokenizer)
+    expected = outputs(reference, plan)
+    with tp_engine("sensenova-u1-tiny", 2, **options) as engine:
+        engine.use_tokenizer(tokenizer)
+        assert outputs(engine, plan) == expected
+        proposed = engine.metrics.spec_proposed
+        assert proposed == reference.metrics.spec_proposed and (proposed > 0) == ("speculative" in options)
+    pairs = zip(plan[0], expected, strict=True)
+    texts = {r.params.constraint.kind: tokenizer.decode(out[0]) for (_, r), (out, _) in pairs if r.params.constraint}
+    assert regex.fullmatch(TP_PATTERN, texts["regex"]) and texts["choice"] in ("red", "green", "blue")

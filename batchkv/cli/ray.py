@@ -169,7 +169,7 @@ class EngineReplica:
         device = resolve_device(args)
         served = load_model(args, device)
         self.engine = build_engine(args, served, device)
-        use_tokenizer(self.engine, served.tokenizer, args.tensor_parallel)  # constrained decoding, when it can
+        use_tokenizer(self.engine, served.tokenizer)  # constrained decoding, when it can
         self.engine.warm_up()  # graphs captured before the first request (0 s without graphs)
         self.metrics = ServerMetrics(self.engine.cache.max_seqs)
         timeout = limits_from(args).request_timeout

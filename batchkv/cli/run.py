@@ -147,6 +147,16 @@ def _read_workload(path: str, tokenizer) -> list:
         raise ConfigError(f"--workload {path}: cannot read it: {exc.strerror or exc}") from None
 
 
+def _bind_tokenizer(args: argparse.Namespace, engine, tokenizer) -> None:
+    """Constrained lines are compiled against the model's tokenizer (xgrammar); none: refused."""
+    if tokenizer is None:
+        raise ConfigError(
+            f"--workload {args.workload}: a line carries a constraint, and {args.model} has no tokenizer to compile "
+            "it against (a preset); drop the constraints or run a model with a tokenizer"
+        )
+    engine.use_tokenizer(tokenizer)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from batchkv.cli.workload import replay
 
@@ -164,6 +174,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if engine.sizing is not None:
         print(f"batchkv run: sized the store: {engine.sizing.describe()}", file=sys.stderr)
     with engine:  # leaving stops the other tensor-parallel ranks
+        if items is not None and any(item.request.params.constraint is not None for item in items):
+            _bind_tokenizer(args, engine, served.tokenizer)
         items = items if items is not None else _synthetic(args, engine.vocab_size, served.tokenizer)
         progress = _Progress(args, sum(item.request.params.n for item in items))
         result = replay(engine, items, progress.on_step, stop_on_interrupt=True)

@@ -275,7 +275,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served = load_model(args, device)
         with build_engine(args, served, device) as engine:  # leaving stops the other tensor-parallel ranks
             info = _model_info(args, served, engine)
-            constraints = use_tokenizer(engine, served.tokenizer, args.tensor_parallel)
+            constraints = use_tokenizer(engine, served.tokenizer)
             _announce(args, served, engine, info, device, sock.getsockname()[1], access_from(args, bound), constraints)
             return server.run(engine, info, access_from(args, bound), sock, max_waiting=args.max_waiting,
                               drain_timeout=args.drain_timeout, log_level=args.log_level,
@@ -284,12 +284,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock.close()
 
 
-def use_tokenizer(engine, tokenizer, tp: int) -> str:
+def use_tokenizer(engine, tokenizer) -> str:
     """Bind the tokenizer for constrained decoding when it can be; says whether it was (and why not)."""
     if tokenizer is None:
         return "off (no tokenizer)"
-    if tp > 1:
-        return "off (tensor parallel)"
     try:
         engine.use_tokenizer(tokenizer)
     except (DependencyError, RequestError) as exc:

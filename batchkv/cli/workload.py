@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -100,8 +101,13 @@ workload file (--workload PATH): JSON Lines, one request per line (blank lines a
   min_p               float  0.0    drop tokens less likely than min_p times the most likely one
   min_tokens          int    0      no stop id or EOS before this many tokens
   logit_bias          {str: float}  {}  added to the named token ids' logits ({"token id": bias})
+  constraint      {kind: spec} null     the output kept inside a language (xgrammar; needs the model's
+                                        tokenizer), one key: {"json_schema": {...}} (a schema object or its
+                                        text; null: any JSON object), {"json_object": true}, {"regex": "..."},
+                                        {"choice": ["a", "b"]} or {"grammar": "root ::= ..."} (EBNF)
   arrival_step    int         0         engine step before which the request is submitted
-unknown fields are refused; an example line:
+unknown fields are refused; example lines (the second constrained to one of two answers):
+  {"prompt": "Is the sky green? Answer:", "max_new_tokens": 4, "constraint": {"choice": [" yes", " no"]}}
   {"prompt_ids": [151644, 872, 198], "max_new_tokens": 32, "temperature": 0.7, "seed": 1}"""
 
 
@@ -124,6 +130,30 @@ class _Line(msgspec.Struct, forbid_unknown_fields=True):
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: dict[int, float] = {}
+    constraint: Any = None  # {kind: spec}; checked by constraint_of
+
+
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+def constraint_of(spec: object) -> object:
+    """A JSONL line's "constraint" ({kind: spec}, one key) as a `Constraint`, the spellings of the
+    `Constraint` constructors; WorkloadError naming what is wrong."""
+    from batchkv.executor.constraints import Constraint  # no xgrammar needed to build one
+
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in CONSTRAINT_KINDS:
+        raise WorkloadError(
+            f"constraint is {spec!r}; give one key of {', '.join(CONSTRAINT_KINDS)}, "
+            'e.g. {"regex": "[0-9]+"} or {"json_schema": {"type": "object"}}'
+        )
+    ((kind, value),) = spec.items()
+    if kind == "json_object":
+        if value not in (True, None, {}):
+            raise WorkloadError(f'constraint json_object is {value!r}; write {{"json_object": true}}')
+        return Constraint.json_schema(None)
+    if kind == "json_schema":
+        return Constraint.json_schema(value)
+    return getattr(Constraint, kind)(value)
 
 
 def load_jsonl(path: str | Path, encode: Callable[[str], list[int]] | None = None) -> list[WorkItem]:
@@ -154,6 +184,7 @@ def load_jsonl(path: str | Path, encode: Callable[[str], list[int]] | None = Non
                     min_p=line.min_p,
                     min_tokens=line.min_tokens,
                     logit_bias=line.logit_bias,
+                    constraint=None if line.constraint is None else constraint_of(line.constraint),
                 )
                 request = Request(prompt, params, rope_offset=line.rope_offset, priority=line.priority)
             except (msgspec.ValidationError, msgspec.DecodeError, BatchKVError) as exc:

@@ -362,21 +362,13 @@ class Engine:
             return f"logit_bias token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
         if not params.adjusts_sampling:
             return None
-        where = None
-        if self.tp.world > 1:
-            where = "under tensor parallelism"
-        elif not isinstance(self.speculator, NoSpeculation):
-            if params.adjusts_logits or params.min_p > 0:
-                where = "under speculative decoding"
-            elif self.speculator.config.method != "ngram":
-                where = f"under {self.speculator.config.method} speculation (its drafts never reach the host)"
-        if where is not None:
-            what = (
-                "a constraint"
-                if params.constraint is not None and not params.adjusts_logits
-                else ("penalties, min_p, min_tokens and logit_bias")
+        if not isinstance(self.speculator, NoSpeculation) and self.speculator.config.method != "ngram":
+            only_constraint = params.constraint is not None and not params.adjusts_logits and not params.min_p
+            what = "a constraint is" if only_constraint else "penalties, min_p, min_tokens and logit_bias are"
+            return (
+                f"{what} not applied under {self.speculator.config.method} speculation (its drafts never reach the "
+                "host); drop them, or serve this request from an engine with n-gram speculation or none"
             )
-            return f"{what} are not applied {where}; drop them, or serve this request from a plain engine"
         if params.constraint is not None and self.grammars is None:
             return "a constraint needs the engine's tokenizer: call engine.use_tokenizer(tokenizer) first"
         return None

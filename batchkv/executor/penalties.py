@@ -21,10 +21,12 @@ which logprobs read, stay raw. Static shapes given the lists, no host reads.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from batchkv.executor.request import SamplingParams
 from batchkv.executor.state import Batch
 
 
@@ -66,12 +68,52 @@ class Penalties:
         return logits.index_copy(0, self.rows, sel)
 
 
+@dataclass(frozen=True)
+class RowHistory:
+    """What one logits row's adjustments read: its sampling parameters, the output tokens before
+    the token it decides (read by the host), its prompt, and `pending`: the row of the previous
+    launch's sampled tokens that holds one more output token still on the device (or None)."""
+
+    row: int
+    params: SamplingParams
+    output: Sequence[int]
+    prompt: Sequence[int]
+    pending: int | None = None
+
+
 def stage_penalties(batch: Batch, device: torch.device) -> Penalties | None:
     """The adjustments of `batch`'s sampling rows that ask (`SamplingParams.adjusts_logits`), staged
     to `device`; None when no row asks (the step then runs none of this)."""
-    asking = [(i, s) for i, s in enumerate(batch.samples) if s.owner.request.params.adjusts_logits]
-    if not asking:
-        return None
+    rows = [
+        RowHistory(i, s.owner.request.params, s.tokens, s.owner.prompt, batch.token_src[i] if s.pending else None)
+        for i, s in enumerate(batch.samples)
+        if s.owner.request.params.adjusts_logits
+    ]
+    return stage_rows(rows, device) if rows else None
+
+
+def stage_verify_penalties(batch: Batch, chunk: int, device: torch.device) -> dict[int, Penalties]:
+    """The adjustments of a verify step's logits rows, per LM-head chunk of `chunk` rows (keyed by
+    the chunk's first row; rows relative to it). Row j of an asking sample's segment decides output
+    token len(tokens) + j, so it counts the accepted tokens plus the segment's first j drafts: what
+    plain decoding would count at that position, had the drafts been accepted."""
+    per_chunk: dict[int, list[RowHistory]] = {}
+    r = 0
+    for sample, span in zip(batch.samples, batch.spans, strict=True):
+        params = sample.owner.request.params
+        if params.adjusts_logits:
+            drafts = [batch.input_ids[batch.rows[r + j]] for j in range(1, span)]
+            for j in range(span):
+                start = (r + j) // chunk * chunk
+                history = RowHistory(r + j - start, params, [*sample.tokens, *drafts[:j]], sample.owner.prompt)
+                per_chunk.setdefault(start, []).append(history)
+        r += span
+    return {start: stage_rows(rows, device) for start, rows in per_chunk.items()}
+
+
+def stage_rows(histories: Sequence[RowHistory], device: torch.device) -> Penalties:
+    """`Penalties` of the given logits rows (each asking), staged to `device` (pinned on CUDA,
+    copied without waiting)."""
     rows, rep, freq, pres = [], [], [], []
     output: tuple[list[int], list[int]] = ([], [])
     prompt: tuple[list[int], list[int]] = ([], [])
@@ -79,23 +121,23 @@ def stage_penalties(batch: Batch, device: torch.device) -> Penalties | None:
     banned: tuple[list[int], list[int]] = ([], [])
     bias_at: tuple[list[int], list[int]] = ([], [])
     bias: list[float] = []
-    for j, (i, sample) in enumerate(asking):
-        p = sample.owner.request.params
-        rows.append(i)
+    for j, h in enumerate(histories):
+        p = h.params
+        rows.append(h.row)
         rep.append(p.repetition_penalty)
         freq.append(p.frequency_penalty)
         pres.append(p.presence_penalty)
         if p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0:
-            output[0].extend([j] * len(sample.tokens))
-            output[1].extend(sample.tokens)
-            if sample.pending:  # its newest token is still on the device: gathered there
+            output[0].extend([j] * len(h.output))
+            output[1].extend(h.output)
+            if h.pending is not None:  # its newest token is still on the device: gathered there
                 pending[0].append(j)
-                pending[1].append(batch.token_src[i])
+                pending[1].append(h.pending)
         if p.repetition_penalty != 1.0:
-            unique = set(sample.owner.prompt)
+            unique = set(h.prompt)
             prompt[0].extend([j] * len(unique))
             prompt[1].extend(unique)
-        if sample.count < p.min_tokens:
+        if len(h.output) + (h.pending is not None) < p.min_tokens:
             banned[0].extend([j] * len(p.stop_token_ids))
             banned[1].extend(p.stop_token_ids)
         for token, value in p.logit_bias:

@@ -7,6 +7,8 @@ one-process role, `Local`, makes each a plain call, so a single-GPU step has no 
   every rank, with the pinned staging buffers its steps read;
 - `run(step, *args)`: one device step, `step` a bound method of a bound object (forward,
   sampling); `read(tokens)`: that step's tokens on the host;
+- `share(tensor)`: inside a step, every rank's `tensor` becomes rank 0's (tokens that only rank 0
+  could sample: penalties and constraints are host state of rank 0's scheduler);
 - `agree(positions)`, `ready()`: construction (store sizing; every rank built); `close()`.
 
 The multi-rank roles (`Leader` on rank 0, `Follower` elsewhere) are `batchkv.tp.roles`'; the
@@ -38,6 +40,8 @@ class Role(Protocol):
 
     def read(self, tokens: Any) -> Any: ...
 
+    def share(self, tensor: torch.Tensor) -> None: ...
+
     def agree(self, positions: int) -> int: ...
 
     def ready(self) -> None: ...
@@ -66,6 +70,10 @@ class Local:
     def read(self, tokens: Any) -> Any:
         """`tokens.read()`."""
         return tokens.read()
+
+    def share(self, tensor: torch.Tensor) -> None:
+        """Nothing to share: this process is rank 0."""
+        return None
 
     def agree(self, positions: int) -> int:
         """`positions`: no other rank to agree with."""

@@ -244,8 +244,12 @@ class ModelRunner:
         real = len(batch.rows)
         if not any(sample.owner.request.params.adjusts_sampling for sample in batch.samples):
             logits = self.tp.run(self._device_step, width, rows, real, sampling, slot)
-        else:
-            logits = self._adjusted_step(batch, width, rows, real, sampling, slot, previous)
+        else:  # the host side is rank 0's (its scheduler holds the matchers and histories)
+            self._adjusting = (batch, previous)
+            try:
+                logits = self.tp.run(self._adjusted_step, width, rows, real, sampling, slot)
+            finally:
+                self._adjusting = None
         # rank 0's logits (every rank's are the same, gathered): its host reads the logprobs
         logprobs = None if plan is None else self.logprob_slots.launch(plan, logits, self.sampled[slot, :real], slot)
         host = self._host_tokens[slot, :real]
@@ -269,17 +273,27 @@ class ModelRunner:
         self.sampled[slot, :real].copy_(tokens)
         return logits
 
-    def _adjusted_step(
-        self, batch: Batch, width: int, rows: int, real: int, sampling: bool, slot: int, previous: SampledTokens | None
-    ) -> torch.Tensor:
+    _adjusting: tuple[Batch, SampledTokens | None] | None = None  # rank 0, during an adjusted step
+
+    def _adjusted_step(self, width: int, rows: int, real: int, sampling: bool, slot: int) -> torch.Tensor:
         """`_device_step` for a step whose rows may adjust their logits (penalties, logit_bias,
         min_tokens: `batchkv.executor.penalties`; min_p) or be constrained
         (`batchkv.executor.constraints`). The forward is queued first; the host then stages the
         adjustments and fills the constrained rows' bitmask while the device runs it (waiting for
         the previous step's tokens only when a constrained row's newest token is among them). A step
-        with none of them samples exactly as `_device_step`. One process only (`Engine.submit`
-        refuses these parameters under tensor parallelism)."""
+        with none of them samples exactly as `_device_step`. Under tensor parallelism every rank
+        runs the forward, rank 0 alone (`_adjusting`: its batch and previous launch) adjusts and
+        samples, and the other ranks take its tokens (`tp.share`), which later steps gather."""
         logits = self.execute(width, lambda: self._forward(width, rows))
+        if self._adjusting is not None:
+            self._adjust_and_sample(logits, real, sampling, slot, *self._adjusting)
+        self.tp.share(self.sampled[slot, :real])
+        return logits
+
+    def _adjust_and_sample(
+        self, logits: torch.Tensor, real: int, sampling: bool, slot: int, batch: Batch, previous: SampledTokens | None
+    ) -> None:
+        """Rank 0's part of `_adjusted_step`: adjust, mask and sample into `sampled[slot]`."""
         device = logits.device
         chosen = logits[:real]
         penalties = stage_penalties(batch, device)
@@ -314,7 +328,6 @@ class ModelRunner:
         else:
             tokens = greedy_tokens(chosen)
         self.sampled[slot, :real].copy_(tokens)
-        return logits
 
     def warm(self, widths: Sequence[int]) -> None:
         """One all-padding step at each width (graphs captured, kernels compiled), its positions in

@@ -16,7 +16,7 @@ from typing import Any
 
 from batchkv.errors import RequestError
 from batchkv.executor import Request, SamplingParams
-from batchkv.serve import structured, templates
+from batchkv.serve import fim, structured, templates
 from batchkv.serve import tools as tools_module
 from batchkv.serve.detok import StopStrings
 from batchkv.serve.limits import Limits
@@ -93,7 +93,15 @@ def prompt_count(body: SamplingFields) -> int:
 
 
 def completion_prompts(body: CompletionRequest, info: ModelInfo) -> list[list[int]]:
-    """A string, a token-id list, or a batch of either -> one token-id list per prompt."""
+    """A string, a token-id list, or a batch of either -> one token-id list per prompt; with
+    `suffix`, each a fill-in-the-middle prompt (`batchkv.serve.fim`)."""
+    prompts = _completion_prompts(body, info)
+    if body.suffix:
+        prompts = fim.insert(prompts, body.suffix, _need_tokenizer(info, "suffix", "suffix"), bool(body.echo))
+    return prompts
+
+
+def _completion_prompts(body: CompletionRequest, info: ModelInfo) -> list[list[int]]:
     prompt = body.prompt
     if isinstance(prompt, str):
         texts: list[str] = [prompt]

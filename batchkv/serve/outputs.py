@@ -113,6 +113,7 @@ class Tracker:
         self.offsets = [0] * len(self.choices)  # streamed completions: text_offset of each choice's next token
         self.cached: dict[int, int] = {}  # prompt index -> tokens reused from the prefix cache
         self.echoed: set[int] = set()  # streamed completions with echo: choices whose prompt text went out
+        self.tool_streams: dict[int, tools.ToolStream] = {}  # streamed chat with tools: per choice
 
     @property
     def done(self) -> bool:
@@ -250,14 +251,15 @@ def chat_chunk(tracker: Tracker, deltas: list[Delta], rid: str, model: str, crea
     for d in deltas:
         delta: dict[str, Any] = {"content": d.text} if d.text or d.finish is None else {}
         finish = d.finish
-        if tracker.job.tools is not None:  # held until the choice ends: then its text and calls
-            delta = {}
+        if tracker.job.tools is not None:  # text and tool-call fragments as the calls are read
+            parser = tracker.tool_streams.setdefault(d.index, tools.ToolStream(tracker.job.tools))
+            content, calls = parser.feed(d.text)
             if d.finish is not None:
-                message, finish = _message("".join(tracker.choices[d.index].text), d.finish, tracker.job)
-                if message.get("content"):
-                    delta["content"] = message["content"]
-                if "tool_calls" in message:
-                    delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+                more, last, finish = parser.finish(d.finish)
+                content, calls = content + more, calls + last
+            delta = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = calls
         lps = chat_logprobs(d.logprobs, tracker.tokens) if d.logprobs else None
         choice: dict[str, Any] = {"index": d.index, "delta": delta, "logprobs": lps, "finish_reason": finish}
         if tracker.job.token_ids:

@@ -2,7 +2,7 @@
 
 Bodies decode with `decode_body`: malformed JSON, a field of the wrong type and a field this
 server does not know are all `APIError(400)` naming the field. OpenAI fields that batchkv does not
-implement (echo, suffix, best_of) are declared so that their default values pass and anything
+implement (best_of) are declared so that their default values pass and anything
 else is refused by `refuse_unsupported` with the field named, rather than being silently ignored.
 Extensions that vLLM also accepts: `top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`,
 `priority`, `repetition_penalty`, `min_p`, `min_tokens`, `structured_outputs` and the `guided_*`
@@ -162,7 +162,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
 # field -> values that mean "off"; anything else is refused with 400 naming the field.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
-    "suffix": (None, ""),
 }
 
 

@@ -93,6 +93,10 @@ class _Ranked:
     def bind(self, obj: object, staging: Staging) -> None:
         self._register(obj, staging)
 
+    def share(self, tensor: torch.Tensor) -> None:
+        """Rank 0's `tensor` into every rank's (a broadcast on the model's group, inside a step)."""
+        dist.broadcast(tensor, src=0)
+
     def agree(self, positions: int) -> int:
         value = torch.tensor([positions], dtype=torch.int64)
         dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.group.control)

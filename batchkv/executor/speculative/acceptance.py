@@ -41,13 +41,15 @@ def sampled_rows(
     top_p: torch.Tensor,
     u_accept: torch.Tensor,
     u_draw: torch.Tensor,
+    min_p: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rejection sampling per row (see the module docstring); temperature-0 rows decide greedily.
 
     logits float32 [R, V]; draft_next int64 [R] (-1: no draft); temperature, top_p, u_accept,
-    u_draw float32 [R]; top_k int64 [R]. Returns ok bool [R], fix int64 [R].
+    u_draw float32 [R]; top_k int64 [R]; min_p float32 [R] or None (`filtered_probs`). Returns
+    ok bool [R], fix int64 [R].
     """
-    probs, order, keep = filtered_probs(logits, temperature, top_k, top_p)  # sorted order
+    probs, order, keep = filtered_probs(logits, temperature, top_k, top_p, min_p)  # sorted order
     probs = probs / probs.sum(-1, keepdim=True)  # top-p leaves the kept mass below 1
     is_draft = order == draft_next[:, None]
     ok = u_accept < (probs * is_draft).sum(-1)  # p(d); 0 for a filtered draft or none

@@ -24,6 +24,7 @@ masks the logits from the fixed-address bitmask buffer; other steps replay the u
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +33,7 @@ from batchkv.cache.staging import NamedStaging
 from batchkv.errors import StepError
 from batchkv.executor.constraints import MaskRows, allowed, constrained
 from batchkv.executor.graphs import GraphSet
+from batchkv.executor.penalties import Penalties, stage_verify_penalties
 from batchkv.executor.roles import LOCAL, Role
 from batchkv.executor.runner import ModelRunner, StepModel
 from batchkv.executor.sampling import uniform
@@ -131,8 +133,11 @@ class VerifyRunner(ModelRunner):
         self._staging.upload()
         return sampling
 
-    def _forward(self, width: int, rows: int, sampling: bool, masked: bool = False) -> torch.Tensor:  # type: ignore[override]
-        """The captured region: forward, LM head in row chunks, acceptance; writes `self.result`."""
+    def _forward(  # type: ignore[override]
+        self, width: int, rows: int, sampling: bool, masked: bool = False, adjust: Adjustments | None = None
+    ) -> torch.Tensor:
+        """The captured region: forward, LM head in row chunks, acceptance; writes `self.result`.
+        `adjust` (eager steps only): per-chunk penalties and per-row min_p (`_adjusted_step`)."""
         b = self.buf
         ids = self.input_ids(width)
         if self.drafts is not None:  # drafts produced on the device replace their placeholder ids
@@ -148,12 +153,17 @@ class VerifyRunner(ModelRunner):
         for c in range(0, rows, chunk):
             part = slice(c, min(rows, c + chunk))
             logits = self.model.head(h[part])  # type: ignore[attr-defined]  # [chunk, vocab], model dtype
-            if masked:  # constrained rows: the fixed-address bitmask buffer (a graph of its own)
+            if adjust is not None and c in adjust.penalties:
+                logits = adjust.penalties[c].apply(logits.float(), None)
+            # Constrained rows: the fixed-address bitmask buffer (a graph of its own). Only rank 0
+            # holds one: the other ranks' acceptance is never read (rank 0 plans from its own).
+            if masked and self._masks is not None:
                 keep = allowed(self._masks.device[part], logits.shape[-1])  # type: ignore[union-attr]
                 logits = logits.masked_fill(~keep, float("-inf"))
             if sampling:
                 params = (b[name][part] for name in ("temperature", "top_k", "top_p", "u_accept", "u_draw"))
-                ok, fix = sampled_rows(logits.float(), draft_next[part], *params)
+                min_p = adjust.min_p[part] if adjust is not None and adjust.min_p is not None else None
+                ok, fix = sampled_rows(logits.float(), draft_next[part], *params, min_p=min_p)
             else:
                 ok, fix = greedy_rows(logits, draft_next[part])
             oks.append(ok)
@@ -172,12 +182,43 @@ class VerifyRunner(ModelRunner):
             raise StepError("a verify step reads its tokens on the host before the next plan; run it without overlap")
         rows = self._rows_bucket(len(batch.rows))
         sampling = self._stage(batch, width, rows)
-        if self.grammars is not None and constrained(batch.samples):
+        masked = self.grammars is not None and constrained(batch.samples)
+        if masked:
             self._stage_masks(batch, rows)
-            result = self._device_step(width, rows, sampling, True)  # one process (Engine.submit)
+        if any(s.owner.request.params.adjusts_logits or s.owner.request.params.min_p > 0 for s in batch.samples):
+            self._adjusting = self._stage_adjustments(batch, rows, sampling)
+            try:
+                result = self.tp.run(self._adjusted_step, width, rows, sampling, masked)
+            finally:
+                self._adjusting = None
+        elif masked:
+            result = self.tp.run(self._device_step, width, rows, sampling, True)
         else:
             result = self.tp.run(self._device_step, width, rows, sampling)
         return AcceptedRuns(result[: len(batch.samples)])
+
+    _adjusting: Adjustments | None = None  # rank 0, during an adjusted verify step
+
+    def _stage_adjustments(self, batch: Batch, rows: int, sampling: bool) -> Adjustments:
+        """Penalties of each LM-head chunk (row j of a segment counting the first j drafts as
+        output, `stage_verify_penalties`) and, when a sampled row asks, min_p per logits row."""
+        device = self.cache.device
+        chunk = HEAD_CHUNK if sampling else GREEDY_HEAD_CHUNK
+        min_p = None
+        if sampling and any(s.owner.request.params.min_p > 0 for s in batch.samples):
+            values = [0.0] * rows
+            r = 0
+            for sample, span in zip(batch.samples, batch.spans, strict=True):
+                values[r : r + span] = [sample.owner.request.params.min_p] * span
+                r += span
+            min_p = torch.tensor(values, dtype=torch.float32).to(device)
+        return Adjustments(stage_verify_penalties(batch, chunk, device), min_p)
+
+    def _adjusted_step(self, width: int, rows: int, sampling: bool, masked: bool) -> torch.Tensor:
+        """`_device_step` for a step with penalties or min_p, eager (their lists change shape every
+        step). Every rank runs the forward; rank 0 alone adjusts (`_adjusting`): the other ranks'
+        acceptance is never read, rank 0 plans from its own."""
+        return self._forward(width, rows, sampling, masked, self._adjusting)
 
     def _stage_masks(self, batch: Batch, rows: int) -> None:
         """Fill and upload the bitmask of every logits row: row j of a constrained sample's segment
@@ -206,6 +247,15 @@ class VerifyRunner(ModelRunner):
         `masked`: apply the staged bitmask rows (constrained samples) before acceptance."""
         fn: Callable[[], torch.Tensor] = lambda: self._forward(width, rows, sampling, masked)  # noqa: E731
         return self.execute((width, rows, sampling, masked) if masked else (width, rows, sampling), fn)
+
+
+@dataclass
+class Adjustments:
+    """A verify step's logit adjustments on the device: `Penalties` per LM-head chunk (keyed by
+    its first row) and min_p float32 [rows] (None: no sampled row asks)."""
+
+    penalties: dict[int, Penalties]
+    min_p: torch.Tensor | None
 
 
 class AcceptedRuns:
