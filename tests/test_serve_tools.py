@@ -13,7 +13,8 @@ import signal
 import pytest
 
 from batchkv.serve.protocol import APIError
-from batchkv.serve.tools import ToolPlan, ToolStream, parse, plan
+from batchkv.serve.tool_stream import ToolStream
+from batchkv.serve.tools import ToolPlan, parse, plan
 
 WEATHER = {
     "type": "function",

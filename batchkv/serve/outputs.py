@@ -32,6 +32,7 @@ from batchkv.serve.detok import IncrementalDetokenizer, StopMatcher
 from batchkv.serve.jobs import Job
 from batchkv.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from batchkv.serve.stream import Stream
+from batchkv.serve.tool_stream import ToolStream
 
 FINISH = {"stop": "stop", "length": "length", "capacity": "length", "cancelled": "abort", "timeout": "timeout",
           "grammar": "grammar"}  # fmt: skip
@@ -113,7 +114,7 @@ class Tracker:
         self.offsets = [0] * len(self.choices)  # streamed completions: text_offset of each choice's next token
         self.cached: dict[int, int] = {}  # prompt index -> tokens reused from the prefix cache
         self.echoed: set[int] = set()  # streamed completions with echo: choices whose prompt text went out
-        self.tool_streams: dict[int, tools.ToolStream] = {}  # streamed chat with tools: per choice
+        self.tool_streams: dict[int, ToolStream] = {}  # streamed chat with tools: per choice
 
     @property
     def done(self) -> bool:
@@ -252,7 +253,7 @@ def chat_chunk(tracker: Tracker, deltas: list[Delta], rid: str, model: str, crea
         delta: dict[str, Any] = {"content": d.text} if d.text or d.finish is None else {}
         finish = d.finish
         if tracker.job.tools is not None:  # text and tool-call fragments as the calls are read
-            parser = tracker.tool_streams.setdefault(d.index, tools.ToolStream(tracker.job.tools))
+            parser = tracker.tool_streams.setdefault(d.index, ToolStream(tracker.job.tools))
             content, calls = parser.feed(d.text)
             if d.finish is not None:
                 more, last, finish = parser.finish(d.finish)
