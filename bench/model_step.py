@@ -18,7 +18,8 @@ times the decoder's matmuls of one step alone (every layer's q/k/v, o, gate/up a
 its own weights, so every weight is read from HBM), bf16 (as the model runs them: the few-row kernel
 at up to GEMV_MAX_ROWS rows, cuBLAS above) against fp8 (the activation quantiser and the e4m3 product,
 as `Fp8Linear` runs them), each captured in one CUDA graph, at each of `--rows`; with the variants
-`fp8_exact_accum` (the scaled matmul without fast accumulation), at few rows `fp8_scaled_mm` (the scaled
+`fp8_exact_accum` (the scaled matmul without fast accumulation), `fp8_rowwise_only` (no product
+through the unscaled GEMM and `apply_scales`: fp8's TENSORWISE rule off), at few rows `fp8_scaled_mm` (the scaled
 matmul instead of the e4m3 few-row kernel) and `bf16_cublas`, and up to 128 rows `fp8_triton` (the
 few-row kernel with every row in one tile).
     python bench/model_step.py --fp8-matmuls --rows 1 64 256 1024 --json out.json      # on the GPU
@@ -157,6 +158,10 @@ def fp8_matmuls(preset: str, device: torch.device, rows_list: list[int], iters: 
         fp8_module.FAST_ACCUM = False
         row["fp8_exact_accum_ms"] = graph_ms(fp8_step, iters, device)
         fp8_module.FAST_ACCUM = True
+        if fp8_module.TENSORWISE:  # every product with row-wise scales (no unscaled GEMM + apply_scales)
+            rule, fp8_module.TENSORWISE = fp8_module.TENSORWISE, False
+            row["fp8_rowwise_only_ms"] = graph_ms(fp8_step, iters, device)
+            fp8_module.TENSORWISE = rule
         if rows <= max(gemv_module.GEMV_MAX_ROWS, fp8_module.FP8_GEMV_MAX_ROWS):
             limit, gemv_module.GEMV_MAX_ROWS = gemv_module.GEMV_MAX_ROWS, 0
             row["bf16_cublas_ms"] = graph_ms(bf16_step, iters, device)
@@ -209,6 +214,11 @@ def main() -> None:
             gbs = weight_bytes / (ms / 1e3) / 1e9
             roof_ms = weight_bytes / (peak * 1e9) * 1e3
             results.append({"rows": rows, "ms": ms, "weight_gbs": gbs, "roofline_ms": roof_ms})
+            if args.quantization == "fp8" and device.type == "cuda":  # the quantiser as a separate pass
+                fp8_module.FUSED_QUANT = False
+                results[-1]["unfused_quant_ms"] = step_ms(model, rows, args.iters)
+                fp8_module.FUSED_QUANT = True
+                print(f"  rows {rows:3d}: quantiser as a separate pass {results[-1]['unfused_quant_ms']:8.3f} ms/step")
             if device.type == "cuda" and rows <= gemv_module.GEMV_MAX_ROWS:
                 results[-1]["kernels"] = kernels_per_step(model, rows)
                 limit, gemv_module.GEMV_MAX_ROWS = gemv_module.GEMV_MAX_ROWS, 0  # every matmul on cuBLAS
