@@ -23,6 +23,11 @@ through the unscaled GEMM and `apply_scales`: fp8's TENSORWISE rule off), at few
 matmul instead of the e4m3 few-row kernel) and `bf16_cublas`, and up to 128 rows `fp8_triton` (the
 few-row kernel with every row in one tile).
     python bench/model_step.py --fp8-matmuls --rows 1 64 256 1024 --json out.json      # on the GPU
+
+`--gemm-ab` (its own options: `--gemm-ab --help`) times each projection shape alone per row count:
+bf16, the row-wise scaled matmul, the scalar-scaled one with and without the scales applied after,
+the transposed product, optionally Triton e4m3 GEMMs, and the activation passes separate against
+fused (bench/lib/fp8_gemm_ab.py).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout: bench.lib and batchkv
 import batchkv.models.gemv as gemv_module
 import batchkv.models.quant.fp8 as fp8_module
+import batchkv.models.quant.producers as producers
 from batchkv.models import build_model, preset_config
 from batchkv.models.quant import Fp8Linear
 from bench.lib.timing import capture
@@ -178,6 +184,11 @@ def fp8_matmuls(preset: str, device: torch.device, rows_list: list[int], iters: 
 
 
 def main() -> None:
+    if "--gemm-ab" in sys.argv:  # the FP8 GEMM alternatives per shape (bench/lib/fp8_gemm_ab.py), its own options
+        sys.argv.remove("--gemm-ab")
+        from bench.lib.fp8_gemm_ab import main as gemm_ab
+
+        return gemm_ab()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="sensenova-u1-8b")
     parser.add_argument("--device", default="cuda")
@@ -215,9 +226,9 @@ def main() -> None:
             roof_ms = weight_bytes / (peak * 1e9) * 1e3
             results.append({"rows": rows, "ms": ms, "weight_gbs": gbs, "roofline_ms": roof_ms})
             if args.quantization == "fp8" and device.type == "cuda":  # the quantiser as a separate pass
-                fp8_module.FUSED_QUANT = False
+                producers.FUSED_QUANT = False
                 results[-1]["unfused_quant_ms"] = step_ms(model, rows, args.iters)
-                fp8_module.FUSED_QUANT = True
+                producers.FUSED_QUANT = True
                 print(f"  rows {rows:3d}: quantiser as a separate pass {results[-1]['unfused_quant_ms']:8.3f} ms/step")
             if device.type == "cuda" and rows <= gemv_module.GEMV_MAX_ROWS:
                 results[-1]["kernels"] = kernels_per_step(model, rows)

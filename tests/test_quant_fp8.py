@@ -9,7 +9,14 @@ import torch
 
 from batchkv.errors import CheckpointError, ConfigError
 from batchkv.models import build_model, save_checkpoint
-from batchkv.models.quant import Fp8Linear, fp8_matmul_emulated, quantize_layers, quantize_rows, quantize_weight
+from batchkv.models.quant import (
+    Fp8Linear,
+    fp8_matmul_emulated,
+    producers,
+    quantize_layers,
+    quantize_rows,
+    quantize_weight,
+)
 from batchkv.models.quant import fp8 as fp8_module
 from batchkv.models.quant.fp8 import MIN_ACT_SCALE, quantize_rows_torch
 from tests.model_loop import greedy_through_cache, make_cache, run_step, text_idx
@@ -230,7 +237,7 @@ def test_fused_norm_and_silu_quantisers_give_the_separate_passes_codes_under_the
     w = torch.randn(96, generator=g).to(torch.bfloat16)
     d[2, 5], d[3] = float("nan"), -h[3]  # a NaN row; a row of zeros
     h_sep, x_sep = add_rms_norm(h, d, w, 1e-6, triton_kernel=True)
-    h_out, (q, s) = fp8_module.add_rms_norm_quant(h, d, w, 1e-6, triton_kernel=True)
+    h_out, (q, s) = producers.add_rms_norm_quant(h, d, w, 1e-6, triton_kernel=True)
     q_ref, s_ref = quantize_rows(x_sep, triton_kernel=True)  # codes: the interpreter's own e4m3 conversion
     torch.testing.assert_close(h_out, h_sep, equal_nan=True, rtol=0, atol=0)
     torch.testing.assert_close(s, s_ref, equal_nan=True, rtol=0, atol=0)
@@ -240,11 +247,11 @@ def test_fused_norm_and_silu_quantisers_give_the_separate_passes_codes_under_the
     buf[1, :200], buf[2, 150] = 0, float("nan")  # a row of zeros; a NaN in a row's up half
     q_ref, s_ref = quantize_rows(silu_mul(buf[:, :200].contiguous(), triton_kernel=True), triton_kernel=True)
     for block in (16, 128):  # many chunks a row, and one
-        fp8_module.SILU_QUANT_BLOCK, saved = block, fp8_module.SILU_QUANT_BLOCK
+        producers.SILU_QUANT_BLOCK, saved = block, producers.SILU_QUANT_BLOCK
         try:
-            q, s = fp8_module.silu_mul_quant(buf[:, :200], triton_kernel=True)
+            q, s = producers.silu_mul_quant(buf[:, :200], triton_kernel=True)
         finally:
-            fp8_module.SILU_QUANT_BLOCK = saved
+            producers.SILU_QUANT_BLOCK = saved
         torch.testing.assert_close(s, s_ref, equal_nan=True, rtol=0, atol=0)
         assert s[2].isnan() and torch.equal(q[:2].view(torch.uint8), q_ref[:2].view(torch.uint8))
 
@@ -263,7 +270,7 @@ def test_sensenova_fp8_step_with_the_quantisers_fused_into_norm_and_silu_gives_t
     monkeypatch.setattr(fp8_module, "quantize_rows", lambda x: separate_quantiser(x, triton_kernel=True))
     outs = []
     for fused in (False, True):
-        monkeypatch.setattr(fp8_module, "_fused", lambda x, fused=fused: fused)
+        monkeypatch.setattr(producers, "fused", lambda x, fused=fused: fused)
         cache = make_cache(fp8_model, max_seqs=1)
         outs.append(run_step(fp8_model, cache, [(cache.seq_new(), [101, 7, 250], text_idx(0, 3))], 4))
     separate, fused = outs

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from batchkv.models.quant import fp8 as fp8_module
+from batchkv.models.quant import producers
 from batchkv.models.quant.fp8 import Fp8Linear, fp8_matmul, fp8_matmul_emulated, quantize_rows, quantize_rows_torch
 
 pytestmark = pytest.mark.gpu
@@ -136,9 +137,9 @@ def test_fused_norm_and_silu_quantisers_give_the_separate_passes_codes_bit_for_b
         d[1, 9] = float("nan")
         gu[2] = 0
     h_sep, x_sep = add_rms_norm(h, d, w, 1e-6)
-    h_out, fused = fp8_module.add_rms_norm_quant(h, d, w, 1e-6)
+    h_out, fused = producers.add_rms_norm_quant(h, d, w, 1e-6)
     assert torch.equal(h_out.isnan(), h_sep.isnan()) and torch.equal(h_out.nan_to_num(), h_sep.nan_to_num())
-    pairs = [(fused, quantize_rows(x_sep)), (fp8_module.silu_mul_quant(gu), quantize_rows(silu_mul(gu.contiguous())))]
+    pairs = [(fused, quantize_rows(x_sep)), (producers.silu_mul_quant(gu), quantize_rows(silu_mul(gu.contiguous())))]
     for (q, s), (q_ref, s_ref) in pairs:
         assert torch.equal(s.isnan(), s_ref.isnan()) and torch.equal(s.nan_to_num(), s_ref.nan_to_num())
         finite = ~s_ref.isnan().flatten()

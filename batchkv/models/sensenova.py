@@ -241,15 +241,17 @@ class SenseNovaLM(nn.Module):
         """LM head of final-normed hidden states [R, H] -> logits [R, vocab] in the model dtype."""
         return self.shard.gather(linear(h, self.lm_head), self.config.vocab)
 
-    def _norm(self):
-        """add_rms_norm(h, delta, weight, eps) as a function of (the projection that reads the normed
-        output, h, delta, weight, eps): under FP8 compute the norm also quantises its output for an
-        `Fp8Linear` reader (`batchkv.models.quant.fp8.add_rms_norm_for`)."""
+    def _producers(self):
+        """(add-RMSNorm, SiLU-mul then the down projection) as functions of the projection that reads
+        their output: `(consumer, h, delta, weight, eps) -> (h + delta, normed)` and `(gate_up, down)
+        -> mlp`. Under FP8 compute the norm and the SiLU-mul also quantise their outputs for an
+        `Fp8Linear` reader (`batchkv.models.quant.producers`)."""
         if self.quantization is None:
-            return lambda consumer, h, delta, weight, eps: add_rms_norm(h, delta, weight, eps)
-        from batchkv.models.quant.fp8 import add_rms_norm_for
+            return (lambda consumer, h, delta, weight, eps: add_rms_norm(h, delta, weight, eps),
+                    lambda gate_up, down: linear(gate_up, down, silu_mul=True))  # fmt: skip
+        from batchkv.models.quant.producers import add_rms_norm_for, silu_mul_linear
 
-        return add_rms_norm_for
+        return add_rms_norm_for, silu_mul_linear
 
     def hidden_states(
         self, input_ids: torch.Tensor, indexes: torch.Tensor, cache, logits_rows: torch.Tensor, taps=None
@@ -263,11 +265,11 @@ class SenseNovaLM(nn.Module):
         cos, sin = self.rope.tables(indexes, h.dtype)  # [W, D] each, shared by every layer
         layers = self.layers
         x = rms_norm(h, layers[0].input_layernorm, eps)
-        norm = self._norm()
+        norm, silu_down = self._producers()
         for layer, p in enumerate(layers):
             # Each residual add is fused with the norm that follows it: one kernel on CUDA.
             h, x = norm(p.gate_up, h, self._attention(layer, p, x, cos, sin, cache), p.post_attention_layernorm, eps)
-            mlp = linear(linear(x, p.gate_up), p.down, silu_mul=True)  # silu(gate) * up, then down
+            mlp = silu_down(linear(x, p.gate_up), p.down)  # silu(gate) * up, then down
             mlp = self.shard.all_reduce(mlp)  # row-parallel: sum the ranks
             if layer + 1 < len(layers):
                 h, x = norm(layers[layer + 1].qkv, h, mlp, layers[layer + 1].input_layernorm, eps)

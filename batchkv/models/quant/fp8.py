@@ -12,8 +12,8 @@ On NVIDIA sm_89+ the sum runs in hardware: torch's scaled matmul (cuBLASLt, row-
 e4m3 tensor-core dots (the few-row case of `batchkv.models.gemv`, at half its bytes); where
 `TENSORWISE` says so, the scaled matmul with scalar scales of 1 into float32 sums and the scales
 applied after it (`apply_scales`). Inside a model the activations arrive quantised (`Fp8Rows`) from
-the kernels that produce them: the add-RMSNorm before q/k/v and gate/up (`add_rms_norm_quant`) and
-the SiLU-mul before down (`silu_mul_quant`), with the separate quantiser's codes and scales bit for bit. Everywhere
+the kernels that produce them (`batchkv.models.quant.producers`: the add-RMSNorm before q/k/v and
+gate/up, the SiLU-mul before down), with the separate quantiser's codes and scales bit for bit. Everywhere
 else (the CPU, other GPUs, shapes off the 16 grid) `fp8_matmul_emulated` computes the same codes
 and scales and the product in float32: it is the hardware paths' oracle and what CPU runs compute.
 
@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from batchkv.errors import ConfigError, ContractError
-from batchkv.models.fused import add_rms_norm
 from batchkv.models.fused import silu_mul as silu_mul_rows
 from batchkv.ops.support import fp8_gemm
 
@@ -56,10 +55,6 @@ FP8_GEMV_MAX_ROWS = 64
 # The scaled matmul's fast accumulation (Hopper's FP8 tensor cores keep fewer bits between k-blocks,
 # as every FP8 serving stack runs them): 1.16x at 1,024 rows on the H200 (bench/results/model-step-fp8-h200.json).
 FAST_ACCUM = True
-# Activations quantised inside the kernel that produces them (add-RMSNorm, SiLU-mul) on CUDA, instead
-# of a separate quantiser pass over the model-dtype output (the same codes and scales either way).
-FUSED_QUANT = True
-SILU_QUANT_BLOCK = 1024  # columns per program of the SiLU-mul quantiser's two launches
 # Where the scaled matmul runs with scalar scales into float32 sums, `apply_scales` applying the row and
 # channel scales after it, instead of with row-wise scales: cuBLASLt picks one tile (128 x 128, 4 x 2
 # clusters) for row-wise scales at every shape, too few programs for the narrow projections at a few
@@ -145,71 +140,6 @@ if triton is not None:
         tl.store(s_ptr + row, scale)
 
     @triton.jit
-    def _quantize_tail(x, cols, mask, q_ptr, s_ptr, row, K, INV_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
-        """Store the e4m3 codes and the scale of one row x (float32 values, 0 where ~mask), as
-        `_quantize_rows_kernel` computes them."""
-        nan = tl.sum((x != x).to(tl.int32), axis=0) > 0
-        amax = tl.max(tl.abs(x), axis=0)
-        scale = tl.maximum(amax * INV_MAX, MIN_SCALE)
-        scale = tl.where(nan, float("nan"), scale)
-        v = tl.math.div_rn(x, scale)
-        v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -448.0), 448.0))
-        tl.store(q_ptr + row * K + cols, v.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + row, scale)
-
-    @triton.jit
-    def _add_rms_norm_quant_kernel(h_ptr, d_ptr, w_ptr, h_out, q_ptr, s_ptr, n, eps, INV_MAX: tl.constexpr,
-                                   MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
-        # batchkv.models.fused's add-RMSNorm (the same roundings), then the quantiser on its output row.
-        pdl_enter(GDC)
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n
-        h = tl.load(h_ptr + row * n + cols, mask=mask, other=0.0)
-        h = (h.to(tl.float32) + tl.load(d_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
-        tl.store(h_out + row * n + cols, h, mask=mask)
-        hf = h.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / n + eps)
-        normed = (hf * rstd).to(h.dtype)
-        weight = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        x = (normed.to(tl.float32) * weight.to(tl.float32)).to(h.dtype).to(tl.float32)
-        _quantize_tail(x, cols, mask, q_ptr, s_ptr, row, n, INV_MAX, MIN_SCALE)
-
-    @triton.jit
-    def _silu_mul_amax_kernel(gu_ptr, x_ptr, amax_ptr, n, stride_gu, BLOCK: tl.constexpr, GDC: tl.constexpr):
-        # batchkv.models.fused's silu_mul (the same roundings) on one chunk of a row, and the chunk's
-        # max |x| folded into the row's: an int32 atomic max of the float bits (|x| >= 0 orders as its
-        # bits; a NaN's bits exceed every number's, so a NaN anywhere makes the row's amax NaN).
-        pdl_enter(GDC)
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n
-        gate = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
-        up = tl.load(gu_ptr + row * stride_gu + n + cols, mask=mask, other=0.0).to(tl.float32)
-        g = gate.to(tl.float32)
-        x = ((g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32) * up).to(gate.dtype)
-        tl.store(x_ptr + row * n + cols, x, mask=mask)
-        bits = tl.abs(x.to(tl.float32)).to(tl.int32, bitcast=True)
-        tl.atomic_max(amax_ptr + row, tl.max(bits, axis=0))
-
-    @triton.jit
-    def _quantize_by_amax_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, n, INV_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-                                 BLOCK: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
-        # The quantiser on one chunk of a row whose amax (as float bits) is known: `_quantize_tail`'s arithmetic.
-        pdl_enter(GDC)
-        row = tl.program_id(0).to(tl.int64)
-        chunk = tl.program_id(1)
-        cols = chunk * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < n
-        amax = tl.load(amax_ptr + row).to(tl.float32, bitcast=True)
-        scale = tl.where(amax != amax, float("nan"), tl.maximum(amax * INV_MAX, MIN_SCALE))
-        v = tl.math.div_rn(tl.load(x_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32), scale)
-        v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -448.0), 448.0))
-        tl.store(q_ptr + row * n + cols, v.to(q_ptr.dtype.element_ty), mask=mask)
-        if chunk == 0:
-            tl.store(s_ptr + row, scale)
-
-    @triton.jit
     def _scale_kernel(y_ptr, sx_ptr, sw_ptr, out_ptr, N, BLOCK_N: tl.constexpr, GDC: tl.constexpr):
         # out[m, n] = y[m, n] * sx[m] * sw[n] (float32, then rounded): the scaled matmul's row-wise epilogue
         pdl_enter(GDC)
@@ -267,54 +197,6 @@ class Fp8Rows(NamedTuple):
 
     codes: torch.Tensor
     scale: torch.Tensor
-
-
-def _fused(x: torch.Tensor) -> bool:
-    return FUSED_QUANT and triton is not None and x.is_cuda and fp8_gemm(x.device) and not EMULATE
-
-
-def add_rms_norm_quant(
-    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *, triton_kernel: bool | None = None
-) -> tuple[torch.Tensor, Fp8Rows]:
-    """(h + delta, quantize_rows(RMSNorm(h + delta) * weight)) for contiguous [W, H] h and delta: the
-    codes and scales of `batchkv.models.fused.add_rms_norm`'s output, bit for bit, in one launch on
-    NVIDIA sm_89+ (`triton_kernel` None; True forces it, e.g. under the interpreter), the two steps elsewhere."""
-    use = _fused(h) if triton_kernel is None else triton_kernel and triton is not None
-    if not use:
-        h, x = add_rms_norm(h, delta, weight, eps)
-        return h, Fp8Rows(*quantize_rows(x))
-    w, n = h.shape
-    h_out = torch.empty_like(h)
-    q = torch.empty(w, n, dtype=E4M3, device=h.device)
-    s = torch.empty(w, 1, dtype=torch.float32, device=h.device)
-    if w:
-        _add_rms_norm_quant_kernel[(w,)](h, delta.contiguous(), weight, h_out, q, s, n, eps, INV_MAX=INV_E4M3_MAX,
-                                         MIN_SCALE=MIN_ACT_SCALE, BLOCK=triton.next_power_of_2(n), num_warps=8,
-                                         **pdl_kwargs(h.device))  # fmt: skip
-    return h_out, Fp8Rows(q, s)
-
-
-def silu_mul_quant(gate_up: torch.Tensor, *, triton_kernel: bool | None = None) -> Fp8Rows:
-    """quantize_rows(silu(gate) * up) for gate_up = [gate | up] [W, 2I] (last dim contiguous): the codes and
-    scales of `batchkv.models.fused.silu_mul` then `quantize_rows`, bit for bit. On NVIDIA sm_89+
-    (`triton_kernel` None; True forces it) two launches over chunks of every row, so that all SMs
-    stream even at few rows (the quantiser's one program per row is slow on rows this long): SiLU-mul
-    with each row's amax gathered by atomics, then the codes; the two steps as written elsewhere."""
-    use = _fused(gate_up) if triton_kernel is None else triton_kernel and triton is not None
-    if not use:
-        return Fp8Rows(*quantize_rows(silu_mul_rows(gate_up)))
-    w, n = gate_up.shape[0], gate_up.shape[1] // 2
-    x = torch.empty(w, n, dtype=gate_up.dtype, device=gate_up.device)
-    amax = torch.zeros(w, dtype=torch.int32, device=gate_up.device)
-    q = torch.empty(w, n, dtype=E4M3, device=gate_up.device)
-    s = torch.empty(w, 1, dtype=torch.float32, device=gate_up.device)
-    if w:
-        block = min(SILU_QUANT_BLOCK, triton.next_power_of_2(n))
-        grid = (w, triton.cdiv(n, block))
-        kw = {"BLOCK": block, "num_warps": 4, **pdl_kwargs(gate_up.device)}
-        _silu_mul_amax_kernel[grid](gate_up, x, amax, n, gate_up.stride(0), **kw)
-        _quantize_by_amax_kernel[grid](x, amax, q, s, n, INV_MAX=INV_E4M3_MAX, MIN_SCALE=MIN_ACT_SCALE, **kw)
-    return Fp8Rows(q, s)
 
 
 def fp8_gemv(
@@ -414,17 +296,17 @@ class Fp8Linear(nn.Module):
         self, x: torch.Tensor | Fp8Rows, *, silu_mul: bool = False, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """x [..., K] (with silu_mul: [..., 2K] = [gate | up], taking silu(gate) * up) -> [..., N];
-        or x already quantised (`Fp8Rows` of [M, K], e.g. from `add_rms_norm_quant`) -> [M, N]."""
+        or x already quantised (`Fp8Rows` of [M, K], from `batchkv.models.quant.producers`) -> [M, N]."""
         if isinstance(x, Fp8Rows):
             lead, (xq, sx) = x.codes.shape[:-1], x
         else:
-            if silu_mul and not _fused(x):
-                x, silu_mul = silu_mul_rows(x), False
+            if silu_mul:
+                x = silu_mul_rows(x)
             lead = x.shape[:-1]
             x2 = x.reshape(-1, x.shape[-1])
             if x2.stride(-1) != 1:
                 x2 = x2.contiguous()
-            xq, sx = silu_mul_quant(x2) if silu_mul else quantize_rows(x2)
+            xq, sx = quantize_rows(x2)
         if _hardware(xq, self.out_features):
             y = fp8_matmul(xq, sx, self.weight, self.weight_scale, self.dtype)
         else:  # the emulation, on codes widened once (widening e4m3 on the CPU costs more than the product)
@@ -445,16 +327,6 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 per-channel, {self.dtype}"
-
-
-def add_rms_norm_for(
-    consumer: torch.Tensor | nn.Module, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
-    """`batchkv.models.fused.add_rms_norm` for a normed output that only `consumer` reads: quantised in
-    the same launch (`add_rms_norm_quant`) where `consumer` is an `Fp8Linear` on a GPU that runs it."""
-    if isinstance(consumer, Fp8Linear) and _fused(h):
-        return add_rms_norm_quant(h, delta, weight, eps)
-    return add_rms_norm(h, delta, weight, eps)
 
 
 def quantize_layers(parent: nn.Module, names: Sequence[str]) -> int:

@@ -16,7 +16,8 @@ and the activation passes around them: `quantize_rows` (the separate quantiser),
 `silu_mul` against `add_rms_norm_quant` and `silu_mul_quant` (the quantiser fused into them).
 Every Triton configuration's product is checked against the emulation (`max_rel_err`).
 
-    python bench/fp8_gemm_ab.py --rows 64 128 256 512 1024 --json out.json     # on the GPU
+    python3 bench/model_step.py --gemm-ab --rows 64 128 256 384 512 1024 --json out.json     # on the GPU
+    python3 bench/model_step.py --gemm-ab --triton --llama ...   # also Triton GEMMs and Llama-3.1-8B shapes
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout: bench.lib and batchkv
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: bench.lib and batchkv
 from batchkv.models import preset_config
 from batchkv.models.fused import add_rms_norm, silu_mul
 from batchkv.models.quant import fp8 as fp8_module
+from batchkv.models.quant import producers
 from batchkv.ops.pdl import pdl_enter, pdl_kwargs
 from bench.lib.timing import capture
 
@@ -257,25 +259,25 @@ def passes(rows: int, h: int, inter: int, norms: int, silus: int, iters: int, ge
         "add_rms_norm": graph_ms(lambda: [add_rms_norm(hh, dd, nw, 1e-6) for _ in range(norms)], iters),
         "quantize_rows_h": graph_ms(lambda: [fp8_module.quantize_rows(hh) for _ in range(norms)], iters),
         "add_rms_norm_quant": graph_ms(
-            lambda: [fp8_module.add_rms_norm_quant(hh, dd, nw, 1e-6) for _ in range(norms)], iters
+            lambda: [producers.add_rms_norm_quant(hh, dd, nw, 1e-6) for _ in range(norms)], iters
         ),
         "silu_mul": graph_ms(lambda: [silu_mul(gu) for _ in range(silus)], iters),
         "quantize_rows_i": graph_ms(lambda: [fp8_module.quantize_rows(mid) for _ in range(silus)], iters),
-        "silu_mul_quant": graph_ms(lambda: [fp8_module.silu_mul_quant(gu) for _ in range(silus)], iters),
+        "silu_mul_quant": graph_ms(lambda: [producers.silu_mul_quant(gu) for _ in range(silus)], iters),
     }
-    block = fp8_module.SILU_QUANT_BLOCK
+    block = producers.SILU_QUANT_BLOCK
     for b in (1024, 4096, 1 << 30):  # chunk widths of the fused SiLU-mul quantiser (1 << 30: a whole row)
-        fp8_module.SILU_QUANT_BLOCK = b
+        producers.SILU_QUANT_BLOCK = b
         p[f"silu_mul_quant_block{min(b, 1 << 20)}"] = graph_ms(
-            lambda: [fp8_module.silu_mul_quant(gu) for _ in range(silus)], iters)  # fmt: skip
-    fp8_module.SILU_QUANT_BLOCK = block
+            lambda: [producers.silu_mul_quant(gu) for _ in range(silus)], iters)  # fmt: skip
+    producers.SILU_QUANT_BLOCK = block
     p["separate_ms"] = p["add_rms_norm"] + p["quantize_rows_h"] + p["silu_mul"] + p["quantize_rows_i"]
     p["fused_ms"] = p["add_rms_norm_quant"] + p["silu_mul_quant"]
     return p
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="bench/model_step.py --gemm-ab", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="sensenova-u1-8b")
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
     parser.add_argument("--iters", type=int, default=10)
