@@ -276,3 +276,15 @@ def test_sensenova_fp8_step_with_the_quantisers_fused_into_norm_and_silu_gives_t
     separate, fused = outs
     assert torch.isfinite(fused).all()
     assert torch.equal(fused, separate)
+
+
+def test_apply_scales_kernel_is_the_emulations_epilogue_under_the_interpreter():
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(8)
+    xq, sx = quantize_rows_torch((torch.randn(3, 64, generator=g) * 3).to(torch.bfloat16))
+    wq, sw = quantize_weight(torch.randn(40, 64, generator=g))
+    sums = xq.float() @ wq.float().T  # what the scalar-scaled GEMM writes (float32, scales of 1)
+    got = fp8_module.apply_scales(sums, sx, sw, torch.bfloat16)
+    assert torch.equal(fp8_module.apply_scales(sums, sx, sw, torch.float32), sums * sx * sw.reshape(1, -1))
+    want = fp8_matmul_emulated(xq, sx, wq, sw, torch.float32)  # the interpreter rounds to bf16 its own way
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=0)
