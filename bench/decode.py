@@ -263,6 +263,11 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
                       "ttft_p50_ms": d["ttft_ms_p50"], "steps": d["steps"], "wall_s": d["wall_s"],
                       "captures": d["captures"] - warm_captures, "max_seqs": engine.cache.max_seqs,
                       "store": engine.sizing.describe() if engine.sizing else None, "warm_up": WARM_UP}  # fmt: skip
+            if args.profile_steps and kv_dtype is not None:  # the loaded step of fp8 + e4m3, profiled
+                from bench.lib.serving import profile_loaded
+
+                windows = ((100, args.profile_steps), (300, args.profile_steps))
+                r[key]["profile"] = profile_loaded(engine, dev, ctx.prompts, ctx.outputs, windows)
             engine.close()
             release(dev)
             print(
@@ -290,6 +295,7 @@ def main() -> None:
     ap.add_argument("--hf-online-box-s", type=float, default=None, help="box past the last arrival per rate (10; 5)")
     ap.add_argument("--resume", type=Path, default=None, help="a result JSON to complete: only missing parts run")
     ap.add_argument("--step-budgets", default="2048", help="step sizes the budgets part also serves (comma list)")
+    ap.add_argument("--profile-steps", type=int, default=0, help="fp8 + e4m3: profile this many loaded steps twice")
     ap.add_argument("--skip-parts", default="", help="comma-separated parts not to run (e.g. online_batchkv)")
     args = ap.parse_args()
     for name, full, small in (("online_window_s", 12, 3), ("hf_calibrate_s", 45, 10), ("hf_box_s", 45, 10),

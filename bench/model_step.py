@@ -18,10 +18,16 @@ times the decoder's matmuls of one step alone (every layer's q/k/v, o, gate/up a
 its own weights, so every weight is read from HBM), bf16 (as the model runs them: the few-row kernel
 at up to GEMV_MAX_ROWS rows, cuBLAS above) against fp8 (the activation quantiser and the e4m3 product,
 as `Fp8Linear` runs them), each captured in one CUDA graph, at each of `--rows`; with the variants
-`fp8_exact_accum` (the scaled matmul without fast accumulation), at few rows `fp8_scaled_mm` (the scaled
+`fp8_exact_accum` (the scaled matmul without fast accumulation), `fp8_rowwise_only` (no product
+through the unscaled GEMM and `apply_scales`: fp8's TENSORWISE rule off), at few rows `fp8_scaled_mm` (the scaled
 matmul instead of the e4m3 few-row kernel) and `bf16_cublas`, and up to 128 rows `fp8_triton` (the
 few-row kernel with every row in one tile).
     python bench/model_step.py --fp8-matmuls --rows 1 64 256 1024 --json out.json      # on the GPU
+
+`--gemm-ab` (its own options: `--gemm-ab --help`) times each projection shape alone per row count:
+bf16, the row-wise scaled matmul, the scalar-scaled one with and without the scales applied after,
+the transposed product, optionally Triton e4m3 GEMMs, and the activation passes separate against
+fused (bench/lib/fp8_gemm_ab.py).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout: bench.lib and batchkv
 import batchkv.models.gemv as gemv_module
 import batchkv.models.quant.fp8 as fp8_module
+import batchkv.models.quant.producers as producers
 from batchkv.models import build_model, preset_config
 from batchkv.models.quant import Fp8Linear
 from bench.lib.timing import capture
@@ -157,6 +164,10 @@ def fp8_matmuls(preset: str, device: torch.device, rows_list: list[int], iters: 
         fp8_module.FAST_ACCUM = False
         row["fp8_exact_accum_ms"] = graph_ms(fp8_step, iters, device)
         fp8_module.FAST_ACCUM = True
+        if fp8_module.TENSORWISE:  # every product with row-wise scales (no unscaled GEMM + apply_scales)
+            rule, fp8_module.TENSORWISE = fp8_module.TENSORWISE, False
+            row["fp8_rowwise_only_ms"] = graph_ms(fp8_step, iters, device)
+            fp8_module.TENSORWISE = rule
         if rows <= max(gemv_module.GEMV_MAX_ROWS, fp8_module.FP8_GEMV_MAX_ROWS):
             limit, gemv_module.GEMV_MAX_ROWS = gemv_module.GEMV_MAX_ROWS, 0
             row["bf16_cublas_ms"] = graph_ms(bf16_step, iters, device)
@@ -173,6 +184,11 @@ def fp8_matmuls(preset: str, device: torch.device, rows_list: list[int], iters: 
 
 
 def main() -> None:
+    if "--gemm-ab" in sys.argv:  # the FP8 GEMM alternatives per shape (bench/lib/fp8_gemm_ab.py), its own options
+        sys.argv.remove("--gemm-ab")
+        from bench.lib.fp8_gemm_ab import main as gemm_ab
+
+        return gemm_ab()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="sensenova-u1-8b")
     parser.add_argument("--device", default="cuda")
@@ -209,6 +225,11 @@ def main() -> None:
             gbs = weight_bytes / (ms / 1e3) / 1e9
             roof_ms = weight_bytes / (peak * 1e9) * 1e3
             results.append({"rows": rows, "ms": ms, "weight_gbs": gbs, "roofline_ms": roof_ms})
+            if args.quantization == "fp8" and device.type == "cuda":  # the quantiser as a separate pass
+                producers.FUSED_QUANT = False
+                results[-1]["unfused_quant_ms"] = step_ms(model, rows, args.iters)
+                producers.FUSED_QUANT = True
+                print(f"  rows {rows:3d}: quantiser as a separate pass {results[-1]['unfused_quant_ms']:8.3f} ms/step")
             if device.type == "cuda" and rows <= gemv_module.GEMV_MAX_ROWS:
                 results[-1]["kernels"] = kernels_per_step(model, rows)
                 limit, gemv_module.GEMV_MAX_ROWS = gemv_module.GEMV_MAX_ROWS, 0  # every matmul on cuBLAS

@@ -9,7 +9,14 @@ import torch
 
 from batchkv.errors import CheckpointError, ConfigError
 from batchkv.models import build_model, save_checkpoint
-from batchkv.models.quant import Fp8Linear, fp8_matmul_emulated, quantize_layers, quantize_rows, quantize_weight
+from batchkv.models.quant import (
+    Fp8Linear,
+    fp8_matmul_emulated,
+    producers,
+    quantize_layers,
+    quantize_rows,
+    quantize_weight,
+)
 from batchkv.models.quant import fp8 as fp8_module
 from batchkv.models.quant.fp8 import MIN_ACT_SCALE, quantize_rows_torch
 from tests.model_loop import greedy_through_cache, make_cache, run_step, text_idx
@@ -218,3 +225,66 @@ def test_fp8_gemv_kernel_matches_the_emulation_under_the_interpreter():
     want = fp8_matmul_emulated(xq, sx, wq, sw, torch.bfloat16)
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)  # one bf16 rounding apart
     assert not math.isnan(got.float().sum())
+
+
+def test_fused_norm_and_silu_quantisers_give_the_separate_passes_codes_under_the_interpreter():
+    pytest.importorskip("triton")
+    from batchkv.models.fused import add_rms_norm, silu_mul
+
+    g = torch.Generator().manual_seed(6)
+    h = (torch.randn(4, 96, generator=g) * 3).to(torch.bfloat16)
+    d = torch.randn(4, 96, generator=g).to(torch.bfloat16)
+    w = torch.randn(96, generator=g).to(torch.bfloat16)
+    d[2, 5], d[3] = float("nan"), -h[3]  # a NaN row; a row of zeros
+    h_sep, x_sep = add_rms_norm(h, d, w, 1e-6, triton_kernel=True)
+    h_out, (q, s) = producers.add_rms_norm_quant(h, d, w, 1e-6, triton_kernel=True)
+    q_ref, s_ref = quantize_rows(x_sep, triton_kernel=True)  # codes: the interpreter's own e4m3 conversion
+    torch.testing.assert_close(h_out, h_sep, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(s, s_ref, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(q[[0, 1, 3]].view(torch.uint8), q_ref[[0, 1, 3]].view(torch.uint8)) and s[3] == MIN_ACT_SCALE
+    buf = torch.full((3, 2 * 100 + 24), float("nan"), dtype=torch.bfloat16)  # NaN past each row's gate | up
+    buf[:, :200] = torch.randn(3, 200, generator=g) * 4
+    buf[1, :200], buf[2, 150] = 0, float("nan")  # a row of zeros; a NaN in a row's up half
+    q_ref, s_ref = quantize_rows(silu_mul(buf[:, :200].contiguous(), triton_kernel=True), triton_kernel=True)
+    for block in (16, 128):  # many chunks a row, and one
+        producers.SILU_QUANT_BLOCK, saved = block, producers.SILU_QUANT_BLOCK
+        try:
+            q, s = producers.silu_mul_quant(buf[:, :200], triton_kernel=True)
+        finally:
+            producers.SILU_QUANT_BLOCK = saved
+        torch.testing.assert_close(s, s_ref, equal_nan=True, rtol=0, atol=0)
+        assert s[2].isnan() and torch.equal(q[:2].view(torch.uint8), q_ref[:2].view(torch.uint8))
+
+
+def test_sensenova_fp8_step_with_the_quantisers_fused_into_norm_and_silu_gives_the_same_logits(
+    sensenova_pair, monkeypatch
+):
+    pytest.importorskip("triton")
+    import batchkv.models.fused as fused_module
+
+    fp8_model = sensenova_pair[1]
+    # Every kernel through the interpreter in both runs (its e4m3 conversion is not torch's): the norm,
+    # SiLU-mul and quantiser launches apart, or fused (Fp8Rows into the layers).
+    monkeypatch.setattr(fused_module, "_use_triton", lambda x, force: force is not False)
+    separate_quantiser = fp8_module.quantize_rows
+    monkeypatch.setattr(fp8_module, "quantize_rows", lambda x: separate_quantiser(x, triton_kernel=True))
+    outs = []
+    for fused in (False, True):
+        monkeypatch.setattr(producers, "fused", lambda x, fused=fused: fused)
+        cache = make_cache(fp8_model, max_seqs=1)
+        outs.append(run_step(fp8_model, cache, [(cache.seq_new(), [101, 7, 250], text_idx(0, 3))], 4))
+    separate, fused = outs
+    assert torch.isfinite(fused).all()
+    assert torch.equal(fused, separate)
+
+
+def test_apply_scales_kernel_is_the_emulations_epilogue_under_the_interpreter():
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(8)
+    xq, sx = quantize_rows_torch((torch.randn(3, 64, generator=g) * 3).to(torch.bfloat16))
+    wq, sw = quantize_weight(torch.randn(40, 64, generator=g))
+    sums = xq.float() @ wq.float().T  # what the scalar-scaled GEMM writes (float32, scales of 1)
+    got = fp8_module.apply_scales(sums, sx, sw, torch.bfloat16)
+    assert torch.equal(fp8_module.apply_scales(sums, sx, sw, torch.float32), sums * sx * sw.reshape(1, -1))
+    want = fp8_matmul_emulated(xq, sx, wq, sw, torch.float32)  # the interpreter rounds to bf16 its own way
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=0)

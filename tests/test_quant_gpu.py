@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from batchkv.models.quant import fp8 as fp8_module
+from batchkv.models.quant import producers
 from batchkv.models.quant.fp8 import Fp8Linear, fp8_matmul, fp8_matmul_emulated, quantize_rows, quantize_rows_torch
 
 pytestmark = pytest.mark.gpu
@@ -58,7 +59,8 @@ def test_hardware_product_matches_the_emulation_at_8b_shapes(n, k, rows, fast, m
     xq, sx = quantize_rows(x)
     got = fp8_matmul(xq, sx, layer.weight, layer.weight_scale, torch.bfloat16)
     want = fp8_matmul_emulated(xq, sx, layer.weight, layer.weight_scale, torch.bfloat16)
-    exact = rows <= fp8_module.FP8_GEMV_MAX_ROWS or not fast  # the few-row kernel sums in float32
+    few = rows <= fp8_module.FP8_GEMV_MAX_ROWS and not fp8_module._tensorwise(rows, n, k)
+    exact = few or not fast  # the few-row kernel sums in float32
     assert_within_tolerance(got, want, 2**-7 if exact else 2**-5)
 
 
@@ -118,3 +120,39 @@ def test_first_tokens_on_the_hardware_path_are_the_emulations(tiny_fp8, monkeypa
     monkeypatch.setattr(fp8_module, "EMULATE", True)
     want = _decode(tiny_fp8, use_graphs=False, overlap=False)
     assert [x[:2] for x in got] == [y[:2] for y in want]
+
+
+@pytest.mark.parametrize("rows", [1, 5, 256])
+def test_fused_norm_and_silu_quantisers_give_the_separate_passes_codes_bit_for_bit(rows):
+    from batchkv.models.fused import add_rms_norm, silu_mul
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    h = (torch.randn(rows, 4096, generator=g, device="cuda") * 4).to(torch.bfloat16)
+    d = torch.randn(rows, 4096, generator=g, device="cuda").to(torch.bfloat16)
+    w = torch.randn(4096, generator=g, device="cuda").to(torch.bfloat16)
+    buf = torch.full((rows, 2 * 12288 + 64), float("nan"), device="cuda", dtype=torch.bfloat16)  # NaN past the row
+    gu = buf[:, : 2 * 12288]
+    gu.copy_(torch.randn(rows, 2 * 12288, generator=g, device="cuda") * 3)
+    if rows > 2:
+        d[1, 9] = float("nan")
+        gu[2] = 0
+    h_sep, x_sep = add_rms_norm(h, d, w, 1e-6)
+    h_out, fused = producers.add_rms_norm_quant(h, d, w, 1e-6)
+    assert torch.equal(h_out.isnan(), h_sep.isnan()) and torch.equal(h_out.nan_to_num(), h_sep.nan_to_num())
+    pairs = [(fused, quantize_rows(x_sep)), (producers.silu_mul_quant(gu), quantize_rows(silu_mul(gu.contiguous())))]
+    for (q, s), (q_ref, s_ref) in pairs:
+        assert torch.equal(s.isnan(), s_ref.isnan()) and torch.equal(s.nan_to_num(), s_ref.nan_to_num())
+        finite = ~s_ref.isnan().flatten()
+        assert torch.equal(q[finite].view(torch.uint8), q_ref[finite].view(torch.uint8))
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES_8B)
+@pytest.mark.parametrize("rows", [1, 64, 200, 256, 1024])
+def test_the_unscaled_gemm_with_scales_applied_after_matches_the_emulation(n, k, rows, monkeypatch):
+    monkeypatch.setattr(fp8_module, "TENSORWISE", True)
+    g = torch.Generator(device="cuda").manual_seed(n + rows)
+    w = (torch.randn(n, k, generator=g, device="cuda") / k**0.5).to(torch.bfloat16)
+    xq, sx = quantize_rows(torch.randn(rows, k, generator=g, device="cuda").to(torch.bfloat16))
+    wq, sw = fp8_module.quantize_weight(w)
+    got = fp8_matmul(xq, sx, wq, sw, torch.bfloat16)
+    assert_within_tolerance(got, fp8_matmul_emulated(xq, sx, wq, sw, torch.bfloat16), tol=2**-5)  # fast accumulation

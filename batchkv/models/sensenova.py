@@ -214,9 +214,10 @@ class SenseNovaLM(nn.Module):
         }
 
     def _attention(self, layer: int, p: DecoderLayer, x: torch.Tensor, cos, sin, cache) -> torch.Tensor:
-        cfg, w = self.local_config, x.shape[0]
+        cfg = self.local_config
         d, hq, hkv = cfg.head_dim, cfg.q_heads, cfg.kv_heads  # this rank's heads
-        qkv = linear(x, p.qkv)  # [W, (Hq + 2 Hkv) D]
+        qkv = linear(x, p.qkv)  # [W, (Hq + 2 Hkv) D] (x may be `Fp8Rows`, quantised by the norm)
+        w = qkv.shape[0]
         # Split QK-norm then RoPE over the q and k heads: one fused kernel on CUDA.
         q, k = qk_norm_rope(qkv, p.q_norm, p.k_norm, cos, sin, self.rope.partner, hq, hkv, cfg.rms_eps)
         v = qkv[:, (hq + hkv) * d :].view(w, hkv, d)
@@ -240,6 +241,18 @@ class SenseNovaLM(nn.Module):
         """LM head of final-normed hidden states [R, H] -> logits [R, vocab] in the model dtype."""
         return self.shard.gather(linear(h, self.lm_head), self.config.vocab)
 
+    def _producers(self):
+        """(add-RMSNorm, SiLU-mul then the down projection) as functions of the projection that reads
+        their output: `(consumer, h, delta, weight, eps) -> (h + delta, normed)` and `(gate_up, down)
+        -> mlp`. Under FP8 compute the norm and the SiLU-mul also quantise their outputs for an
+        `Fp8Linear` reader (`batchkv.models.quant.producers`)."""
+        if self.quantization is None:
+            return (lambda consumer, h, delta, weight, eps: add_rms_norm(h, delta, weight, eps),
+                    lambda gate_up, down: linear(gate_up, down, silu_mul=True))  # fmt: skip
+        from batchkv.models.quant.producers import add_rms_norm_for, silu_mul_linear
+
+        return add_rms_norm_for, silu_mul_linear
+
     def hidden_states(
         self, input_ids: torch.Tensor, indexes: torch.Tensor, cache, logits_rows: torch.Tensor, taps=None
     ) -> torch.Tensor:
@@ -252,13 +265,14 @@ class SenseNovaLM(nn.Module):
         cos, sin = self.rope.tables(indexes, h.dtype)  # [W, D] each, shared by every layer
         layers = self.layers
         x = rms_norm(h, layers[0].input_layernorm, eps)
+        norm, silu_down = self._producers()
         for layer, p in enumerate(layers):
             # Each residual add is fused with the norm that follows it: one kernel on CUDA.
-            h, x = add_rms_norm(h, self._attention(layer, p, x, cos, sin, cache), p.post_attention_layernorm, eps)
-            mlp = linear(linear(x, p.gate_up), p.down, silu_mul=True)  # silu(gate) * up, then down
+            h, x = norm(p.gate_up, h, self._attention(layer, p, x, cos, sin, cache), p.post_attention_layernorm, eps)
+            mlp = silu_down(linear(x, p.gate_up), p.down)  # silu(gate) * up, then down
             mlp = self.shard.all_reduce(mlp)  # row-parallel: sum the ranks
             if layer + 1 < len(layers):
-                h, x = add_rms_norm(h, mlp, layers[layer + 1].input_layernorm, eps)
+                h, x = norm(layers[layer + 1].qkv, h, mlp, layers[layer + 1].input_layernorm, eps)
             else:
                 h = h + mlp
             if taps is not None:

@@ -136,3 +136,56 @@ class Parts:
             self.status[name]["s"] = round(time.perf_counter() - start, 1)
         print(f"== part {name}: {self.status[name]}", flush=True)
         self.save()
+
+
+def _kind(name: str) -> str:
+    """A kernel's kind, by its name."""
+    n = name.lower()
+    for kind, marks in (("memcpy", ("memcpy", "memset")), ("matmul", ("gemm", "nvjet", "gemv", "xmma", "cutlass",
+                        "_fp8_mm")), ("attention", ("split_kernel", "long_kernel", "sdpa", "attn", "merge")),
+                        ("fp8_quant", ("quantize", "amax", "_scale_kernel")), ("norm_rope_silu", ("norm", "rope",
+                        "silu")), ("sampling", ("sample", "argmax", "topk", "softmax", "logits"))):  # fmt: skip
+        if any(m in n for m in marks):
+            return kind
+    return "other"
+
+
+def profile_loaded(engine: Engine, device, prompts, outputs, windows=((100, 20), (300, 20))) -> dict:
+    """Where a loaded step's time goes: the workload submitted again on the warm `engine`, and for each
+    (steps to run first, steps to profile) window, the steps' wall time, the GPU's busy time (union of
+    kernel intervals) and kernel time by kind and by name (the 15 largest), per step, from
+    torch.profiler's CUDA activity; the rest of the workload is cancelled."""
+    engine.clear_prefix_cache()
+    ids = [engine.submit(Request(p, SamplingParams(max_new_tokens=o))) for p, o in zip(prompts, outputs, strict=True)]
+    out = []
+    for before, steps in windows:
+        for _ in range(before):
+            engine.step()
+        sync(device)
+        running, waiting, captures = engine.num_running, engine.num_waiting, engine.runner.captures
+        start = time.perf_counter()
+        activity = (
+            torch.profiler.ProfilerActivity.CUDA if device.type == "cuda" else torch.profiler.ProfilerActivity.CPU
+        )
+        with torch.profiler.profile(activities=[activity]) as prof:
+            for _ in range(steps):
+                engine.step()
+            sync(device)
+        wall = (time.perf_counter() - start) / steps * 1e3
+        events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                        if e.device_type.name == activity.name)  # fmt: skip
+        busy, cursor, kinds, names = 0.0, events[0][0] if events else 0.0, {}, {}
+        for s, e, name in events:
+            busy += max(0.0, e - max(s, cursor))
+            cursor = max(cursor, e)
+            kinds[_kind(name)] = kinds.get(_kind(name), 0.0) + (e - s) / steps / 1e3
+            names[name[:90]] = names.get(name[:90], 0.0) + (e - s) / steps / 1e3
+        out.append({"after_steps": before, "steps": steps, "running": running, "waiting": waiting,
+                    "captures_during": engine.runner.captures - captures, "wall_ms_per_step": wall,
+                    "gpu_busy_ms_per_step": busy / steps / 1e3,
+                    "kernel_ms_per_step_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+                    "kernel_ms_per_step_by_name": dict(sorted(names.items(), key=lambda kv: -kv[1])[:15])})  # fmt: skip
+    for request_id in ids:
+        engine.cancel(request_id)
+    engine.run_until_done()
+    return {"windows": out, "note": "wall_ms_per_step is under the profiler; running/waiting at the window's start"}

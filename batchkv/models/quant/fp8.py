@@ -9,7 +9,11 @@ x [M, K] is quantised the same way, s_x[m] = max(max_k |x[m, k]| / 448, MIN_ACT_
 On NVIDIA sm_89+ the sum runs in hardware: torch's scaled matmul (cuBLASLt, row-wise scales: s_x as
 [M, 1], s_w as [1, N]; the weight passed column-major as Q_w.T; K and N multiples of 16) above
 `FP8_GEMV_MAX_ROWS` rows, and at fewer rows a Triton kernel that streams the e4m3 weight with
-e4m3 tensor-core dots (the few-row case of `batchkv.models.gemv`, at half its bytes). Everywhere
+e4m3 tensor-core dots (the few-row case of `batchkv.models.gemv`, at half its bytes); where
+`TENSORWISE` says so, the scaled matmul with scalar scales of 1 into float32 sums and the scales
+applied after it (`apply_scales`). Inside a model the activations arrive quantised (`Fp8Rows`) from
+the kernels that produce them (`batchkv.models.quant.producers`: the add-RMSNorm before q/k/v and
+gate/up, the SiLU-mul before down), with the separate quantiser's codes and scales bit for bit. Everywhere
 else (the CPU, other GPUs, shapes off the 16 grid) `fp8_matmul_emulated` computes the same codes
 and scales and the product in float32: it is the hardware paths' oracle and what CPU runs compute.
 
@@ -21,6 +25,7 @@ output row NaN (an infinity: its code is NaN): bad values stay visible, as e4m3 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -50,6 +55,15 @@ FP8_GEMV_MAX_ROWS = 64
 # The scaled matmul's fast accumulation (Hopper's FP8 tensor cores keep fewer bits between k-blocks,
 # as every FP8 serving stack runs them): 1.16x at 1,024 rows on the H200 (bench/results/model-step-fp8-h200.json).
 FAST_ACCUM = True
+# Where the scaled matmul runs with scalar scales into float32 sums, `apply_scales` applying the row and
+# channel scales after it, instead of with row-wise scales: cuBLASLt picks one tile (128 x 128, 4 x 2
+# clusters) for row-wise scales at every shape, too few programs for the narrow projections at a few
+# hundred rows. (lowest rows, highest rows, most output channels, fewest input channels) quadruples; True
+# everywhere, False nowhere. On the H200 (8B step, every layer's weights; bench/fp8_gemm_ab.py):
+# down (4096 x 12288) 0.87 / 1.10 / 1.36 ms against 1.34 / 1.36 / 1.61 at 128 / 256 / 384 rows, o 0.46
+# against 0.57 and q/k/v 0.53 against 0.59 at 128, and no gain elsewhere (bench/results/fp8-gemm-ab-h200.json).
+TENSORWISE: bool | tuple[tuple[int, int, int, int], ...] = ((65, 128, 6144, 0), (65, 384, 4096, 8192))
+_ONES: dict[torch.device, torch.Tensor] = {}
 EMULATE = False  # tests and benches: run the emulation on every device
 QUANTIZATIONS = ("fp8",)
 Reduce = Callable[[torch.Tensor], torch.Tensor]  # a row-parallel layer's join (Shard.all_reduce)
@@ -126,6 +140,18 @@ if triton is not None:
         tl.store(s_ptr + row, scale)
 
     @triton.jit
+    def _scale_kernel(y_ptr, sx_ptr, sw_ptr, out_ptr, N, BLOCK_N: tl.constexpr, GDC: tl.constexpr):
+        # out[m, n] = y[m, n] * sx[m] * sw[n] (float32, then rounded): the scaled matmul's row-wise epilogue
+        pdl_enter(GDC)
+        row = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = n < N
+        y = tl.load(y_ptr + row * N + n, mask=mask, other=0.0).to(tl.float32)
+        sw = tl.load(sw_ptr + n, mask=mask, other=0.0)
+        out = y * tl.load(sx_ptr + row) * sw
+        tl.store(out_ptr + row * N + n, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _fp8_gemv_kernel(x_ptr, sx_ptr, w_ptr, sw_ptr, out_ptr, M, N, K, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
         pdl_enter(GDC)
@@ -165,6 +191,14 @@ def quantize_rows(x: torch.Tensor, *, triton_kernel: bool | None = None) -> tupl
     return q, s
 
 
+class Fp8Rows(NamedTuple):
+    """Activations already quantised per row (a fused producer's output): e4m3 `codes` [M, K] and
+    float32 `scale` [M, 1], as `quantize_rows` returns them. `Fp8Linear` takes them in place of x."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+
 def fp8_gemv(
     xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, dtype: torch.dtype, *, block_n: int = 32,
     block_k: int = 256, num_stages: int = 4, num_warps: int = 4,
@@ -180,6 +214,23 @@ def fp8_gemv(
     return out
 
 
+def apply_scales(y: torch.Tensor, sx: torch.Tensor, sw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """y [M, N] (the unscaled float32 sums) * sx [M, 1] * sw [N], rounded to `dtype`: one launch. Capturable."""
+    m, n = y.shape
+    out = torch.empty(m, n, dtype=dtype, device=y.device)
+    if m:
+        block = min(2048, triton.next_power_of_2(n))
+        _scale_kernel[(m, triton.cdiv(n, block))](y, sx, sw, out, n, BLOCK_N=block, num_warps=4, **pdl_kwargs(y.device))
+    return out
+
+
+def _tensorwise(m: int, n: int, k: int) -> bool:
+    """Whether the unscaled (scalar-scale) GEMM plus `apply_scales` runs an [m, k] x [k, n] product
+    (see TENSORWISE)."""
+    return TENSORWISE is True or (TENSORWISE is not False and any(
+        lo <= m <= hi and n <= n_max and k >= k_min for lo, hi, n_max, k_min in TENSORWISE))  # fmt: skip
+
+
 def fp8_matmul(
     xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -188,9 +239,15 @@ def fp8_matmul(
     m, n = xq.shape[0], wq.shape[0]
     if not _hardware(xq, n):
         return fp8_matmul_emulated(xq, sx, wq, sw, dtype)
+    one = _ONES.get(xq.device)
+    if one is None and not torch.cuda.is_current_stream_capturing():  # made eagerly (a capture only replays it)
+        one = _ONES[xq.device] = torch.ones((), device=xq.device)
+    if one is not None and triton is not None and _tensorwise(m, n, xq.shape[1]):  # the weight column-major
+        y = torch._scaled_mm(xq, wq.T, scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=FAST_ACCUM)
+        return apply_scales(y, sx, sw, dtype)
     if m <= FP8_GEMV_MAX_ROWS and triton is not None:
         return fp8_gemv(xq, sx, wq, sw, dtype)
-    # Row-wise scaling wants bf16 out; the weight goes in column-major (Q_w.T of a row-major [N, K]).
+    # Row-wise scaling wants bf16 out.
     y = torch._scaled_mm(xq, wq.T, scale_a=sx.reshape(m, 1), scale_b=sw.reshape(1, n), out_dtype=torch.bfloat16,
                          use_fast_accum=FAST_ACCUM)  # fmt: skip
     return y if dtype == torch.bfloat16 else y.to(dtype)
@@ -235,15 +292,21 @@ class Fp8Linear(nn.Module):
         reduce = shard.all_reduce if shard is not None and shard.world > 1 else None
         return cls.from_weight(linear.weight, linear.bias, reduce=reduce)
 
-    def forward(self, x: torch.Tensor, *, silu_mul: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x [..., K] (with silu_mul: [..., 2K] = [gate | up], taking silu(gate) * up) -> [..., N]."""
-        if silu_mul:
-            x = silu_mul_rows(x)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        xq, sx = quantize_rows(x2)
+    def forward(
+        self, x: torch.Tensor | Fp8Rows, *, silu_mul: bool = False, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """x [..., K] (with silu_mul: [..., 2K] = [gate | up], taking silu(gate) * up) -> [..., N];
+        or x already quantised (`Fp8Rows` of [M, K], from `batchkv.models.quant.producers`) -> [M, N]."""
+        if isinstance(x, Fp8Rows):
+            lead, (xq, sx) = x.codes.shape[:-1], x
+        else:
+            if silu_mul:
+                x = silu_mul_rows(x)
+            lead = x.shape[:-1]
+            x2 = x.reshape(-1, x.shape[-1])
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            xq, sx = quantize_rows(x2)
         if _hardware(xq, self.out_features):
             y = fp8_matmul(xq, sx, self.weight, self.weight_scale, self.dtype)
         else:  # the emulation, on codes widened once (widening e4m3 on the CPU costs more than the product)
