@@ -15,7 +15,10 @@ from batchkv.checks import int_arg, int_args, real_arg
 from batchkv.errors import RequestError
 
 FINISH_REASONS = ("stop", "length", "capacity", "cancelled", "grammar")
-MAX_SAMPLE_ROWS = 256  # most rows one step sends through the LM head (float32 [256, vocab] logits)
+# Most sampling rows of one step (sequences that decode together; a request's n samples all sample
+# in the step its prompt ends, so n is bounded by it too). Past 256 rows the runner makes the float32
+# logits [256, vocab] at a time (`batchkv.executor.runner.HEAD_CHUNK`).
+MAX_SAMPLE_ROWS = 1024
 MAX_SEED = 2**64 - 1  # seeds feed splitmix64
 MAX_TOP_K = 2**31 - 1  # staged as int64 each step; any k at or past the vocabulary keeps every token
 MAX_PRIORITY = 2**31 - 1  # priorities are int32's range

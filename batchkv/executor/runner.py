@@ -4,7 +4,8 @@ and sampling, queued without waiting for the device.
 Every per-step input lives in fixed-address device tensors sized at the largest width bucket:
 token ids int64 [W], RoPE indexes int64 [3, W] (contiguous per width), the logits selector int64
 [R], the sampling parameters [R], the token sources int64 [W], and the logits out float32 [R,
-vocab], R the engine's logits rows per step (min(max_seqs, MAX_SAMPLE_ROWS)). The host writes
+vocab] (R rows, or HEAD_CHUNK when the head runs in chunks), R the engine's logits rows per step
+(min(max_seqs, MAX_SAMPLE_ROWS)). The host writes
 them through `Staging` (one pinned buffer per dtype, copied over
 asynchronously); nothing else crosses. With a `GraphSet` the forward is captured once per (width
 bucket, cache generation, module fingerprint) and replayed afterwards; a new mix of lengths only
@@ -26,11 +27,22 @@ So do the per-row logit adjustments (penalties, logit_bias, min_tokens, min_p) a
 decoding: a step where a row uses one runs `_adjusted_step` (the forward, then the host's staging
 and bitmask fill while the device runs it, then sampling from the adjusted logits); any other step
 runs `_device_step`, unchanged.
+
+A step of more than HEAD_CHUNK (256) logits rows, with a model that exposes `hidden_states` and
+`head` (HFModel, SenseNova), runs its LM head in even row chunks of at most HEAD_CHUNK (`head_chunks`):
+the forward (eager or the graph) stops at the final-normed hidden states [rows, H], then each chunk's
+float32 logits [chunk, vocab] are made in the one logits buffer, sampled (penalties, constraint
+mask, min_p as above) and their logprobs taken before the next chunk overwrites them. So the
+float32 logits, and the sampler's sort over them, never exceed [256, vocab] whatever the rows (at
+the 8B shape 131 MB instead of 525 MB at 1,024 rows, and about 1.5 GB less of sampler temporaries).
+A step of at most 256 rows runs exactly the unchunked path above; a model without `hidden_states`
+and `head` keeps a [R, vocab] buffer and the unchunked path at every row count.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Protocol
 
 import torch
@@ -41,12 +53,28 @@ from batchkv.cache.staging import Staging
 from batchkv.errors import StepError
 from batchkv.executor.constraints import Grammars, MaskRows, allowed, constrained, fill_step
 from batchkv.executor.graphs import AdapterGuard, GraphSet, ModuleFingerprint
-from batchkv.executor.logprobs import LogprobSlots, StepLogprobs
+from batchkv.executor.logprobs import LogprobPlan, LogprobSlots, StepLogprobs
 from batchkv.executor.penalties import stage_penalties
 from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.roles import LOCAL, Role
 from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform
 from batchkv.executor.scheduler import Batch
+
+HEAD_CHUNK = 256  # most logits rows one LM-head call makes: past it a step's head runs in chunks
+
+
+def head_chunks(rows: int, chunk: int = HEAD_CHUNK) -> list[tuple[int, int]]:
+    """Row ranges [lo, hi) of equal size (the last may be smaller) covering [0, rows), each at most
+    `chunk` rows and as few as that allows: 320 rows are two chunks of 160, not 256 + 64 (so every
+    chunk of a chunked step takes the same many-row matmul path)."""
+    count = -(-rows // chunk)
+    size = -(-rows // count) if rows else 1
+    return [(lo, min(rows, lo + size)) for lo in range(0, rows, size)]
+
+
+def chunkable(model: object) -> bool:
+    """True when `model` exposes the final hidden states and LM head the chunked head needs."""
+    return all(callable(getattr(model, name, None)) for name in ("hidden_states", "head"))
 
 
 class StepModel(Protocol):
@@ -125,7 +153,9 @@ class ModelRunner:
         self.top_k = self._dev_i64[4 * w + R : 4 * w + 2 * R]
         self.token_src = self._dev_i64[4 * w + 2 * R :]  # -1: the staged id; else a row of `sampled`
         self.temperature, self.top_p, self.draws = self._staging.device_buffers[torch.float32].view(3, R).unbind(0)
-        self.logits = torch.zeros(R, model.vocab_size, dtype=torch.float32, device=device)
+        self.chunked = R > HEAD_CHUNK and chunkable(model)  # steps past HEAD_CHUNK rows run the head in chunks
+        buffer_rows = self.logit_rows(R, self.chunked)
+        self.logits = torch.zeros(buffer_rows, model.vocab_size, dtype=torch.float32, device=device)
         pin = device.type == "cuda"
         self.sampled = torch.zeros(2, R, dtype=torch.int64, device=device)  # two launches' tokens
         self._host_tokens = torch.zeros(2, R, dtype=torch.int64, pin_memory=pin)
@@ -133,8 +163,15 @@ class ModelRunner:
         self.logprob_slots = LogprobSlots(R, device)  # used only by steps whose rows ask (rank 0's)
         self.grammars: Grammars | None = None  # `Engine.use_tokenizer`: constrained decoding
         self._masks: MaskRows | None = None  # its bitmask buffers, made at the first constrained step
+        self._scoring: LogprobPlan | None = None  # a chunked step's logprob plan (rank 0's; None elsewhere)
+        self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # its logprobs, chunk by chunk
         self.tp = tp
         tp.bind(self, self._staging)
+
+    @staticmethod
+    def logit_rows(rows: int, chunked: bool) -> int:
+        """Rows of the float32 logits buffer: `rows`, or HEAD_CHUNK when the head runs in chunks."""
+        return min(rows, HEAD_CHUNK) if chunked else rows
 
     @staticmethod
     def sizes(max_width: int, rows: int) -> dict[torch.dtype, int]:
@@ -142,11 +179,13 @@ class ModelRunner:
         return {torch.int64: 5 * max_width + 2 * rows, torch.float32: 3 * rows}
 
     @staticmethod
-    def nbytes(max_width: int, vocab_size: int, rows: int = MAX_SAMPLE_ROWS) -> int:
-        """Bytes a runner allocates: staged inputs (host and device), the float32 logits [rows, vocab],
-        the sampled tokens (two slots, device and host) and the logprob slots."""
+    def nbytes(max_width: int, vocab_size: int, rows: int = MAX_SAMPLE_ROWS, chunked: bool = False) -> int:
+        """Bytes a runner allocates: staged inputs (host and device), the float32 logits [rows, vocab]
+        ([HEAD_CHUNK, vocab] when `chunked`), the sampled tokens (two slots, device and host) and the
+        logprob slots."""
         staged = Staging.nbytes(ModelRunner.sizes(max_width, rows))
-        return staged + 4 * rows * vocab_size + 4 * 8 * rows + LogprobSlots.nbytes(rows)
+        logits = 4 * ModelRunner.logit_rows(rows, chunked) * vocab_size
+        return staged + logits + 4 * 8 * rows + LogprobSlots.nbytes(rows)
 
     def _bind(self, model: StepModel, cache: BatchedSequenceCache, max_width: int, graphs: GraphSet | None) -> None:
         self.model, self.cache, self.max_width, self.graphs = model, cache, max_width, graphs
@@ -206,14 +245,21 @@ class ModelRunner:
         self._staging.upload()
         return sampling
 
-    def _forward(self, width: int, rows: int) -> torch.Tensor:
-        """The captured region: ids (staged, or gathered from the previous launch's sampled tokens),
-        model forward over the static buffers, logits into `self.logits`."""
+    def _ids(self, width: int) -> torch.Tensor:
+        """The step's token ids: staged, or gathered from the previous launch's sampled tokens."""
         src = self.token_src[:width]
-        ids = torch.where(src >= 0, self.sampled.view(-1).index_select(0, src.clamp(min=0)), self.input_ids(width))
-        out = self.model(ids, self.indexes(width), self.cache, self.logits_rows[:rows])
+        return torch.where(src >= 0, self.sampled.view(-1).index_select(0, src.clamp(min=0)), self.input_ids(width))
+
+    def _forward(self, width: int, rows: int) -> torch.Tensor:
+        """The captured region: ids, model forward over the static buffers, logits into `self.logits`."""
+        out = self.model(self._ids(width), self.indexes(width), self.cache, self.logits_rows[:rows])
         self.logits[:rows].copy_(out)
         return self.logits
+
+    def _trunk(self, width: int, rows: int) -> torch.Tensor:
+        """The captured region of a chunked step: ids, the forward up to the final-normed hidden
+        states of the logits rows [rows, H] (the graph's static output), no LM head."""
+        return self.model.hidden_states(self._ids(width), self.indexes(width), self.cache, self.logits_rows[:rows])  # type: ignore[attr-defined]
 
     def execute(self, head: object, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Run `fn` eagerly, or replay its graph keyed by (head, cache generation, fingerprint)."""
@@ -242,12 +288,17 @@ class ModelRunner:
         plan = self.logprob_slots.stage(batch) if batch.logprob_k else None
         rows = min(self.rows, width) if self.pad_rows else batch.logits_rows
         real = len(batch.rows)
-        if not any(sample.owner.request.params.adjusts_sampling for sample in batch.samples):
-            logits = self.tp.run(self._device_step, width, rows, real, sampling, slot)
+        adjusts = any(sample.owner.request.params.adjusts_sampling for sample in batch.samples)
+        if self.chunked and rows > HEAD_CHUNK:
+            logprobs = self._chunked_launch(batch, width, rows, real, sampling, slot, previous, plan, adjusts)
         else:
-            logits = self._adjusted_step(batch, width, rows, real, sampling, slot, previous)
-        # rank 0's logits (every rank's are the same, gathered): its host reads the logprobs
-        logprobs = None if plan is None else self.logprob_slots.launch(plan, logits, self.sampled[slot, :real], slot)
+            if not adjusts:
+                logits = self.tp.run(self._device_step, width, rows, real, sampling, slot)
+            else:
+                logits = self._adjusted_step(batch, width, rows, real, sampling, slot, previous)
+            # rank 0's logits (every rank's are the same, gathered): its host reads the logprobs
+            drawn = self.sampled[slot, :real]
+            logprobs = None if plan is None else self.logprob_slots.launch(plan, logits, drawn, slot)
         host = self._host_tokens[slot, :real]
         host.copy_(self.sampled[slot, :real], non_blocking=self._read[slot] is not None)
         event = self._read[slot]
@@ -280,11 +331,19 @@ class ModelRunner:
         with none of them samples exactly as `_device_step`. One process only (`Engine.submit`
         refuses these parameters under tensor parallelism)."""
         logits = self.execute(width, lambda: self._forward(width, rows))
-        device = logits.device
-        chosen = logits[:real]
-        penalties = stage_penalties(batch, device)
-        if penalties is not None:
-            chosen = penalties.apply(chosen, self.sampled[previous.slot] if previous is not None else None)
+        adjust = self._adjuster(batch, real, sampling, slot, previous, logits.device)
+        chosen, min_p = adjust(logits[:real], 0, real)
+        self.sampled[slot, :real].copy_(self._pick(chosen, 0, real, sampling, min_p))
+        return logits
+
+    def _adjuster(
+        self, batch: Batch, real: int, sampling: bool, slot: int, previous: SampledTokens | None, device: torch.device
+    ) -> Callable[[torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor | None]]:
+        """Fill and upload the constrained rows' bitmask now (host work while the forward runs);
+        returns adjust(logits of sampling rows [lo, end), lo, end) -> (adjusted logits, their min_p
+        or None), which stages those rows' penalties and applies them and the mask."""
+        last = self.sampled[previous.slot] if previous is not None else None
+        masks = None
         if self.grammars is not None and constrained(batch.samples):
             masks = self._masks
             if masks is None:
@@ -302,19 +361,86 @@ class ModelRunner:
 
             fill_step(self.grammars, batch.samples, host, ahead)
             masks.upload(slot, real)
-            chosen = chosen.masked_fill(~allowed(masks.device[:real], chosen.shape[1]), float("-inf"))
-        if sampling:
-            min_p = None
-            if any(s.owner.request.params.min_p > 0 for s in batch.samples):
-                values = [s.owner.request.params.min_p for s in batch.samples]
-                min_p = torch.tensor(values, dtype=torch.float32).to(device)
-            tokens = sample_tokens(
-                chosen, self.temperature[:real], self.top_k[:real], self.top_p[:real], self.draws[:real], min_p
-            )
-        else:
-            tokens = greedy_tokens(chosen)
-        self.sampled[slot, :real].copy_(tokens)
-        return logits
+        min_p = None
+        if sampling and any(s.owner.request.params.min_p > 0 for s in batch.samples):
+            values = [s.owner.request.params.min_p for s in batch.samples]
+            min_p = torch.tensor(values, dtype=torch.float32).to(device)
+
+        def adjust(chosen: torch.Tensor, lo: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            rows = batch if (lo, end) == (0, real) else _rows_of(batch, lo, end)
+            penalties = stage_penalties(rows, device)  # type: ignore[arg-type]
+            if penalties is not None:
+                chosen = penalties.apply(chosen, last)
+            if masks is not None:
+                chosen = chosen.masked_fill(~allowed(masks.device[lo:end], chosen.shape[1]), float("-inf"))
+            return chosen, None if min_p is None else min_p[lo:end]
+
+        return adjust
+
+    def _pick(
+        self, chosen: torch.Tensor, lo: int, end: int, sampling: bool, min_p: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Tokens of sampling rows [lo, end) from their (adjusted) logits."""
+        if not sampling:
+            return greedy_tokens(chosen)
+        at = slice(lo, end)
+        return sample_tokens(chosen, self.temperature[at], self.top_k[at], self.top_p[at], self.draws[at], min_p)
+
+    def _chunked_launch(
+        self,
+        batch: Batch,
+        width: int,
+        rows: int,
+        real: int,
+        sampling: bool,
+        slot: int,
+        previous: SampledTokens | None,
+        plan: LogprobPlan | None,
+        adjusts: bool,
+    ) -> StepLogprobs | None:
+        """A step of more than HEAD_CHUNK logits rows (see the module docstring): the trunk, then the
+        head, sampling and logprobs chunk by chunk. Returns the step's logprobs handle, if asked."""
+        self._scoring, self._parts = plan, []  # rank 0's logprob plan; followers keep None
+        try:
+            if not adjusts:
+                self.tp.run(self._chunked_step, width, rows, real, sampling, slot)
+            else:  # one process only, as `_adjusted_step`
+                self._chunked_step(width, rows, real, sampling, slot, (batch, previous))
+            return None if plan is None else self.logprob_slots.finish(plan, self._parts, slot)
+        finally:
+            self._scoring, self._parts = None, []
+
+    def _chunked_step(
+        self,
+        width: int,
+        rows: int,
+        real: int,
+        sampling: bool,
+        slot: int,
+        adjusting: tuple[Batch, SampledTokens | None] | None = None,
+    ) -> None:
+        """The device work of a chunked step (the same on every tensor-parallel rank without
+        `adjusting`): the trunk (eager or a graph), then per chunk of `head_chunks(rows)` its float32
+        logits in `self.logits`, its sampling rows' tokens into `sampled[slot]` and, on rank 0,
+        the logprobs of its rows that ask. No host wait."""
+        h = self.execute(width, lambda: self._trunk(width, rows))
+        adjust = None
+        if adjusting is not None:
+            adjust = self._adjuster(adjusting[0], real, sampling, slot, adjusting[1], h.device)
+        with torch.no_grad():
+            for lo, hi in head_chunks(rows):
+                logits = self.logits[: hi - lo]
+                logits.copy_(self.model.head(h[lo:hi]))  # type: ignore[attr-defined]
+                end = min(hi, real)
+                if lo < end:
+                    chosen, min_p = logits[: end - lo], None
+                    if adjust is not None:
+                        chosen, min_p = adjust(chosen, lo, end)
+                    self.sampled[slot, lo:end].copy_(self._pick(chosen, lo, end, sampling, min_p))
+                if self._scoring is not None:
+                    part = self.logprob_slots.part(self._scoring, logits, lo, hi, self.sampled[slot, :real])
+                    if part is not None:
+                        self._parts.append(part)
 
     def warm(self, widths: Sequence[int]) -> None:
         """One all-padding step at each width (graphs captured, kernels compiled), its positions in
@@ -340,6 +466,11 @@ class ModelRunner:
         """`launch` and read at once: each row's token as a one-token list (the shape a verify
         step's accepted runs take)."""
         return self.launch(batch, width).read()
+
+
+def _rows_of(batch: Batch, lo: int, end: int) -> SimpleNamespace:
+    """Sampling rows [lo, end) of `batch` as `stage_penalties` reads a batch (samples, token_src)."""
+    return SimpleNamespace(samples=batch.samples[lo:end], token_src=batch.token_src[lo:end] if batch.token_src else [])
 
 
 class SampledTokens:
