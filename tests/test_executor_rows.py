@@ -1,7 +1,8 @@
 """More rows per step: 1,024 sequences sample in one step (the cap was 256), each with the tokens it
 gets in a small group; the LM head past 256 rows runs in chunks whose tokens and logprobs equal the
 whole head's (unused logits rows poisoned with NaN); a transformers model's greedy tokens at 320
-rows equal its own generate; max_seqs="auto" takes 1,024 rows when the store holds them."""
+rows equal its own generate; two tensor-parallel ranks at 258 rows give what one process does;
+max_seqs="auto" takes 1,024 rows when the store holds them."""
 
 from __future__ import annotations
 
@@ -186,3 +187,30 @@ def test_a_transformers_model_at_320_rows_a_step_decodes_greedily_as_its_own_gen
         with torch.no_grad():
             full = hf.generate(prompt, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
         assert outputs[i].tokens == [full[0, prompt.shape[1] :].tolist()], f"request {i}"
+
+
+def test_two_ranks_sample_and_score_258_rows_a_step_as_one_process_does(tmp_path):
+    # Under tensor parallelism every rank replays the chunked step (its head gathers the vocabulary
+    # per chunk); rank 0 alone takes the logprobs.
+    from batchkv.models.hf import HFModel
+    from tests.tp_helpers import save_qwen3
+
+    hf = save_qwen3(tmp_path)
+    rng = random.Random(4)
+    requests = []
+    for i in range(129):
+        extra = [{}, {"temperature": 0.9, "top_k": 40}, {"temperature": 1.0, "top_p": 0.9}][i % 3]
+        params = SamplingParams(max_new_tokens=2, n=2, seed=i, logprobs=2 if i % 2 else None, **extra)
+        requests.append(Request([rng.randrange(250)], params))
+    opts = {"max_seqs": 258, "capacity": 8, "max_step_tokens": 1024, "prefill_chunk": 8, "prefix_cache": False}
+    expected = run(Engine(HFModel(hf), **opts), requests)
+    rows: list[int] = []
+    with Engine(str(tmp_path), tensor_parallel=2, **opts) as engine:
+        assert engine.tp.world == 2 and engine.runner.chunked
+        got = run(engine, requests, rows, poison=True)
+    assert max(rows) == 258  # two chunks of 129
+    for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert (a.tokens, a.finish_reasons) == (b.tokens, b.finish_reasons), f"request {i}"
+        assert [t for t, _ in _flatten(a.logprobs)] == [t for t, _ in _flatten(b.logprobs)], f"request {i}"
+        want, have = [v for _, v in _flatten(a.logprobs)], [v for _, v in _flatten(b.logprobs)]
+        assert have == pytest.approx(want, abs=1e-4)
