@@ -214,3 +214,9 @@ def test_two_ranks_sample_and_score_258_rows_a_step_as_one_process_does(tmp_path
         assert [t for t, _ in _flatten(a.logprobs)] == [t for t, _ in _flatten(b.logprobs)], f"request {i}"
         want, have = [v for _, v in _flatten(a.logprobs)], [v for _, v in _flatten(b.logprobs)]
         assert have == pytest.approx(want, abs=1e-4)
+
+
+def test_auto_max_seqs_with_given_positions_takes_the_rows_those_positions_hold(toy):
+    engine = Engine(toy, max_seqs="auto", kv_positions=4096, capacity=48, max_step_tokens=1024, prefill_chunk=8)
+    assert engine.cache.max_seqs == engine.scheduler.sample_rows == 4096 // 48  # requests of 48 positions
+    assert engine.sizing is None and engine.cache.config.pool_rows == 4096 + engine.cache.config.scratch_rows

@@ -141,8 +141,9 @@ def size_store(
     model: StepModel, shape: Shape, memory_fraction: float, role: Role
 ) -> tuple[CacheConfig, sizing.Sizing | None]:
     """The store's `CacheConfig` with its positions, and the `Sizing` when chosen from the device's
-    memory (`kv_positions="auto"`; with `max_seqs="auto"` the sequences too, `sizing.auto_rows`).
-    An int allocates that many positions whole; None leaves the store to grow on demand."""
+    memory (`kv_positions="auto"`). An int allocates that many positions whole; None leaves the
+    store to grow on demand. With `max_seqs="auto"` the sequences follow the positions
+    (`sizing.auto_rows`)."""
     sizing.check_fraction(memory_fraction)
     config, kv_positions = shape.config, shape.kv_positions
     if kv_positions == "auto":  # as many positions as fit, allocated whole now: no growth while serving
@@ -152,6 +153,9 @@ def size_store(
     if kv_positions is not None:
         why = " (or 'auto', or None: grown on demand)"
         kv_positions = int_arg("Engine kv_positions", kv_positions, config.capacity, MAX_POSITIONS, why=why)
+        if shape.auto:  # the sequences those positions hold, as sizing picks them
+            seqs = sizing.auto_rows(kv_positions, config.capacity, shape.max_step_tokens)
+            config = replace(config, max_seqs=seqs, max_segments=0)
         config = replace(config, pool_rows=kv_positions + config.scratch_rows)
     return config, None
 
