@@ -26,7 +26,7 @@ from batchkv.executor.constraints import Grammars
 from batchkv.executor.launch import start, stops_ranks_on_failure
 from batchkv.executor.metrics import Metrics
 from batchkv.executor.pipeline import InFlight, Pipeline
-from batchkv.executor.request import Event, Request, SamplingParams
+from batchkv.executor.request import Event, Request, SamplingParams, fit_problem
 from batchkv.executor.roles import Role
 from batchkv.executor.runner import StepModel
 from batchkv.executor.scheduler import RequestState
@@ -212,40 +212,8 @@ class Engine:
         """Queue a request; returns its id. Refuses (RequestError, engine unchanged) one that can never fit."""
         if not isinstance(request, Request):
             raise RequestError(f"submit takes a Request, not a {type(request).__name__}")
-        prompt, params = request.prompt_ids, request.params
-        cache = self.cache
-        problem = None
-        if not prompt:
-            problem = "the prompt is empty; give at least one token id"
-        elif len(prompt) + 1 > cache.capacity:
-            problem = (
-                f"the prompt has {len(prompt)} tokens and capacity is {cache.capacity}, leaving no position "
-                f"for a generated token (shorten the prompt to {cache.capacity - 1} or raise capacity)"
-            )
-        elif params.n > cache.max_seqs:
-            problem = f"n={params.n} samples need {params.n} columns; max_seqs is {cache.max_seqs} (lower n)"
-        elif (
-            cache.config.pool_rows
-            and params.n * self._reach(request) > cache.config.pool_rows - cache.config.scratch_rows
-        ):
-            held = cache.config.pool_rows - cache.config.scratch_rows
-            problem = (
-                f"its {params.n} sample(s) can reach {self._reach(request)} positions each, more than the store's "
-                f"{held} together (lower max_new_tokens or n, or give the store more positions)"
-            )
-        elif params.n > self.scheduler.max_step_tokens:
-            problem = (
-                f"n={params.n} samples sample in one step, whose budget is max_step_tokens="
-                f"{self.scheduler.max_step_tokens} (lower n or raise max_step_tokens)"
-            )
-        elif min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
-            problem = f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
-        elif params.scores and not isinstance(self.speculator, NoSpeculation):
-            problem = (
-                "logprobs and prompt_logprobs are not computed under speculative decoding (a verify step keeps "
-                "no logits); drop them, or serve this request from an engine without speculative="
-            )
+        params, speculating = request.params, not isinstance(self.speculator, NoSpeculation)
+        problem = fit_problem(request, self.cache, self.vocab_size, self.scheduler.max_step_tokens, speculating)
         if problem is None:
             problem = self._sampling_problem(params)
         if problem is not None:
@@ -306,9 +274,6 @@ class Engine:
         if self.grammars is None:
             raise RequestError("a constraint needs the engine's tokenizer: call engine.use_tokenizer(tokenizer) first")
         self.grammars.compile(constraint)  # type: ignore[arg-type]
-
-    def _reach(self, request: Request) -> int:
-        return min(self.cache.capacity, len(request.prompt_ids) + request.params.max_new_tokens - 1)
 
     @property
     def cached_columns(self) -> int:
