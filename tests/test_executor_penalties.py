@@ -123,12 +123,12 @@ def test_the_penalties_change_what_is_decoded(model):
 
 
 def test_a_step_without_adjusting_rows_never_stages_them(model, monkeypatch):
-    import batchkv.executor.runner as runner_module
+    import batchkv.executor.rows as rows_module  # where the runner's steps stage them
 
     def refuse(*args, **kwargs):
         raise AssertionError("a plain step staged penalties")
 
-    monkeypatch.setattr(runner_module, "stage_penalties", refuse)
+    monkeypatch.setattr(rows_module, "stage_penalties", refuse)
     engine = Engine(model, max_seqs=2, capacity=64)
     out, ids = drive(engine, [(0, Request(PROMPT, SamplingParams(max_new_tokens=8, temperature=0.7, seed=1)))])
     assert len(out[ids[0]].tokens[0]) == 8

@@ -4,12 +4,11 @@ and sampling, queued without waiting for the device.
 Every per-step input lives in fixed-address device tensors sized at the largest width bucket:
 token ids int64 [W], RoPE indexes int64 [3, W] (contiguous per width), the logits selector int64
 [R], the sampling parameters [R], the token sources int64 [W], and the logits out float32 [R,
-vocab] (R rows, or HEAD_CHUNK when the head runs in chunks), R the engine's logits rows per step
-(min(max_seqs, MAX_SAMPLE_ROWS)). The host writes
-them through `Staging` (one pinned buffer per dtype, copied over
-asynchronously); nothing else crosses. With a `GraphSet` the forward is captured once per (width
-bucket, cache generation, module fingerprint) and replayed afterwards; a new mix of lengths only
-changes the contents of the cache's buffers.
+vocab] ([HEAD_CHUNK, vocab] when the head runs in chunks), R the engine's logits rows per step
+(min(max_seqs, MAX_SAMPLE_ROWS)). The host writes them through `Staging` (one pinned buffer per
+dtype, copied over asynchronously); nothing else crosses. With a `GraphSet` the forward is captured
+once per (width bucket, cache generation, module fingerprint) and replayed afterwards; a new mix of
+lengths only changes the contents of the cache's buffers.
 
 Sampled tokens stay on the device: `sampled` int64 [2, R] holds two launches' tokens (slots
 alternate between consecutive launches), and a row whose token source is r >= 0 takes its id from
@@ -28,53 +27,33 @@ decoding: a step where a row uses one runs `_adjusted_step` (the forward, then t
 and bitmask fill while the device runs it, then sampling from the adjusted logits); any other step
 runs `_device_step`, unchanged.
 
-A step of more than HEAD_CHUNK (256) logits rows, with a model that exposes `hidden_states` and
-`head` (HFModel, SenseNova), runs its LM head in even row chunks of at most HEAD_CHUNK (`head_chunks`):
-the forward (eager or the graph) stops at the final-normed hidden states [rows, H], then each chunk's
-float32 logits [chunk, vocab] are made in the one logits buffer, sampled (penalties, constraint
-mask, min_p as above) and their logprobs taken before the next chunk overwrites them. So the
-float32 logits, and the sampler's sort over them, never exceed [256, vocab] whatever the rows (at
-the 8B shape 131 MB instead of 525 MB at 1,024 rows, and about 1.5 GB less of sampler temporaries).
-A step of at most 256 rows runs exactly the unchunked path above; a model without `hidden_states`
-and `head` keeps a [R, vocab] buffer and the unchunked path at every row count.
+A step of more than HEAD_CHUNK (256) logits rows of a `chunkable` model (HFModel, SenseNova) runs
+`_chunked_step`: the forward (eager or the graph) stops at the final-normed hidden states, then per
+chunk of `head_chunks` the float32 logits are made in the one [256, vocab] buffer, sampled
+(`batchkv.executor.rows.adjuster` for the adjustments) and scored before the next chunk overwrites
+them (at the 8B shape 131 MB instead of 525 MB at 1,024 rows, and the sampler's sort bounded
+alike). Up to 256 rows, or with another model, the unchunked path above runs unchanged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from types import SimpleNamespace
 from typing import Protocol
 
 import torch
-from torch import nn
 
 from batchkv.cache import BatchedSequenceCache
 from batchkv.cache.staging import Staging
 from batchkv.errors import StepError
-from batchkv.executor.constraints import Grammars, MaskRows, allowed, constrained, fill_step
-from batchkv.executor.graphs import AdapterGuard, GraphSet, ModuleFingerprint
+from batchkv.executor.constraints import Grammars, MaskRows, constrained
+from batchkv.executor.graphs import AdapterGuard, GraphSet, ModelFingerprint
 from batchkv.executor.logprobs import LogprobPlan, LogprobSlots, StepLogprobs
-from batchkv.executor.penalties import stage_penalties
+from batchkv.executor.pipeline import SampledTokens
 from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.roles import LOCAL, Role
+from batchkv.executor.rows import HEAD_CHUNK, Adjust, adjuster, chunkable, head_chunks
 from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform
 from batchkv.executor.scheduler import Batch
-
-HEAD_CHUNK = 256  # most logits rows one LM-head call makes: past it a step's head runs in chunks
-
-
-def head_chunks(rows: int, chunk: int = HEAD_CHUNK) -> list[tuple[int, int]]:
-    """Row ranges [lo, hi) of equal size (the last may be smaller) covering [0, rows), each at most
-    `chunk` rows and as few as that allows: 320 rows are two chunks of 160, not 256 + 64 (so every
-    chunk of a chunked step takes the same many-row matmul path)."""
-    count = -(-rows // chunk)
-    size = -(-rows // count) if rows else 1
-    return [(lo, min(rows, lo + size)) for lo in range(0, rows, size)]
-
-
-def chunkable(model: object) -> bool:
-    """True when `model` exposes the final hidden states and LM head the chunked head needs."""
-    return all(callable(getattr(model, name, None)) for name in ("hidden_states", "head"))
 
 
 class StepModel(Protocol):
@@ -89,31 +68,6 @@ class StepModel(Protocol):
     def __call__(
         self, input_ids: torch.Tensor, indexes: torch.Tensor, cache: BatchedSequenceCache, logits_rows: torch.Tensor
     ) -> torch.Tensor: ...
-
-
-class ModelFingerprint:
-    """`ModuleFingerprint` of the model's module tree; for a wrapper that is not itself a module,
-    of every module among its attributes (so rebinding `HFModel.hf` also changes it)."""
-
-    def __init__(self, model: StepModel) -> None:
-        self.model = model
-        self._prints: dict[int, ModuleFingerprint] = {}
-
-    def modules(self) -> list[tuple[str, nn.Module]]:
-        """The model itself when it is a module, else the modules among its attributes."""
-        model = self.model
-        if isinstance(model, nn.Module):
-            return [("", model)]
-        return [(name, m) for name, m in vars(model).items() if isinstance(m, nn.Module)]
-
-    def __call__(self) -> int:
-        parts = []
-        for name, module in self.modules():
-            print_ = self._prints.get(id(module))
-            if print_ is None or print_.module is not module:
-                print_ = self._prints[id(module)] = ModuleFingerprint(module)
-            parts.append((name, id(module), print_()))
-        return hash(tuple(parts))
 
 
 class ModelRunner:
@@ -338,44 +292,16 @@ class ModelRunner:
 
     def _adjuster(
         self, batch: Batch, real: int, sampling: bool, slot: int, previous: SampledTokens | None, device: torch.device
-    ) -> Callable[[torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor | None]]:
-        """Fill and upload the constrained rows' bitmask now (host work while the forward runs);
-        returns adjust(logits of sampling rows [lo, end), lo, end) -> (adjusted logits, their min_p
-        or None), which stages those rows' penalties and applies them and the mask."""
-        last = self.sampled[previous.slot] if previous is not None else None
+    ) -> Adjust:
+        """`batchkv.executor.rows.adjuster` with this runner's bitmask buffers (made at the first
+        constrained step) and the previous launch's tokens."""
         masks = None
         if self.grammars is not None and constrained(batch.samples):
+            if self._masks is None:
+                self._masks = MaskRows(self.rows, self.grammars.words, device)
             masks = self._masks
-            if masks is None:
-                masks = self._masks = MaskRows(self.rows, self.grammars.words, device)
-            host = masks.host[slot]
-            runs: list[list[int]] | None = None
-
-            def ahead(i: int) -> list[int]:
-                nonlocal runs
-                if not batch.samples[i].pending:
-                    return []
-                if runs is None:  # the previous step's tokens: the device has queued this forward after it
-                    runs = previous.read() if previous is not None else []
-                return runs[batch.token_src[i]]
-
-            fill_step(self.grammars, batch.samples, host, ahead)
-            masks.upload(slot, real)
-        min_p = None
-        if sampling and any(s.owner.request.params.min_p > 0 for s in batch.samples):
-            values = [s.owner.request.params.min_p for s in batch.samples]
-            min_p = torch.tensor(values, dtype=torch.float32).to(device)
-
-        def adjust(chosen: torch.Tensor, lo: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-            rows = batch if (lo, end) == (0, real) else _rows_of(batch, lo, end)
-            penalties = stage_penalties(rows, device)  # type: ignore[arg-type]
-            if penalties is not None:
-                chosen = penalties.apply(chosen, last)
-            if masks is not None:
-                chosen = chosen.masked_fill(~allowed(masks.device[lo:end], chosen.shape[1]), float("-inf"))
-            return chosen, None if min_p is None else min_p[lo:end]
-
-        return adjust
+        last = self.sampled[previous.slot] if previous is not None else None
+        return adjuster(batch, real, sampling, slot, previous, device, grammars=self.grammars, masks=masks, last=last)
 
     def _pick(
         self, chosen: torch.Tensor, lo: int, end: int, sampling: bool, min_p: torch.Tensor | None = None
@@ -466,29 +392,3 @@ class ModelRunner:
         """`launch` and read at once: each row's token as a one-token list (the shape a verify
         step's accepted runs take)."""
         return self.launch(batch, width).read()
-
-
-def _rows_of(batch: Batch, lo: int, end: int) -> SimpleNamespace:
-    """Sampling rows [lo, end) of `batch` as `stage_penalties` reads a batch (samples, token_src)."""
-    return SimpleNamespace(samples=batch.samples[lo:end], token_src=batch.token_src[lo:end] if batch.token_src else [])
-
-
-class SampledTokens:
-    """A launched step's sampled tokens on their way to the host: a pinned slot and the event
-    recorded after the copy into it (None on the CPU, where the copy has already happened), and
-    the step's logprobs when some row asked (copied before the event)."""
-
-    def __init__(
-        self, host: torch.Tensor, slot: int, event: torch.cuda.Event | None, logprobs: StepLogprobs | None = None
-    ) -> None:
-        self.host, self.slot, self.event, self._logprobs = host, slot, event, logprobs
-
-    def read(self) -> list[list[int]]:
-        """Each sampling row's token as a one-token list; waits for the step on CUDA."""
-        if self.event is not None:
-            self.event.synchronize()
-        return [[token] for token in self.host.tolist()]
-
-    def logprobs(self) -> tuple[list, list] | None:
-        """`StepLogprobs.read()` of the step, or None when no row asked; call after `read`."""
-        return self._logprobs.read() if self._logprobs is not None else None
