@@ -175,7 +175,8 @@ def main() -> None:
         kv_dtype = torch.float8_e4m3fn if cfg_name == "fp8_e4m3" else None
         model = HFModel(hf, kv_dtype=kv_dtype)
         key = cfg_name if max_seqs == "auto" else f"{cfg_name}@{max_seqs}"
-        engine = Engine(model, max_seqs=max_seqs, capacity=reach, use_graphs=device.type == "cuda", device=device,
+        engine = Engine(model, max_seqs=max_seqs, kv_positions="auto", capacity=reach, use_graphs=device.type == "cuda",
+                        device=device,
                         **({"max_step_tokens": args.max_step_tokens} if args.max_step_tokens else {}))  # fmt: skip
         warm_s = engine.warm_up()
         print(f"{key}: engine {engine.sizing.describe() if engine.sizing else ''}; warm-up {warm_s:.0f} s",

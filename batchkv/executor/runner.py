@@ -250,9 +250,9 @@ class ModelRunner:
                 logits = self.tp.run(self._device_step, width, rows, real, sampling, slot)
             else:
                 logits = self._adjusted_step(batch, width, rows, real, sampling, slot, previous)
-            # rank 0's logits (every rank's are the same, gathered): its host reads the logprobs
-            drawn = self.sampled[slot, :real]
-            logprobs = None if plan is None else self.logprob_slots.launch(plan, logits, drawn, slot)
+            logprobs = None
+            if plan is not None:  # rank 0's logits (every rank's are the same, gathered): its host reads them
+                logprobs = self.logprob_slots.launch(plan, logits, self.sampled[slot, :real], slot)
         host = self._host_tokens[slot, :real]
         host.copy_(self.sampled[slot, :real], non_blocking=self._read[slot] is not None)
         event = self._read[slot]
