@@ -14,7 +14,7 @@ import torch
 
 from batchkv.cache import CacheConfig
 from batchkv.executor import MAX_SAMPLE_ROWS, Engine, Request, SamplingParams
-from batchkv.executor.runner import HEAD_CHUNK, head_chunks
+from batchkv.executor.rows import HEAD_CHUNK, head_chunks
 from tests.executor_helpers import drive, oracle
 from tests.toy_model import ToyModel
 

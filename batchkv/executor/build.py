@@ -28,7 +28,8 @@ from batchkv.executor.graphs import GraphSet
 from batchkv.executor.metrics import Metrics
 from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.roles import Role
-from batchkv.executor.runner import HEAD_CHUNK, ModelRunner, StepModel, chunkable
+from batchkv.executor.rows import HEAD_CHUNK, chunkable
+from batchkv.executor.runner import ModelRunner, StepModel
 from batchkv.executor.scheduler import Scheduler
 from batchkv.executor.speculative import NoSpeculation, SpeculativeConfig, Speculator, build_speculator
 from batchkv.executor.speculative.config import MAX_SPECULATIVE_ROWS

@@ -47,7 +47,7 @@ class Engine:
         decode (1,024, at most max_step_tokens) and the store holds at a reach of 512 positions
         (`batchkv.executor.sizing.auto_rows`). The same min(max_seqs, 1,024) rows bound how many
         prompt tokens a step scores for `prompt_logprobs`. Past 256 rows the LM head runs in chunks
-        of at most 256 rows (`batchkv.executor.runner.HEAD_CHUNK`).
+        of at most 256 rows (`batchkv.executor.rows.HEAD_CHUNK`).
     kv_positions: positions the store holds for all sequences together, each request taking what it
         can reach (prompt + max_new_tokens). "auto": as many as fit in `memory_fraction` of the
         device, allocated whole up front (`Engine.sizing` says what it chose); an int: that many,

@@ -17,7 +17,7 @@ from batchkv.errors import RequestError
 FINISH_REASONS = ("stop", "length", "capacity", "cancelled", "grammar")
 # Most sampling rows of one step (sequences that decode together; a request's n samples all sample
 # in the step its prompt ends, so n is bounded by it too). Past 256 rows the runner makes the float32
-# logits [256, vocab] at a time (`batchkv.executor.runner.HEAD_CHUNK`).
+# logits [256, vocab] at a time (`batchkv.executor.rows.HEAD_CHUNK`).
 MAX_SAMPLE_ROWS = 1024
 MAX_SEED = 2**64 - 1  # seeds feed splitmix64
 MAX_TOP_K = 2**31 - 1  # staged as int64 each step; any k at or past the vocabulary keeps every token
