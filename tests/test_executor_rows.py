@@ -2,7 +2,8 @@
 gets in a small group; the LM head past 256 rows runs in chunks whose tokens and logprobs equal the
 whole head's (unused logits rows poisoned with NaN); a transformers model's greedy tokens at 320
 rows equal its own generate; two tensor-parallel ranks at 258 rows give what one process does;
-max_seqs="auto" takes 1,024 rows when the store holds them."""
+max_seqs="auto" takes 1,024 rows when the store holds them; constrained and penalised rows past 256
+decode as with the whole head."""
 
 from __future__ import annotations
 
@@ -220,3 +221,36 @@ def test_auto_max_seqs_with_given_positions_takes_the_rows_those_positions_hold(
     engine = Engine(toy, max_seqs="auto", kv_positions=4096, capacity=48, max_step_tokens=1024, prefill_chunk=8)
     assert engine.cache.max_seqs == engine.scheduler.sample_rows == 4096 // 48  # requests of 48 positions
     assert engine.sizing is None and engine.cache.config.pool_rows == 4096 + engine.cache.config.scratch_rows
+
+
+def test_constrained_and_penalised_rows_past_256_decode_as_with_the_whole_head():
+    pytest.importorskip("xgrammar")
+    import regex
+
+    from batchkv.executor.constraints import Constraint
+    from tests.serve_helpers import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    model = ToyModel(vocab=len(tokenizer) + 4, seed=1)
+    eos, rng = tokenizer.eos_token_id, random.Random(5)
+    word = Constraint.regex(r"[a-z]{2,6}!")
+    requests = []
+    for i in range(300):  # every third constrained, every fifth penalised: the rows of both in every chunk
+        extra = {"constraint": word} if i % 3 == 0 else {}
+        if i % 5 == 1:
+            extra |= {"repetition_penalty": 1.5, "min_p": 0.1}
+        params = SamplingParams(max_new_tokens=8, temperature=0.9, seed=i, stop_token_ids=(eos,), **extra)
+        requests.append(Request([rng.randrange(len(tokenizer))], params))
+    opts = {"max_seqs": 300, "capacity": 16, "max_step_tokens": 1024, "prefill_chunk": 8, "prefix_cache": False}
+    outs = []
+    for m in (model, WholeHead(model)):
+        engine = Engine(m, **opts)
+        engine.use_tokenizer(tokenizer)
+        rows: list[int] = []
+        outs.append(run(engine, requests, rows, poison=True))
+        assert max(rows) == 300
+    assert [o.tokens for o in outs[0]] == [o.tokens for o in outs[1]]
+    for i in range(0, 300, 3):
+        (tokens,), (finish,) = outs[0][i].tokens, outs[0][i].finish_reasons
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        assert finish == "stop" and regex.fullmatch(r"[a-z]{2,6}!", text), (i, text)  # 8 tokens always reach eos
