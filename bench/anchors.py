@@ -21,6 +21,10 @@ weights at one byte for fp8). The request counts run are recorded beside the pub
 
     python3 bench/anchors.py --out bench/results/anchors-h200.json --budget-s 500     # on the H200
     python bench/anchors.py --small --out /tmp/a.json                                  # CPU smoke run
+
+`--max-seqs N` serves with `Engine(max_seqs=N)` instead of "auto" (results keyed `bf16@N`; add runs
+to one JSON with `--resume`): #38's short-context comparison of 256 against 1,024 sampling rows is
+`--workloads 128/512 --configs bf16 --requests bf16=2048 --max-seqs 256`, then the same with 1024.
 """
 
 from __future__ import annotations
@@ -118,7 +122,9 @@ def main() -> None:
                     help="per configuration, the request count of each workload in --workloads order")  # fmt: skip
     ap.add_argument("--max-step-tokens", type=int, default=None, help="the Engine's step budget (default its own)")
     ap.add_argument("--resume", type=Path, default=None, help="a result JSON to add to")
+    ap.add_argument("--max-seqs", default="auto", help="the Engine's max_seqs (auto, or a number: results keyed cfg@N)")
     args = ap.parse_args()
+    max_seqs = args.max_seqs if args.max_seqs == "auto" else int(args.max_seqs)
     deadline = Deadline(args.budget_s)
     device = torch.device(args.device)
     config = TINY if args.small else LLAMA_8B
@@ -168,15 +174,17 @@ def main() -> None:
             raise SystemExit("bf16 must come before the fp8 configurations (the model is quantised in place)")
         kv_dtype = torch.float8_e4m3fn if cfg_name == "fp8_e4m3" else None
         model = HFModel(hf, kv_dtype=kv_dtype)
-        engine = Engine(model, max_seqs="auto", capacity=reach, use_graphs=device.type == "cuda", device=device,
+        key = cfg_name if max_seqs == "auto" else f"{cfg_name}@{max_seqs}"
+        engine = Engine(model, max_seqs=max_seqs, kv_positions="auto", capacity=reach, use_graphs=device.type == "cuda",
+                        device=device,
                         **({"max_step_tokens": args.max_step_tokens} if args.max_step_tokens else {}))  # fmt: skip
         warm_s = engine.warm_up()
-        print(f"{cfg_name}: engine {engine.sizing.describe() if engine.sizing else ''}; warm-up {warm_s:.0f} s",
+        print(f"{key}: engine {engine.sizing.describe() if engine.sizing else ''}; warm-up {warm_s:.0f} s",
               flush=True)  # fmt: skip
         for j, name in enumerate(names):
             n = 4 if args.small else counts[cfg_name][j]
             if deadline.left() < 30:
-                works[name][cfg_name] = {"status": f"skipped: {deadline.left():.0f} s of the budget left"}
+                works[name][key] = {"status": f"skipped: {deadline.left():.0f} s of the budget left"}
                 continue
             prompts, outputs = workload(name, n, config["vocab_size"])
             got = serve(engine, prompts, outputs, device)
@@ -187,10 +195,10 @@ def main() -> None:
                                                     fp8_tflops=result["fp8_tflops"])  # fmt: skip
             got.update(max_seqs=engine.cache.max_seqs, store=engine.sizing.describe() if engine.sizing else None,
                        warm_up_s=warm_s, kv_dtype=str(engine.cache.config.kv_dtype))  # fmt: skip
-            works[name][cfg_name] = got
+            works[name][key] = got
             save()
             published = PUBLISHED.get(name, (None,))[0]
-            print(f"{name} {cfg_name}: {got['tokens_per_s']:.0f} tok/s (steady {got['steady_tokens_per_s'] or 0:.0f}) "
+            print(f"{name} {key}: {got['tokens_per_s']:.0f} tok/s (steady {got['steady_tokens_per_s'] or 0:.0f}) "
                   f"from {n} requests; limit {lim['overlap']:.0f} / {lim['serial']:.0f}; published {published}",
                   flush=True)  # fmt: skip
         engine.close()

@@ -148,7 +148,7 @@ def test_rope_t_is_tracked_apart_from_the_kv_position(model):
     assert outputs[ids[0]].tokens != outputs[ids[1]].tokens  # the offset reached the model
 
 
-def test_steps_respect_the_token_budget_chunk_size_and_256_sampling_rows(model):
+def test_steps_respect_the_token_budget_chunk_size_and_the_sampling_rows(model):
     every_width = tuple(range(1, 513))  # no padding, so no prompt chunk is trimmed to a bucket
     engine = Engine(model, max_seqs=264, capacity=16, max_step_tokens=512, prefill_chunk=4, width_buckets=every_width,
                     prefill_budget=512)  # fmt: skip
@@ -164,9 +164,10 @@ def test_steps_respect_the_token_budget_chunk_size_and_256_sampling_rows(model):
     engine.runner.launch = spy
     outputs, ids = drive(engine, schedule)
     assert_matches_oracle(model, outputs, ids, schedule, capacity=16)
-    assert MAX_SAMPLE_ROWS == 256
-    assert max(rows for _, rows, _, _ in seen) == MAX_SAMPLE_ROWS  # the cap was reached and held
-    assert all(tokens <= 512 and rows <= MAX_SAMPLE_ROWS and per_seq <= 4 for tokens, rows, _, per_seq in seen)
+    cap = engine.scheduler.sample_rows
+    assert cap == min(MAX_SAMPLE_ROWS, 264) == 264
+    assert max(rows for _, rows, _, _ in seen) == cap  # every resident sequence sampled in one step
+    assert all(tokens <= 512 and rows <= cap and per_seq <= 4 for tokens, rows, _, per_seq in seen)
     assert all(width in engine.buckets and width >= tokens for tokens, _, width, _ in seen)
 
 

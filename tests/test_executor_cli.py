@@ -106,12 +106,13 @@ def test_run_sizes_the_store_to_memory_and_reports_what_it_chose(tmp_path, capsy
     argv += ["--max-seqs", "auto", "--memory-fraction", "0.5", "--capacity", "64", "--prefill-budget", "8"]
     assert cli.main([*argv, "--overlap", "off", "--json", str(out)]) == 0
     captured = capsys.readouterr()
-    assert "sized the store: a pool of 16384 positions for at most 256 sequences" in captured.err
-    for label in ("first token p99", "step time", "store", "max_seqs 256, capacity 64, prefill budget 8"):
+    # auto: 1,024 sequences (the step budget's 1,024 rows), whose 64 positions each bound the pool
+    assert "sized the store: a pool of 65536 positions for at most 1024 sequences" in captured.err
+    for label in ("first token p99", "step time", "store", "max_seqs 1024, capacity 64, prefill budget 8"):
         assert label in captured.out
     metrics = json.loads(out.read_text())
     assert (
-        metrics["max_seqs"] == 256 and metrics["overlap"] is False and metrics["sizing"].startswith("a pool of 16384")
+        metrics["max_seqs"] == 1024 and metrics["overlap"] is False and metrics["sizing"].startswith("a pool of 65536")
     )
     assert metrics["prefill_budget"] == 8
     assert metrics["generated_tokens"] >= 4 * 2

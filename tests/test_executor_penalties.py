@@ -123,13 +123,13 @@ def test_the_penalties_change_what_is_decoded(model):
 
 
 def test_a_step_without_adjusting_rows_never_stages_them(model, monkeypatch):
-    import batchkv.executor.runner as runner_module
+    import batchkv.executor.rows as rows_module  # where the runner's steps stage them
     import batchkv.executor.speculative.verify as verify_module
 
     def refuse(*args, **kwargs):
         raise AssertionError("a plain step staged penalties")
 
-    monkeypatch.setattr(runner_module, "stage_penalties", refuse)
+    monkeypatch.setattr(rows_module, "stage_penalties", refuse)
     monkeypatch.setattr(verify_module, "stage_verify_penalties", refuse)
     params = SamplingParams(max_new_tokens=8, temperature=0.7, seed=1)
     for speculative in (None, SpeculativeConfig("ngram", block_size=4)):

@@ -105,7 +105,15 @@ def test_unseeded_requests_follow_the_engine_seed(model):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1}, {"n": 0}, {"n": 257}, {"max_new_tokens": 0}],
+    [
+        {"temperature": -0.1},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"top_k": -1},
+        {"n": 0},
+        {"n": 1025},
+        {"max_new_tokens": 0},
+    ],
 )
 def test_bad_sampling_parameters_are_refused(kwargs):
     with pytest.raises(RequestError):

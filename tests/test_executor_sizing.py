@@ -88,11 +88,14 @@ def test_auto_max_seqs_takes_the_positions_that_fit_and_allocates_them_up_front(
     per = CacheConfig(**model.cache_spec(), max_seqs=1, capacity=48).bytes_per_position()
     monkeypatch.setattr(sizing_module, "device_memory", lambda device: (10_000 * per, 9_000 * per))
     engine = Engine(model, max_seqs="auto", memory_fraction=0.95, capacity=48, max_step_tokens=16, prefill_chunk=8)
-    # budget 9,500 positions' worth, 9,000 in use: 500 left, 16 of them the scratch rows
-    assert engine.cache.max_seqs == MAX_SAMPLE_ROWS == engine.metrics.max_seqs
-    assert engine.sizing.positions == 500 - 16 and engine.cache.pool_rows == 500
+    # budget 9,500 positions' worth, 9,000 in use: 500 left, 16 of them the scratch rows; the 484
+    # positions hold 10 requests at the full capacity of 48 (below the AUTO_REACH of 512)
+    assert engine.cache.max_seqs == 10 == engine.metrics.max_seqs == engine.scheduler.sample_rows
+    assert engine.cache.max_seqs < MAX_SAMPLE_ROWS
+    # and 10 sequences of 48 never use more than 480 positions: the pool stops there
+    assert engine.sizing.positions == 10 * 48 and engine.cache.pool_rows == 480 + 16
     assert engine.cache.nbytes == engine.sizing.store_bytes  # allocated whole
-    assert "a pool of 484 positions" in engine.sizing.describe()
+    assert "a pool of 480 positions for at most 10 sequences" in engine.sizing.describe()
     request = Request([3, 1, 4, 1, 5], SamplingParams(max_new_tokens=6))
     rid = engine.submit(request)
     out = gather(engine.run_until_done())[rid]

@@ -98,8 +98,8 @@ def _add_sizing(group: argparse._ArgumentGroup) -> None:
         "--max-num-seqs",
         type=or_auto(bounded(int, 1, MAX_POSITIONS)),
         metavar="N|auto",
-        help=f"resident sequences (cache columns; n samples take n); auto: 256, the store sized to "
-        f"--memory-fraction (default: auto on CUDA, {CPU_MAX_SEQS} on the CPU)",
+        help=f"resident sequences (cache columns; n samples take n); auto: the store sized to "
+        f"--memory-fraction, then up to 1024 sequences it holds (default: auto on CUDA, {CPU_MAX_SEQS} on the CPU)",
     )
     group.add_argument(
         "--memory-fraction",

@@ -7,8 +7,9 @@ Example:
     for event in engine.stream(): ...
 """
 
-from batchkv.executor.engine import Engine, default_buckets
+from batchkv.executor.engine import Engine
 from batchkv.executor.request import FINISH_REASONS, MAX_SAMPLE_ROWS, Event, Output, Request, SamplingParams, gather
+from batchkv.executor.sizing import default_buckets
 from batchkv.executor.speculative import SpeculativeConfig
 
 __all__ = [

@@ -18,29 +18,20 @@ from dataclasses import replace
 
 import torch
 
-from batchkv.cache import BatchedSequenceCache, CacheConfig
-from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
-from batchkv.checks import allocating, device_arg, int_arg, int_args
-from batchkv.errors import ConfigError, RequestError, StepError
+from batchkv.cache import BatchedSequenceCache
+from batchkv.checks import int_arg
+from batchkv.errors import RequestError, StepError
+from batchkv.executor import build
 from batchkv.executor.constraints import Grammars
-from batchkv.executor.graphs import GraphSet
 from batchkv.executor.launch import start, stops_ranks_on_failure
 from batchkv.executor.metrics import Metrics
 from batchkv.executor.pipeline import InFlight, Pipeline
-from batchkv.executor.request import MAX_SAMPLE_ROWS, Event, Request, SamplingParams
+from batchkv.executor.request import Event, Request, SamplingParams, fit_problem
 from batchkv.executor.roles import Role
-from batchkv.executor.runner import ModelRunner, StepModel
-from batchkv.executor.scheduler import RequestState, Scheduler
-from batchkv.executor.sizing import (
-    DEFAULT_STEP_TOKENS,
-    Sizing,
-    check_fraction,
-    default_buckets,
-    default_prefill_chunk,
-    model_capacity,
-    size_store,
-)
-from batchkv.executor.speculative import NoSpeculation, SpeculativeConfig, Speculator, build_speculator
+from batchkv.executor.runner import StepModel
+from batchkv.executor.scheduler import RequestState
+from batchkv.executor.sizing import DEFAULT_STEP_TOKENS
+from batchkv.executor.speculative import NoSpeculation, SpeculativeConfig
 
 
 class Engine:
@@ -50,9 +41,13 @@ class Engine:
         int64) -> float32 [R, vocab]; exposes cache_spec() -> dict(num_layers, kv_heads, head_dim,
         layers, dtype), vocab_size and device (and optionally max_positions).
     max_seqs: resident sequences (columns); a request with n samples holds n of them. Every
-        running sample decodes in every step, up to MAX_SAMPLE_ROWS (256) logits rows a step (past
-        that they take turns). "auto": 256, with `kv_positions="auto"`. The same min(max_seqs, 256)
-        rows bound how many prompt tokens a step scores for `prompt_logprobs`.
+        running sample decodes in every step, up to MAX_SAMPLE_ROWS (1,024) logits rows a step
+        (past that, or past max_step_tokens, they take turns; 256 when speculating). "auto": with
+        `kv_positions="auto"`, the store's positions first, then as many sequences as a step can
+        decode (1,024, at most max_step_tokens) and the store holds at a reach of 512 positions
+        (`batchkv.executor.sizing.auto_rows`). The same min(max_seqs, 1,024) rows bound how many
+        prompt tokens a step scores for `prompt_logprobs`. Past 256 rows the LM head runs in chunks
+        of at most 256 rows (`batchkv.executor.rows.HEAD_CHUNK`).
     kv_positions: positions the store holds for all sequences together, each request taking what it
         can reach (prompt + max_new_tokens). "auto": as many as fit in `memory_fraction` of the
         device, allocated whole up front (`Engine.sizing` says what it chose); an int: that many,
@@ -83,7 +78,8 @@ class Engine:
     seed: draws the sampling seed of requests that do not set one.
     speculative: a `SpeculativeConfig` (n-gram lookup or a DFlash drafter), or None. Each decode
         sample then verifies up to block_size - 1 drafts a step; drafts ride on top of
-        `max_step_tokens` (the widths reach max_step_tokens + min(256, max_seqs) * (block_size - 1)),
+        `max_step_tokens` (the widths reach max_step_tokens + min(256, max_seqs) * (block_size - 1),
+        256 being MAX_SPECULATIVE_ROWS),
         the cache's max_write is at least block_size, and a step has at most
         min(256, max_seqs) * block_size logits rows (see `batchkv.executor.speculative`).
     prefix_cache: reuse the K/V of prompt prefixes the store already holds (a finished request's
@@ -137,109 +133,24 @@ class Engine:
             _role, model = start(model, tensor_parallel, options)
         self.tp: Role = _role
         self._stop = weakref.finalize(self, _role.close)  # stops the other ranks if construction fails
-        if max_seqs == "auto":
-            max_seqs, kv_positions = MAX_SAMPLE_ROWS, "auto" if kv_positions is None else kv_positions
-        capacity = model_capacity(model) if capacity is None else capacity
-        max_seqs = int_arg("Engine max_seqs", max_seqs, 1, MAX_POSITIONS, why=" (or 'auto')")
-        why = " (one step's tokens: static buffers are sized by it)"
-        max_step_tokens = int_arg("Engine max_step_tokens", max_step_tokens, 1, MAX_STEP_TOKENS, why=why)
-        why = " (a prompt and a generated token; positions are int32)"
-        capacity = int_arg("Engine capacity", capacity, 2, MAX_POSITIONS, why=why)
-        why = f" (at most capacity={capacity} and max_step_tokens={max_step_tokens})"
-        if prefill_chunk is None:
-            prefill_chunk = default_prefill_chunk(capacity, max_step_tokens)
-        prefill_chunk = int_arg("Engine prefill_chunk", prefill_chunk, 1, min(capacity, max_step_tokens), why=why)
-        seed = int_arg("Engine seed", seed)
-        row_buckets = int_args("Engine row_buckets", row_buckets, 1, MAX_POSITIONS)
-        row_step = int_arg("Engine row_step", row_step, 0, MAX_POSITIONS)
-        if speculative is not None and not isinstance(speculative, SpeculativeConfig):
-            raise ConfigError(f"speculative is a {type(speculative).__name__}; pass a SpeculativeConfig or None")
-        block = speculative.block_size if speculative is not None else 1
-        if block > capacity:
-            raise ConfigError(f"speculative block_size {block} exceeds capacity {capacity}; lower block_size")
-        widest = max_step_tokens + min(MAX_SAMPLE_ROWS, max_seqs) * (block - 1)
-        if width_buckets is not None:
-            buckets = int_args("Engine width_buckets", width_buckets, 1, MAX_STEP_TOKENS)
-        else:
-            buckets = default_buckets(widest)
-        if not buckets or list(buckets) != sorted(set(buckets)) or buckets[-1] < widest:
-            raise ConfigError(
-                f"width_buckets {buckets} must be positive, strictly increasing and reach "
-                f"{widest} (max_step_tokens, plus drafts when speculating; add {widest})"
-            )
-        if use_graphs != "auto" and not isinstance(use_graphs, bool):
-            raise ConfigError(f"use_graphs is {use_graphs!r}; use 'auto', True or False")
-        spec = model.cache_spec()
-        config = CacheConfig(
-            num_layers=spec["num_layers"],
-            kv_heads=spec["kv_heads"],
-            head_dim=spec["head_dim"],
-            max_seqs=max_seqs,
-            capacity=capacity,
-            max_write=max(prefill_chunk, block),  # type: ignore[type-var]
-            layers=tuple(spec.get("layers") or ()),
-            dtype=spec.get("dtype", torch.bfloat16),
-            kv_dtype=kv_dtype or spec.get("kv_dtype"),
-            max_width=buckets[-1],
-            buckets=tuple(row_buckets),
-            tail_step=row_step,
-        )
-        self.device = device_arg(device if device is not None else model.device, "Engine device")
-        if torch.device(model.device).type != self.device.type:
-            raise ConfigError(f"the model is on {model.device} but the engine's device is {self.device}; move one")
+        shape = build.check_shape(model, max_seqs=max_seqs, capacity=capacity, max_step_tokens=max_step_tokens,
+                                  prefill_chunk=prefill_chunk, width_buckets=width_buckets, use_graphs=use_graphs,
+                                  row_buckets=row_buckets, row_step=row_step, seed=seed, kv_dtype=kv_dtype,
+                                  speculative=speculative, kv_positions=kv_positions)  # fmt: skip
+        self.device = build.engine_device(model, device)
         self.pipeline = Pipeline.for_engine(overlap, speculating=speculative is not None, device=self.device)
-        check_fraction(memory_fraction)
-        self.sizing: Sizing | None = None
-        sample_rows = min(MAX_SAMPLE_ROWS, max_seqs)
-        if kv_positions == "auto":  # as many positions as fit, allocated whole now: no growth while serving
-            config, self.sizing = size_store(model, config, memory_fraction, sample_rows, agree=self.tp.agree)
-        elif kv_positions is not None:
-            why = " (or 'auto', or None: grown on demand)"
-            kv_positions = int_arg("Engine kv_positions", kv_positions, capacity, MAX_POSITIONS, why=why)
-            config = replace(config, pool_rows=kv_positions + config.scratch_rows)
+        config, self.sizing = build.size_store(model, shape, memory_fraction, self.tp)
         self.cache: BatchedSequenceCache = self.tp.cache(config, self.device, attention=attention)
-        capturable = self.device.type == "cuda" and self.cache.attention != "reference"
-        if use_graphs is True and not capturable:
-            raise ConfigError(
-                f"use_graphs=True needs CUDA and capturable attention; device is {self.device}, "
-                f"attention is {self.cache.attention!r} (use use_graphs='auto' or False)"
-            )
-        graphs = (
-            GraphSet(self.device, capture_error_mode=self.tp.capture_error_mode)
-            if use_graphs is not False and capturable
-            else None
-        )
-        self.buckets = buckets
+        graphs = build.graph_set(self.cache, use_graphs, self.tp)
+        self.buckets = shape.buckets
         self.vocab_size = int(model.vocab_size)
         self.eos_token_ids = tuple(getattr(model, "eos_token_ids", None) or ())  # merged into requests' stops
-        if not isinstance(prefix_cache, bool):
-            raise ConfigError(f"prefix_cache is {prefix_cache!r}; use True or False")
-        reuse = prefix_cache and not (speculative is not None and speculative.method == "dflash")
-        self.scheduler = Scheduler(
-            self.cache, max_step_tokens, prefill_chunk, buckets, prefill_budget, sample_rows, prefix_cache=reuse
+        self.scheduler = build.build_scheduler(self.cache, shape, prefill_budget, prefix_cache, speculative)
+        self.metrics = Metrics(config.max_seqs, generation=self.cache.generation)
+        self.runner, self.speculator = build.build_runner(
+            model, self.cache, shape, graphs, speculative, self.metrics, self.tp
         )
-        self.metrics = Metrics(max_seqs, generation=self.cache.generation)
-        what, nbytes = "the step inputs and logits", ModelRunner.nbytes(buckets[-1], self.vocab_size, sample_rows)
-        with allocating(what, nbytes, "lower max_step_tokens, or free device memory"):
-            if speculative is None:
-                pad_rows = self.device.type == "cuda"
-                self.runner = ModelRunner(
-                    model, self.cache, buckets[-1], graphs=graphs, pad_rows=pad_rows, rows=sample_rows, tp=self.tp
-                )
-                self.speculator: Speculator | NoSpeculation = NoSpeculation()
-            else:
-                self.speculator = build_speculator(
-                    speculative,
-                    model,
-                    graphs,
-                    cache=self.cache,
-                    metrics=self.metrics,
-                    buckets=buckets,
-                    prefill_chunk=prefill_chunk,
-                    role=self.tp,
-                )
-                self.runner = self.speculator.runner
-        self._seeds = random.Random(seed)
+        self._seeds = random.Random(shape.seed)
         self.grammars: Grammars | None = None  # use_tokenizer: constrained decoding
         self._next_id = 0
         self._idle = False
@@ -301,40 +212,8 @@ class Engine:
         """Queue a request; returns its id. Refuses (RequestError, engine unchanged) one that can never fit."""
         if not isinstance(request, Request):
             raise RequestError(f"submit takes a Request, not a {type(request).__name__}")
-        prompt, params = request.prompt_ids, request.params
-        cache = self.cache
-        problem = None
-        if not prompt:
-            problem = "the prompt is empty; give at least one token id"
-        elif len(prompt) + 1 > cache.capacity:
-            problem = (
-                f"the prompt has {len(prompt)} tokens and capacity is {cache.capacity}, leaving no position "
-                f"for a generated token (shorten the prompt to {cache.capacity - 1} or raise capacity)"
-            )
-        elif params.n > cache.max_seqs:
-            problem = f"n={params.n} samples need {params.n} columns; max_seqs is {cache.max_seqs} (lower n)"
-        elif (
-            cache.config.pool_rows
-            and params.n * self._reach(request) > cache.config.pool_rows - cache.config.scratch_rows
-        ):
-            held = cache.config.pool_rows - cache.config.scratch_rows
-            problem = (
-                f"its {params.n} sample(s) can reach {self._reach(request)} positions each, more than the store's "
-                f"{held} together (lower max_new_tokens or n, or give the store more positions)"
-            )
-        elif params.n > self.scheduler.max_step_tokens:
-            problem = (
-                f"n={params.n} samples sample in one step, whose budget is max_step_tokens="
-                f"{self.scheduler.max_step_tokens} (lower n or raise max_step_tokens)"
-            )
-        elif min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
-            problem = f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})"
-        elif params.scores and not isinstance(self.speculator, NoSpeculation):
-            problem = (
-                "logprobs and prompt_logprobs are not computed under speculative decoding (a verify step keeps "
-                "no logits); drop them, or serve this request from an engine without speculative="
-            )
+        params, speculating = request.params, not isinstance(self.speculator, NoSpeculation)
+        problem = fit_problem(request, self.cache, self.vocab_size, self.scheduler.max_step_tokens, speculating)
         if problem is None:
             problem = self._sampling_problem(params)
         if problem is not None:
@@ -387,9 +266,6 @@ class Engine:
         if self.grammars is None:
             raise RequestError("a constraint needs the engine's tokenizer: call engine.use_tokenizer(tokenizer) first")
         self.grammars.compile(constraint)  # type: ignore[arg-type]
-
-    def _reach(self, request: Request) -> int:
-        return min(self.cache.capacity, len(request.prompt_ids) + request.params.max_new_tokens - 1)
 
     @property
     def cached_columns(self) -> int:

@@ -211,3 +211,28 @@ class GraphSet:
         """Drop every graph whose key fails `keep` (e.g. an older storage generation)."""
         for key in [k for k in self._graphs if not keep(k)]:
             del self._graphs[key]
+
+
+class ModelFingerprint:
+    """`ModuleFingerprint` of the model's module tree; for a wrapper that is not itself a module,
+    of every module among its attributes (so rebinding `HFModel.hf` also changes it)."""
+
+    def __init__(self, model: object) -> None:
+        self.model = model
+        self._prints: dict[int, ModuleFingerprint] = {}
+
+    def modules(self) -> list[tuple[str, nn.Module]]:
+        """The model itself when it is a module, else the modules among its attributes."""
+        model = self.model
+        if isinstance(model, nn.Module):
+            return [("", model)]
+        return [(name, m) for name, m in vars(model).items() if isinstance(m, nn.Module)]
+
+    def __call__(self) -> int:
+        parts = []
+        for name, module in self.modules():
+            print_ = self._prints.get(id(module))
+            if print_ is None or print_.module is not module:
+                print_ = self._prints[id(module)] = ModuleFingerprint(module)
+            parts.append((name, id(module), print_()))
+        return hash(tuple(parts))

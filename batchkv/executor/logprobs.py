@@ -21,6 +21,7 @@ step behind with the tokens, after the same event). A step where no row asks run
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass
 
 import torch
@@ -93,7 +94,31 @@ class LogprobSlots:
             drawn = sampled.index_select(0, select.clamp(max=plan.sampling - 1))
             tokens = torch.where(tokens >= 0, tokens, drawn)
         values, ids = token_logprobs(logits.index_select(0, select), tokens, plan.k)
-        width = values.shape[1]  # 1 + k (k at most the vocabulary)
+        return self._copy(plan, values, ids, slot)
+
+    def part(
+        self, plan: LogprobPlan, logits: torch.Tensor, lo: int, hi: int, sampled: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`launch`'s values and ids for the plan's rows in [lo, hi) only, whose logits are
+        `logits[row - lo]` (one chunk of a step whose LM head runs in chunks; `sampled` holds at
+        least the tokens of the chunk's sampling rows). None when none of its rows asks."""
+        first, stop = bisect_left(plan.rows, lo), bisect_left(plan.rows, hi)
+        if first == stop:
+            return None
+        select, tokens = self.select[first:stop], self.tokens[first:stop]
+        if plan.sampling:
+            drawn = sampled.index_select(0, select.clamp(max=plan.sampling - 1))
+            tokens = torch.where(tokens >= 0, tokens, drawn)
+        return token_logprobs(logits.index_select(0, select - lo), tokens, plan.k)
+
+    def finish(self, plan: LogprobPlan, parts: list[tuple[torch.Tensor, torch.Tensor]], slot: int) -> StepLogprobs:
+        """Queue the copy of a chunked step's `part`s (in row order) into host slot `slot`."""
+        values = torch.cat([values for values, _ in parts])
+        ids = torch.cat([ids for _, ids in parts])
+        return self._copy(plan, values, ids, slot)
+
+    def _copy(self, plan: LogprobPlan, values: torch.Tensor, ids: torch.Tensor, slot: int) -> StepLogprobs:
+        m, width = len(plan.rows), values.shape[1]  # 1 + k (k at most the vocabulary)
         host_values = self._values[slot, : m * width].view(m, width)
         host_ids = self._ids[slot, : m * width].view(m, width)
         host_values.copy_(values, non_blocking=self.pinned)

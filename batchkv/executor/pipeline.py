@@ -48,6 +48,7 @@ from typing import Protocol
 import torch
 
 from batchkv.errors import ConfigError
+from batchkv.executor.logprobs import StepLogprobs
 from batchkv.executor.scheduler import Batch
 
 
@@ -102,3 +103,24 @@ class Pipeline:
             return launched
         done, self.in_flight = self.in_flight, launched
         return done
+
+
+class SampledTokens:
+    """A launched step's sampled tokens on their way to the host: a pinned slot and the event
+    recorded after the copy into it (None on the CPU, where the copy has already happened), and
+    the step's logprobs when some row asked (copied before the event)."""
+
+    def __init__(
+        self, host: torch.Tensor, slot: int, event: torch.cuda.Event | None, logprobs: StepLogprobs | None = None
+    ) -> None:
+        self.host, self.slot, self.event, self._logprobs = host, slot, event, logprobs
+
+    def read(self) -> list[list[int]]:
+        """Each sampling row's token as a one-token list; waits for the step on CUDA."""
+        if self.event is not None:
+            self.event.synchronize()
+        return [[token] for token in self.host.tolist()]
+
+    def logprobs(self) -> tuple[list, list] | None:
+        """`StepLogprobs.read()` of the step, or None when no row asked; call after `read`."""
+        return self._logprobs.read() if self._logprobs is not None else None

@@ -2,7 +2,7 @@
 
 Both input types are frozen and validated on construction, so a request that breaks a rule never
 reaches the engine. Rules that depend on the engine (capacity, max_seqs, vocabulary) are checked by
-`Engine.submit`.
+`Engine.submit`, through `fit_problem` for the ones its store and step decide.
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ from batchkv.checks import int_arg, int_args, real_arg
 from batchkv.errors import RequestError
 
 FINISH_REASONS = ("stop", "length", "capacity", "cancelled", "grammar")
-MAX_SAMPLE_ROWS = 256  # most rows one step sends through the LM head (float32 [256, vocab] logits)
+# Most sampling rows of one step (sequences that decode together; a request's n samples all sample
+# in the step its prompt ends, so n is bounded by it too). Past 256 rows the runner makes the float32
+# logits [256, vocab] at a time (`batchkv.executor.rows.HEAD_CHUNK`).
+MAX_SAMPLE_ROWS = 1024
 MAX_SEED = 2**64 - 1  # seeds feed splitmix64
 MAX_TOP_K = 2**31 - 1  # staged as int64 each step; any k at or past the vocabulary keeps every token
 MAX_PRIORITY = 2**31 - 1  # priorities are int32's range
@@ -292,3 +295,40 @@ def gather(events: Iterable[Event], n: dict[int, int] | None = None) -> dict[int
         if ev.finish_reason is not None:
             entry.finish_reasons[ev.sample] = ev.finish_reason
     return out
+
+
+def fit_problem(request: Request, cache, vocab_size: int, max_step_tokens: int, speculating: bool) -> str | None:
+    """Why `request` can never run on an engine with this `cache` (a `BatchedSequenceCache`),
+    vocabulary and step budget (speculating: logprobs are refused), or None: `Engine.submit`'s
+    refusals of what the store and the step decide, first to last."""
+    prompt, params = request.prompt_ids, request.params
+    reach = min(cache.capacity, len(prompt) + params.max_new_tokens - 1)  # what one sample can hold
+    held = cache.config.pool_rows - cache.config.scratch_rows
+    if not prompt:
+        return "the prompt is empty; give at least one token id"
+    if len(prompt) + 1 > cache.capacity:
+        return (
+            f"the prompt has {len(prompt)} tokens and capacity is {cache.capacity}, leaving no position "
+            f"for a generated token (shorten the prompt to {cache.capacity - 1} or raise capacity)"
+        )
+    if params.n > cache.max_seqs:
+        return f"n={params.n} samples need {params.n} columns; max_seqs is {cache.max_seqs} (lower n)"
+    if cache.config.pool_rows and params.n * reach > held:
+        return (
+            f"its {params.n} sample(s) can reach {reach} positions each, more than the store's "
+            f"{held} together (lower max_new_tokens or n, or give the store more positions)"
+        )
+    if params.n > max_step_tokens:
+        return (
+            f"n={params.n} samples sample in one step, whose budget is max_step_tokens="
+            f"{max_step_tokens} (lower n or raise max_step_tokens)"
+        )
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        bad = next(t for t in prompt if not 0 <= t < vocab_size)
+        return f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})"
+    if params.scores and speculating:
+        return (
+            "logprobs and prompt_logprobs are not computed under speculative decoding (a verify step keeps "
+            "no logits); drop them, or serve this request from an engine without speculative="
+        )
+    return None

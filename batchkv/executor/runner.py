@@ -4,11 +4,11 @@ and sampling, queued without waiting for the device.
 Every per-step input lives in fixed-address device tensors sized at the largest width bucket:
 token ids int64 [W], RoPE indexes int64 [3, W] (contiguous per width), the logits selector int64
 [R], the sampling parameters [R], the token sources int64 [W], and the logits out float32 [R,
-vocab], R the engine's logits rows per step (min(max_seqs, MAX_SAMPLE_ROWS)). The host writes
-them through `Staging` (one pinned buffer per dtype, copied over
-asynchronously); nothing else crosses. With a `GraphSet` the forward is captured once per (width
-bucket, cache generation, module fingerprint) and replayed afterwards; a new mix of lengths only
-changes the contents of the cache's buffers.
+vocab] ([HEAD_CHUNK, vocab] when the head runs in chunks), R the engine's logits rows per step
+(min(max_seqs, MAX_SAMPLE_ROWS)). The host writes them through `Staging` (one pinned buffer per
+dtype, copied over asynchronously); nothing else crosses. With a `GraphSet` the forward is captured
+once per (width bucket, cache generation, module fingerprint) and replayed afterwards; a new mix of
+lengths only changes the contents of the cache's buffers.
 
 Sampled tokens stay on the device: `sampled` int64 [2, R] holds two launches' tokens (slots
 alternate between consecutive launches), and a row whose token source is r >= 0 takes its id from
@@ -26,6 +26,13 @@ So do the per-row logit adjustments (penalties, logit_bias, min_tokens, min_p) a
 decoding: a step where a row uses one runs `_adjusted_step` (the forward, then the host's staging
 and bitmask fill while the device runs it, then sampling from the adjusted logits); any other step
 runs `_device_step`, unchanged.
+
+A step of more than HEAD_CHUNK (256) logits rows of a `chunkable` model (HFModel, SenseNova) runs
+`_chunked_step`: the forward (eager or the graph) stops at the final-normed hidden states, then per
+chunk of `head_chunks` the float32 logits are made in the one [256, vocab] buffer, sampled
+(`batchkv.executor.rows.adjuster` for the adjustments) and scored before the next chunk overwrites
+them (at the 8B shape 131 MB instead of 525 MB at 1,024 rows, and the sampler's sort bounded
+alike). Up to 256 rows, or with another model, the unchunked path above runs unchanged.
 """
 
 from __future__ import annotations
@@ -34,17 +41,17 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
-from torch import nn
 
 from batchkv.cache import BatchedSequenceCache
 from batchkv.cache.staging import Staging
 from batchkv.errors import StepError
-from batchkv.executor.constraints import Grammars, MaskRows, allowed, constrained, fill_step
-from batchkv.executor.graphs import AdapterGuard, GraphSet, ModuleFingerprint
-from batchkv.executor.logprobs import LogprobSlots, StepLogprobs
-from batchkv.executor.penalties import stage_penalties
+from batchkv.executor.constraints import Grammars, MaskRows, constrained
+from batchkv.executor.graphs import AdapterGuard, GraphSet, ModelFingerprint
+from batchkv.executor.logprobs import LogprobPlan, LogprobSlots, StepLogprobs
+from batchkv.executor.pipeline import SampledTokens
 from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.roles import LOCAL, Role
+from batchkv.executor.rows import HEAD_CHUNK, Adjust, adjuster, chunkable, head_chunks
 from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform
 from batchkv.executor.scheduler import Batch
 
@@ -61,31 +68,6 @@ class StepModel(Protocol):
     def __call__(
         self, input_ids: torch.Tensor, indexes: torch.Tensor, cache: BatchedSequenceCache, logits_rows: torch.Tensor
     ) -> torch.Tensor: ...
-
-
-class ModelFingerprint:
-    """`ModuleFingerprint` of the model's module tree; for a wrapper that is not itself a module,
-    of every module among its attributes (so rebinding `HFModel.hf` also changes it)."""
-
-    def __init__(self, model: StepModel) -> None:
-        self.model = model
-        self._prints: dict[int, ModuleFingerprint] = {}
-
-    def modules(self) -> list[tuple[str, nn.Module]]:
-        """The model itself when it is a module, else the modules among its attributes."""
-        model = self.model
-        if isinstance(model, nn.Module):
-            return [("", model)]
-        return [(name, m) for name, m in vars(model).items() if isinstance(m, nn.Module)]
-
-    def __call__(self) -> int:
-        parts = []
-        for name, module in self.modules():
-            print_ = self._prints.get(id(module))
-            if print_ is None or print_.module is not module:
-                print_ = self._prints[id(module)] = ModuleFingerprint(module)
-            parts.append((name, id(module), print_()))
-        return hash(tuple(parts))
 
 
 class ModelRunner:
@@ -125,7 +107,9 @@ class ModelRunner:
         self.top_k = self._dev_i64[4 * w + R : 4 * w + 2 * R]
         self.token_src = self._dev_i64[4 * w + 2 * R :]  # -1: the staged id; else a row of `sampled`
         self.temperature, self.top_p, self.draws = self._staging.device_buffers[torch.float32].view(3, R).unbind(0)
-        self.logits = torch.zeros(R, model.vocab_size, dtype=torch.float32, device=device)
+        self.chunked = R > HEAD_CHUNK and chunkable(model)  # steps past HEAD_CHUNK rows run the head in chunks
+        buffer_rows = self.logit_rows(R, self.chunked)
+        self.logits = torch.zeros(buffer_rows, model.vocab_size, dtype=torch.float32, device=device)
         pin = device.type == "cuda"
         self.sampled = torch.zeros(2, R, dtype=torch.int64, device=device)  # two launches' tokens
         self._host_tokens = torch.zeros(2, R, dtype=torch.int64, pin_memory=pin)
@@ -133,8 +117,15 @@ class ModelRunner:
         self.logprob_slots = LogprobSlots(R, device)  # used only by steps whose rows ask (rank 0's)
         self.grammars: Grammars | None = None  # `Engine.use_tokenizer`: constrained decoding
         self._masks: MaskRows | None = None  # its bitmask buffers, made at the first constrained step
+        self._scoring: LogprobPlan | None = None  # a chunked step's logprob plan (rank 0's; None elsewhere)
+        self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # its logprobs, chunk by chunk
         self.tp = tp
         tp.bind(self, self._staging)
+
+    @staticmethod
+    def logit_rows(rows: int, chunked: bool) -> int:
+        """Rows of the float32 logits buffer: `rows`, or HEAD_CHUNK when the head runs in chunks."""
+        return min(rows, HEAD_CHUNK) if chunked else rows
 
     @staticmethod
     def sizes(max_width: int, rows: int) -> dict[torch.dtype, int]:
@@ -142,11 +133,13 @@ class ModelRunner:
         return {torch.int64: 5 * max_width + 2 * rows, torch.float32: 3 * rows}
 
     @staticmethod
-    def nbytes(max_width: int, vocab_size: int, rows: int = MAX_SAMPLE_ROWS) -> int:
-        """Bytes a runner allocates: staged inputs (host and device), the float32 logits [rows, vocab],
-        the sampled tokens (two slots, device and host) and the logprob slots."""
+    def nbytes(max_width: int, vocab_size: int, rows: int = MAX_SAMPLE_ROWS, chunked: bool = False) -> int:
+        """Bytes a runner allocates: staged inputs (host and device), the float32 logits [rows, vocab]
+        ([HEAD_CHUNK, vocab] when `chunked`), the sampled tokens (two slots, device and host) and the
+        logprob slots."""
         staged = Staging.nbytes(ModelRunner.sizes(max_width, rows))
-        return staged + 4 * rows * vocab_size + 4 * 8 * rows + LogprobSlots.nbytes(rows)
+        logits = 4 * ModelRunner.logit_rows(rows, chunked) * vocab_size
+        return staged + logits + 4 * 8 * rows + LogprobSlots.nbytes(rows)
 
     def _bind(self, model: StepModel, cache: BatchedSequenceCache, max_width: int, graphs: GraphSet | None) -> None:
         self.model, self.cache, self.max_width, self.graphs = model, cache, max_width, graphs
@@ -206,14 +199,21 @@ class ModelRunner:
         self._staging.upload()
         return sampling
 
-    def _forward(self, width: int, rows: int) -> torch.Tensor:
-        """The captured region: ids (staged, or gathered from the previous launch's sampled tokens),
-        model forward over the static buffers, logits into `self.logits`."""
+    def _ids(self, width: int) -> torch.Tensor:
+        """The step's token ids: staged, or gathered from the previous launch's sampled tokens."""
         src = self.token_src[:width]
-        ids = torch.where(src >= 0, self.sampled.view(-1).index_select(0, src.clamp(min=0)), self.input_ids(width))
-        out = self.model(ids, self.indexes(width), self.cache, self.logits_rows[:rows])
+        return torch.where(src >= 0, self.sampled.view(-1).index_select(0, src.clamp(min=0)), self.input_ids(width))
+
+    def _forward(self, width: int, rows: int) -> torch.Tensor:
+        """The captured region: ids, model forward over the static buffers, logits into `self.logits`."""
+        out = self.model(self._ids(width), self.indexes(width), self.cache, self.logits_rows[:rows])
         self.logits[:rows].copy_(out)
         return self.logits
+
+    def _trunk(self, width: int, rows: int) -> torch.Tensor:
+        """The captured region of a chunked step: ids, the forward up to the final-normed hidden
+        states of the logits rows [rows, H] (the graph's static output), no LM head."""
+        return self.model.hidden_states(self._ids(width), self.indexes(width), self.cache, self.logits_rows[:rows])  # type: ignore[attr-defined]
 
     def execute(self, head: object, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Run `fn` eagerly, or replay its graph keyed by (head, cache generation, fingerprint)."""
@@ -242,16 +242,21 @@ class ModelRunner:
         plan = self.logprob_slots.stage(batch) if batch.logprob_k else None
         rows = min(self.rows, width) if self.pad_rows else batch.logits_rows
         real = len(batch.rows)
-        if not any(sample.owner.request.params.adjusts_sampling for sample in batch.samples):
-            logits = self.tp.run(self._device_step, width, rows, real, sampling, slot)
-        else:  # the host side is rank 0's (its scheduler holds the matchers and histories)
-            self._adjusting = (batch, previous)
-            try:
-                logits = self.tp.run(self._adjusted_step, width, rows, real, sampling, slot)
-            finally:
-                self._adjusting = None
-        # rank 0's logits (every rank's are the same, gathered): its host reads the logprobs
-        logprobs = None if plan is None else self.logprob_slots.launch(plan, logits, self.sampled[slot, :real], slot)
+        adjusts = any(sample.owner.request.params.adjusts_sampling for sample in batch.samples)
+        # the host side of an adjusted step is rank 0's (its scheduler holds the matchers and histories)
+        self._adjusting = (batch, previous) if adjusts else None
+        try:
+            if self.chunked and rows > HEAD_CHUNK:
+                logprobs = self._chunked_launch(width, rows, real, sampling, slot, plan, adjusts)
+            else:
+                logits = self.tp.run(
+                    self._adjusted_step if adjusts else self._device_step, width, rows, real, sampling, slot
+                )
+                logprobs = None
+                if plan is not None:  # rank 0's logits (every rank's are the same, gathered): its host reads them
+                    logprobs = self.logprob_slots.launch(plan, logits, self.sampled[slot, :real], slot)
+        finally:
+            self._adjusting = None
         host = self._host_tokens[slot, :real]
         host.copy_(self.sampled[slot, :real], non_blocking=self._read[slot] is not None)
         event = self._read[slot]
@@ -286,48 +291,74 @@ class ModelRunner:
         samples, and the other ranks take its tokens (`tp.share`), which later steps gather."""
         logits = self.execute(width, lambda: self._forward(width, rows))
         if self._adjusting is not None:
-            self._adjust_and_sample(logits, real, sampling, slot, *self._adjusting)
+            batch, previous = self._adjusting
+            adjust = self._adjuster(batch, real, sampling, slot, previous, logits.device)
+            chosen, min_p = adjust(logits[:real], 0, real)
+            self.sampled[slot, :real].copy_(self._pick(chosen, 0, real, sampling, min_p))
         self.tp.share(self.sampled[slot, :real])
         return logits
 
-    def _adjust_and_sample(
-        self, logits: torch.Tensor, real: int, sampling: bool, slot: int, batch: Batch, previous: SampledTokens | None
-    ) -> None:
-        """Rank 0's part of `_adjusted_step`: adjust, mask and sample into `sampled[slot]`."""
-        device = logits.device
-        chosen = logits[:real]
-        penalties = stage_penalties(batch, device)
-        if penalties is not None:
-            chosen = penalties.apply(chosen, self.sampled[previous.slot] if previous is not None else None)
+    def _adjuster(
+        self, batch: Batch, real: int, sampling: bool, slot: int, previous: SampledTokens | None, device: torch.device
+    ) -> Adjust:
+        """`batchkv.executor.rows.adjuster` with this runner's bitmask buffers (made at the first
+        constrained step) and the previous launch's tokens."""
+        masks = None
         if self.grammars is not None and constrained(batch.samples):
+            if self._masks is None:
+                self._masks = MaskRows(self.rows, self.grammars.words, device)
             masks = self._masks
-            if masks is None:
-                masks = self._masks = MaskRows(self.rows, self.grammars.words, device)
-            host = masks.host[slot]
-            runs: list[list[int]] | None = None
+        last = self.sampled[previous.slot] if previous is not None else None
+        return adjuster(batch, real, sampling, slot, previous, device, grammars=self.grammars, masks=masks, last=last)
 
-            def ahead(i: int) -> list[int]:
-                nonlocal runs
-                if not batch.samples[i].pending:
-                    return []
-                if runs is None:  # the previous step's tokens: the device has queued this forward after it
-                    runs = previous.read() if previous is not None else []
-                return runs[batch.token_src[i]]
+    def _pick(
+        self, chosen: torch.Tensor, lo: int, end: int, sampling: bool, min_p: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Tokens of sampling rows [lo, end) from their (adjusted) logits."""
+        if not sampling:
+            return greedy_tokens(chosen)
+        at = slice(lo, end)
+        return sample_tokens(chosen, self.temperature[at], self.top_k[at], self.top_p[at], self.draws[at], min_p)
 
-            fill_step(self.grammars, batch.samples, host, ahead)
-            masks.upload(slot, real)
-            chosen = chosen.masked_fill(~allowed(masks.device[:real], chosen.shape[1]), float("-inf"))
-        if sampling:
-            min_p = None
-            if any(s.owner.request.params.min_p > 0 for s in batch.samples):
-                values = [s.owner.request.params.min_p for s in batch.samples]
-                min_p = torch.tensor(values, dtype=torch.float32).to(device)
-            tokens = sample_tokens(
-                chosen, self.temperature[:real], self.top_k[:real], self.top_p[:real], self.draws[:real], min_p
-            )
-        else:
-            tokens = greedy_tokens(chosen)
-        self.sampled[slot, :real].copy_(tokens)
+    def _chunked_launch(
+        self, width: int, rows: int, real: int, sampling: bool, slot: int, plan: LogprobPlan | None, adjusts: bool
+    ) -> StepLogprobs | None:
+        """A step of more than HEAD_CHUNK logits rows (see the module docstring): the trunk, then the
+        head, sampling and logprobs chunk by chunk. Returns the step's logprobs handle, if asked."""
+        self._scoring, self._parts = plan, []  # rank 0's logprob plan; followers keep None
+        try:
+            self.tp.run(self._chunked_step, width, rows, real, sampling, slot, adjusts)
+            return None if plan is None else self.logprob_slots.finish(plan, self._parts, slot)
+        finally:
+            self._scoring, self._parts = None, []
+
+    def _chunked_step(self, width: int, rows: int, real: int, sampling: bool, slot: int, adjusts: bool = False) -> None:
+        """The device work of a chunked step (the same on every tensor-parallel rank): the trunk (eager
+        or a graph), then per chunk of `head_chunks(rows)` its float32 logits in `self.logits`, its
+        sampling rows' tokens into `sampled[slot]` and, on rank 0, the logprobs of its rows that ask.
+        A step that `adjusts` is adjusted and sampled by rank 0 alone (`_adjusting`, as
+        `_adjusted_step`), whose tokens the other ranks then take (`tp.share`). No host wait."""
+        h = self.execute(width, lambda: self._trunk(width, rows))
+        adjust = None
+        if self._adjusting is not None:
+            batch, previous = self._adjusting
+            adjust = self._adjuster(batch, real, sampling, slot, previous, h.device)
+        with torch.no_grad():
+            for lo, hi in head_chunks(rows):
+                logits = self.logits[: hi - lo]
+                logits.copy_(self.model.head(h[lo:hi]))  # type: ignore[attr-defined]
+                end = min(hi, real)
+                if lo < end and (adjust is not None or not adjusts):  # a follower of an adjusted step waits
+                    chosen, min_p = logits[: end - lo], None
+                    if adjust is not None:
+                        chosen, min_p = adjust(chosen, lo, end)
+                    self.sampled[slot, lo:end].copy_(self._pick(chosen, lo, end, sampling, min_p))
+                if self._scoring is not None:
+                    part = self.logprob_slots.part(self._scoring, logits, lo, hi, self.sampled[slot, :real])
+                    if part is not None:
+                        self._parts.append(part)
+        if adjusts:
+            self.tp.share(self.sampled[slot, :real])
 
     def warm(self, widths: Sequence[int]) -> None:
         """One all-padding step at each width (graphs captured, kernels compiled), its positions in
@@ -353,24 +384,3 @@ class ModelRunner:
         """`launch` and read at once: each row's token as a one-token list (the shape a verify
         step's accepted runs take)."""
         return self.launch(batch, width).read()
-
-
-class SampledTokens:
-    """A launched step's sampled tokens on their way to the host: a pinned slot and the event
-    recorded after the copy into it (None on the CPU, where the copy has already happened), and
-    the step's logprobs when some row asked (copied before the event)."""
-
-    def __init__(
-        self, host: torch.Tensor, slot: int, event: torch.cuda.Event | None, logprobs: StepLogprobs | None = None
-    ) -> None:
-        self.host, self.slot, self.event, self._logprobs = host, slot, event, logprobs
-
-    def read(self) -> list[list[int]]:
-        """Each sampling row's token as a one-token list; waits for the step on CUDA."""
-        if self.event is not None:
-            self.event.synchronize()
-        return [[token] for token in self.host.tolist()]
-
-    def logprobs(self) -> tuple[list, list] | None:
-        """`StepLogprobs.read()` of the step, or None when no row asked; call after `read`."""
-        return self._logprobs.read() if self._logprobs is not None else None

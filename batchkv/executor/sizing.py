@@ -15,6 +15,11 @@ A position costs `CacheConfig.layer_row_bytes()` in every layer: the flat layers
 P that fits. A request of reach r then costs r rows (a ring layer's at most its ring), whatever the
 other requests' lengths.
 
+With `max_seqs="auto"` the sequences (and so the logits rows a step samples) are chosen after the
+positions: `auto_rows` takes MAX_SAMPLE_ROWS (1,024), fewer when the step's token budget is smaller
+or the store cannot hold that many requests of AUTO_REACH positions (columns past that would
+never fill).
+
 Also the step widths an engine (and a DFlash drafter's own cache) pads to: `default_buckets`.
 """
 
@@ -28,6 +33,7 @@ import torch
 
 from batchkv.cache import CacheConfig
 from batchkv.errors import CapacityError, ConfigError
+from batchkv.executor.request import MAX_SAMPLE_ROWS
 
 ACTIVATION_COPIES = 2  # widest step's intermediates: the graph pool's and an eager warm-up's
 DEFAULT_CAPACITY = 4096  # positions per sequence when neither the caller nor the model says
@@ -36,6 +42,16 @@ DEFAULT_CAPACITY = 4096  # positions per sequence when neither the caller nor th
 # step packs only the tokens it has, so small CPU workloads take narrow steps all the same.
 DEFAULT_STEP_TOKENS = 1024
 DEFAULT_PREFILL_CHUNK = 512
+# The reach (prompt + output positions) of a short request, which max_seqs="auto" sizes its row
+# count for: a store that cannot hold MAX_SAMPLE_ROWS requests of this many positions gets fewer rows.
+AUTO_REACH = 512
+
+
+def auto_rows(positions: int, capacity: int, max_step_tokens: int) -> int:
+    """max_seqs="auto"'s sequences, each sampled every step: MAX_SAMPLE_ROWS, at most the step's
+    token budget (a step decodes no more) and as many requests of min(capacity, AUTO_REACH)
+    positions as `positions` hold; at least one."""
+    return max(1, min(MAX_SAMPLE_ROWS, max_step_tokens, positions // min(capacity, AUTO_REACH)))
 
 
 def default_prefill_chunk(capacity: int, max_step_tokens: int) -> int:
@@ -129,19 +145,30 @@ def model_capacity(model: object) -> int:
 
 
 def size_store(
-    model, config: CacheConfig, memory_fraction: float, rows: int, agree: Callable[[int], int] = lambda n: n
+    model,
+    config: CacheConfig,
+    memory_fraction: float,
+    rows: int,
+    agree: Callable[[int], int] = lambda n: n,
+    step_tokens: int | None = None,
 ) -> tuple[CacheConfig, Sizing]:
     """`config` with a pool of as many positions as fit on its model's device, and the `Sizing`
     that chose them: the device's memory in use now (weights loaded, store not yet allocated) and
     the activations of one forward at `config.max_width` with `rows` logits rows are measured first.
     `agree`: under tensor parallelism, the fewest positions any rank fits (each rank's store holds
-    its share of the KV heads and sizes from its own device; every rank must hold the same rows)."""
+    its share of the KV heads and sizes from its own device; every rank must hold the same rows).
+    `step_tokens`: max_seqs="auto" with that step budget; `config.max_seqs` then becomes
+    `auto_rows` of the agreed positions (the same on every rank), and the positions at most what
+    those sequences reach at full capacity."""
     device = torch.device(model.device)
     total, in_use = device_memory(device)
     activations = measure_activation_bytes(model, config, config.max_width, min(rows, config.max_width))
     chosen = plan(config, total=total, in_use=in_use, activations=activations, memory_fraction=memory_fraction)
     positions = agree(chosen.positions)
-    if positions != chosen.positions:
+    if step_tokens is not None:
+        config = replace(config, max_seqs=auto_rows(positions, config.capacity, step_tokens), max_segments=0)
+        positions = min(positions, config.max_seqs * config.capacity)
+    if positions != chosen.positions or step_tokens is not None:
         chosen = plan(config, total=total, in_use=in_use, activations=activations, memory_fraction=memory_fraction,
                       positions=positions)  # fmt: skip
     return replace(config, pool_rows=chosen.positions + config.scratch_rows), chosen

@@ -9,6 +9,9 @@ from batchkv.errors import ConfigError
 
 METHODS = ("dflash", "ngram")
 MAX_BLOCK_SIZE = 32  # verify rows per sample per step; with 64 anchors at most 2048 logits rows a step
+# Sampling rows (verify segments) of one speculating step: each brings up to block_size - 1 drafts,
+# so the step widths reach max_step_tokens + min(MAX_SPECULATIVE_ROWS, max_seqs) * (block_size - 1).
+MAX_SPECULATIVE_ROWS = 256
 
 
 @dataclass(frozen=True)

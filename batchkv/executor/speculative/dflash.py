@@ -35,11 +35,10 @@ from batchkv.cache import BatchedSequenceCache, CacheConfig
 from batchkv.cache.staging import NamedStaging
 from batchkv.errors import ConfigError, StepError
 from batchkv.executor.graphs import GraphSet
-from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.runner import ModelFingerprint, ModelRunner
 from batchkv.executor.scheduler import Batch, SampleState
 from batchkv.executor.sizing import default_buckets
-from batchkv.executor.speculative.config import SpeculativeConfig
+from batchkv.executor.speculative.config import MAX_SPECULATIVE_ROWS, SpeculativeConfig
 from batchkv.executor.speculative.speculator import Drafts
 
 if TYPE_CHECKING:
@@ -101,7 +100,7 @@ class DFlashProposer:
             raise ConfigError("the drafter was built for another model; build_drafter(target=<the engine's model>)")
         block = config.block_size
         self.drafter, self.target, self.block = drafter, target, block
-        anchors = min(MAX_SAMPLE_ROWS, cache.max_seqs)
+        anchors = min(MAX_SPECULATIVE_ROWS, cache.max_seqs)
         self.buckets = default_buckets(buckets[-1] + anchors * block)
         width = self.buckets[-1]
         max_write = min(cache.capacity, max(prefill_chunk, block) + block)
