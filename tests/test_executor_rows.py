@@ -190,9 +190,11 @@ def test_a_transformers_model_at_320_rows_a_step_decodes_greedily_as_its_own_gen
         assert outputs[i].tokens == [full[0, prompt.shape[1] :].tolist()], f"request {i}"
 
 
-def test_two_ranks_sample_and_score_258_rows_a_step_as_one_process_does(tmp_path):
+@pytest.mark.parametrize("adjusted", [False, True], ids=["plain", "penalised"])
+def test_two_ranks_sample_and_score_258_rows_a_step_as_one_process_does(tmp_path, adjusted):
     # Under tensor parallelism every rank replays the chunked step (its head gathers the vocabulary
-    # per chunk); rank 0 alone takes the logprobs.
+    # per chunk); rank 0 alone takes the logprobs and, in a step with penalties, adjusts and samples
+    # every chunk, the other ranks taking its tokens.
     from batchkv.models.hf import HFModel
     from tests.tp_helpers import save_qwen3
 
@@ -201,6 +203,8 @@ def test_two_ranks_sample_and_score_258_rows_a_step_as_one_process_does(tmp_path
     requests = []
     for i in range(129):
         extra = [{}, {"temperature": 0.9, "top_k": 40}, {"temperature": 1.0, "top_p": 0.9}][i % 3]
+        if adjusted and i % 4 == 0:
+            extra = {**extra, "presence_penalty": 1.5, "repetition_penalty": 1.3}
         params = SamplingParams(max_new_tokens=2, n=2, seed=i, logprobs=2 if i % 2 else None, **extra)
         requests.append(Request([rng.randrange(250)], params))
     opts = {"max_seqs": 258, "capacity": 8, "max_step_tokens": 1024, "prefill_chunk": 8, "prefix_cache": False}
