@@ -58,6 +58,25 @@ def test_a_step_stages_and_attends_the_same_work_at_max_seqs_16_and_4096():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_the_kernels_are_given_at_most_a_step_width_of_segment_rows_not_2_max_seqs():
+    # The Triton kernels scan the seq_info they are given (graph-safe: a fixed slice per width), so a
+    # store sized for 4,096 sequences hands a 3-token step 3 rows, not 8,192.
+    cfg = CacheConfig(num_layers=2, kv_heads=HKV, head_dim=16, max_seqs=4096, capacity=64, max_write=4,
+                      max_width=16, layers=make(16).config.layers, dtype=torch.float32)  # fmt: skip
+    cache = BatchedSequenceCache(cfg, "cpu", attention="triton")
+    given: list[tuple[int, list[list[int]]]] = []
+    cache._attend = lambda q, k, v, seq_info, **kw: given.append((seq_info.shape[0], seq_info.tolist())) or q
+    seqs = [cache.seq_new(reach=16) for _ in range(3)]
+    for width in (3, 8, 16):
+        cache.declare_step(seqs)
+        cache.prepare_step(width)
+        cache.update_and_attend(0, *(torch.zeros(width, HKV, 16) for _ in range(3)))
+        cache.commit_step()
+    assert [rows for rows, _ in given] == [3, 8, 16]
+    for rows, info in given:  # the three segments first, zeros after
+        assert [row[1] for row in info] == [1, 1, 1] + [0] * (rows - 3)
+
+
 def test_the_reference_attention_visits_only_the_rows_with_queries(monkeypatch):
     rows, store = 4096, torch.randn(64, 1, HKV, D)
     seq_info = torch.zeros(2 * rows, 4, dtype=torch.int32)

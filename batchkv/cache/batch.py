@@ -377,6 +377,8 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
         seq_info = self._buffers.seq_info[group]
         if self.attention == "reference":  # not captured: it reads the step's segments, not every row
             seq_info = seq_info[: self._buffers.segments]
+        else:  # every segment holds one of the step's tokens at least: a step of width W has <= W
+            seq_info = seq_info[: min(len(seq_info), width)]  # fixed per width, so graph-safe
         return self._attend(  # the step's K/V written first (a kv_write launch, or inside the attention)
             q, store["k"], store["v"], seq_info, scale=scale, causal=causal,
             window=cfg.layers[layer].window, k_scale=store.get("k_scale"), v_scale=store.get("v_scale"),
