@@ -49,7 +49,7 @@ def attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_
     QUANT (e4m3 stores): q_tile is fp16 or fp32 (the dots' dtype); ks_base, vs_base point at the
     first head's scales at key row 0 (row stride stride_sr, head stride stride_sh); CVT_ASM as in
     `unpack_pairs`. PREFETCH: each block asks the L2 for the block PREFETCH blocks ahead (`prefetch_keys`).
-    SOFTCAP: each score (log2 units) is capped, `soft_cap(s, cap2)`, before the mask."""
+    SOFTCAP: each score (log2 units) is capped, `soft_cap(s, cap2, SOFTCAP)`, before the mask."""
     DIM: tl.constexpr = HEAD_DIM // 2 if QUANT else HEAD_DIM  # elements a load reads per key and head
     AXIS: tl.constexpr = 1 if HEADS == 1 else 2  # the key axis of the scores
     if QUANT:  # codes as int16 pairs
@@ -117,7 +117,7 @@ def attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_
         else:
             s = tl.dot(q_tile, tl.trans(k, (0, 2, 1)), input_precision=DOT_PREC) * qk_scale
         if SOFTCAP:
-            s = soft_cap(s, cap2)
+            s = soft_cap(s, cap2, SOFTCAP)
         if PREFETCH > 0:
             trip = prefetch_keys(k_base, v_base, stride_r, stride_h, rows, k0, start + PREFETCH * BLOCK_N, k1, BLOCK_N,
                                  HEADS, HEAD_DIM, SECTOR, CHECK)  # fmt: skip

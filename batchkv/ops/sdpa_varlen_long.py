@@ -99,7 +99,7 @@ def _update(q_tile, raw, k_s, v, v_s, start, row_lo, row_hi, m_i, l_i, acc, qk_s
     else:
         s = raw * qk_scale  # [M, N], log2 units
     if SOFTCAP:
-        s = soft_cap(s, cap2)
+        s = soft_cap(s, cap2, SOFTCAP)
     if MASKED:
         t = start + tl.arange(0, BLOCK_N)
         s = tl.where((t[None, :] >= row_lo[:, None]) & (t[None, :] < row_hi[:, None]), s, NEG_INF)

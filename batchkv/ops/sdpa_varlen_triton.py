@@ -51,6 +51,7 @@ import triton
 from batchkv.checks import int_arg
 from batchkv.errors import ContractError
 from batchkv.ops.kv_write_triton import check_kv_write, launch_kv_write
+from batchkv.ops.sdpa_varlen_common import SOFTCAP_APPROX, SOFTCAP_EXACT
 from batchkv.ops.sdpa_varlen_config import DEFAULT_CONFIG, SdpaConfig, pow2_floor, resolve_config
 from batchkv.ops.sdpa_varlen_kernels import split_kernel
 from batchkv.ops.sdpa_varlen_long import long_kernel
@@ -65,6 +66,9 @@ except ImportError:  # older Triton: no host descriptors, pointer loads only
 __all__ = ["DEFAULT_CONFIG", "SdpaConfig", "resolve_config", "sdpa_varlen"]
 
 LOG2E = 1.4426950408889634  # 1/ln(2)
+# soft-capping on NVIDIA GPUs with 16-bit queries uses the hardware tanh (one special-function op per
+# score; the exact form costs 1.39x on prompt chunks, softcap-sinks-ab-h200.json); False: the exact form
+SOFTCAP_TANH_APPROX = True
 AXIS32_LIMIT = 2**31  # work-axis products (blocks * programs) below this use 32-bit math in the kernel
 
 
@@ -93,6 +97,16 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor:
 def _regs(max_regs: int, device: torch.device) -> dict:
     """Triton's `maxnreg` launch option when a cap is wanted (CUDA only; the interpreter has none)."""
     return {"maxnreg": max_regs} if max_regs and device.type == "cuda" else {}
+
+
+def _softcap_mode(softcap: float, q: torch.Tensor) -> int:
+    """The kernels' SOFTCAP switch: 0 without a cap; the hardware tanh (`SOFTCAP_APPROX`) for 16-bit
+    queries on NVIDIA GPUs while `SOFTCAP_TANH_APPROX` is on; else the exact formulation (the
+    interpreter runs no inline PTX; fp32 queries keep fp32's accuracy)."""
+    if not softcap:
+        return 0
+    nvidia = q.device.type == "cuda" and torch.version.hip is None
+    return SOFTCAP_APPROX if SOFTCAP_TANH_APPROX and nvidia and q.dtype != torch.float32 else SOFTCAP_EXACT
 
 
 def _check_extras(q: torch.Tensor, softcap: float, sinks: torch.Tensor | None) -> None:
@@ -297,7 +311,7 @@ def sdpa_varlen(
     )
     args = (num_segments, num_tokens, rows, window, qk_scale)
     # soft-cap in log2 units (the scores' own); sinks unread (any pointer) without SINKS
-    extras = dict(cap2=float(softcap) * LOG2E, SOFTCAP=softcap > 0, sinks=q if sinks is None else sinks,
+    extras = dict(cap2=float(softcap) * LOG2E, SOFTCAP=_softcap_mode(softcap, q), sinks=q if sinks is None else sinks,
                   SINKS=sinks is not None)  # fmt: skip
     long = num_tokens > cfg.q_short  # else no segment can be long: no second launch
     if takes_split_merge(num_tokens, group, cfg, quant):  # the two-launch variant for narrow steps
