@@ -43,7 +43,7 @@ import torch
 if not torch.cuda.is_available() and "--compile-sm90" not in sys.argv:  # no GPU: the Triton interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config
+from batchkv.ops.sdpa.launch import SdpaConfig, resolve_config
 from bench.lib.ceilings import copy_ceiling, read_ceiling
 from bench.lib.flashinfer_jit import load as load_flashinfer
 from bench.lib.flashinfer_peer import at_page, flashinfer

@@ -33,8 +33,8 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batchkv.ops import sdpa_varlen_reference
-from batchkv.ops import sdpa_varlen_triton as launcher
-from batchkv.ops.sdpa_varlen_triton import sdpa_varlen
+from batchkv.ops.sdpa import launch as launcher
+from batchkv.ops.sdpa.launch import sdpa_varlen
 from bench.lib.kernel_cases import CASES, SMALL_CASES, TOLERANCE, build_cases
 from bench.lib.timing import time_calls
 
@@ -65,7 +65,7 @@ def main() -> None:
     base = None
     if args.base is not None:
         sys.path.insert(0, str(args.base.resolve()))
-        base = importlib.import_module("batchkv_base.ops.sdpa_varlen_triton").sdpa_varlen
+        base = importlib.import_module("batchkv_base.ops.sdpa.launch").sdpa_varlen
     cuda = torch.cuda.is_available()
     names = list(SMALL_CASES if args.small else CASES)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size if cuda else 1 << 16

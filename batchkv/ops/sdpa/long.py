@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from batchkv.ops.kv_write_triton import E4M3_FLOOR
-from batchkv.ops.sdpa_varlen_common import (
+from batchkv.ops.sdpa.common import (
     NEG_INF,
     P_SHIFT,
     full_bounds,

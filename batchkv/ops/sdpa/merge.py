@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchkv.ops.sdpa_varlen_common import NEG_INF, sink_weight
+from batchkv.ops.sdpa.common import NEG_INF, sink_weight
 
 
 @triton.jit

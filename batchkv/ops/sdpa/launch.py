@@ -51,11 +51,11 @@ import triton
 from batchkv.checks import int_arg
 from batchkv.errors import ContractError
 from batchkv.ops.kv_write_triton import check_kv_write, launch_kv_write
-from batchkv.ops.sdpa_varlen_common import SOFTCAP_APPROX, SOFTCAP_EXACT
-from batchkv.ops.sdpa_varlen_config import DEFAULT_CONFIG, SdpaConfig, pow2_floor, resolve_config
-from batchkv.ops.sdpa_varlen_kernels import split_kernel
-from batchkv.ops.sdpa_varlen_long import long_kernel
-from batchkv.ops.sdpa_varlen_splitkv import split_merge, takes_split_merge
+from batchkv.ops.sdpa.common import SOFTCAP_APPROX, SOFTCAP_EXACT
+from batchkv.ops.sdpa.config import DEFAULT_CONFIG, SdpaConfig, pow2_floor, resolve_config
+from batchkv.ops.sdpa.kernels import split_kernel
+from batchkv.ops.sdpa.long import long_kernel
+from batchkv.ops.sdpa.splitkv import split_merge, takes_split_merge
 from batchkv.ops.support import COMPUTE_DTYPES, e4m3_cvt_asm, quantized, refusal, scales_refusal, tma_loads
 
 try:

@@ -48,8 +48,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchkv.ops.sdpa_varlen_attend import attend
-from batchkv.ops.sdpa_varlen_common import (
+from batchkv.ops.sdpa.attend import attend
+from batchkv.ops.sdpa.common import (
     first_key,
     full_bounds,
     load_table,
@@ -58,8 +58,8 @@ from batchkv.ops.sdpa_varlen_common import (
     row_bounds,
     sink_weight,
 )
-from batchkv.ops.sdpa_varlen_merge import merge_partials
-from batchkv.ops.sdpa_varlen_warp_split import attend_warp_split
+from batchkv.ops.sdpa.merge import merge_partials
+from batchkv.ops.sdpa.warp_split import attend_warp_split
 
 ITEM_SHIFT = tl.constexpr(40)  # packed scan: items above bit 40, key blocks below
 LOW_MASK = tl.constexpr((1 << 40) - 1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchkv.ops.sdpa_varlen_common import NEG_INF, P_SHIFT, prefetch_keys, ring_rows, soft_cap, unpack_pairs
+from batchkv.ops.sdpa.common import NEG_INF, P_SHIFT, prefetch_keys, ring_rows, soft_cap, unpack_pairs
 
 
 @triton.jit

@@ -31,9 +31,9 @@ import triton.language as tl
 
 from batchkv.ops.kv_write_triton import _store_rows
 from batchkv.ops.pdl import pdl_enter, pdl_kwargs
-from batchkv.ops.sdpa_varlen_attend import attend
-from batchkv.ops.sdpa_varlen_common import NEG_INF, full_bounds, load_table, q_for_dots, row_bounds, sink_weight
-from batchkv.ops.sdpa_varlen_kernels import _blocks
+from batchkv.ops.sdpa.attend import attend
+from batchkv.ops.sdpa.common import NEG_INF, full_bounds, load_table, q_for_dots, row_bounds, sink_weight
+from batchkv.ops.sdpa.kernels import _blocks
 
 
 @triton.jit
