@@ -93,7 +93,7 @@ class BatchedSequenceCache:
         self.device = device_arg(device, "BatchedSequenceCache device")
         self.attention = ops.resolve_backend(attention, self.device)
         # Refused here, not at the first attend inside a forward (or a graph capture).
-        problem = refusal(config.kv_dtype, config.head_dim, self.attention, self.device)
+        problem = refusal(config.kv_dtype, config.head_dim, self.attention, self.device, config.value_dim)
         if problem:
             raise ConfigError(f"{problem}; use attention='reference'" if self.attention == "triton" else problem)
         self._attend = ops.backend_functions(self.attention)[1]  # it also does the step's K/V write
@@ -438,12 +438,16 @@ class BatchedSequenceCache:
         self._known(seq)
         cfg = self.config
         n = keys[0].shape[0] if len(keys) else 0
-        want = (n, cfg.kv_heads, cfg.head_dim)
+        want, want_v = (n, cfg.kv_heads, cfg.head_dim), (n, cfg.kv_heads, cfg.value_dim)
         if len(keys) != cfg.num_layers or len(values) != cfg.num_layers:
             raise ContractError(f"_load_prefix: got {len(keys)}/{len(values)} layers of K/V for {cfg.num_layers}")
-        bad = [tuple(t.shape) for t in (*keys, *values) if tuple(t.shape) != want]
+        bad = [tuple(t.shape) for t in keys if tuple(t.shape) != want]
+        bad += [tuple(t.shape) for t in values if tuple(t.shape) != want_v]
         if bad:
-            raise ContractError(f"_load_prefix: every K/V must be {list(want)} (n, Hkv, D); got {bad[0]}")
+            raise ContractError(
+                f"_load_prefix: every K must be {list(want)} (n, Hkv, D) and V {list(want_v)} (n, Hkv, Dv); "
+                f"got {bad[0]}"
+            )
         if not 0 < n <= cfg.capacity:
             raise CapacityError(f"_load_prefix: {n} positions is outside [1, capacity={cfg.capacity}]")
         self._resize({int(seq): cfg.rows_for(n)})

@@ -47,7 +47,7 @@ class Engine:
     """Continuous batching of `Request`s over one `BatchedSequenceCache`.
 
     model: callable as model(input_ids [W] int64, indexes [3, W] int64, cache, logits_rows [R]
-        int64) -> float32 [R, vocab]; exposes cache_spec() -> dict(num_layers, kv_heads, head_dim,
+        int64) -> float32 [R, vocab]; exposes cache_spec() -> dict(num_layers, kv_heads, head_dim, [value_dim,]
         layers, dtype), vocab_size and device (and optionally max_positions).
     max_seqs: resident sequences (columns); a request with n samples holds n of them. Every
         running sample decodes in every step, up to MAX_SAMPLE_ROWS (256) logits rows a step (past
@@ -174,6 +174,7 @@ class Engine:
             num_layers=spec["num_layers"],
             kv_heads=spec["kv_heads"],
             head_dim=spec["head_dim"],
+            value_dim=spec.get("value_dim", 0),
             max_seqs=max_seqs,
             capacity=capacity,
             max_write=max(prefill_chunk, block),  # type: ignore[type-var]
