@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--base", type=Path, default=None, help="a folder holding batchkv_base (the tree before)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--variants", default="", help="comma-separated variants to run (default: all); plain always")
     args = parser.parse_args()
     base = None
     if args.base is not None:
@@ -74,6 +75,9 @@ def main() -> None:
     v = torch.randn_like(k)
     sinks = torch.randn(geo.hq, generator=torch.Generator().manual_seed(1)).to(geo.device)
     table = variants(base, sinks)
+    if args.variants:
+        keep = {"plain", *args.variants.split(",")}
+        table = {name: row for name, row in table.items() if name in keep}
     report: dict = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
                     "softcap": SOFTCAP, "rounds": args.rounds, "cases": {}, "errors": {}}  # fmt: skip
     start = time.perf_counter()
