@@ -1,7 +1,7 @@
 """`sdpa_varlen`'s split-KV variant for narrow steps (`SdpaConfig.split_merge`): two launches, no atomics.
 
 For steps of at most Q_SHORT tokens (one or a few decoding or verifying sequences), where the
-time is latency, not bandwidth: the stream-K kernel (`sdpa_varlen_kernels`) locates each program's
+time is latency, not bandwidth: the stream-K kernel (`kernels`) locates each program's
 blocks with a scan over the table and merges in the last program to finish an item (a fence, an
 atomic, and a merge that starts only after the slowest program). Here instead:
 

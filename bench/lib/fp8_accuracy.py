@@ -4,7 +4,7 @@ texts `batchkv score` is shown with (tests/fixtures), for several choices of whi
 in the model dtype (what serving stacks do for small models). Teacher-forced in 64-token chunks
 through batchkv caches (bf16 K/V storage for both sides), one pass per text sharing the reference.
 
-    python bench/fp8_accuracy.py --max-tokens 512 --out bench/results/fp8-accuracy-cpu.json
+    python bench/real_model.py --fp8-accuracy --max-tokens 512 --out bench/results/fp8-accuracy-cpu.json
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from batchkv.models.gguf import packaged_gguf  # noqa: E402
 from batchkv.models.hf import quantize_decoder  # noqa: E402

@@ -11,8 +11,8 @@ bf16), in one process, alternating variants in `--rounds` rounds (median per var
 Each variant is checked against the torch reference on rotation 0 (the reference with the same cap
 and sinks) before it is timed; times are CUDA-graph replays of back-to-back calls (bench/timing.py).
 
-    python3 bench/softcap_sinks_ab.py --base .base --out bench/results/softcap-sinks-ab-h200.json
-    python bench/softcap_sinks_ab.py --small --out /tmp/ab.json     # CPU smoke run (interpreter)
+    python3 bench/kernels.py --softcap-sinks-ab --base .base --out bench/results/softcap-sinks-ab-h200.json
+    python bench/kernels.py --softcap-sinks-ab --small --out /tmp/ab.json     # CPU smoke run (interpreter)
 """
 
 from __future__ import annotations
