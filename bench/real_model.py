@@ -152,8 +152,13 @@ def moe_models(layers: int, small: bool, device: torch.device) -> dict:
 
     def build(cls, config, experts: str | None = None):
         torch.manual_seed(0)
-        with torch.device(device):
-            model = cls(config).to(dtype).eval()
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # built in the serving dtype: no float32 copy of 8 B parameters first
+        try:
+            with torch.device(device):
+                model = cls(config).eval()
+        finally:
+            torch.set_default_dtype(default)
         if experts is not None and hasattr(model, "set_experts_implementation"):  # transformers >= 5.x's interface
             model.set_experts_implementation(experts)
         model.config.eos_token_id = model.generation_config.eos_token_id = None  # every request runs its length
@@ -166,9 +171,12 @@ def moe_models(layers: int, small: bool, device: torch.device) -> dict:
     }
 
 
-def moe_cost(layers: int, small: bool, device: torch.device, n: int, out: dict, save=lambda: None) -> dict:
-    """The moe part: each model of `moe_models` serving the same `n` requests (see the docstring),
-    filled into `out` and `save()`d as each arm ends (a run stopped early keeps the arms done)."""
+def moe_cost(
+    layers: int, small: bool, device: torch.device, n: int, out: dict, save=lambda: None, arms: tuple[str, ...] = ()
+) -> dict:
+    """The moe part: each model of `moe_models` (or those named in `arms`) serving the same `n`
+    requests (see the docstring), filled into `out` and `save()`d as each arm ends (a run stopped
+    early keeps the arms done)."""
     from bench.lib.serving import release, warm_up
 
     shape = MOE_SMALL if small else MOE_LAYER
@@ -177,6 +185,8 @@ def moe_cost(layers: int, small: bool, device: torch.device, n: int, out: dict, 
     out |= {"shape": dict(shape, num_hidden_layers=layers), "requests": n, "prompts": list(p_range),
             "outputs": list(o_range), "arms": {}}  # fmt: skip
     for name, build in moe_models(layers, small, device).items():
+        if arms and name not in arms:
+            continue
         hf = build()
         params = sum(p.numel() for p in hf.parameters())
         model = HFModel(hf)
@@ -205,6 +215,8 @@ def moe_cost(layers: int, small: bool, device: torch.device, n: int, out: dict, 
         del model, hf
         release(device)
         save()
+    if "tokens_per_s" not in out["arms"].get("dense_same_active", {}):
+        return out
     dense = out["arms"]["dense_same_active"]["tokens_per_s"]
     out["tokens_per_s_vs_dense"] = {k: round(a["tokens_per_s"] / dense, 4) for k, a in out["arms"].items()
                                     if "tokens_per_s" in a}  # fmt: skip
@@ -229,6 +241,7 @@ def main() -> None:
     ap.add_argument("--parts", default="accuracy,serve", help="comma-separated: accuracy, serve, moe")
     ap.add_argument("--moe-layers", type=int, default=12, help="decoder layers of the moe part's models")
     ap.add_argument("--moe-requests", type=int, default=64, help="requests the moe part's models serve")
+    ap.add_argument("--moe-arms", default="", help="comma-separated arms of the moe part (default: all three)")
     args = ap.parse_args()
     parts = args.parts.split(",")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -241,9 +254,9 @@ def main() -> None:
         def save_moe() -> None:
             args.out.write_text(json.dumps(result, indent=2) + "\n")
 
-        moe_cost(layers, args.small, device, n, result["moe"], save_moe)
+        moe_cost(layers, args.small, device, n, result["moe"], save_moe, tuple(filter(None, args.moe_arms.split(","))))
         save_moe()
-        print(json.dumps(result["moe"]["tokens_per_s_vs_dense"]), flush=True)
+        print(json.dumps(result["moe"].get("tokens_per_s_vs_dense")), flush=True)
         return
     source = args.gguf or packaged_gguf()
     if source is None:

@@ -66,7 +66,10 @@ def main() -> None:
     base = None
     if args.base is not None:
         sys.path.insert(0, str(args.base.resolve()))
-        base = importlib.import_module("batchkv_base.ops.sdpa.launch").sdpa_varlen
+        try:  # the launcher's module: ops/sdpa/launch.py, or ops/sdpa_varlen_triton.py in trees before the move
+            base = importlib.import_module("batchkv_base.ops.sdpa.launch").sdpa_varlen
+        except ModuleNotFoundError:
+            base = importlib.import_module("batchkv_base.ops.sdpa_varlen_triton").sdpa_varlen
     cuda = torch.cuda.is_available()
     names = list(SMALL_CASES if args.small else CASES)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size if cuda else 1 << 16
