@@ -79,8 +79,8 @@ def _kv_write_kernel(k_flat, v_flat, k, v, slots, k_scale, v_scale, columns, str
     h = tl.arange(0, H_POW2)[:, None]
     d = tl.arange(0, HEAD_DIM)[None, :]  # key columns (a power of two; those past K_DIM masked)
     dv = tl.arange(0, V_TILE)[None, :]  # value columns
-    k_ok = (h < HKV) & (d < K_DIM)
-    v_ok = (h < HKV) & (dv < V_DIM)
+    k_ok = (h < HKV) & (d < K_DIM) if K_DIM < HEAD_DIM else h < HKV  # (equal widths: the code before them)
+    v_ok = (h < HKV) & (dv < V_DIM) if V_DIM < V_TILE else h < HKV
     heads = tl.arange(0, H_POW2)
     s_dst = 0
     if QUANT:  # k_scale and v_scale share their strides: [rows, C, Hkv], slot = row * C + col
