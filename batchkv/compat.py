@@ -11,7 +11,7 @@ What switching gains: the same surface (`PagedDecodeCache`, `DecodeGraphRunner`,
 `paged_decode_supported`, `dynamic_lora_wrappers_present`, `BUCKETS`, `TAIL_STEP`; change the
 import, nothing else) without the vLLM wheel (the original needs `vllm.vllm_flash_attn` with the
 paged keyword arguments, probed at run time), and any head_dim batchkv's Triton `sdpa_varlen`
-takes -- a power of two from 16 to 256 -- on any CUDA GPU Triton targets. The cache is the
+takes -- a multiple of 16 from 16 to 256 -- on any CUDA GPU Triton targets. The cache is the
 `max_seqs = 1` case of batchkv's column store, so the kernel, graph keying and growth rules are
 the ones the batched executor uses (see `batchkv.cache.single`).
 
@@ -55,8 +55,8 @@ __all__ = [
 def paged_decode_supported(device: torch.device | str, head_dim: int) -> bool:
     """True when `PagedDecodeCache` can attend on `device` through the capturable Triton kernel.
 
-    Needs CUDA, Triton importable with batchkv's kernel built, and head_dim a power of two in
-    [16, 256] (the kernel's tile contract). Elsewhere the pipeline keeps its ordinary cache.
+    Needs CUDA, Triton importable with batchkv's kernel built, and head_dim a multiple of 16
+    in [16, 256] (the kernel's tile contract). Elsewhere the pipeline keeps its ordinary cache.
     """
     try:
         device = torch.device(device)

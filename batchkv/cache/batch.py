@@ -77,7 +77,7 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
         self.device = device_arg(device, "BatchedSequenceCache device")
         self.attention = ops.resolve_backend(attention, self.device)
         # Refused here, not at the first attend inside a forward (or a graph capture).
-        problem = refusal(config.kv_dtype, config.head_dim, self.attention, self.device)
+        problem = refusal(config.kv_dtype, config.head_dim, self.attention, self.device, config.value_dim)
         if problem:
             raise ConfigError(f"{problem}; use attention='reference'" if self.attention == "triton" else problem)
         self._attend = ops.backend_functions(self.attention)[1]  # it also does the step's K/V write

@@ -52,7 +52,11 @@ class LayerSpec:
 class CacheConfig:
     """Geometry of a batched-sequence column store.
 
-    num_layers, kv_heads, head_dim: the KV geometry of the model.
+    num_layers, kv_heads, head_dim: the KV geometry of the model; head_dim is the width of the queries
+        and keys (the QK dot's).
+    value_dim: the width of the values (the PV dot's and the output's); 0 (default): head_dim.
+        Multi-head latent attention expanded by transformers (DeepSeek-V2/V3, Kimi-K2) has keys of
+        qk_nope + qk_rope = 192 and values of 128: each plane then holds its own width.
     max_seqs: resident sequences (columns: each owns one extent of consecutive rows per layer group).
     capacity: most positions one sequence may hold (at most 2**31 - 1: positions are int32 on the device).
     max_write: most tokens one sequence writes in one step (sizes ring layers).
@@ -91,6 +95,7 @@ class CacheConfig:
     max_seqs: int
     capacity: int
     max_write: int = 1
+    value_dim: int = 0
     layers: tuple[LayerSpec, ...] = ()
     dtype: torch.dtype = torch.bfloat16
     kv_dtype: torch.dtype | None = None
@@ -106,7 +111,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_heads", "head_dim", "max_seqs", "capacity", "max_write"):
             object.__setattr__(self, name, int_arg(f"CacheConfig.{name}", getattr(self, name), 1, MAX_POSITIONS))
-        for name in ("max_segments", "max_width", "tail_step", "pool_rows"):  # 0: the default
+        for name in ("max_segments", "max_width", "tail_step", "pool_rows", "value_dim"):  # 0: the default
             object.__setattr__(self, name, int_arg(f"CacheConfig.{name}", getattr(self, name), 0, MAX_POSITIONS))
         buckets = int_args("CacheConfig.buckets", self.buckets, 1, MAX_POSITIONS)
         object.__setattr__(self, "buckets", buckets)
@@ -125,7 +130,8 @@ class CacheConfig:
         if self.dtype not in COMPUTE_DTYPES:
             raise ConfigError(f"CacheConfig.dtype is {self.dtype!r}; use torch.float16, bfloat16 or float32")
         kv_dtype = self.dtype if self.kv_dtype is None else self.kv_dtype
-        problem = refusal(kv_dtype, self.head_dim, backend="reference")
+        value_dim = self.value_dim or self.head_dim
+        problem = refusal(kv_dtype, self.head_dim, backend="reference", value_dim=value_dim)
         if problem:
             raise ConfigError(f"CacheConfig: {problem}")
         if self.key_rotation not in (None, True, False):
@@ -168,6 +174,7 @@ class CacheConfig:
             min(self.capacity, spec.window + self.max_write - 1) if spec.policy == "ring" else 0 for spec in layers
         )
         object.__setattr__(self, "layers", layers)
+        object.__setattr__(self, "value_dim", value_dim)
         object.__setattr__(self, "kv_dtype", kv_dtype)
         object.__setattr__(self, "key_rotation", key_rotation)
         object.__setattr__(self, "max_segments", max_segments)
@@ -229,14 +236,15 @@ class CacheConfig:
     def planes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Storage planes of every layer: name -> (shape after the row axis, dtype).
 
-        k, v: (1, Hkv, D) in kv_dtype; for e4m3 storage also k_scale, v_scale: (1, Hkv) fp32. The
+        k: (1, Hkv, head_dim), v: (1, Hkv, value_dim) in kv_dtype; for e4m3 storage also k_scale,
+        v_scale: (1, Hkv) fp32 (one scale per row of either width). The
         axis of size 1 is the kernels' column axis: a pool is one column whose rows the sequences'
         extents share (a segment's `col` is its extent's first row). Every plane is indexed by row
         first, so growth, clones and writes treat them alike (scale planes are stored rows last,
         `batchkv.ops.support.empty_scales`, and viewed so).
         """
         row = (1, self.kv_heads, self.head_dim)
-        planes = {"k": (row, self.kv_dtype), "v": (row, self.kv_dtype)}
+        planes = {"k": (row, self.kv_dtype), "v": ((1, self.kv_heads, self.value_dim), self.kv_dtype)}
         if self.quantized:
             planes |= {name: (row[:2], SCALE_DTYPE) for name in SCALE_PLANES}
         return planes

@@ -32,7 +32,8 @@ def check_attend_args(
     sinks: torch.Tensor | None = None,
 ) -> None:
     """Refuse (ContractError naming the argument) anything but: `layer` an int in [0, num_layers);
-    q [width, Hq, D] with Hq a positive multiple of kv_heads; k, v [width, kv_heads, D]; all three
+    q [width, Hq, D] with Hq a positive multiple of kv_heads; k [width, kv_heads, D], v [width, kv_heads,
+    Dv] (D the config's head_dim, Dv its value_dim); all three
     float16/bfloat16/float32 (k, v are cast to the store's dtype on write; the Triton write loads
     no other dtype, so no backend takes one) on `device` with a contiguous last dim; `scale` None
     or a number; `causal` a bool; `softcap` None or a finite number >= 0; `sinks` None or a
@@ -44,15 +45,16 @@ def check_attend_args(
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise ContractError(f"{WHERE}: {name} is a {type(t).__name__}; pass a torch.Tensor")
-    d, kv = cfg.head_dim, (width, cfg.kv_heads, cfg.head_dim)
+    d = cfg.head_dim
     if q.dim() != 3 or q.shape[0] != width or q.shape[2] != d or not q.shape[1] or q.shape[1] % cfg.kv_heads:
         raise ContractError(
             f"{WHERE}: q must be [W={width}, Hq, D={d}] with Hq a positive multiple of kv_heads={cfg.kv_heads}; "
             f"got {list(q.shape)}"
         )
-    for name, t in (("k", k), ("v", v)):
-        if t.shape != kv:
-            raise ContractError(f"{WHERE}: {name} must be [W, Hkv, D] = {list(kv)}; got {list(t.shape)}")
+    for name, t, dim in (("k", k, "D"), ("v", v, "Dv")):
+        want = (width, cfg.kv_heads, cfg.head_dim if name == "k" else cfg.value_dim)
+        if t.shape != want:
+            raise ContractError(f"{WHERE}: {name} must be [W, Hkv, {dim}] = {list(want)}; got {list(t.shape)}")
     if any(t.dtype not in COMPUTE_DTYPES for t in tensors.values()):
         raise ContractError(
             f"{WHERE}: q must be float16, bfloat16 or float32, and so must k and v (cast to the store's {cfg.kv_dtype} "

@@ -44,12 +44,16 @@ class FacadeHooks:
         self._known(seq)
         cfg = self.config
         n = keys[0].shape[0] if len(keys) else 0
-        want = (n, cfg.kv_heads, cfg.head_dim)
+        want, want_v = (n, cfg.kv_heads, cfg.head_dim), (n, cfg.kv_heads, cfg.value_dim)
         if len(keys) != cfg.num_layers or len(values) != cfg.num_layers:
             raise ContractError(f"_load_prefix: got {len(keys)}/{len(values)} layers of K/V for {cfg.num_layers}")
-        bad = [tuple(t.shape) for t in (*keys, *values) if tuple(t.shape) != want]
+        bad = [tuple(t.shape) for t in keys if tuple(t.shape) != want]
+        bad += [tuple(t.shape) for t in values if tuple(t.shape) != want_v]
         if bad:
-            raise ContractError(f"_load_prefix: every K/V must be {list(want)} (n, Hkv, D); got {bad[0]}")
+            raise ContractError(
+                f"_load_prefix: every K must be {list(want)} (n, Hkv, D) and V {list(want_v)} (n, Hkv, Dv); "
+                f"got {bad[0]}"
+            )
         if not 0 < n <= cfg.capacity:
             raise CapacityError(f"_load_prefix: {n} positions is outside [1, capacity={cfg.capacity}]")
         self._resize({int(seq): cfg.rows_for(n)})

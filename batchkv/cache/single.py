@@ -5,7 +5,7 @@ The SenseNova-U1 pipeline decodes one sequence per forward through a model-local
 device tensors, so one captured CUDA graph serves every length in a bucket. `PagedDecodeCache`
 keeps that surface -- same names, same meanings -- so the pipeline can switch without other
 changes, and needs no vLLM wheel: attention is batchkv's `sdpa_varlen`, which takes any
-power-of-two head_dim from 16 to 256 rather than what one flash-attention build exports.
+head_dim that is a multiple of 16 from 16 to 256 rather than what one flash-attention build exports.
 
 It is the degenerate case `max_seqs = 1` of the batched store, not a second cache: one
 `BatchedSequenceCache` whose flat row schedule is the bucket schedule (`bucket` is its `rows`),

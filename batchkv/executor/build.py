@@ -103,6 +103,7 @@ def check_shape(
         num_layers=spec["num_layers"],
         kv_heads=spec["kv_heads"],
         head_dim=spec["head_dim"],
+        value_dim=spec.get("value_dim", 0),
         max_seqs=max_seqs,
         capacity=capacity,
         max_write=max(prefill_chunk, block),

@@ -38,7 +38,7 @@ class Engine:
     """Continuous batching of `Request`s over one `BatchedSequenceCache`.
 
     model: callable as model(input_ids [W] int64, indexes [3, W] int64, cache, logits_rows [R]
-        int64) -> float32 [R, vocab]; exposes cache_spec() -> dict(num_layers, kv_heads, head_dim,
+        int64) -> float32 [R, vocab]; exposes cache_spec() -> dict(num_layers, kv_heads, head_dim, [value_dim,]
         layers, dtype), vocab_size and device (and optionally max_positions).
     max_seqs: resident sequences (columns); a request with n samples holds n of them. Every
         running sample decodes in every step, up to MAX_SAMPLE_ROWS (1,024) logits rows a step

@@ -12,6 +12,7 @@ The model interface the executor drives (every model here implements it):
       returns      float32 [R, vocab]
 
     model.cache_spec() -> dict(num_layers=, kv_heads=, head_dim=, layers=tuple[LayerSpec], dtype=)
+        (optionally value_dim=: the values' width when it is not head_dim)
         so that `CacheConfig(**model.cache_spec(), max_seqs=..., capacity=..., max_write=...)`.
     model.vocab_size, model.device, model.dtype
 

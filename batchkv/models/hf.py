@@ -27,9 +27,9 @@ Refused at construction (ConfigError naming the architecture; `hf_refusals.py`):
 does not dispatch through `ALL_ATTENTION_FUNCTIONS` (Falcon picks its kernels itself: the cache
 would never see its keys), a soft-capping config whose attention does not pass the cap on, and
 non-causal configs. Query/key and value heads of different widths (DeepSeek-V2/V3's multi-head
-latent attention, expanded by transformers) are served by zero-padding the narrower to the wider,
-the cache's head_dim, and slicing the output: V then costs the key width in the store (192 for
-128 on DeepSeek-V3; docs/design.md, "Latent KV", has what a latent store would save).
+latent attention, expanded by transformers: keys qk_nope + qk_rope = 192 wide, values 128) go to the
+cache as they are: `cache_spec()` gives `head_dim` (the keys') and `value_dim` (the values'), and the
+store keeps each at its own width (docs/design.md, "Latent KV", has what a latent store would save).
 `tests/test_model_coverage.py` holds the table of architectures served and refused.
 
 Graph safety: with the mask skipped and position ids given, the Qwen3/Llama forwards do no host
@@ -100,13 +100,8 @@ def batchkv_attention(
         )
     if query.shape[0] != 1:
         raise ContractError(f"'{ATTN_NAME}' attention packs a step into one batch row; got batch {query.shape[0]}")
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [W, Hq, D], [W, Hkv, D], [W, Hkv, Dv]
-    value_dim, width = v.shape[-1], max(k.shape[-1], v.shape[-1])
-    if k.shape[-1] < width:  # zero columns change no score (the scale is the model's own)
-        q, k = (torch.nn.functional.pad(x, (0, width - x.shape[-1])) for x in (q, k))
-    if value_dim < width:  # multi-head latent attention: V zero-padded to the key width, sliced off after
-        v = torch.nn.functional.pad(v, (0, width - value_dim))
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    # [W, Hq, D], [W, Hkv, D], [W, Hkv, Dv] (Dv != D: multi-head latent attention, the cache's value_dim)
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
     extras = {}  # only when a model has them: caches that predate them keep their signature
     if kwargs.get("softcap"):  # Gemma2: attn_logit_softcapping
         extras["softcap"] = float(kwargs["softcap"])
@@ -114,7 +109,7 @@ def batchkv_attention(
     if sinks is not None:
         extras["sinks"] = sinks
     out = cache.update_and_attend(module.layer_idx, q, k, v, scale=scaling, **extras)
-    return out[None, :, :, :value_dim], None
+    return out[None], None
 
 
 AttentionInterface.register(ATTN_NAME, batchkv_attention)
@@ -134,14 +129,15 @@ def _attention_implementation(config, name: str, cache=None) -> Iterator[None]:
         config._attn_implementation = previous
 
 
-def _head_dim(cfg) -> int:
-    """The cache's head_dim: the config's, or for multi-head latent attention (DeepSeek-V2/V3, whose
-    `head_dim` is the rope part alone) the wider of the expanded query/key heads (qk_nope + qk_rope)
-    and the value heads; the attention zero-pads the narrower to it."""
+def _head_dims(cfg) -> tuple[int, int]:
+    """(head_dim, value_dim) of the cache: the config's head_dim for both, or for multi-head latent
+    attention (DeepSeek-V2/V3, whose `head_dim` is the rope part alone) the expanded query/key heads'
+    width (qk_nope + qk_rope) and the value heads' (`v_head_dim`)."""
     qk_dim, v_dim = getattr(cfg, "qk_head_dim", None), getattr(cfg, "v_head_dim", None)
     if qk_dim and v_dim:
-        return max(qk_dim, v_dim)
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return qk_dim, v_dim
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return d, d
 
 
 PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
@@ -297,16 +293,19 @@ class HFModel:
         return tuple(specs)
 
     def cache_spec(self) -> dict:
-        """KV geometry from the config: `CacheConfig(**model.cache_spec(), max_seqs=..., capacity=...)`."""
+        """KV geometry from the config: `CacheConfig(**model.cache_spec(), max_seqs=..., capacity=...)`;
+        `value_dim` only where the values' width differs from the keys' (multi-head latent attention)."""
         cfg = self.config
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         if self.shard is not None:  # this rank's share
             kv_heads = len(self.shard.heads(heads, kv_heads)[1])
+        head_dim, value_dim = _head_dims(cfg)
         return {
             "num_layers": cfg.num_hidden_layers,
             "kv_heads": kv_heads,
-            "head_dim": _head_dim(cfg),
+            "head_dim": head_dim,
+            **({"value_dim": value_dim} if value_dim != head_dim else {}),
             "layers": self._layer_specs(),
             "dtype": self.dtype,
             "kv_dtype": self.kv_dtype,

@@ -70,26 +70,27 @@ def _store_rows(flat, scale, x, dst, ok, s_dst, s_ok, QUANT: tl.constexpr):
 
 @triton.jit
 def _kv_write_kernel(k_flat, v_flat, k, v, slots, k_scale, v_scale, columns, stride_fs, stride_fh, stride_ks,
-                     stride_kh, stride_vs, stride_vh, stride_sr, stride_sc, stride_sh, HKV: tl.constexpr,
-                     H_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr,
-                     GDC: tl.constexpr):  # fmt: skip
+                     stride_kh, stride_vs, stride_vh, stride_sr, stride_sc, stride_sh, stride_vfs, stride_vfh,
+                     HKV: tl.constexpr, H_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, K_DIM: tl.constexpr,
+                     V_TILE: tl.constexpr, V_DIM: tl.constexpr, QUANT: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
     pdl_enter(GDC)  # launched early on sm_90: wait for the grids before (k, v), then let the next launch start
     i = tl.program_id(0)
     slot = tl.load(slots + i).to(tl.int64)
     h = tl.arange(0, H_POW2)[:, None]
-    d = tl.arange(0, HEAD_DIM)[None, :]
-    ok = h < HKV
-    dst = slot * stride_fs + h * stride_fh + d  # k_flat and v_flat share strides
+    d = tl.arange(0, HEAD_DIM)[None, :]  # key columns (a power of two; those past K_DIM masked)
+    dv = tl.arange(0, V_TILE)[None, :]  # value columns
+    k_ok = (h < HKV) & (d < K_DIM) if K_DIM < HEAD_DIM else h < HKV  # (equal widths: the code before them)
+    v_ok = (h < HKV) & (dv < V_DIM) if V_DIM < V_TILE else h < HKV
     heads = tl.arange(0, H_POW2)
     s_dst = 0
     if QUANT:  # k_scale and v_scale share their strides: [rows, C, Hkv], slot = row * C + col
         r = slot // columns
         s_dst = r * stride_sr + (slot - r * columns) * stride_sc + heads * stride_sh
     row = i.to(tl.int64)
-    k_row = tl.load(k + row * stride_ks + h * stride_kh + d, mask=ok, other=0.0)  # padded heads: zero rows
-    v_row = tl.load(v + row * stride_vs + h * stride_vh + d, mask=ok, other=0.0)
-    _store_rows(k_flat, k_scale, k_row, dst, ok, s_dst, heads < HKV, QUANT)
-    _store_rows(v_flat, v_scale, v_row, dst, ok, s_dst, heads < HKV, QUANT)
+    k_row = tl.load(k + row * stride_ks + h * stride_kh + d, mask=k_ok, other=0.0)  # padding: zeros (no amax)
+    v_row = tl.load(v + row * stride_vs + h * stride_vh + dv, mask=v_ok, other=0.0)
+    _store_rows(k_flat, k_scale, k_row, slot * stride_fs + h * stride_fh + d, k_ok, s_dst, heads < HKV, QUANT)
+    _store_rows(v_flat, v_scale, v_row, slot * stride_vfs + h * stride_vfh + dv, v_ok, s_dst, heads < HKV, QUANT)
 
 
 def _scales_problem(k_flat: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> str | None:
@@ -112,31 +113,34 @@ def check_kv_write(
     v_scale: torch.Tensor | None = None,
 ) -> None:
     """Raise ContractError unless `kv_write` takes these arguments (its docstring says what it takes)."""
-    if k_flat.dim() != 3 or k_flat.shape != v_flat.shape or k.shape != v.shape or k.dim() != 3:
+    if k_flat.dim() != 3 or v_flat.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ContractError(
-            f"kv_write wants k_flat, v_flat [N, Hkv, D] and k, v [W, Hkv, D]; got {tuple(k_flat.shape)}, "
-            f"{tuple(v_flat.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            f"kv_write wants k_flat [N, Hkv, D], v_flat [N, Hkv, Dv], k [W, Hkv, D] and v [W, Hkv, Dv]; got "
+            f"{tuple(k_flat.shape)}, {tuple(v_flat.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     width, _, head_dim = k.shape
-    problem = refusal(k_flat.dtype, head_dim, device=k_flat.device)
+    problem = refusal(k_flat.dtype, head_dim, device=k_flat.device, value_dim=v.shape[2])
     if problem:
         raise ContractError(f"kv_write: {problem}")
-    if k_flat.shape[1:] != k.shape[1:]:
-        raise ContractError(f"store rows {tuple(k_flat.shape[1:])} and k rows {tuple(k.shape[1:])} must match")
-    if slots.dtype not in (torch.int64, torch.int32) or slots.shape != (width,):
+    if k_flat.shape[1:] != k.shape[1:] or v_flat.shape[1:] != v.shape[1:] or k_flat.shape[:2] != v_flat.shape[:2]:
+        raise ContractError(
+            f"store rows {tuple(k_flat.shape)}, {tuple(v_flat.shape)} and k, v rows {tuple(k.shape)}, "
+            f"{tuple(v.shape)} must match (N and Hkv the same, each width its own)"
+        )
+    if v.shape[0] != width or slots.dtype not in (torch.int64, torch.int32) or slots.shape != (width,):
         raise ContractError(f"slots must be int64 or int32 [{width}]; got {slots.dtype} {tuple(slots.shape)}")
     if not k_flat.device == v_flat.device == k.device == v.device == slots.device:
         raise ContractError("k_flat, v_flat, k, v and slots must share a device")
-    if k_flat.dtype != v_flat.dtype or k_flat.stride() != v_flat.stride() or {k.dtype, v.dtype} - set(COMPUTE_DTYPES):
+    if k_flat.dtype != v_flat.dtype or {k.dtype, v.dtype} - set(COMPUTE_DTYPES):
         raise ContractError(
-            f"stores must share dtype and strides, k and v be fp16/bf16/fp32; got {k_flat.dtype}/{v_flat.dtype}, "
+            f"stores must share a dtype, k and v be fp16/bf16/fp32; got {k_flat.dtype}/{v_flat.dtype}, "
             f"{k.dtype}/{v.dtype}"
         )
     problem = _scales_problem(k_flat, k_scale, v_scale)
     if problem:
         raise ContractError(f"kv_write: {problem}")
-    if any(x.stride(-1) != 1 for x in (k_flat, k, v)) or slots.stride(0) != 1:
-        raise ContractError("k_flat, k, v need a contiguous last dim and slots stride 1; call .contiguous()")
+    if any(x.stride(-1) != 1 for x in (k_flat, v_flat, k, v)) or slots.stride(0) != 1:
+        raise ContractError("k_flat, v_flat, k, v need a contiguous last dim and slots stride 1; call .contiguous()")
 
 
 def kv_write(
@@ -150,9 +154,10 @@ def kv_write(
 ) -> None:
     """Write this step's K/V rows at their store slots, one launch for both.
 
-    k_flat, v_flat: [rows * C, Hkv, D] views of the store (one dtype and strides, last dim
-    contiguous); k, v: [W, Hkv, D] fp16/bf16/fp32 (cast on write); slots: int64 (or int32) [W]
-    on the same device. D a power of two from 16 to 256. e4m3 stores (`torch.float8_e4m3fn`) need
+    k_flat, v_flat: [rows * C, Hkv, D] and [rows * C, Hkv, Dv] views of the stores (one dtype, last
+    dim contiguous); k, v: [W, Hkv, D] and [W, Hkv, Dv] fp16/bf16/fp32 (cast on write); slots: int64
+    (or int32) [W] on the same device. D and Dv multiples of 16 from 16 to 256 (`refusal`). e4m3
+    stores (`torch.float8_e4m3fn`) need
     k_scale, v_scale: fp32 scale planes [rows, C, Hkv] (one set of strides, any; slot s's scales
     are [s // C, s % C]), and get codes and scales as `quantize_fp8` makes them (a row holding a NaN
     or an infinity: NaN scale, codes 0x7F, read back as NaN). Capturable (no host reads). On sm_90+
@@ -181,9 +186,11 @@ def launch_kv_write(
         return
     k_scale, v_scale = (k_scale, v_scale) if quant else (k_flat, v_flat)  # unread without QUANT
     scale_strides = k_scale.stride() if quant else (0, 0, 0)
+    value_dim = v.shape[2]
     _kv_write_kernel[(width,)](
         k_flat, v_flat, k, v, slots, k_scale, v_scale, k_scale.shape[1] if quant else 1, k_flat.stride(0),
-        k_flat.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *scale_strides, HKV=num_kv_heads,
-        H_POW2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, QUANT=quant,
-        num_warps=4, **pdl_kwargs(k.device),
+        k_flat.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *scale_strides, v_flat.stride(0),
+        v_flat.stride(1), HKV=num_kv_heads, H_POW2=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=triton.next_power_of_2(head_dim), K_DIM=head_dim, V_TILE=triton.next_power_of_2(value_dim),
+        V_DIM=value_dim, QUANT=quant, num_warps=4, **pdl_kwargs(k.device),
     )  # fmt: skip

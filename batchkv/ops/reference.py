@@ -95,12 +95,14 @@ def sdpa_varlen_reference(
 ) -> torch.Tensor:
     """Attention of packed queries over the column store, computed in float32.
 
-    q: [T, Hq, D]; k_store, v_store: [R, C, Hkv, D]; seq_info: int [S, 4] (any device);
+    q: [T, Hq, D]; k_store: [R, C, Hkv, D]; v_store: [R, C, Hkv, Dv] (values may be narrower or
+    wider than keys: multi-head latent attention); seq_info: int [S, 4] (any device);
     k_scale, v_scale: fp32 [R, C, Hkv] for e4m3 stores (the value is code * scale), else None.
     write: (k, v, slots) rows `kv_write_reference` stores first into the stores viewed
     [R * C, Hkv, D], or None. rows: the ring modulus (default R; see the module docstring).
     softcap: the logit soft-cap (0: none); sinks: one logit per query head [Hq], or None.
-    Returns [T, Hq, D] in q's dtype. Not graph-capturable (reads seq_info on the host).
+    Returns [T, Hq, Dv] in q's dtype; scale defaults to 1/sqrt(D). Not graph-capturable (reads
+    seq_info on the host).
 
     >>> out = sdpa_varlen_reference(q, k, v, torch.tensor([[0, 3, 1, 3]], dtype=torch.int32))
     """
@@ -112,7 +114,7 @@ def sdpa_varlen_reference(
     rows = k_store.shape[0] if rows is None else rows
     group = num_q_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
+    out = torch.zeros(num_tokens, num_q_heads, v_store.shape[-1], dtype=torch.float32, device=q.device)
     # Only the rows with queries: a table sized by max_seqs is mostly empty rows.
     for q_start, q_len, col, kv_end in seq_info[seq_info[:, 1] > 0].tolist():
         lo_resident = max(0, kv_end - rows)
@@ -159,7 +161,8 @@ def kv_write_reference(
 ) -> None:
     """Write this step's K/V rows into the flat store views: `k_flat[slots[i]] = k[i]`.
 
-    k_flat, v_flat: [rows * C, Hkv, D] views of the store; k, v: [W, Hkv, D]; slots: int64 [W].
+    k_flat, v_flat: [rows * C, Hkv, D] and [rows * C, Hkv, Dv] views of the stores; k, v: [W, Hkv, D]
+    and [W, Hkv, Dv]; slots: int64 [W].
     Cast to the store's dtype on write; e4m3 stores also take k_scale, v_scale, fp32 scale planes
     [rows, C, Hkv] (any strides), and get `quantize_fp8`'s codes and scales, the scale of slot s
     at [s // C, s % C]. Capturable (no host reads).

@@ -1,7 +1,8 @@
 """What the kernels take: K/V storage dtypes, head dims, and the e4m3 storage format.
 
-`refusal(kv_dtype, head_dim, backend, device)` is the one place that says which storage dtype and
-head_dim an attention backend serves (and on which GPUs); `CacheConfig`, the cache, both Triton launchers and
+`refusal(kv_dtype, head_dim, backend, device, value_dim)` is the one place that says which storage
+dtype and key and value widths an attention backend serves (and on which GPUs); `CacheConfig`, the
+cache, both Triton launchers and
 `paged_decode_supported` ask it, so a rule changes in one line.
 
 e4m3 storage (`torch.float8_e4m3fn`): each stored K or V row of D elements (one position, one KV
@@ -33,7 +34,7 @@ SCALE_FLOOR = 2.0**-126  # smallest normal fp32: the scale of an all-zero row
 SCALE_DTYPE = torch.float32
 SCALE_PLANES = ("k_scale", "v_scale")  # the e4m3 planes beside "k" and "v", stored as `empty_scales` makes them
 COMPUTE_DTYPES = tuple(MODEL_DTYPES.values())  # q, and K/V handed to the write
-HEAD_DIMS = (16, 32, 64, 128, 256)  # the Triton kernels' tiles: powers of two
+HEAD_DIMS = tuple(range(16, 257, 16))  # widths the Triton kernels take: tiles of the next power of two, masked
 
 
 def quantized(kv_dtype: torch.dtype) -> bool:
@@ -42,22 +43,29 @@ def quantized(kv_dtype: torch.dtype) -> bool:
 
 
 def refusal(
-    kv_dtype: torch.dtype, head_dim: int, backend: str = "triton", device: torch.device | None = None
+    kv_dtype: torch.dtype,
+    head_dim: int,
+    backend: str = "triton",
+    device: torch.device | None = None,
+    value_dim: int | None = None,
 ) -> str | None:
     """Why `backend` ("triton" or "reference") cannot store and attend this geometry (on `device`,
-    when given); None when it can.
+    when given); None when it can. `head_dim` is the width of queries and keys, `value_dim` that of
+    the values (None: head_dim).
 
     Both backends store bf16, fp16, fp32 or e4m3 (`torch.float8_e4m3fn`) K/V; the Triton kernels
-    also need head_dim a power of two from 16 to 256 (the torch reference takes any), and for e4m3
-    an NVIDIA GPU from sm_89 (Triton has no e4m3 tensors before Ada).
+    also need each width a multiple of 16 from 16 to 256 (tiles are the next power of two, the
+    columns past the width masked; the torch reference takes any), and for e4m3 an NVIDIA GPU from
+    sm_89 (Triton has no e4m3 tensors before Ada).
     """
     if kv_dtype not in STORAGE_DTYPES.values():
         return (
             f"kv_dtype {kv_dtype} is not a K/V storage dtype batchkv takes; use one of "
             f"{', '.join(f'torch.{name}' for name in STORAGE_DTYPES)}"
         )
-    if backend == "triton" and head_dim not in HEAD_DIMS:
-        return f"head_dim {head_dim!r}: the Triton kernels take one of {', '.join(map(str, HEAD_DIMS))}"
+    for name, dim in (("head_dim", head_dim), ("value_dim", head_dim if value_dim is None else value_dim)):
+        if backend == "triton" and dim not in HEAD_DIMS:
+            return f"{name} {dim!r}: the Triton kernels take a multiple of 16 from 16 to 256"
     nvidia = device is not None and device.type == "cuda" and torch.version.hip is None
     if backend == "triton" and quantized(kv_dtype) and nvidia and not e4m3_cvt_asm(device):
         major, minor = torch.cuda.get_device_capability(device.index)

@@ -124,7 +124,8 @@ def model_cost(model, q_heads: int) -> ModelCost:
     body = sum(p.numel() for name, p in matrices.items() if name not in ("embed_tokens", "lm_head"))
     weights = sum(p.numel() * p.element_size() for name, p in params.items() if name != "embed_tokens")
     spec = model.cache_spec()
-    kv = 2 * spec["num_layers"] * spec["kv_heads"] * spec["head_dim"] * spec["dtype"].itemsize
+    widths = spec["head_dim"] + spec.get("value_dim", spec["head_dim"])  # K and V (multi-head latent attention: apart)
+    kv = spec["num_layers"] * spec["kv_heads"] * widths * spec["dtype"].itemsize
     return ModelCost(body, head.numel(), weights, kv, 4 * spec["head_dim"] * q_heads * spec["num_layers"])
 
 

@@ -5,7 +5,9 @@ bf16), in one process, alternating variants in `--rounds` rounds (median per var
 - `base`: the kernels before soft-capping and sinks existed, imported from `--base` (a copy of that
   tree's `batchkv` package renamed `batchkv_base`, its imports rewritten), when given;
 - `plain`: this tree, neither switch (the zero-cost claim: plain / base);
-- `softcap` (a cap of 50, Gemma2's), `sinks` (one random logit per query head, gpt-oss's), `both`.
+- `softcap` (a cap of 50, Gemma2's), `sinks` (one random logit per query head, gpt-oss's), `both`;
+- `softcap_exact`, `both_exact`: the same with `SOFTCAP_TANH_APPROX` off (the exact exp2-and-division
+  tanh the GPU used before the hardware `tanh.approx.f32`), the A/B of the two in one process.
 Each variant is checked against the torch reference on rotation 0 (the reference with the same cap
 and sinks) before it is timed; times are CUDA-graph replays of back-to-back calls (bench/timing.py).
 
@@ -29,22 +31,23 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_cases import CASES, SMALL_CASES, TOLERANCE, build_cases
-from timing import time_calls
 
 from batchkv.ops import sdpa_varlen_reference
+from batchkv.ops.sdpa import launch as launcher
 from batchkv.ops.sdpa.launch import sdpa_varlen
+from bench.lib.kernel_cases import CASES, SMALL_CASES, TOLERANCE, build_cases
+from bench.lib.timing import time_calls
 
 SOFTCAP = 50.0
 
 
 def variants(base, sinks: torch.Tensor) -> dict:
-    """name -> (sdpa_varlen function, its extra keyword arguments)."""
+    """name -> (sdpa_varlen function, its extra keyword arguments, SOFTCAP_TANH_APPROX while it runs)."""
     extras = {"plain": {}, "softcap": {"softcap": SOFTCAP}, "sinks": {"sinks": sinks},
               "both": {"softcap": SOFTCAP, "sinks": sinks}}  # fmt: skip
-    out = {name: (sdpa_varlen, kw) for name, kw in extras.items()}
-    return ({"base": (base, {})} if base is not None else {}) | out
+    out = {name: (sdpa_varlen, kw, True) for name, kw in extras.items()}
+    out |= {f"{name}_exact": (sdpa_varlen, extras[name], False) for name in ("softcap", "both")}
+    return ({"base": (base, {}, True)} if base is not None else {}) | out
 
 
 def calls_of(case, k, v, fn, kw) -> list:
@@ -58,11 +61,15 @@ def main() -> None:
     parser.add_argument("--base", type=Path, default=None, help="a folder holding batchkv_base (the tree before)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--variants", default="", help="comma-separated variants to run (default: all); plain always")
     args = parser.parse_args()
     base = None
     if args.base is not None:
         sys.path.insert(0, str(args.base.resolve()))
-        base = importlib.import_module("batchkv_base.ops.sdpa.launch").sdpa_varlen
+        try:  # the launcher's module: ops/sdpa/launch.py, or ops/sdpa_varlen_triton.py in trees before the move
+            base = importlib.import_module("batchkv_base.ops.sdpa.launch").sdpa_varlen
+        except ModuleNotFoundError:
+            base = importlib.import_module("batchkv_base.ops.sdpa_varlen_triton").sdpa_varlen
     cuda = torch.cuda.is_available()
     names = list(SMALL_CASES if args.small else CASES)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size if cuda else 1 << 16
@@ -71,11 +78,15 @@ def main() -> None:
     v = torch.randn_like(k)
     sinks = torch.randn(geo.hq, generator=torch.Generator().manual_seed(1)).to(geo.device)
     table = variants(base, sinks)
+    if args.variants:
+        keep = {"plain", *args.variants.split(",")}
+        table = {name: row for name, row in table.items() if name in keep}
     report: dict = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
                     "softcap": SOFTCAP, "rounds": args.rounds, "cases": {}, "errors": {}}  # fmt: skip
     start = time.perf_counter()
     for name, case in cases.items():
-        for variant, (fn, kw) in table.items():
+        for variant, (fn, kw, approx) in table.items():
+            launcher.SOFTCAP_TANH_APPROX = approx
             ref = sdpa_varlen_reference(case.q, k, v, case.tables[0], **kw).float()
             err = float((calls_of(case, k, v, fn, kw)[0]().float() - ref).abs().max())
             report["errors"].setdefault(name, {})[variant] = err
@@ -86,7 +97,8 @@ def main() -> None:
         order = list(table) if r % 2 == 0 else list(reversed(table))
         for name, case in cases.items():
             for variant in order:
-                fn, kw = table[variant]
+                fn, kw, approx = table[variant]
+                launcher.SOFTCAP_TANH_APPROX = approx  # read when the calls are captured
                 us, _ = time_calls(calls_of(case, k, v, fn, kw))
                 times[name][variant].append(us)
     for name in cases:

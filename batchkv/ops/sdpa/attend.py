@@ -38,42 +38,65 @@ def _qk(q, k, acc, HEADS: tl.constexpr, DOT_PREC: tl.constexpr):
 def attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_sr, stride_sh, rows, k0, k1, row_lo,
            row_hi, full_lo, full_hi, qk_scale, HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
            HEAD_DIM: tl.constexpr, SKIP_MASKS: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr,
-           CVT_ASM: tl.constexpr, PREFETCH: tl.constexpr, SECTOR: tl.constexpr, CHECK: tl.constexpr, cap2=0.0,
-           SOFTCAP: tl.constexpr = False):  # fmt: skip
-    """Online softmax of [HEADS, BLOCK_M, D] queries over keys [k0, k1) (block-aligned pieces).
+           CVT_ASM: tl.constexpr, PREFETCH: tl.constexpr, SECTOR: tl.constexpr, CHECK: tl.constexpr, cap2,
+           SOFTCAP: tl.constexpr, stride_vr, stride_vh, K_DIM: tl.constexpr, V_TILE: tl.constexpr,
+           V_DIM: tl.constexpr):  # fmt: skip
+    """Online softmax of [HEADS, BLOCK_M, HEAD_DIM] queries over keys [k0, k1) (block-aligned pieces).
 
-    k_base, v_base: the first head's (column, KV head) at key row 0; row_lo, row_hi: [BLOCK_M]. Returns the
-    normalised output [HEADS, BLOCK_M, D] and its lse [HEADS, BLOCK_M] (log2 units). One head
+    k_base, v_base: the first head's (column, KV head) at key row 0 (K rows stride_r and heads
+    stride_h apart, V rows stride_vr and heads stride_vh); row_lo, row_hi: [BLOCK_M]. Widths: keys
+    K_DIM in tiles of HEAD_DIM columns, values V_DIM in tiles of V_TILE (powers of two; the columns
+    past a width are masked to 0, so they add nothing to a score and come out 0; q_tile's must be 0).
+    Returns the normalised output [HEADS, BLOCK_M, V_TILE] and its lse [HEADS, BLOCK_M] (log2 units). One head
     runs as plain 2-D tiles: a batched dot whose batch is smaller than the warp count replicates
     work in some Triton versions (3.6 puts every warp on the batch axis).
     QUANT (e4m3 stores): q_tile is fp16 or fp32 (the dots' dtype); ks_base, vs_base point at the
     first head's scales at key row 0 (row stride stride_sr, head stride stride_sh); CVT_ASM as in
-    `unpack_pairs`. PREFETCH: each block asks the L2 for the block PREFETCH blocks ahead (`prefetch_keys`).
-    SOFTCAP: each score (log2 units) is capped, `soft_cap(s, cap2)`, before the mask."""
+    `unpack_pairs`. PREFETCH: each block asks the L2 for the block PREFETCH blocks ahead (`prefetch_keys`;
+    the launcher uses it only where K and V share their widths and strides).
+    SOFTCAP: each score (log2 units) is capped, `soft_cap(s, cap2, SOFTCAP)`, before the mask."""
     DIM: tl.constexpr = HEAD_DIM // 2 if QUANT else HEAD_DIM  # elements a load reads per key and head
+    KCOLS: tl.constexpr = K_DIM // 2 if QUANT else K_DIM  # of them, the key's own
+    VDIM: tl.constexpr = V_TILE // 2 if QUANT else V_TILE  # the same for values
+    VCOLS: tl.constexpr = V_DIM // 2 if QUANT else V_DIM
     AXIS: tl.constexpr = 1 if HEADS == 1 else 2  # the key axis of the scores
     if QUANT:  # codes as int16 pairs
         k_ptr = k_base.to(tl.pointer_type(tl.int16))
         v_ptr = v_base.to(tl.pointer_type(tl.int16))
         stride_rl = stride_r // 2
         stride_hl = stride_h // 2
+        stride_vrl = stride_vr // 2
+        stride_vhl = stride_vh // 2
     else:
-        k_ptr, v_ptr, stride_rl, stride_hl = k_base, v_base, stride_r, stride_h
+        k_ptr, v_ptr, stride_rl, stride_hl, stride_vrl, stride_vhl = (
+            k_base,
+            v_base,
+            stride_r,
+            stride_h,
+            stride_vr,
+            stride_vh,
+        )
     if HEADS == 1:  # 2-D: q [M, D], keys [N, D], scores [M, N]
         q_tile = tl.reshape(q_tile, [BLOCK_M, HEAD_DIM])
-        d = tl.arange(0, DIM)[None, :]
+        dc = tl.arange(0, DIM)[None, :]
+        vc = tl.arange(0, VDIM)[None, :]
+        d = dc
+        dv = vc
         row_lo = row_lo[:, None]
         row_hi = row_hi[:, None]
         m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, DIM], tl.float32)  # e4m3: the even output columns (acc_odd: the odd)
+        acc = tl.zeros([BLOCK_M, VDIM], tl.float32)  # e4m3: the even output columns (acc_odd: the odd)
     else:  # 3-D: q [H, M, D], keys [H, N, D], scores [H, M, N]
-        d = tl.arange(0, HEADS)[:, None, None] * stride_hl + tl.arange(0, DIM)[None, None, :]  # < Hkv * D
+        dc = tl.arange(0, DIM)[None, None, :]
+        vc = tl.arange(0, VDIM)[None, None, :]
+        d = tl.arange(0, HEADS)[:, None, None] * stride_hl + dc  # < Hkv * D
+        dv = tl.arange(0, HEADS)[:, None, None] * stride_vhl + vc
         row_lo = row_lo[None, :, None]
         row_hi = row_hi[None, :, None]
         m_i = tl.full([HEADS, BLOCK_M], NEG_INF, tl.float32)
         l_i = tl.zeros([HEADS, BLOCK_M], tl.float32)
-        acc = tl.zeros([HEADS, BLOCK_M, DIM], tl.float32)
+        acc = tl.zeros([HEADS, BLOCK_M, VDIM], tl.float32)
     if QUANT:  # q's columns 0, 2, .. and 1, 3, ..
         q_even, q_odd = tl.split(tl.reshape(q_tile, [HEADS, BLOCK_M, DIM, 2]))
         if HEADS == 1:
@@ -85,21 +108,30 @@ def attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_
         t = start + offs_n  # key positions
         rr = ring_rows(t, k0, rows).to(tl.int64)
         r = rr * stride_rl
+        rv = rr * stride_vrl
         sr = rr * stride_sr
         if HEADS == 1:
             r = r[:, None]
+            rv = rv[:, None]
             in_range = (t < k1)[:, None]
             t_s = t[None, :]
             sr = sr[None, :]  # [1, N]: one scale per score column
             s_range = (t < k1)[None, :]
         else:
             r = r[None, :, None]
+            rv = rv[None, :, None]
             in_range = (t < k1)[None, :, None]
             t_s = t[None, None, :]
             sr = tl.arange(0, HEADS)[:, None, None] * stride_sh + sr[None, None, :]  # [H, 1, N]
             s_range = (t < k1)[None, None, :]
-        k = tl.load(k_ptr + r + d, mask=in_range, other=0.0)
-        v = tl.load(v_ptr + r + d, mask=in_range, other=0.0)
+        if KCOLS < DIM:  # a padded width: the columns past it read as 0
+            k = tl.load(k_ptr + r + d, mask=in_range & (dc < KCOLS), other=0.0)
+        else:
+            k = tl.load(k_ptr + r + d, mask=in_range, other=0.0)
+        if VCOLS < VDIM:
+            v = tl.load(v_ptr + rv + dv, mask=in_range & (vc < VCOLS), other=0.0)
+        else:
+            v = tl.load(v_ptr + rv + dv, mask=in_range, other=0.0)
         if QUANT:
             k_s = tl.load(ks_base + sr, mask=s_range, other=0.0) * qk_scale
             v_s = tl.load(vs_base + sr, mask=s_range, other=0.0)
@@ -117,7 +149,7 @@ def attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_
         else:
             s = tl.dot(q_tile, tl.trans(k, (0, 2, 1)), input_precision=DOT_PREC) * qk_scale
         if SOFTCAP:
-            s = soft_cap(s, cap2)
+            s = soft_cap(s, cap2, SOFTCAP)
         if PREFETCH > 0:
             trip = prefetch_keys(k_base, v_base, stride_r, stride_h, rows, k0, start + PREFETCH * BLOCK_N, k1, BLOCK_N,
                                  HEADS, HEAD_DIM, SECTOR, CHECK)  # fmt: skip
@@ -143,13 +175,13 @@ def attend(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_h, stride_
         else:
             acc = acc * tl.expand_dims(alpha, AXIS) + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
-    if QUANT:  # interleave the even and odd output columns: [..., D / 2, 2] -> [..., D]
+    if QUANT:  # interleave the even and odd output columns: [..., Dv / 2, 2] -> [..., Dv]
         if HEADS == 1:
-            acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_DIM])
+            acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, V_TILE])
         else:
-            acc = tl.reshape(tl.join(acc, acc_odd), [HEADS, BLOCK_M, HEAD_DIM])
+            acc = tl.reshape(tl.join(acc, acc_odd), [HEADS, BLOCK_M, V_TILE])
     has = l_i > 0
     l_safe = tl.where(has, l_i, 1.0)
     o = tl.where(tl.expand_dims(has, AXIS), acc / tl.expand_dims(l_safe, AXIS), 0.0)
     lse = tl.where(has, m_i + tl.log2(l_safe) - (P_SHIFT if QUANT else 0.0), NEG_INF)
-    return tl.reshape(o, [HEADS, BLOCK_M, HEAD_DIM]), tl.reshape(lse, [HEADS, BLOCK_M])
+    return tl.reshape(o, [HEADS, BLOCK_M, V_TILE]), tl.reshape(lse, [HEADS, BLOCK_M])

@@ -45,12 +45,26 @@ def load_table(info, S, S_POW2: tl.constexpr):
     return idx, q_start, q_len, col, kv_end
 
 
+# one MUFU.TANH per element (sm_75+): max relative error 2^-10.99, so a capped score moves by at most
+# ~5e-4 of itself, below bf16's rounding of the scores' own inputs
+TANH_ASM = tl.constexpr("tanh.approx.f32 $0, $1;")
+SOFTCAP_EXACT = 1  # the kernels' SOFTCAP switch: 0 none, 1 exact (exp2 and a division), 2 the hardware tanh
+SOFTCAP_APPROX = 2
+
+
 @triton.jit
-def soft_cap(s, cap2):
+def soft_cap(s, cap2, MODE: tl.constexpr = 1):
     """cap2 * tanh(s / cap2): a score s in log2 units (softmax scale and 1/ln2 folded in) capped as
     Gemma2 caps its scaled scores, cap2 the cap times 1/ln2, so the result stays in log2 units.
-    tanh(x) = 1 - 2 / (e^2x + 1): one exp2 and one division per score, exact limits (+-1 where
-    e^2x overflows or vanishes), an absolute error of ~1e-7 near 0; NaN stays NaN."""
+    MODE 1 (exact; the interpreter, fp32 queries): tanh(x) = 1 - 2 / (e^2x + 1), one exp2 and one
+    division per score, exact limits (+-1 where e^2x overflows or vanishes), an absolute error of
+    ~1e-7 near 0. MODE 2 (NVIDIA, 16-bit queries): the hardware's `tanh.approx.f32`, one special-function
+    op per score instead of an exp2, a reciprocal and its refinement; relative error <= 2^-10.99.
+    NaN stays NaN either way."""
+    if MODE == 2:
+        x = s * (1.0 / cap2)
+        t = tl.inline_asm_elementwise(TANH_ASM, "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+        return cap2 * t
     e = tl.exp2(s * ((2.0 * LOG2E) / cap2))
     return cap2 - (2.0 * cap2) / (e + 1.0)
 

@@ -6,7 +6,9 @@ segment covers. Long segments (prefill) are `long_kernel`'s (`long.py`).
 
 - Tiles: a program serves HEADS KV heads at once, [HEADS, BLOCK_M, D] query tiles against
   [HEADS, BLOCK_N, D] key tiles (batched dots), so each key row it reads is HEADS * D contiguous
-  elements. Row r of a head's tile is query qb*BLOCK_Q + r // G of the segment, query head
+  elements. Widths: keys K_DIM in tiles of HEAD_DIM columns, values V_DIM in tiles of V_TILE (each
+  the next power of two; the columns past a width masked: 192-wide keys beside 128-wide values).
+  Row r of a head's tile is query qb*BLOCK_Q + r // G of the segment, query head
   (h*G + r % G); BLOCK_M >= 16 pads BLOCK_Q * G for tl.dot.
 - Work: a short segment is cut into query blocks of BLOCK_Q queries; each is an *item* whose work
   is the segment's key range [first key, kv_end) in BLOCK_N-key blocks. All items end to end form
@@ -79,14 +81,17 @@ def _locate_combine(a0, a1, a2, b0, b1, b2):
 
 @triton.jit
 def _zero_uncovered(out, p, P, T, h0, q_start_v, q_len_v, writes_v, stride_ot, stride_oh,
-                    GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HG_POW2: tl.constexpr,
-                    ZERO_ROWS: tl.constexpr):  # fmt: skip
-    """Exact zeros in rows t = p, p + P, ... < T that no segment writes, query heads of this program."""
-    c = tl.arange(0, HG_POW2 * HEAD_DIM)
-    head = h0 * GROUP + c // HEAD_DIM  # query head of each column
-    head_ok = (c // HEAD_DIM) < HEADS * GROUP
-    col_off = head.to(tl.int64) * stride_oh + c % HEAD_DIM
-    zeros = tl.zeros([ZERO_ROWS, HG_POW2 * HEAD_DIM], out.dtype.element_ty)
+                    GROUP: tl.constexpr, HEADS: tl.constexpr, V_TILE: tl.constexpr, HG_POW2: tl.constexpr,
+                    ZERO_ROWS: tl.constexpr, V_DIM: tl.constexpr):  # fmt: skip
+    """Exact zeros in rows t = p, p + P, ... < T that no segment writes, query heads of this program
+    (V_DIM output columns each, in tiles of V_TILE)."""
+    c = tl.arange(0, HG_POW2 * V_TILE)
+    head = h0 * GROUP + c // V_TILE  # query head of each column
+    head_ok = (c // V_TILE) < HEADS * GROUP
+    if V_DIM < V_TILE:
+        head_ok = head_ok & (c % V_TILE < V_DIM)
+    col_off = head.to(tl.int64) * stride_oh + c % V_TILE
+    zeros = tl.zeros([ZERO_ROWS, HG_POW2 * V_TILE], out.dtype.element_ty)
     for t0 in range(p, T, P * ZERO_ROWS):
         t = t0 + P * tl.arange(0, ZERO_ROWS)
         # [S_POW2, ZERO_ROWS], segments along the table's own layout (no conversion of the table)
@@ -107,7 +112,8 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
                  ZERO_ROWS: tl.constexpr, AXIS64: tl.constexpr, DOT_PREC: tl.constexpr, WARP_SPLIT: tl.constexpr,
                  PREFETCH: tl.constexpr, SECTOR: tl.constexpr, PREFETCH_CHECK: tl.constexpr,
                  MERGE_STAGES: tl.constexpr, CVT_ASM: tl.constexpr, cap2, sinks, SOFTCAP: tl.constexpr,
-                 SINKS: tl.constexpr):  # fmt: skip
+                 SINKS: tl.constexpr, stride_vr, stride_vc, stride_vh, K_DIM: tl.constexpr, V_TILE: tl.constexpr,
+                 V_DIM: tl.constexpr):  # fmt: skip
     hp = tl.program_id(0)  # head group: KV heads h0 .. h0 + HEADS - 1
     p = tl.program_id(1)
     h0 = hp * HEADS
@@ -130,10 +136,11 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
         writes = writes | (q_len_v > Q_SHORT)
     # the last programs zero: when the work is short (P_eff < P) they are the idle ones
     _zero_uncovered(out, P - 1 - p, P, T, h0, q_start_v, q_len_v, writes, stride_ot, stride_oh, GROUP, HEADS,
-                    HEAD_DIM, HG_POW2, ZERO_ROWS)  # fmt: skip
+                    V_TILE, HG_POW2, ZERO_ROWS, V_DIM)  # fmt: skip
 
     hh = tl.arange(0, HEADS)[:, None, None]
-    d = tl.arange(0, HEAD_DIM)[None, None, :]
+    d = tl.arange(0, HEAD_DIM)[None, None, :]  # query and key columns (those from K_DIM on: padding)
+    dv = tl.arange(0, V_TILE)[None, None, :]  # value and output columns (from V_DIM on: padding)
     r3 = tl.arange(0, BLOCK_M)[None, :, None]
     g = tl.arange(0, BLOCK_M) % GROUP
     x = (p * W) // P_eff  # this program's key blocks [x, b1) of the work axis
@@ -157,6 +164,7 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
         k1 = tl.minimum(kv_end, lo + ((piece_end - off) * BLOCK_N).to(tl.int32))
 
         kv = col * stride_c + h0.to(tl.int64) * stride_h  # (column, first KV head)
+        kvv = col * stride_vc + h0.to(tl.int64) * stride_vh  # the same in the V store
         trip = 0.0
         if PREFETCH > 0:  # the piece's first blocks, before q is loaded: HBM starts streaming at once
             for a in range(k0, tl.minimum(k1, k0 + PREFETCH * BLOCK_N), BLOCK_N):
@@ -168,7 +176,10 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
         row_ok = (tl.arange(0, BLOCK_M) < BLOCK_Q * GROUP) & (i < q_len) & (token >= 0) & (token < T)
         head = (h0 + hh) * GROUP + g[None, :, None]  # [HEADS, BLOCK_M, 1] query heads
         q_ptrs = q + token.to(tl.int64)[None, :, None] * stride_qt + head * stride_qh + d
-        q_tile = tl.load(q_ptrs, mask=row_ok[None, :, None], other=0.0)
+        if K_DIM < HEAD_DIM:
+            q_tile = tl.load(q_ptrs, mask=row_ok[None, :, None] & (d < K_DIM), other=0.0)
+        else:
+            q_tile = tl.load(q_ptrs, mask=row_ok[None, :, None], other=0.0)
         q_tile = q_for_dots(q_tile, k_store.dtype.element_ty, QUANT)
         if PREFETCH_CHECK:
             q_tile += trip.to(q_tile.dtype)  # NaN when a prefetch named a row outside the resident keys
@@ -182,25 +193,26 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
                                        BLOCK_N, HEAD_DIM, WARP_SPLIT, SKIP_MASKS, DOT_PREC, QUANT, CVT_ASM, PREFETCH,
                                        SECTOR, PREFETCH_CHECK, cap2, SOFTCAP)  # fmt: skip
         else:
-            o, lse = attend(q_tile, k_store + kv, v_store + kv, k_scale + sc, v_scale + sc, stride_r, stride_h,
+            o, lse = attend(q_tile, k_store + kv, v_store + kvv, k_scale + sc, v_scale + sc, stride_r, stride_h,
                             stride_sr, stride_sh, rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, HEADS,
                             BLOCK_M, BLOCK_N, HEAD_DIM, SKIP_MASKS, DOT_PREC, QUANT, CVT_ASM, PREFETCH, SECTOR,
-                            PREFETCH_CHECK, cap2, SOFTCAP)  # fmt: skip
-        out_ptrs = out + token.to(tl.int64)[None, :, None] * stride_ot + head * stride_oh + d
+                            PREFETCH_CHECK, cap2, SOFTCAP, stride_vr, stride_vh, K_DIM, V_TILE, V_DIM)  # fmt: skip
+        out_ptrs = out + token.to(tl.int64)[None, :, None] * stride_ot + head * stride_oh + dv
+        out_ok = row_ok[None, :, None] & (dv < V_DIM) if V_DIM < V_TILE else row_ok[None, :, None]
         if p_first == p_last:  # the item is this program's alone
             if SINKS:  # its lse covers every key of the row: the sink's share comes off here
                 o = o * sink_weight(lse[:, :, None], sinks, head, row_ok[None, :, None])
-            tl.store(out_ptrs, o.to(out.dtype.element_ty), mask=row_ok[None, :, None])
+            tl.store(out_ptrs, o.to(out.dtype.element_ty), mask=out_ok)
         elif it < MAX_ITEMS:  # (always, unless the table overlaps itself)
             row = ((p + it).to(tl.int64) * num_kv_heads + h0 + hh) * BLOCK_M + r3  # partial slot p + item
             tl.store(lse_part + row, lse[:, :, None], mask=row_ok[None, :, None])
-            tl.store(o_part + row * HEAD_DIM + d, o, mask=row_ok[None, :, None])
+            tl.store(o_part + row * V_TILE + dv, o, mask=row_ok[None, :, None])
             tl.debug_barrier()  # every thread's partial stores precede the release below
             counter = counters + it * tl.num_programs(0) + hp
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if done == p_last - p_first:  # the last to finish: every other partial is visible
                 merge_partials(out, o_part, lse_part, it, p_first, p_last, h0, num_kv_heads, q_start, q_len, qb, T,
-                               stride_ot, stride_oh, GROUP, HEADS, HEAD_DIM, BLOCK_M, BLOCK_Q, MERGE_ROWS, MERGE_SLOTS,
-                               MERGE_STAGES, sinks, SINKS)  # fmt: skip
+                               stride_ot, stride_oh, GROUP, HEADS, V_TILE, BLOCK_M, BLOCK_Q, MERGE_ROWS, MERGE_SLOTS,
+                               MERGE_STAGES, sinks, SINKS, V_DIM)  # fmt: skip
                 tl.store(counter, 0)  # self-cleaning: the next launch finds zeros
         x = piece_end

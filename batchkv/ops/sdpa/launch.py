@@ -44,6 +44,7 @@ run at the same time on different streams would share them: batchkv attends on o
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import triton
@@ -51,6 +52,7 @@ import triton
 from batchkv.checks import int_arg
 from batchkv.errors import ContractError
 from batchkv.ops.kv_write_triton import check_kv_write, launch_kv_write
+from batchkv.ops.sdpa.common import SOFTCAP_APPROX, SOFTCAP_EXACT
 from batchkv.ops.sdpa.config import DEFAULT_CONFIG, SdpaConfig, pow2_floor, resolve_config
 from batchkv.ops.sdpa.kernels import split_kernel
 from batchkv.ops.sdpa.long import long_kernel
@@ -65,6 +67,9 @@ except ImportError:  # older Triton: no host descriptors, pointer loads only
 __all__ = ["DEFAULT_CONFIG", "SdpaConfig", "resolve_config", "sdpa_varlen"]
 
 LOG2E = 1.4426950408889634  # 1/ln(2)
+# soft-capping on NVIDIA GPUs with 16-bit queries uses the hardware tanh (one special-function op per
+# score; the exact form costs 1.39x on prompt chunks, softcap-sinks-ab-h200.json); False: the exact form
+SOFTCAP_TANH_APPROX = True
 AXIS32_LIMIT = 2**31  # work-axis products (blocks * programs) below this use 32-bit math in the kernel
 
 
@@ -95,6 +100,16 @@ def _regs(max_regs: int, device: torch.device) -> dict:
     return {"maxnreg": max_regs} if max_regs and device.type == "cuda" else {}
 
 
+def _softcap_mode(softcap: float, q: torch.Tensor) -> int:
+    """The kernels' SOFTCAP switch: 0 without a cap; the hardware tanh (`SOFTCAP_APPROX`) for 16-bit
+    queries on NVIDIA GPUs while `SOFTCAP_TANH_APPROX` is on; else the exact formulation (the
+    interpreter runs no inline PTX; fp32 queries keep fp32's accuracy)."""
+    if not softcap:
+        return 0
+    nvidia = q.device.type == "cuda" and torch.version.hip is None
+    return SOFTCAP_APPROX if SOFTCAP_TANH_APPROX and nvidia and q.dtype != torch.float32 else SOFTCAP_EXACT
+
+
 def _check_extras(q: torch.Tensor, softcap: float, sinks: torch.Tensor | None) -> None:
     """Refuse a soft-cap that is not a finite number >= 0, and sinks that are not one float logit per
     query head ([Hq], contiguous, on q's device)."""
@@ -114,16 +129,16 @@ def _check_extras(q: torch.Tensor, softcap: float, sinks: torch.Tensor | None) -
 
 
 def _check(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale) -> None:
-    if q.dim() != 3 or k_store.dim() != 4 or k_store.shape != v_store.shape:
+    if q.dim() != 3 or k_store.dim() != 4 or v_store.dim() != 4 or k_store.shape[:3] != v_store.shape[:3]:
         raise ContractError(
-            "sdpa_varlen wants q [T, Hq, D] and k_store, v_store [rows, C, Hkv, D] of one shape; "
+            "sdpa_varlen wants q [T, Hq, D], k_store [rows, C, Hkv, D] and v_store [rows, C, Hkv, Dv]; "
             f"got {tuple(q.shape)}, {tuple(k_store.shape)}, {tuple(v_store.shape)}"
         )
     num_q_heads, head_dim = q.shape[1:]
     rows, _, num_kv_heads, store_dim = k_store.shape
     if store_dim != head_dim:
-        raise ContractError(f"sdpa_varlen: q has head_dim {head_dim} but the stores {store_dim}")
-    problem = refusal(k_store.dtype, head_dim, device=k_store.device)
+        raise ContractError(f"sdpa_varlen: q has head_dim {head_dim} but the key store {store_dim}")
+    problem = refusal(k_store.dtype, head_dim, device=k_store.device, value_dim=v_store.shape[3])
     if problem:
         raise ContractError(f"sdpa_varlen: {problem}")
     if num_kv_heads < 1 or num_q_heads < 1 or num_q_heads % num_kv_heads:
@@ -146,9 +161,9 @@ def _check(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale) 
                 f"sdpa_varlen: e4m3 stores need even strides and offsets (codes are read in pairs); got strides "
                 f"{odd[0].stride()} at offset {odd[0].storage_offset()} (pass a view of an even-sized store)"
             )
-    if q.stride(-1) != 1 or k_store.stride(-1) != 1 or k_store.stride() != v_store.stride():
+    if q.stride(-1) != 1 or k_store.stride(-1) != 1 or v_store.stride(-1) != 1:
         raise ContractError(
-            "q and the stores need a contiguous last dim, and k_store and v_store the same strides; "
+            "q and the stores need a contiguous last dim; "
             f"got {q.stride()}, {k_store.stride()}, {v_store.stride()} (call .contiguous())"
         )
     if not q.device == k_store.device == v_store.device == seq_info.device:
@@ -163,11 +178,12 @@ def _check(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale) 
     int_arg("sdpa_varlen: window", window, 0, error=ContractError, why=" (0: none)")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise ContractError(f"sdpa_varlen: scale is {scale!r}; use None (1/sqrt(D)) or a number")
+    want = (*q.shape[:2], v_store.shape[3])  # [T, Hq, Dv]
     if out is not None and (
-        out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1
+        tuple(out.shape) != want or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1
     ):
         raise ContractError(
-            f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with a contiguous last dim; "
+            f"out must be {want} {q.dtype} on {q.device} with a contiguous last dim; "
             f"got {tuple(out.shape)} {out.dtype} on {out.device}"
         )
 
@@ -189,9 +205,9 @@ def _write_here(k_store, v_store, write, k_scale, v_scale, fused: bool):
 def tma_views(k_store: torch.Tensor, v_store: torch.Tensor, block_n: int) -> tuple | None:
     """Host TMA descriptors of K and V as [R, C * Hkv * D] (R the stores' rows), boxes of block_n key rows
     and D columns, for the long path's interior loads; None where TMA cannot serve: a device below
-    sm_90 or not NVIDIA's (the interpreter can), rows whose (C, Hkv, D) part is not contiguous, or a
-    store not 16-byte aligned (TMA's rule for the base and every stride but the last)."""
-    if TensorDescriptor is None or not tma_loads(k_store.device):
+    sm_90 or not NVIDIA's (the interpreter can), K and V of different shapes, rows whose (C, Hkv, D)
+    part is not contiguous, or a store not 16-byte aligned (TMA's rule for the base and every stride but the last)."""
+    if TensorDescriptor is None or not tma_loads(k_store.device) or k_store.shape != v_store.shape:
         return None
     rows, columns, heads, dim = k_store.shape
     width, esize = columns * heads * dim, k_store.element_size()
@@ -223,11 +239,12 @@ def sdpa_varlen(
 ) -> torch.Tensor:
     """Attention of packed queries over the column store (Triton; contract in the module docstring).
 
-    q: [T, Hq, D] fp16/bf16/fp32; k_store, v_store: [rows, C, Hkv, D], one dtype and strides,
-    last dim contiguous; seq_info: int32 [S, 4] rows (q_start, q_len, col, kv_end) on q's device;
-    D a power of two from 16 to 256; Hq % Hkv == 0. scale defaults to 1/sqrt(D); window 0 means
-    none. Returns `out` (or a new tensor) [T, Hq, D] in q's dtype. q is cast to the store dtype
-    for the QK dot; accumulation is fp32; fp32 dots are IEEE (not tf32).
+    q: [T, Hq, D] fp16/bf16/fp32; k_store [rows, C, Hkv, D], v_store [rows, C, Hkv, Dv], one
+    dtype, last dim contiguous; seq_info: int32 [S, 4] rows (q_start, q_len, col, kv_end) on q's
+    device; D and Dv multiples of 16 from 16 to 256 (the keys' and the values' widths: multi-head
+    latent attention's differ; tiles are the next power of two, masked); Hq % Hkv == 0. scale
+    defaults to 1/sqrt(D); window 0 means none. Returns `out` (or a new tensor) [T, Hq, Dv] in q's
+    dtype. q is cast to the store dtype for the QK dot; accumulation is fp32; fp32 dots are IEEE (not tf32).
     e4m3 stores (`torch.float8_e4m3fn`) also take k_scale, v_scale: fp32 [rows, C, Hkv] (the value
     is code * scale; one set of strides, any, rows contiguous the fast layout: `empty_scales`);
     their codes are read in pairs (even strides and offsets) and converted exactly to fp16 (fp32
@@ -258,15 +275,19 @@ def sdpa_varlen(
     _check(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale)
     _check_extras(q, softcap, sinks)
     num_tokens, num_q_heads, head_dim = q.shape
-    columns, num_kv_heads = k_store.shape[1:3]
+    columns, num_kv_heads, value_dim = *k_store.shape[1:3], v_store.shape[3]
     rows = k_store.shape[0] if rows is None else int_arg("sdpa_varlen: rows", rows, 1, 2**31 - 1, error=ContractError)
     num_segments = seq_info.shape[0]
-    out = torch.empty_like(q) if out is None else out
+    out = q.new_empty(num_tokens, num_q_heads, value_dim) if out is None else out
     group = num_q_heads // num_kv_heads
     config = config or DEFAULT_CONFIG
     if config.narrow is not None and (num_tokens <= config.narrow_width or num_segments <= config.narrow_segments):
         config = config.narrow  # a static-shape choice: the same for every replay of a graph
-    cfg = resolve_config(config, head_dim, k_store.dtype, num_kv_heads, q.device, q.dtype != torch.float32)
+    # tiles of a power of two of columns: keys' (and queries') k_tile, values' (and the output's) v_tile
+    k_tile, v_tile = triton.next_power_of_2(head_dim), triton.next_power_of_2(value_dim)
+    cfg = resolve_config(config, max(k_tile, v_tile), k_store.dtype, num_kv_heads, q.device, q.dtype != torch.float32)
+    if not head_dim == value_dim == k_tile:  # the variants that assume one width and one set of strides: off
+        cfg = replace(cfg, warp_split=1, prefetch=0, tma_long=False, fuse_write=False)
     quant = quantized(k_store.dtype)
     fused = num_tokens > 0 and num_segments > 0 and cfg.fuse_write and takes_split_merge(num_tokens, group, cfg, quant)
     fused = fused and write is not None and write[0].shape[0] <= num_tokens  # each program stores all W rows
@@ -286,19 +307,24 @@ def sdpa_varlen(
         store_strides = (store_strides[0], store_strides[0], store_strides[2])
         scale_strides = (scale_strides[0], scale_strides[0], scale_strides[2])
     strides = (q.stride(0), q.stride(1), *store_strides, *scale_strides, out.stride(0), out.stride(1))
+    v_strides = v_store.stride()[:3]
+    v_strides = (v_strides[0], v_strides[0] if columns == 1 else v_strides[1], v_strides[2])  # (row, column, head)
     common = dict(
         QUANT=quant,
         CAUSAL=bool(causal),
         GROUP=group,
-        HEAD_DIM=head_dim,
+        HEAD_DIM=k_tile,
+        K_DIM=head_dim,
         Q_SHORT=cfg.q_short,
         S_POW2=max(16, triton.next_power_of_2(num_segments)),
         DOT_PREC="ieee" if dots == torch.float32 else "tf32",
     )
     args = (num_segments, num_tokens, rows, window, qk_scale)
     # soft-cap in log2 units (the scores' own); sinks unread (any pointer) without SINKS
-    extras = dict(cap2=float(softcap) * LOG2E, SOFTCAP=softcap > 0, sinks=q if sinks is None else sinks,
+    extras = dict(cap2=float(softcap) * LOG2E, SOFTCAP=_softcap_mode(softcap, q), sinks=q if sinks is None else sinks,
                   SINKS=sinks is not None)  # fmt: skip
+    values = dict(stride_vr=v_strides[0], stride_vc=v_strides[1], stride_vh=v_strides[2], V_TILE=v_tile,
+                  V_DIM=value_dim)  # fmt: skip
     long = num_tokens > cfg.q_short  # else no segment can be long: no second launch
     if takes_split_merge(num_tokens, group, cfg, quant):  # the two-launch variant for narrow steps
         launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device))
@@ -314,7 +340,7 @@ def sdpa_varlen(
     max_items = min((num_tokens + live * (block_q - 1)) // block_q, num_segments * -(-cfg.q_short // block_q))
     slots = cfg.programs + max_items
     lse_part = torch.empty(slots * num_kv_heads * block_m, dtype=torch.float32, device=q.device)
-    o_part = torch.empty(slots * num_kv_heads * block_m * head_dim, dtype=torch.float32, device=q.device)
+    o_part = torch.empty(slots * num_kv_heads * block_m * v_tile, dtype=torch.float32, device=q.device)
     counters = _counters(q.device, max_items * groups)
     merge_rows = min(block_m, cfg.merge_rows or triton.next_power_of_2(group))
     hg_pow2 = triton.next_power_of_2(heads * group)
@@ -324,11 +350,11 @@ def sdpa_varlen(
         max_items, *strides,
         HEADS=heads, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, MIN_BLOCKS=cfg.min_blocks, LONG=long,
         SKIP_MASKS=cfg.skip_masks, MERGE_ROWS=merge_rows,
-        MERGE_SLOTS=min(64, pow2_floor(cfg.merge_tile // (heads * merge_rows * head_dim))), HG_POW2=hg_pow2,
-        ZERO_ROWS=pow2_floor(2048 // (hg_pow2 * head_dim)), AXIS64=axis_bound * slots >= AXIS32_LIMIT,
+        MERGE_SLOTS=min(64, pow2_floor(cfg.merge_tile // (heads * merge_rows * v_tile))), HG_POW2=hg_pow2,
+        ZERO_ROWS=pow2_floor(2048 // (hg_pow2 * v_tile)), AXIS64=axis_bound * slots >= AXIS32_LIMIT,
         WARP_SPLIT=cfg.warp_split, PREFETCH=cfg.prefetch, SECTOR=32 // k_store.dtype.itemsize,
         PREFETCH_CHECK=cfg.prefetch > 0 and q.device.type != "cuda", MERGE_STAGES=cfg.merge_stages,
-        CVT_ASM=cvt_asm, **common, **extras,
+        CVT_ASM=cvt_asm, **common, **extras, **values,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device),
     )  # fmt: skip
     if long:
@@ -344,6 +370,7 @@ def sdpa_varlen(
             QK_E4M3=qk_e4m3, TMA=descs is not None,
             HW_CAST=qk_e4m3 and cvt_asm, BLOCK_M=max(16, triton.next_power_of_2(block_q_long * group)),
             BLOCK_Q=block_q_long,
-            BLOCK_N=cfg.block_n_long, **common, **extras, num_warps=cfg.num_warps_long, num_stages=cfg.num_stages_long,
+            BLOCK_N=cfg.block_n_long, **common, **extras, **values, num_warps=cfg.num_warps_long,
+            num_stages=cfg.num_stages_long,
         )  # fmt: skip
     return out

@@ -54,15 +54,23 @@ def _load_keys(ptrs, ok, BOUNDED: tl.constexpr):
 
 @triton.jit
 def _tile(base, desc, scale_base, stride_r, stride_sr, rows, k_ring, start, k1, row0, col0, MASKED: tl.constexpr,
-          BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
-    """The K or V tile [BLOCK_N, D] of key block `start` as stored (codes for e4m3) and its scales
-    [BLOCK_N] (QUANT; else ones, unused). MASKED: keys >= k1 read as 0 (scales too). TMA (unmasked
-    blocks of one lap): the tile is the box of `desc` at row row0 + (start - the lap's first key),
+          BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr, TMA: tl.constexpr,
+          DIM: tl.constexpr):  # fmt: skip
+    """The K or V tile [BLOCK_N, HEAD_DIM] of key block `start` as stored (codes for e4m3) and its scales
+    [BLOCK_N] (QUANT; else ones, unused): DIM columns of the store, those past it 0 (a width that is
+    not a power of two). MASKED: keys >= k1 read as 0 (scales too). TMA (unmasked blocks of one lap;
+    DIM == HEAD_DIM): the tile is the box of `desc` at row row0 + (start - the lap's first key),
     column col0; else per-thread loads from `base`, ring rows relative to k_ring."""
     t = start + tl.arange(0, BLOCK_N)  # key positions
     rr = ring_rows(t, k_ring, rows).to(tl.int64)
     if TMA:
         x = desc.load([row0 + (start - (k_ring // rows) * rows), col0])
+    elif DIM < HEAD_DIM:
+        c = tl.arange(0, HEAD_DIM)[None, :]
+        ok = c < DIM
+        if MASKED:
+            ok = ok & (t < k1)[:, None]
+        x = tl.load(base + rr[:, None] * stride_r + c, mask=ok, other=0.0)
     else:
         x = _load_keys(base + rr[:, None] * stride_r + tl.arange(0, HEAD_DIM)[None, :], (t < k1)[:, None], MASKED)
     scales = _load_keys(scale_base + rr * stride_sr, t < k1, MASKED) if QUANT else tl.full([BLOCK_N], 1.0, tl.float32)
@@ -99,7 +107,7 @@ def _update(q_tile, raw, k_s, v, v_s, start, row_lo, row_hi, m_i, l_i, acc, qk_s
     else:
         s = raw * qk_scale  # [M, N], log2 units
     if SOFTCAP:
-        s = soft_cap(s, cap2)
+        s = soft_cap(s, cap2, SOFTCAP)
     if MASKED:
         t = start + tl.arange(0, BLOCK_N)
         s = tl.where((t[None, :] >= row_lo[:, None]) & (t[None, :] < row_hi[:, None]), s, NEG_INF)
@@ -128,15 +136,17 @@ def _update(q_tile, raw, k_s, v, v_s, start, row_lo, row_hi, m_i, l_i, acc, qk_s
 def _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k_ring, start0, stop, k1,
                   row_lo, row_hi, m_i, l_i, acc, qk_scale, k_desc, v_desc, row0, col0, MASKED: tl.constexpr,
                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PREC: tl.constexpr, QUANT: tl.constexpr,
-                  QK_E4M3: tl.constexpr, TMA: tl.constexpr, cap2, SOFTCAP: tl.constexpr):  # fmt: skip
+                  QK_E4M3: tl.constexpr, TMA: tl.constexpr, cap2, SOFTCAP: tl.constexpr, stride_vr,
+                  K_DIM: tl.constexpr, V_TILE: tl.constexpr, V_DIM: tl.constexpr):  # fmt: skip
     """Online softmax over key blocks [start0, stop) (keys < k1), continuing (m_i, l_i, acc); tiles
-    as `_tile` loads them (TMA: unmasked blocks of one lap only)."""
+    as `_tile` loads them (TMA: unmasked blocks of one lap only): K [BLOCK_N, HEAD_DIM] of K_DIM
+    columns, V [BLOCK_N, V_TILE] of V_DIM (V rows stride_vr apart)."""
     for start in range(start0, stop, BLOCK_N):
         k, k_s = _tile(k_base, k_desc, ks_base, stride_r, stride_sr, rows, k_ring, start, k1, row0, col0, MASKED,
-                       BLOCK_N, HEAD_DIM, QUANT, TMA)  # fmt: skip
+                       BLOCK_N, HEAD_DIM, QUANT, TMA, K_DIM)  # fmt: skip
         raw = _qk(q_tile, k, QUANT, QK_E4M3, DOT_PREC)
-        v, v_s = _tile(v_base, v_desc, vs_base, stride_r, stride_sr, rows, k_ring, start, k1, row0, col0, MASKED,
-                       BLOCK_N, HEAD_DIM, QUANT, TMA)  # fmt: skip
+        v, v_s = _tile(v_base, v_desc, vs_base, stride_vr, stride_sr, rows, k_ring, start, k1, row0, col0, MASKED,
+                       BLOCK_N, V_TILE, QUANT, TMA, V_DIM)  # fmt: skip
         m_i, l_i, acc = _update(q_tile, raw, k_s, v, v_s, start, row_lo, row_hi, m_i, l_i, acc, qk_scale, MASKED,
                                 BLOCK_N, DOT_PREC, QUANT, QK_E4M3, cap2, SOFTCAP)  # fmt: skip
     return m_i, l_i, acc
@@ -150,7 +160,8 @@ def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, k_desc, v_desc
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
                 BLOCK_N: tl.constexpr, Q_SHORT: tl.constexpr, S_POW2: tl.constexpr,
                 DOT_PREC: tl.constexpr, TMA: tl.constexpr, cap2, sinks, SOFTCAP: tl.constexpr,
-                SINKS: tl.constexpr):  # fmt: skip
+                SINKS: tl.constexpr, stride_vr, stride_vc, stride_vh, K_DIM: tl.constexpr, V_TILE: tl.constexpr,
+                V_DIM: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0) // num_kv_heads
     h = tl.program_id(0) % num_kv_heads
     idx = tl.arange(0, S_POW2)
@@ -173,7 +184,10 @@ def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, k_desc, v_desc
     row_ok = (r < BLOCK_Q * GROUP) & (i < q_len) & (token >= 0) & (token < T)
     head = h * GROUP + r % GROUP
     q_ptrs = q + token.to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
-    q_tile = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    if K_DIM < HEAD_DIM:  # a padded key width: q's columns past it are 0
+        q_tile = tl.load(q_ptrs, mask=row_ok[:, None] & (d[None, :] < K_DIM), other=0.0)
+    else:
+        q_tile = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
     if QK_E4M3:  # codes and one scale per (query, head) row; the softmax scale folds into the row scales
         q_tile, q_scale = quantize_rows(q_tile, HW_CAST)
         qk_scale = q_scale * qk_scale  # a zero row's scale times a tiny softmax scale stays a normal float
@@ -188,34 +202,42 @@ def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, k_desc, v_desc
     a = tl.minimum(k0 + (tl.maximum(full_lo - k0, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N, k1)  # interior start
     b = tl.maximum(a + tl.maximum(tl.minimum(full_hi, k1) - a, 0) // BLOCK_N * BLOCK_N, a)  # interior end
     base = col * stride_c + h * stride_h
-    k_base, v_base = k_store + base, v_store + base
+    k_base, v_base = k_store + base, v_store + (col * stride_vc + h * stride_vh)
     sc = col * stride_sc + h.to(tl.int64) * stride_sh  # this (column, KV head)'s scales
     ks_base, vs_base = k_scale + sc, v_scale + sc
     m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M, V_TILE], tl.float32)
     m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, k0, a, k1,
                                   row_lo, row_hi, m_i, l_i, acc, qk_scale, k_desc, v_desc, 0, 0, True, BLOCK_N,
-                                  HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, False, cap2, SOFTCAP)  # fmt: skip
+                                  HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, False, cap2, SOFTCAP,
+                                  stride_vr, K_DIM, V_TILE, V_DIM)  # fmt: skip
     one_lap = TMA and b - 1 - (k0 // rows) * rows < rows  # an interior within one lap: whole rows of one view
     if one_lap:
         flat = base // stride_r  # this (column, head)'s first row and column in [R, C * Hkv * D]
         m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, a, b,
                                       k1, row_lo, row_hi, m_i, l_i, acc, qk_scale, k_desc, v_desc,
                                       flat.to(tl.int32), (base - flat * stride_r).to(tl.int32), False, BLOCK_N,
-                                      HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, TMA, cap2, SOFTCAP)  # fmt: skip
+                                      HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, TMA, cap2, SOFTCAP,
+                                      stride_vr, K_DIM, V_TILE, V_DIM)  # fmt: skip
     else:
         m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, a, b,
                                       k1, row_lo, row_hi, m_i, l_i, acc, qk_scale, k_desc, v_desc, 0, 0, False,
-                                      BLOCK_N, HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, False, cap2, SOFTCAP)  # fmt: skip
+                                      BLOCK_N, HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, False, cap2, SOFTCAP,
+                                      stride_vr, K_DIM, V_TILE, V_DIM)  # fmt: skip
     m_i, l_i, acc = _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr, rows, k0, b, k1, k1,
                                   row_lo, row_hi, m_i, l_i, acc, qk_scale, k_desc, v_desc, 0, 0, True, BLOCK_N,
-                                  HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, False, cap2, SOFTCAP)  # fmt: skip
+                                  HEAD_DIM, DOT_PREC, QUANT, QK_E4M3, False, cap2, SOFTCAP,
+                                  stride_vr, K_DIM, V_TILE, V_DIM)  # fmt: skip
     o = tl.where((l_i > 0)[:, None], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     if SINKS:  # the row's log2-sum-exp over all its keys (P_SHIFT and the e4m3 row scales taken out)
         l_ok = tl.where(l_i > 0, l_i, 1.0)
         m_log2 = m_i * qk_scale if QK_E4M3 else m_i  # (QK_E4M3: maxima of scores / the row's qk_scale)
         lse = m_log2 + tl.log2(l_ok) - (P_SHIFT if QUANT else 0.0)
         o = o * sink_weight(tl.where(l_i > 0, lse, NEG_INF)[:, None], sinks, head[:, None], row_ok[:, None])
-    ptrs = out + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-    tl.store(ptrs, o.to(out.dtype.element_ty), mask=row_ok[:, None])
+    dv = tl.arange(0, V_TILE)
+    ptrs = out + token.to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
+    if V_DIM < V_TILE:
+        tl.store(ptrs, o.to(out.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < V_DIM))
+    else:
+        tl.store(ptrs, o.to(out.dtype.element_ty), mask=row_ok[:, None])

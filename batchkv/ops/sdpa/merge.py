@@ -17,13 +17,14 @@ from batchkv.ops.sdpa.common import NEG_INF, sink_weight
 def merge_partials(out, o_part, lse_part, it, p_first, p_last, h0, num_kv_heads, q_start, q_len, qb, T, stride_ot,
                    stride_oh, GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_Q: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SLOTS: tl.constexpr,
-                   MERGE_STAGES: tl.constexpr, sinks, SINKS: tl.constexpr):  # fmt: skip
+                   MERGE_STAGES: tl.constexpr, sinks, SINKS: tl.constexpr, V_DIM: tl.constexpr):  # fmt: skip
     """Combine the partials of programs p_first..p_last (slots p + it) by their lse into `out`,
     MERGE_ROWS tile rows of every head and MERGE_SLOTS programs per round trip. Everything stays
     [slots, rows, D]-shaped (keep_dims), so no layout changes inside the loop. MERGE_STAGES > 1
     software-pipelines the rounds (the next round's partials load while this one combines).
     SINKS: each row's merged output is scaled by its head's `sink_weight` (once per row: the
-    partials are normalised over their own keys only)."""
+    partials are normalised over their own keys only). HEAD_DIM: the partials' columns (the value
+    tile), of which the first V_DIM are stored."""
     u = tl.arange(0, HEADS * MERGE_ROWS)[None, :, None]  # (head, row) pairs of a round
     hh = u // MERGE_ROWS
     d = tl.arange(0, HEAD_DIM)[None, None, :]
@@ -54,4 +55,4 @@ def merge_partials(out, o_part, lse_part, it, p_first, p_last, h0, num_kv_heads,
             lse_all = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), NEG_INF)
             res = res * sink_weight(lse_all, sinks, head, ok)
         ptrs = out + token.to(tl.int64) * stride_ot + head * stride_oh + d
-        tl.store(ptrs, res.to(out.dtype.element_ty), mask=ok)
+        tl.store(ptrs, res.to(out.dtype.element_ty), mask=ok & (d < V_DIM) if V_DIM < HEAD_DIM else ok)

@@ -50,7 +50,8 @@ def splitkv_partials(q, k_store, v_store, k_scale, v_scale, info, o_part, lse_pa
                      DOT_PREC: tl.constexpr, SECTOR: tl.constexpr, CVT_ASM: tl.constexpr,
                      new_k, new_v, slots, W, columns, stride_nks, stride_nkh, stride_nvs, stride_nvh,
                      WRITE: tl.constexpr, W_POW2: tl.constexpr, GDC: tl.constexpr, cap2,
-                     SOFTCAP: tl.constexpr):  # fmt: skip
+                     SOFTCAP: tl.constexpr, stride_vr, stride_vc, stride_vh, K_DIM: tl.constexpr,
+                     V_TILE: tl.constexpr, V_DIM: tl.constexpr):  # fmt: skip
     pdl_enter(GDC)  # launched early: wait until the grids before have finished (the K/V write, q)
     h = tl.program_id(0)
     p = tl.program_id(1)
@@ -65,7 +66,10 @@ def splitkv_partials(q, k_store, v_store, k_scale, v_scale, info, o_part, lse_pa
     r = tl.arange(0, BLOCK_M)
     g = r % GROUP
     d = tl.arange(0, HEAD_DIM)
-    if WRITE:  # the step's K/V write, fused: this program stores head h of all W rows itself, then reads
+    dv = tl.arange(0, V_TILE)
+    # the step's K/V write, fused (only where K and V share their widths and strides): this program
+    # stores head h of all W rows itself, then reads
+    if WRITE:
         w = tl.arange(0, W_POW2)
         w_ok = w < W
         w_slot = tl.load(slots + w, mask=w_ok, other=0).to(tl.int64)
@@ -102,26 +106,31 @@ def splitkv_partials(q, k_store, v_store, k_scale, v_scale, info, o_part, lse_pa
         row_ok = (i < q_len) & (token >= 0) & (token < T)
         head = h * GROUP + g
         q_ptrs = q + token.to(tl.int64)[None, :, None] * stride_qt + head[None, :, None] * stride_qh + d[None, None, :]
-        q_tile = tl.load(q_ptrs, mask=row_ok[None, :, None], other=0.0)
+        if K_DIM < HEAD_DIM:
+            q_tile = tl.load(q_ptrs, mask=row_ok[None, :, None] & (d[None, None, :] < K_DIM), other=0.0)
+        else:
+            q_tile = tl.load(q_ptrs, mask=row_ok[None, :, None], other=0.0)
         q_tile = q_for_dots(q_tile, k_store.dtype.element_ty, QUANT)
         row_lo, row_hi = row_bounds(kv_end - q_len + i, row_ok, kv_end, rows, window, CAUSAL)
         full_lo, full_hi = full_bounds(q_len, kv_end, rows, window, 0, q_len - 1, CAUSAL)
         kv = col * stride_c + h.to(tl.int64) * stride_h
+        kvv = col * stride_vc + h.to(tl.int64) * stride_vh
         sc = col * stride_sc + h.to(tl.int64) * stride_sh
-        o, lse = attend(q_tile, k_store + kv, v_store + kv, k_scale + sc, v_scale + sc, stride_r, stride_h, stride_sr,
+        o, lse = attend(q_tile, k_store + kv, v_store + kvv, k_scale + sc, v_scale + sc, stride_r, stride_h, stride_sr,
                         stride_sh, rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, 1, BLOCK_M, BLOCK_N,
-                        HEAD_DIM, SKIP_MASKS, DOT_PREC, QUANT, CVT_ASM, 0, SECTOR, False, cap2, SOFTCAP)  # fmt: skip
+                        HEAD_DIM, SKIP_MASKS, DOT_PREC, QUANT, CVT_ASM, 0, SECTOR, False, cap2, SOFTCAP, stride_vr,
+                        stride_vh, K_DIM, V_TILE, V_DIM)  # fmt: skip
         # partial slot (token, head, program, group row): only rows with a query are written
         slot = ((token.to(tl.int64) * num_kv_heads + h) * P + p) * GROUP + g
         tl.store(lse_part + slot, tl.reshape(lse, [BLOCK_M]), mask=row_ok)
-        tl.store(o_part + slot[:, None] * HEAD_DIM + d[None, :], tl.reshape(o, [BLOCK_M, HEAD_DIM]),
+        tl.store(o_part + slot[:, None] * V_TILE + dv[None, :], tl.reshape(o, [BLOCK_M, V_TILE]),
                  mask=row_ok[:, None])  # fmt: skip
 
 
 @triton.jit
 def splitkv_merge(out, o_part, lse_part, info, S, P, stride_ot, stride_oh, GROUP: tl.constexpr,
                   HEAD_DIM: tl.constexpr, S_POW2: tl.constexpr, MERGE_SLOTS: tl.constexpr,
-                  GDC: tl.constexpr, sinks, SINKS: tl.constexpr):  # fmt: skip
+                  GDC: tl.constexpr, sinks, SINKS: tl.constexpr, V_DIM: tl.constexpr):  # fmt: skip
     t = tl.program_id(0)
     hq = tl.program_id(1)  # query head: KV head hq // G, group row hq % G
     num_kv_heads = tl.num_programs(1) // GROUP
@@ -152,7 +161,12 @@ def splitkv_merge(out, o_part, lse_part, info, S, P, stride_ot, stride_oh, GROUP
     if SINKS:  # the row's sink logit joins its normaliser once, here, after every partial
         res = res * sink_weight(tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), NEG_INF), sinks, hq,
                                 covered)  # fmt: skip
-    tl.store(out + t.to(tl.int64) * stride_ot + hq * stride_oh + d, res.to(out.dtype.element_ty))
+    # HEAD_DIM: the partials' columns (the value tile), of which the first V_DIM are the output's
+    tl.store(
+        out + t.to(tl.int64) * stride_ot + hq * stride_oh + d,
+        res.to(out.dtype.element_ty),
+        mask=(d < V_DIM) if V_DIM < HEAD_DIM else None,
+    )
 
 
 # (queries x group) rows of one segment's tile: taller tiles spill registers on sm_90 (D 128,
@@ -175,12 +189,13 @@ def split_merge(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, stri
     the soft-cap and sink arguments (cap2, SOFTCAP, sinks, SINKS; default: neither)."""
     extras = extras or dict(cap2=0.0, SOFTCAP=False, sinks=q, SINKS=False)
     num_segments, num_tokens, _rows, _window, _qk_scale = args
-    num_kv_heads, head_dim, group = k_store.shape[2], q.shape[2], common["GROUP"]
+    num_kv_heads, group = k_store.shape[2], common["GROUP"]
+    v_tile = triton.next_power_of_2(v_store.shape[3])
     programs = cfg.programs
     pdl = pdl_kwargs(q.device) if cfg.pdl else {"GDC": False}  # each launch overlaps the grid before it
     parts = num_tokens * num_kv_heads * programs * group  # (token, KV head, program, group row)
     lse_part = torch.empty(parts, dtype=torch.float32, device=q.device)
-    o_part = torch.empty(parts * head_dim, dtype=torch.float32, device=q.device)
+    o_part = torch.empty(parts * v_tile, dtype=torch.float32, device=q.device)
     stride_qt, stride_qh, stride_r, stride_c, stride_h, stride_sr, stride_sc, stride_sh, stride_ot, stride_oh = strides
     s_pow2 = common["S_POW2"]
     new_k, new_v, slots = write if write is not None else (q, q, seq_info)  # unread without WRITE
@@ -188,15 +203,17 @@ def split_merge(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, stri
     splitkv_partials[(num_kv_heads, programs)](
         q, k_store, v_store, k_scale, v_scale, seq_info, o_part, lse_part, *args, stride_qt, stride_qh, stride_r,
         stride_c, stride_h, stride_sr, stride_sc, stride_sh, QUANT=common["QUANT"], CAUSAL=common["CAUSAL"],
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_M=max(16, triton.next_power_of_2(num_tokens * group)),
+        GROUP=group, HEAD_DIM=common["HEAD_DIM"], BLOCK_M=max(16, triton.next_power_of_2(num_tokens * group)),
         BLOCK_N=cfg.block_n, S_POW2=s_pow2, SKIP_MASKS=cfg.skip_masks, DOT_PREC=common["DOT_PREC"],
         SECTOR=32 // k_store.dtype.itemsize, CVT_ASM=cvt_asm, new_k=new_k, new_v=new_v, slots=slots, W=width,
         columns=k_store.shape[1], stride_nks=new_k.stride(0), stride_nkh=new_k.stride(1), stride_nvs=new_v.stride(0),
         stride_nvh=new_v.stride(1), WRITE=width > 0, W_POW2=triton.next_power_of_2(max(width, 1)), **launch, **pdl,
-        cap2=extras["cap2"], SOFTCAP=extras["SOFTCAP"],
+        cap2=extras["cap2"], SOFTCAP=extras["SOFTCAP"], stride_vr=v_store.stride(0),
+        stride_vc=v_store.stride(0) if v_store.shape[1] == 1 else v_store.stride(1), stride_vh=v_store.stride(2),
+        K_DIM=common["K_DIM"], V_TILE=v_tile, V_DIM=v_store.shape[3],
     )  # fmt: skip
     splitkv_merge[(num_tokens, num_kv_heads * group)](
         out, o_part, lse_part, seq_info, num_segments, programs, stride_ot, stride_oh, GROUP=group,
-        HEAD_DIM=head_dim, S_POW2=s_pow2, MERGE_SLOTS=min(64, triton.next_power_of_2(programs)), num_warps=4,
-        **pdl, sinks=extras["sinks"], SINKS=extras["SINKS"],
+        HEAD_DIM=v_tile, S_POW2=s_pow2, MERGE_SLOTS=min(64, triton.next_power_of_2(programs)), num_warps=4,
+        **pdl, sinks=extras["sinks"], SINKS=extras["SINKS"], V_DIM=v_store.shape[3],
     )  # fmt: skip

@@ -71,7 +71,7 @@ def attend_warp_split(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride
         else:
             s = tl.dot(q3, tl.trans(k, (0, 2, 1)), input_precision=DOT_PREC) * qk_scale  # [SPLIT, M, SUB]
         if SOFTCAP:
-            s = soft_cap(s, cap2)
+            s = soft_cap(s, cap2, SOFTCAP)
         if PREFETCH > 0:
             trip = prefetch_keys(k_base, v_base, stride_r, 0, rows, k0, start + PREFETCH * BLOCK_N, k1, BLOCK_N, 1,
                                  HEAD_DIM, SECTOR, CHECK)  # fmt: skip
