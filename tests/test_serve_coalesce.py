@@ -169,7 +169,7 @@ def test_a_reader_that_runs_only_after_the_last_step_gets_the_whole_text_in_two_
         worker.start(asyncio.get_running_loop())
         try:
             tracker = Tracker(job(), Pieces())
-            stream = await worker.submit(tracker, 0.0)
+            stream = await worker.submit(tracker.job.requests, 0.0, tracker)
             await asyncio.to_thread(wait_until, lambda: not engine.has_work)  # the reader has not run yet
             return await read_all(tracker, stream)
         finally:
@@ -199,7 +199,7 @@ def test_with_more_streams_than_the_budget_each_step_wakes_at_most_the_budget_be
         worker.start(asyncio.get_running_loop())
         try:
             trackers = [Tracker(job(), Pieces()) for _ in range(3)]
-            streams = [await worker.submit(t, 0.0) for t in trackers]
+            streams = [await worker.submit(t.job.requests, 0.0, t) for t in trackers]
             readers = [asyncio.ensure_future(read_all(t, s)) for t, s in zip(trackers, streams, strict=True)]
             for _ in range(len(TOKENS)):  # one step at a time; every woken reader takes before the next
                 engine.gate.release()

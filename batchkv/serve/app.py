@@ -170,7 +170,10 @@ def build_app(
 
         tracker = await asyncio.to_thread(prepare)
         job = tracker.job
-        stream = await worker.submit(tracker, arrival)  # the engine thread feeds the tracker
+        if getattr(worker, "feeds_trackers", False):  # EngineWorker: its thread detokenises, per step
+            stream = await worker.submit(job.requests, arrival, tracker)
+        else:  # a worker of raw events (Ray's frontend): the tracker is fed here, on the loop
+            stream = await worker.submit(job.requests, arrival)
         rid, model = outputs.new_id(prefix), info.name
         if job.stream:
             return EventStream(_chunks(tracker, stream, rid, model, chunk, chat=prefix == "chatcmpl"))

@@ -100,13 +100,13 @@ class Choice:
 class Tracker:
     """The choices of one job, fed from its stream.
 
-    Two feeders, one consumer. The engine thread (`EngineWorker`, for a tracker passed to `submit`)
+    Two feeders, one consumer. The engine thread (`EngineWorker`, for a tracker given to `submit`)
     feeds each step's events with `feed` (detokenising, matching stop strings) and merges the
     deltas into `pending`; the loop's
     `deltas` then takes what is pending at each wake: several steps' tokens of a choice come out as
     one delta when the reader fell behind (a client that reads slowly gets longer deltas, never a
-    longer queue). A stream of raw events (a worker that does not feed trackers; the tests'
-    scripted streams) is fed by `deltas` itself, on the loop. `lock` orders feeds, takes and the
+    longer queue). A stream of raw events (a worker that does not feed trackers, such as Ray's
+    frontend; the tests' scripted streams) is fed by `deltas` itself, on the loop. `lock` orders feeds, takes and the
     reader's exit, so a choice is counted in `on_finish` once."""
 
     def __init__(self, job: Job, tokenizer: Any | None, on_finish: Callable[[str], None] | None = None) -> None:

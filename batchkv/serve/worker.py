@@ -119,15 +119,16 @@ class EngineWorker:
         """Queue a command for the engine thread (any thread; signal-handler safe)."""
         self._commands.put(command)
 
-    async def submit(self, requests: Sequence[Request] | Tracker, arrival: float) -> Stream:
+    feeds_trackers = True  # `submit` takes a tracker to feed on this thread (the app asks)
+
+    async def submit(self, requests: Sequence[Request], arrival: float, tracker: Tracker | None = None) -> Stream:
         """Queue engine requests as one stream. APIError 429 when the waiting queue is full, 400
-        when the engine refuses one (then none of them is queued). A `Tracker` stands for its job's
-        requests, and this thread then feeds it each step's events (see `_deliver`): the stream's
-        items are wakes (empty lists), and its reader takes the deltas from the tracker."""
+        when the engine refuses one (then none of them is queued). With the job's `tracker`, this
+        thread feeds it each step's events (`_feed`): the stream's items are then wakes (empty
+        lists), and its reader takes the deltas from the tracker."""
         loop = asyncio.get_running_loop()
         stream, done = Stream(self), loop.create_future()
-        if isinstance(requests, Tracker):
-            stream.tracker, requests = requests, requests.job.requests
+        stream.tracker = tracker
         self.post(("submit", stream, list(requests), arrival, done))
         if self._ended:  # set before the thread empties its queue: this submit may have missed that
             self._resolve(done, _ended_error())
