@@ -124,17 +124,17 @@ class Tracker:
             for s in range(job.n)
         ]
         self.left = len(self.choices)  # choices not finished yet
-        self.cancelled: set[int] = set()
-        self.tokens = TokenText(tokenizer)  # logprobs' token texts
-        self.offsets = [0] * len(self.choices)  # streamed completions: text_offset of each choice's next token
-        self.cached: dict[int, int] = {}  # prompt index -> tokens reused from the prefix cache
-        self.echoed: set[int] = set()  # streamed completions with echo: choices whose prompt text went out
         self.lock = threading.Lock()
         self.pending: dict[int, Delta] = {}  # fed, not yet taken: one merged delta per choice
         self.woken = False  # a wake for `pending` is on its way to the reader (engine thread's feeds)
         self.started = False  # the reader was woken for a first delta
         self.finished = False  # every choice had finished when `pending` was last merged
         self.closed = False  # the reader left: feeds change nothing more
+        self.cancelled: set[int] = set()
+        self.tokens = TokenText(tokenizer)  # logprobs' token texts
+        self.offsets = [0] * len(self.choices)  # streamed completions: text_offset of each choice's next token
+        self.cached: dict[int, int] = {}  # prompt index -> tokens reused from the prefix cache
+        self.echoed: set[int] = set()  # streamed completions with echo: choices whose prompt text went out
 
     @property
     def done(self) -> bool:
