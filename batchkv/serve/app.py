@@ -1,7 +1,8 @@
 """The HTTP face: FastAPI routes over an `EngineWorker`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streamed as server-sent events with
-`stream: true`: `data: {json}` per engine step, then `data: [DONE]`), GET /v1/models, GET /health,
+`stream: true`: `data: {json}` per wake of the stream's reader, each choice's tokens since the last
+one merged, then `data: [DONE]`), GET /v1/models, GET /health,
 GET /metrics (Prometheus text), and vLLM's POST /tokenize, POST /detokenize and GET /version
 (`tokens`). `Guard` (see `guard`) checks the Host, the API key and the
 Content-Type first and marks every answer with `x-request-id`. A body is read up to the limit
@@ -121,7 +122,10 @@ def build_app(
 
         tracker = await asyncio.to_thread(prepare)
         job = tracker.job
-        stream = await worker.submit(job.requests, arrival)
+        if getattr(worker, "feeds_trackers", False):  # EngineWorker: its thread detokenises, per step
+            stream = await worker.submit(job.requests, arrival, tracker)
+        else:  # a worker of raw events (Ray's frontend): the tracker is fed here, on the loop
+            stream = await worker.submit(job.requests, arrival)
         rid, model = outputs.new_id(prefix), info.name
         if job.stream:
             return EventStream(_chunks(tracker, stream, rid, model, chunk, chat=prefix == "chatcmpl"))

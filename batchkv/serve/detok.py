@@ -15,11 +15,15 @@ character costs amortised O(1) however many stop strings there are, and the text
 exactly the automaton state's depth (the longest tail that begins some stop string). The cut is
 where a stop string first completes (the longest of those completing there), the same whatever
 the deltas' boundaries.
+
+The server's windows are decoded by the Rust tokenizer directly where that is the same as the
+tokenizer's `decode` (`fast_decoder`): two calls of about a microsecond per token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 CONTEXT = 5  # prompt tokens decoded ahead of the generated ones
 REPLACEMENT = "\ufffd"
@@ -111,16 +115,17 @@ class StopMatcher:
 
     def __init__(self, stops: Sequence[str] | StopStrings) -> None:
         self.automaton = stops if isinstance(stops, StopStrings) else StopStrings(stops)
+        self.active = bool(self.automaton)  # any stop string at all (asked once, not per token)
         self.state = 0
         self.held = ""
         self.stopped = False
 
     def feed(self, delta: str) -> str:
         """Add text; returns what can be released now (never text from a stop string on)."""
+        if not self.active:
+            return delta
         if self.stopped:
             return ""
-        if not self.automaton:
-            return delta
         text, automaton, state = self.held + delta, self.automaton, self.state
         for i in range(len(self.held), len(text)):
             state = automaton.step(state, text[i])
@@ -136,3 +141,23 @@ class StopMatcher:
         """The held-back tail once generation ended without a stop string."""
         text, self.held = self.held, ""
         return "" if self.stopped else text
+
+
+def fast_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str] | None:
+    """The Rust tokenizer's own `decode`, when it gives exactly what `tokenizer.decode(ids,
+    skip_special_tokens=..., clean_up_tokenization_spaces=False)` gives: `tokenizer` is transformers'
+    fast tokenizer with its own `decode` (which then calls that Rust decode after some Python per
+    call: about 7 us of a 1.3 us call on this project's CPU). None for any other tokenizer."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:  # no transformers: no fast tokenizer either
+        return None
+    kind = type(tokenizer)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (not isinstance(tokenizer, PreTrainedTokenizerFast) or backend is None
+            or kind._decode is not PreTrainedTokenizerFast._decode
+            or kind.decode is not PreTrainedTokenizerBase.decode):  # fmt: skip
+        return None
+    decode = backend.decode
+    return lambda ids: decode(ids, skip_special_tokens=skip_special_tokens)

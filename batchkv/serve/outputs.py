@@ -19,6 +19,7 @@ does (`batchkv.serve.logprobs`); a streamed chunk carries those of the tokens it
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -28,11 +29,13 @@ from typing import Any
 from batchkv.executor import Event
 from batchkv.executor.request import Logprobs
 from batchkv.serve import tools
-from batchkv.serve.detok import IncrementalDetokenizer, StopMatcher
+from batchkv.serve.detok import IncrementalDetokenizer, StopMatcher, fast_decoder
 from batchkv.serve.jobs import Job
 from batchkv.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from batchkv.serve.stream import Stream
 from batchkv.serve.tool_stream import ToolStream
+
+IDLE, PENDING, URGENT = 0, 1, 2  # `Tracker.feed`'s answers: what its reader needs
 
 FINISH = {"stop": "stop", "length": "length", "capacity": "length", "cancelled": "abort", "timeout": "timeout",
           "grammar": "grammar"}  # fmt: skip
@@ -48,9 +51,12 @@ class Delta:
     finish: str | None
     logprobs: list[Logprobs] = field(default_factory=list)  # of token_ids, when the job asks
 
-    def merge(self, later: Delta) -> Delta:
-        ids, lps = self.token_ids + later.token_ids, self.logprobs + later.logprobs
-        return Delta(self.index, self.text + later.text, ids, later.finish, lps)
+    def absorb(self, later: Delta) -> None:
+        """Append a later delta of the same choice (in place: a delta is never shared)."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.finish = later.finish
 
 
 @dataclass(eq=False)
@@ -93,7 +99,16 @@ class Choice:
 
 
 class Tracker:
-    """The choices of one job, fed from its stream."""
+    """The choices of one job, fed from its stream.
+
+    Two feeders, one consumer. The engine thread (`EngineWorker`, for a tracker given to `submit`)
+    feeds each step's events with `feed` (detokenising, matching stop strings) and merges the
+    deltas into `pending`; the loop's
+    `deltas` then takes what is pending at each wake: several steps' tokens of a choice come out as
+    one delta when the reader fell behind (a client that reads slowly gets longer deltas, never a
+    longer queue). A stream of raw events (a worker that does not feed trackers, such as Ray's
+    frontend; the tests' scripted streams) is fed by `deltas` itself, on the loop. `lock` orders feeds, takes and the
+    reader's exit, so a choice is counted in `on_finish` once."""
 
     def __init__(self, job: Job, tokenizer: Any | None, on_finish: Callable[[str], None] | None = None) -> None:
         self.job = job
@@ -103,12 +118,19 @@ class Tracker:
             options = {"skip_special_tokens": job.skip_special_tokens, "clean_up_tokenization_spaces": False}
             if not job.spaces_between_special_tokens:  # passed only when asked: the default is the tokenizer's
                 options["spaces_between_special_tokens"] = False
-            decode = lambda ids: tokenizer.decode(ids, **options)  # noqa: E731
+            decode = fast_decoder(tokenizer, job.skip_special_tokens) or (lambda ids: tokenizer.decode(ids, **options))
         self.choices = [
             Choice(p * job.n + s, IncrementalDetokenizer(decode, prompt) if decode else None, StopMatcher(job.stops))
             for p, prompt in enumerate(job.prompts)
             for s in range(job.n)
         ]
+        self.left = len(self.choices)  # choices not finished yet
+        self.lock = threading.Lock()
+        self.pending: dict[int, Delta] = {}  # fed, not yet taken: one merged delta per choice
+        self.woken = False  # a wake for `pending` is on its way to the reader (engine thread's feeds)
+        self.started = False  # the reader was woken for a first delta
+        self.finished = False  # every choice had finished when `pending` was last merged
+        self.closed = False  # the reader left: feeds change nothing more
         self.cancelled: set[int] = set()
         self.tokens = TokenText(tokenizer)  # logprobs' token texts
         self.offsets = [0] * len(self.choices)  # streamed completions: text_offset of each choice's next token
@@ -118,39 +140,97 @@ class Tracker:
 
     @property
     def done(self) -> bool:
-        return all(c.finish is not None for c in self.choices)
+        return self.left == 0
+
+    def feed(self, items: list[tuple[int, Event]], cancel: Callable[[int], None]) -> int:
+        """Apply one step's events; their deltas join `pending`. `cancel(prompt)` ends a prompt's
+        engine request whose choices all finished here first (a stop string). Returns what the
+        reader needs: `URGENT` (a streamed answer's first tokens, or every choice finished: wake it
+        now), `PENDING` (streamed deltas wait: wake it when the worker's budget allows) or `IDLE`
+        (nothing new, a wake already on its way, or an answer that is not streamed and not done)."""
+        with self.lock:
+            if self.closed:
+                return IDLE
+            self._pend(self._apply(items, cancel))
+            self.finished = self.done
+            if self.woken or not (self.pending or self.finished):
+                return IDLE
+            if self.finished or (self.job.stream and not self.started):
+                self.started = True
+                return URGENT
+            return PENDING if self.job.stream else IDLE
+
+    def wake(self) -> bool:
+        """Claim the next wake of the reader: True when there is something to take and no wake is
+        on its way (the caller then wakes it); False otherwise (or once the reader left)."""
+        with self.lock:
+            if self.woken or self.closed or not (self.pending or self.finished):
+                return False
+            self.woken = True
+            return True
+
+    def _apply(self, items: list[tuple[int, Event]], cancel: Callable[[int], None]) -> dict[int, Delta]:
+        n, out = self.job.n, {}
+        for prompt, event in items:
+            delta = self.choices[prompt * n + event.sample].add(event)
+            if delta is None:
+                continue
+            held = out.get(delta.index)
+            if held is None:
+                out[delta.index] = delta
+            else:
+                held.absorb(delta)
+            if delta.finish is not None:
+                self.left -= 1
+                self.on_finish(delta.finish)
+                self._release(cancel, prompt)
+        return out
+
+    def take(self) -> tuple[list[Delta], bool]:
+        """The pending deltas (by choice) and whether every choice had finished with them (loop)."""
+        with self.lock:
+            out, self.pending, self.woken = self.pending, {}, False
+            return sorted(out.values(), key=lambda d: d.index), self.finished
 
     async def deltas(self, stream: Stream) -> AsyncIterator[list[Delta]]:
-        """Per engine step, the deltas of the choices it touched; ends when every choice finished.
-        Leaving early (an error, a disconnect) cancels what the engine still decodes."""
-        n = self.job.n
+        """Per wake of the stream, the deltas of the choices that changed (a choice's tokens since
+        the last wake merged into one); ends when every choice finished. Leaving early (an error, a
+        disconnect) cancels what the engine still decodes."""
         try:
             async for items in stream:
                 self.cached.update(stream.cached)  # written by the engine thread before these events
-                out: dict[int, Delta] = {}  # one delta per choice, even over several steps
-                for prompt, event in items:
-                    delta = self.choices[prompt * n + event.sample].add(event)
-                    if delta is not None and delta.finish is not None:
-                        self.on_finish(delta.finish)
-                    if delta is not None:
-                        out[delta.index] = out[delta.index].merge(delta) if delta.index in out else delta
-                    self._release(stream, prompt)
+                if items:  # raw events: fed here, on the loop
+                    with self.lock:
+                        self._pend(self._apply(items, stream.cancel))
+                        self.finished = self.done
+                out, finished = self.take()
                 if out:
-                    yield sorted(out.values(), key=lambda d: d.index)
-                if self.done:
+                    yield out
+                if finished:
                     return
         finally:
-            if not all(c.engine_done for c in self.choices):
+            with self.lock:
+                self.closed = True
+                engine_done = all(c.engine_done for c in self.choices)
+                unfinished = [c for c in self.choices if c.finish is None]
+            if not engine_done:
                 stream.cancel()
-            for choice in self.choices:
-                if choice.finish is None:  # the client left, or the stream failed: ended by the server
-                    self.on_finish(FINISH["cancelled"])
+            for _ in unfinished:  # the client left, or the stream failed: ended by the server
+                self.on_finish(FINISH["cancelled"])
 
-    def _release(self, stream: Stream, prompt: int) -> None:
+    def _pend(self, out: dict[int, Delta]) -> None:
+        for index, delta in out.items():
+            held = self.pending.get(index)
+            if held is None:
+                self.pending[index] = delta
+            else:
+                held.absorb(delta)
+
+    def _release(self, cancel: Callable[[int], None], prompt: int) -> None:
         group = self.choices[prompt * self.job.n : (prompt + 1) * self.job.n]
         if prompt not in self.cancelled and all(c.finish for c in group) and not all(c.engine_done for c in group):
             self.cancelled.add(prompt)
-            stream.cancel(prompt)
+            cancel(prompt)
 
     def usage(self) -> dict:
         """OpenAI `usage`: prompt tokens of every prompt (and of them those the prefix cache held:
@@ -229,7 +309,7 @@ def _message(text: str, finish: str | None, job: Job) -> tuple[dict[str, Any], s
 
 
 def completion_chunk(tracker: Tracker, deltas: list[Delta], rid: str, model: str, created: int) -> dict[str, Any]:
-    """One streamed /v1/completions event: the choices one engine step touched."""
+    """One streamed /v1/completions event: the choices that changed since the last chunk."""
     choices = []
     for d in deltas:
         text = d.text

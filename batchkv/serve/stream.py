@@ -12,7 +12,7 @@ import asyncio
 import heapq
 from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from batchkv.executor import Event
 from batchkv.serve.metrics import ServerMetrics
@@ -32,6 +32,7 @@ class Stream:
         self.queue: asyncio.Queue[list[tuple[int, Event]] | BaseException] = asyncio.Queue()
         self.ids: list[int] = []  # engine request ids, by prompt index (engine thread only)
         self.cached: dict[int, int] = {}  # prompt index -> tokens it reused from the prefix cache
+        self.tracker: Any = None  # an `outputs.Tracker` the engine thread feeds (then the items are wakes: [])
 
     def __aiter__(self) -> AsyncIterator[list[tuple[int, Event]]]:
         return self._items()
@@ -65,11 +66,10 @@ class Route:
     timed_out: bool = False  # cancelled for running past the request time limit
 
     def note(self, event: Event, now: float, metrics: ServerMetrics) -> bool:
-        """Count a token of this request in `metrics` (TTFT or inter-token latency); True when it is
-        a sample's first token."""
+        """Time a token of this request in `metrics` (TTFT or inter-token latency; `route_events`
+        counts the tokens); True when it is a sample's first token."""
         if event.token is None:
             return False
-        metrics.generated.inc()
         last = self.last.get(event.sample)
         if last is None:
             metrics.ttft.observe(now - self.arrival)
@@ -88,12 +88,14 @@ def route_events(
     timed-out route's "cancelled" events become "timeout"."""
     deliveries: dict[Stream, list] = {}
     firsts: dict[Stream, None] = {}  # streams with a sample's first token, in event order
+    tokens = 0
     for event in events:
         route = routes.get(event.request_id)
         if route is not None and route.timed_out and event.finish_reason == "cancelled":
             event = replace(event, finish_reason="timeout")
         if route is None:
             continue
+        tokens += event.token is not None
         if route.note(event, now, metrics):
             firsts[route.stream] = None
         if event.finish_reason is not None:
@@ -101,6 +103,8 @@ def route_events(
             if route.finished == route.samples:
                 del routes[event.request_id]
         deliveries.setdefault(route.stream, []).append((route.prompt_index, event))
+    if tokens:
+        metrics.generated.inc(tokens)
     return {stream: deliveries[stream] for stream in firsts} | deliveries
 
 

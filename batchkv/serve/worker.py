@@ -4,7 +4,10 @@ HTTP handlers (on the asyncio loop) never call the engine. They post commands to
 queue: submit (answered through an asyncio future) and cancel. The thread applies the commands
 between steps, steps while any request is live (and blocks on the queue when none is), and hands
 each step's events to the loop in one `call_soon_threadsafe`, which puts them on the per-request
-asyncio queues. A step that raises fails every live request (they see the exception) and the
+asyncio queues. A stream submitted with its `Tracker` gets no events: this thread feeds the
+tracker (detokenising, stop strings, finishes; `_feed`) and the loop gets only wakes, at most
+`WAKES_PER_STEP` a step for deltas that are neither a stream's first nor a finish (docs/design.md,
+"HTTP server"). A step that raises fails every live request (they see the exception) and the
 thread goes on serving, unless the engine cannot step again (`TensorParallelError`: a rank failed
 and the engine's processes are stopped): the thread then ends, as on an error outside a step.
 
@@ -43,6 +46,7 @@ from collections.abc import Sequence
 from batchkv.errors import RequestError, TensorParallelError
 from batchkv.executor import Engine, Event, Request
 from batchkv.serve.metrics import ServerMetrics
+from batchkv.serve.outputs import PENDING, URGENT, Tracker
 from batchkv.serve.protocol import APIError
 from batchkv.serve.stream import Deadlines, Route, Stream, route_events
 from batchkv.serve.switch import ShortSwitch
@@ -51,6 +55,7 @@ log = logging.getLogger("batchkv.serve")
 TRIM_STEPS = 4096  # the engine's own latency lists are cleared this often (they grow per step)
 SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval while the engine thread runs (CPython's default: 0.005)
 HANDOFF_S = 0.002  # most an overlapping engine waits, per step, for the loop to write that step's tokens
+WAKES_PER_STEP = 32  # streams woken per step for deltas that are neither a first token nor a finish
 
 
 class EngineWorker:
@@ -72,6 +77,7 @@ class EngineWorker:
         self._handoff = bool(engine.overlap)  # wait for the loop's writes after each step (see above)
         self._switch = ShortSwitch(SWITCH_INTERVAL_S)  # held from start until the thread ends
         self._ended = False  # the thread is past its last command: `submit` answers for it
+        self._behind: dict[Stream, None] = {}  # streams whose deltas wait for a wake, longest first
 
     # ---- loop side -----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -113,11 +119,16 @@ class EngineWorker:
         """Queue a command for the engine thread (any thread; signal-handler safe)."""
         self._commands.put(command)
 
-    async def submit(self, requests: Sequence[Request], arrival: float) -> Stream:
+    feeds_trackers = True  # `submit` takes a tracker to feed on this thread (the app asks)
+
+    async def submit(self, requests: Sequence[Request], arrival: float, tracker: Tracker | None = None) -> Stream:
         """Queue engine requests as one stream. APIError 429 when the waiting queue is full, 400
-        when the engine refuses one (then none of them is queued)."""
+        when the engine refuses one (then none of them is queued). With the job's `tracker`, this
+        thread feeds it each step's events (`_feed`): the stream's items are then wakes (empty
+        lists), and its reader takes the deltas from the tracker."""
         loop = asyncio.get_running_loop()
         stream, done = Stream(self), loop.create_future()
+        stream.tracker = tracker
         self.post(("submit", stream, list(requests), arrival, done))
         if self._ended:  # set before the thread empties its queue: this submit may have missed that
             self._resolve(done, _ended_error())
@@ -139,7 +150,7 @@ class EngineWorker:
             future.set_exception(error) if error is not None else future.set_result(None)
 
     @staticmethod
-    def _dispatch(deliveries: dict[Stream, list], written: threading.Event | None = None) -> None:
+    def _dispatch(deliveries: dict[Stream, list | BaseException], written: threading.Event | None = None) -> None:
         for stream, items in deliveries.items():
             stream.queue.put_nowait(items)
         if written is not None:  # callbacks run in order: the readers woken above write their chunks first
@@ -169,6 +180,8 @@ class EngineWorker:
     def _serve(self) -> None:
         engine = self.engine
         while True:
+            if not engine.has_work and self._behind:  # no step to come: every waiting delta goes out now
+                self._flush_behind()
             commands = [] if engine.has_work else [self._next_command()]
             while True:
                 try:
@@ -267,6 +280,7 @@ class EngineWorker:
         for rid in list(self._routes):
             self.engine.cancel(rid)
         self._routes.clear()
+        self._behind.clear()
 
     def _step(self) -> None:
         try:
@@ -294,12 +308,62 @@ class EngineWorker:
                 if cached is not None:
                     route.stream.cached[route.prompt_index] = cached
                     self.metrics.cached.inc(cached)
-        deliveries = route_events(self._routes, events, self.metrics, time.perf_counter())
+        deliveries = self._feed(route_events(self._routes, events, self.metrics, time.perf_counter()))
         if deliveries:
             written = threading.Event()
             self._call(self._dispatch, deliveries, written)
             if self._handoff:
                 written.wait(HANDOFF_S)  # GIL released: the loop writes while the device runs the next step
+
+    def _feed(self, deliveries: dict[Stream, list]) -> dict[Stream, list | BaseException]:
+        """Feed the step's events to the streams' trackers; what goes to the loop: raw events for
+        a stream without a tracker, a wake (an empty list) for the readers woken this step, or the
+        error a feed raised (that stream fails and its requests are cancelled; the others go on).
+
+        Woken this step: every tracker with a first delta or a finish, and of those with streamed
+        deltas waiting, the `WAKES_PER_STEP` that have waited longest (`_behind`, oldest first).
+        The rest keep merging their deltas until their turn: with many streams each chunk carries
+        several tokens, so the loop's work per step stays bounded (a chunk costs the loop about as
+        much whatever its length); with few, every stream gets a chunk every step."""
+        fed: dict[Stream, list | BaseException] = {}
+        behind = self._behind
+        for stream, items in deliveries.items():
+            tracker = stream.tracker
+            if tracker is None:
+                fed[stream] = items
+                continue
+            try:
+                need = tracker.feed(items, lambda prompt, stream=stream: self._cancel(stream, prompt))
+            except Exception as exc:
+                log.exception("a stream's output failed; cancelling its requests")
+                self._cancel(stream, None)
+                behind.pop(stream, None)
+                fed[stream] = exc
+                continue
+            if need == URGENT:
+                behind.pop(stream, None)
+                if tracker.wake():
+                    fed[stream] = []
+            elif need == PENDING and stream not in behind:
+                behind[stream] = None
+        self._wake_behind(fed, WAKES_PER_STEP)
+        return fed
+
+    def _wake_behind(self, fed: dict[Stream, list | BaseException], most: int) -> None:
+        """Wake up to `most` of the longest-waiting trackers (into `fed`)."""
+        behind = self._behind
+        while behind and most > 0:
+            stream = next(iter(behind))
+            del behind[stream]
+            if stream.tracker is not None and stream.tracker.wake():
+                fed[stream] = []
+                most -= 1
+
+    def _flush_behind(self) -> None:
+        fed: dict[Stream, list | BaseException] = {}
+        self._wake_behind(fed, len(self._behind))
+        if fed:
+            self._call(self._dispatch, fed)
 
     def _observe(self) -> None:
         engine = self.engine
