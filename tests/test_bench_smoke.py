@@ -99,23 +99,6 @@ def test_decode_budgets_serve_each_step_size_at_half_and_all_of_it(tmp_path):
     assert best is None or best["tokens_per_s"] == max(r["tokens_per_s"] for r in rows if r["p99_over_p50"] <= 2.5)
 
 
-def test_kernel_sweep_few_grid_runs_each_config_on_the_cases_given(tmp_path):
-    out = tmp_path / "sweep.json"
-    args = [sys.executable, "bench/kernels.py", "--small", "--sweep", "--sweep-grid", "few", "--cases", "b8-l40",
-            "--sweep-out", str(out)]  # fmt: skip
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    report = json.loads(out.read_text())
-    from bench.lib.kernel_sweep import FEW as few
-
-    assert report["cases"] == ["b8-l40"] and [r["config"] for r in report["results"]] == few
-    assert all(r["us"]["b8-l40"] > 0 and not r["errors"] for r in report["results"])
-    base = report["results"][0]["us"]["b8-l40"]
-    for r in report["results"]:  # each config's speedup is the default's time over its own
-        assert r["speedup_vs_default"] == round(base / r["us"]["b8-l40"], 3)
-    assert report["best"]["speedup_vs_default"] == max(r["speedup_vs_default"] for r in report["results"])
-
-
 def test_structured_smoke_constrains_a_tenth_of_the_requests_only_in_the_runs_that_say_so(tmp_path):
     pytest.importorskip("xgrammar")
     report = _run(["bench/structured.py", "--small"], tmp_path / "structured.json")
