@@ -23,11 +23,6 @@ through the unscaled GEMM and `apply_scales`: fp8's TENSORWISE rule off), at few
 matmul instead of the e4m3 few-row kernel) and `bf16_cublas`, and up to 128 rows `fp8_triton` (the
 few-row kernel with every row in one tile).
     python bench/model_step.py --fp8-matmuls --rows 1 64 256 1024 --json out.json      # on the GPU
-
-`--gemm-ab` (its own options: `--gemm-ab --help`) times each projection shape alone per row count:
-bf16, the row-wise scaled matmul, the scalar-scaled one with and without the scales applied after,
-the transposed product, optionally Triton e4m3 GEMMs, and the activation passes separate against
-fused (bench/lib/fp8_gemm_ab.py).
 """
 
 from __future__ import annotations
@@ -184,11 +179,6 @@ def fp8_matmuls(preset: str, device: torch.device, rows_list: list[int], iters: 
 
 
 def main() -> None:
-    if "--gemm-ab" in sys.argv:  # the FP8 GEMM alternatives per shape (bench/lib/fp8_gemm_ab.py), its own options
-        sys.argv.remove("--gemm-ab")
-        from bench.lib.fp8_gemm_ab import main as gemm_ab
-
-        return gemm_ab()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="sensenova-u1-8b")
     parser.add_argument("--device", default="cuda")
