@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: run the named phases in order, each under its own time limit, with
-# results under $OUT. Phases: oomtests tests kernels model decode fp8 fp8sweep spec tp tptests tp1ab (the
+# results under $OUT. Phases: oomtests tests kernels model decode fp8 spec tp tptests tp1ab (the
 # probes behind the other results in bench/results/README.md are in git history: that file says where).
 #   OUT=/tmp/out bash bench/gpu_session.sh tests kernels decode
 # tp and tptests need two GPUs (nvidia-h200-x2): bench/tp.py (resumed across calls with
@@ -49,7 +49,6 @@ for p in "$@"; do
       --budget-s "${DECODE_BUDGET:-390}" ${DECODE_ARGS:-} ;;
     fp8) phase fp8 "${FP8_LIMIT:-240}" python3 bench/kv_fp8.py --out "$OUT/kv-fp8-h200.json" \
       --kernels-json "$OUT/kernels-h200.json" ${FP8_ARGS:-} ;;
-    fp8sweep) phase fp8sweep 230 python3 bench/kv_fp8.py --sweep --out "$OUT/kv-fp8-sweep-h200.json" ;;
     spec) phase spec "${SPEC_LIMIT:-240}" python3 bench/spec.py --out "$OUT/spec-h200.json" \
       --budget-s "${SPEC_BUDGET:-150}" ${SPEC_ARGS:-} ;;
     tp) phase tp "${TP_LIMIT:-590}" python3 bench/tp.py --out "$OUT/tp-h200x2.json" --budget-s "${TP_BUDGET:-560}" \
@@ -63,7 +62,7 @@ for p in "$@"; do
           root=$(cd "$tree" && pwd)
           (cd "$root" && export PYTHONPATH=$root$rest && phase "ab-$name-$round" 280 python3 bench/decode.py \
             --out "$OUT/ab-$name-$round.json" --skip-hf --budget-s 250 ${AB_ARGS:-} \
-            --skip-parts online_batchkv,budgets_batchkv,serve_e4m3_batchkv,serve_max64_batchkv)
+            --skip-parts online_batchkv,serve_e4m3_batchkv,serve_fp8_batchkv,serve_fp8_e4m3_batchkv)
         done
       done
       python3 - "$OUT" <<'PY'
