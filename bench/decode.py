@@ -32,15 +32,13 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout: bench.lib and batchkv
-from batchkv.executor import Engine, Request, SamplingParams
+from batchkv.executor import Engine
 from batchkv.models import build_model, preset_config
 from bench.lib.ceilings import copy_ceiling, matmul_peak, read_ceiling
 from bench.lib.online import poisson_arrivals, run_online
@@ -49,35 +47,16 @@ from bench.lib.serving import (
     WARM_UP,
     Parts,
     full_chunk_step_ms,
+    one_sequence,
     release,
     serve_offline,
     serving_engine,
-    sync,
     warm_up,
     workload,
 )
 from bench.lib.timing import Deadline
 
 RATE_FRACTIONS = {"light": 0.25, "medium": 0.5, "near_saturation": 0.9}
-
-
-def single_sequence(model, device, prompt_len: int, new_tokens: int, graphs: bool) -> dict:
-    """ms/token of one greedy sequence: the second of two identical requests (the first warms up)."""
-    length = prompt_len + new_tokens + 1
-    engine = Engine(model, max_seqs=1, capacity=length, max_step_tokens=prompt_len, prefill_chunk=prompt_len,
-                    width_buckets=(1, prompt_len), use_graphs=graphs, device=device, kv_positions=length)  # fmt: skip
-    prompt = np.random.default_rng(0).integers(0, model.vocab_size, prompt_len).tolist()
-    for _ in range(2):
-        engine.metrics.inter_token.clear()
-        engine.submit(Request(prompt, SamplingParams(max_new_tokens=new_tokens)))
-        sync(device)
-        start = time.perf_counter()
-        events = engine.run_until_done()
-        sync(device)
-        wall = time.perf_counter() - start
-    itl = np.asarray(engine.metrics.inter_token) * 1e3
-    return {"ms_per_token_p50": float(np.median(itl)), "ms_per_token_mean": float(itl.mean()), "wall_s": wall,
-            "tokens": sum(e.token is not None for e in events), "captures": engine.metrics.captures}  # fmt: skip
 
 
 def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
@@ -99,7 +78,9 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
         for name, graphs in (("batchkv_graph", True), ("batchkv_eager", False)):
             if graphs and dev.type != "cuda":
                 continue
-            r["b1_detail"][name] = d = single_sequence(ctx.model(), dev, ctx.prompt_len, ctx.new_tokens, graphs)
+            model = ctx.model()
+            d = one_sequence(model, dev, ctx.prompt_len, ctx.new_tokens, model.vocab_size, graphs)
+            r["b1_detail"][name] = {**d, "tokens": len(d["tokens"])}
             r["b1"][f"{name}_ms"] = d["ms_per_token_p50"]
             print(f"b1 {name}: {d['ms_per_token_p50']:.3f} ms/token", flush=True)
 
