@@ -10,9 +10,7 @@ Parts, in order, each under the run's budget (`--budget-s`), each written to the
    step, the store sized to the device, each request holding what it can reach): output tokens/s,
    TTFT and inter-token p50/p99; the workload's own limit from the request list (its FLOPs and
    bytes, perfectly overlapped and not at all), the fair roofline over the steps the engine ran and
-   the bytes-only roofline (bench/lib/roofline.py); serve_e4m3, the same with e4m3 K/V; serve_max64,
-   the configuration before (64 sequences, every column at capacity) in the same run; budgets, the
-   prefill budgets 256, 512 and 1,024 at 256 sequences (inter-token p99 against p50); serve_fp8 and
+   the bytes-only roofline (bench/lib/roofline.py); serve_e4m3, the same with e4m3 K/V; serve_fp8 and
    serve_fp8_e4m3, the serve run on the same weights with FP8 compute (`quantization="fp8"`), K/V in
    bf16 and in e4m3, each with its own limit (bench/anchors.py `limit`: the projections' FLOPs at the
    FP8 GEMM rate measured in the same part, their weights at one byte);
@@ -34,15 +32,13 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout: bench.lib and batchkv
-from batchkv.executor import Engine, Request, SamplingParams
+from batchkv.executor import Engine
 from batchkv.models import build_model, preset_config
 from bench.lib.ceilings import copy_ceiling, matmul_peak, read_ceiling
 from bench.lib.online import poisson_arrivals, run_online
@@ -51,35 +47,16 @@ from bench.lib.serving import (
     WARM_UP,
     Parts,
     full_chunk_step_ms,
+    one_sequence,
     release,
     serve_offline,
     serving_engine,
-    sync,
     warm_up,
     workload,
 )
 from bench.lib.timing import Deadline
 
 RATE_FRACTIONS = {"light": 0.25, "medium": 0.5, "near_saturation": 0.9}
-
-
-def single_sequence(model, device, prompt_len: int, new_tokens: int, graphs: bool) -> dict:
-    """ms/token of one greedy sequence: the second of two identical requests (the first warms up)."""
-    length = prompt_len + new_tokens + 1
-    engine = Engine(model, max_seqs=1, capacity=length, max_step_tokens=prompt_len, prefill_chunk=prompt_len,
-                    width_buckets=(1, prompt_len), use_graphs=graphs, device=device, kv_positions=length)  # fmt: skip
-    prompt = np.random.default_rng(0).integers(0, model.vocab_size, prompt_len).tolist()
-    for _ in range(2):
-        engine.metrics.inter_token.clear()
-        engine.submit(Request(prompt, SamplingParams(max_new_tokens=new_tokens)))
-        sync(device)
-        start = time.perf_counter()
-        events = engine.run_until_done()
-        sync(device)
-        wall = time.perf_counter() - start
-    itl = np.asarray(engine.metrics.inter_token) * 1e3
-    return {"ms_per_token_p50": float(np.median(itl)), "ms_per_token_mean": float(itl.mean()), "wall_s": wall,
-            "tokens": sum(e.token is not None for e in events), "captures": engine.metrics.captures}  # fmt: skip
 
 
 def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
@@ -101,7 +78,9 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
         for name, graphs in (("batchkv_graph", True), ("batchkv_eager", False)):
             if graphs and dev.type != "cuda":
                 continue
-            r["b1_detail"][name] = d = single_sequence(ctx.model(), dev, ctx.prompt_len, ctx.new_tokens, graphs)
+            model = ctx.model()
+            d = one_sequence(model, dev, ctx.prompt_len, ctx.new_tokens, model.vocab_size, graphs)
+            r["b1_detail"][name] = {**d, "tokens": len(d["tokens"])}
             r["b1"][f"{name}_ms"] = d["ms_per_token_p50"]
             print(f"b1 {name}: {d['ms_per_token_p50']:.3f} ms/token", flush=True)
 
@@ -143,51 +122,6 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
         for row in r["serve"].get("online", []):  # rows of a resumed run: in this unit
             row["ttft_p50_in_full_chunk_steps"] = row["ttft_p50_ms"] / r["serve"]["full_chunk_step_ms"]
         print(f"serve: {entry['tokens_per_s']:.0f} tok/s (workload limit {entry['workload_limit_tokens_per_s']})")
-
-    def budget_row(step_tokens: int, budget: int, d: dict) -> dict:
-        return {"max_step_tokens": step_tokens, "prefill_budget": budget, "tokens_per_s": d["output_tokens_per_s_wall"],
-                "p50_itl_ms": d["itl_ms_p50"], "p99_itl_ms": d["itl_ms_p99"],
-                "p99_over_p50": d["itl_ms_p99"] / d["itl_ms_p50"], "ttft_p50_ms": d["ttft_ms_p50"],
-                "steps": d["steps"]}  # fmt: skip
-
-    def budgets():
-        """Prefill budgets on the serve part's engine (its 1,024-token steps), then each `--step-budgets`
-        step size on a fresh warmed engine with its prefill budget at half and all of the step."""
-        engine = ctx.engine if ctx.engine is not None else run_serve("auto")[0]
-        default = r["serve"]["prefill_budget"]  # the serve part's run is that budget's row
-        serve_steps = engine.scheduler.max_step_tokens
-        rows = r["serve"]["budgets"] = [budget_row(serve_steps, default, r["serve_detail"])]
-        small = (16, 32) if args.small else (256, 512, 1024)
-        for budget in (b for b in small if b != default):
-            engine.scheduler.prefill_budget = budget
-            engine.metrics = engine.metrics.fresh()
-            rows.append(budget_row(serve_steps, budget, serve_offline(engine, dev, ctx.prompts, ctx.outputs)))
-            parts.save()
-            print(f"budget {budget}: {rows[-1]}", flush=True)
-        engine.scheduler.prefill_budget = default
-        step_budgets = "128" if args.small else args.step_budgets  # the tiny workload's prompts are short
-        for step_tokens in (int(s) for s in step_budgets.split(",") if s):
-            if ctx.engine is not None:  # its store holds the device: let it go first
-                ctx.engine.close()
-                ctx.engine = engine = None
-                release(dev)
-            for budget in (step_tokens // 2, step_tokens):
-                engine = serving_engine(ctx.model(), dev, ctx.prompts, ctx.outputs, step_tokens=step_tokens,
-                                        prefill_budget=budget)  # fmt: skip
-                warm_up(engine, dev, ctx.prompts, ctx.outputs)
-                rows.append(budget_row(step_tokens, budget, serve_offline(engine, dev, ctx.prompts, ctx.outputs)))
-                engine.close()
-                release(dev)
-                parts.save()
-                print(f"steps of {step_tokens}, budget {budget}: {rows[-1]}", flush=True)
-        rows.sort(key=lambda row: (row["max_step_tokens"], row["prefill_budget"]))
-        within = [row for row in rows if row["p99_over_p50"] <= 2.5]
-        r["serve"]["budget_p99_within_2_5x"] = max(
-            (row["prefill_budget"] for row in within if row["max_step_tokens"] == serve_steps), default=None
-        )
-        best = max(within, key=lambda row: row["tokens_per_s"], default=None)
-        r["serve"]["fastest_within_2_5x"] = best and {k: best[k] for k in ("max_step_tokens", "prefill_budget",
-                                                                         "tokens_per_s", "p99_over_p50")}  # fmt: skip
 
     def other(key: str, max_seqs, kv_dtype=None):
         def part():
@@ -231,9 +165,7 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
     parts.run("b1_batchkv", b1, need_s=20)
     parts.run("serve_batchkv", serve, need_s=60)
     parts.run("online_batchkv", online, need_s=3 * args.online_window_s + 20)
-    parts.run("budgets_batchkv", budgets, need_s=60)
     parts.run("serve_e4m3_batchkv", other("serve_e4m3", "auto", torch.float8_e4m3fn), need_s=40)
-    parts.run("serve_max64_batchkv", other("serve_max64", 64), need_s=50)
 
     def fp8(key: str, kv_dtype=None):
         def part():
@@ -263,11 +195,6 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
                       "ttft_p50_ms": d["ttft_ms_p50"], "steps": d["steps"], "wall_s": d["wall_s"],
                       "captures": d["captures"] - warm_captures, "max_seqs": engine.cache.max_seqs,
                       "store": engine.sizing.describe() if engine.sizing else None, "warm_up": WARM_UP}  # fmt: skip
-            if args.profile_steps and kv_dtype is not None:  # the loaded step of fp8 + e4m3, profiled
-                from bench.lib.serving import profile_loaded
-
-                windows = ((100, args.profile_steps), (300, args.profile_steps))
-                r[key]["profile"] = profile_loaded(engine, dev, ctx.prompts, ctx.outputs, windows)
             engine.close()
             release(dev)
             print(
@@ -294,8 +221,6 @@ def main() -> None:
     ap.add_argument("--hf-box-s", type=float, default=None, help="time box of the transformers offline run (45; 10)")
     ap.add_argument("--hf-online-box-s", type=float, default=None, help="box past the last arrival per rate (10; 5)")
     ap.add_argument("--resume", type=Path, default=None, help="a result JSON to complete: only missing parts run")
-    ap.add_argument("--step-budgets", default="2048", help="step sizes the budgets part also serves (comma list)")
-    ap.add_argument("--profile-steps", type=int, default=0, help="fp8 + e4m3: profile this many loaded steps twice")
     ap.add_argument("--skip-parts", default="", help="comma-separated parts not to run (e.g. online_batchkv)")
     args = ap.parse_args()
     for name, full, small in (("online_window_s", 12, 3), ("hf_calibrate_s", 45, 10), ("hf_box_s", 45, 10),

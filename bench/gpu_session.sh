@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: run the named phases in order, each under its own time limit, with
-# results under $OUT. Phases: oomtests tests kernels sweep model decode fp8 fp8sweep spec tp tptests tp1ab (the
+# results under $OUT. Phases: oomtests tests kernels model decode fp8 spec tp tptests tp1ab (the
 # probes behind the other results in bench/results/README.md are in git history: that file says where).
 #   OUT=/tmp/out bash bench/gpu_session.sh tests kernels decode
 # tp and tptests need two GPUs (nvidia-h200-x2): bench/tp.py (resumed across calls with
@@ -44,13 +44,11 @@ for p in "$@"; do
       --timeout 150 ${TESTS_ARGS:-} ;;
     kernels) phase kernels "${KERNELS_LIMIT:-240}" python3 bench/kernels.py --check --out "$OUT/kernels-h200.json" \
       --budget-s "${KERNELS_BUDGET:-215}" ${KERNELS_ARGS:-} ;;
-    sweep) phase sweep 220 python3 bench/kernels.py --sweep --sweep-out "$OUT/kernels-sweep.json" ;;
     model) phase model 90 python3 bench/model_step.py --preset sensenova-u1-8b --rows 1 8 32 64 --json "$OUT/model_step.json" ;;
     decode) phase decode "${DECODE_LIMIT:-420}" python3 bench/decode.py --out "$OUT/decode-h200.json" \
       --budget-s "${DECODE_BUDGET:-390}" ${DECODE_ARGS:-} ;;
     fp8) phase fp8 "${FP8_LIMIT:-240}" python3 bench/kv_fp8.py --out "$OUT/kv-fp8-h200.json" \
       --kernels-json "$OUT/kernels-h200.json" ${FP8_ARGS:-} ;;
-    fp8sweep) phase fp8sweep 230 python3 bench/kv_fp8.py --sweep --out "$OUT/kv-fp8-sweep-h200.json" ;;
     spec) phase spec "${SPEC_LIMIT:-240}" python3 bench/spec.py --out "$OUT/spec-h200.json" \
       --budget-s "${SPEC_BUDGET:-150}" ${SPEC_ARGS:-} ;;
     tp) phase tp "${TP_LIMIT:-590}" python3 bench/tp.py --out "$OUT/tp-h200x2.json" --budget-s "${TP_BUDGET:-560}" \
@@ -64,7 +62,7 @@ for p in "$@"; do
           root=$(cd "$tree" && pwd)
           (cd "$root" && export PYTHONPATH=$root$rest && phase "ab-$name-$round" 280 python3 bench/decode.py \
             --out "$OUT/ab-$name-$round.json" --skip-hf --budget-s 250 ${AB_ARGS:-} \
-            --skip-parts online_batchkv,budgets_batchkv,serve_e4m3_batchkv,serve_max64_batchkv)
+            --skip-parts online_batchkv,serve_e4m3_batchkv,serve_fp8_batchkv,serve_fp8_e4m3_batchkv)
         done
       done
       python3 - "$OUT" <<'PY'

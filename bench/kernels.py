@@ -17,14 +17,13 @@ its knobs (bench/lib/flex_peer.py, last, since compiles are the slow part; defau
 first, then the other knobs while the budget lasts). Recompiles are logged (TORCH_LOGS=recompiles)
 while flex runs.
 
-    python3 bench/kernels.py [--check] [--sweep] [--out bench/results/kernels-h200.json] [--budget-s 215]
+    python3 bench/kernels.py [--check] [--out bench/results/kernels-h200.json] [--budget-s 215]
     python bench/kernels.py --small --check --out /tmp/k.json     # CPU smoke run (Triton interpreter)
     python3 bench/kernels.py --softcap-sinks-ab --base .base --out bench/results/softcap-sinks-ab-h200.json
 
 --check first compares batchkv with the torch reference on every case (a mismatch is recorded and
-printed, not fatal); --sweep times a grid of SdpaConfig choices instead (bench/lib/kernel_sweep.py);
---compile-sm90 LABEL compiles the kernels for sm_90 without a GPU and prints what decides their
-speed (bench/lib/compile_sm90.py).
+printed, not fatal); --compile-sm90 LABEL compiles the kernels for sm_90 without a GPU and prints
+what decides their speed (bench/lib/compile_sm90.py).
 Results are written after every case and every peer; --resume FILE completes a run that stopped
 early (only the parts it lacks run).
 """
@@ -49,9 +48,8 @@ from bench.lib.ceilings import copy_ceiling, read_ceiling
 from bench.lib.flashinfer_jit import load as load_flashinfer
 from bench.lib.flashinfer_peer import at_page, flashinfer
 from bench.lib.flex_peer import flex, knob_sets
-from bench.lib.kernel_cases import CASES, SMALL_CASES, TOLERANCE, Case, build_cases
+from bench.lib.kernel_cases import CASES, SMALL_CASES, TOLERANCE, Case, batchkv_calls, build_cases
 from bench.lib.kernel_peers import PEERS, varlen_api
-from bench.lib.kernel_sweep import batchkv_calls, sweep
 from bench.lib.timing import Deadline, time_calls
 
 FLEX_FIRST = ("b64-mixed", "b1-l1024", "b32-mixed", "b8-mixed", "b1-l9100", "b32-verify4", "b64-l512")
@@ -254,7 +252,6 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels-h200.json"))
-    parser.add_argument("--sweep-out", type=Path, default=Path("bench/results/kernels-sweep.json"))
     parser.add_argument("--check", action="store_true", help="compare with the reference first")
     parser.add_argument(
         "--compile-sm90",
@@ -263,13 +260,10 @@ def main() -> None:
         help="compile the kernels for sm_90 without a GPU and print registers, spills and the hot "
         "loop of each variant whose label contains LABEL ('' for all): bench/lib/compile_sm90.py",
     )
-    parser.add_argument("--sweep", action="store_true", help="time a grid of SdpaConfig instead of the benchmark")
     parser.add_argument("--softcap-sinks-ab", action="store_true",
                         help="instead: what soft-capping and attention sinks cost, against a tree before them "
                         "(bench/lib/softcap_sinks_ab.py; its options --base, --rounds, --small, --variants, "
                         "--out)")  # fmt: skip
-    parser.add_argument("--sweep-grid", choices=("defaults", "few"), default="defaults",
-                        help="the grid --sweep times (bench/lib/kernel_sweep.py GRIDS)")  # fmt: skip
     parser.add_argument("--config", default="{}", help="SdpaConfig overrides as JSON, e.g. '{\"occupancy\": 4}'")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--small", action="store_true", help="tiny geometry and cases (a CPU smoke run)")
@@ -293,9 +287,6 @@ def main() -> None:
     v = torch.randn_like(k)
     overrides = json.loads(args.config)
     cfg = SdpaConfig(**overrides) if overrides else None
-    if args.sweep:
-        sweep(cases, k, v, copy_ceiling(k.device)[0], args.sweep_out, args.sweep_grid)
-        return
     report = json.loads(args.resume.read_text()) if args.resume else {"cases": []}
     fi, report["flashinfer"] = load_flashinfer(geo.dtype, geo.d, k.device, args.flashinfer_compile_s)
     peers = {"flashinfer": partial(flashinfer, fi, report["flashinfer"]), **PEERS}  # first: the budget cuts the last

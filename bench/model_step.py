@@ -4,7 +4,7 @@ Runs `model(input_ids, indexes, cache, logits_rows)` for W = R rows (one decode 
 sequence) with a stand-in cache whose attention returns q, so the number is the model's own cost:
 every weight matrix read once, plus the small kernels around them. On CUDA each width is captured
 in a CUDA graph and replayed; the roofline is the weight bytes of one step over the measured
-device-to-device copy bandwidth (read + write bytes over time) of the same run.
+device-to-device copy bandwidth (read + write bytes over time; bench/lib/ceilings.py) of the same run.
 
     python bench/model_step.py --preset sensenova-u1-8b --rows 1 8 32 64          # on the GPU
 
@@ -23,11 +23,6 @@ through the unscaled GEMM and `apply_scales`: fp8's TENSORWISE rule off), at few
 matmul instead of the e4m3 few-row kernel) and `bf16_cublas`, and up to 128 rows `fp8_triton` (the
 few-row kernel with every row in one tile).
     python bench/model_step.py --fp8-matmuls --rows 1 64 256 1024 --json out.json      # on the GPU
-
-`--gemm-ab` (its own options: `--gemm-ab --help`) times each projection shape alone per row count:
-bf16, the row-wise scaled matmul, the scalar-scaled one with and without the scales applied after,
-the transposed product, optionally Triton e4m3 GEMMs, and the activation passes separate against
-fused (bench/lib/fp8_gemm_ab.py).
 """
 
 from __future__ import annotations
@@ -46,7 +41,8 @@ import batchkv.models.quant.fp8 as fp8_module
 import batchkv.models.quant.producers as producers
 from batchkv.models import build_model, preset_config
 from batchkv.models.quant import Fp8Linear
-from bench.lib.timing import capture
+from bench.lib.ceilings import copy_ceiling
+from bench.lib.timing import time_calls
 
 
 class NullAttention:
@@ -54,21 +50,6 @@ class NullAttention:
 
     def update_and_attend(self, layer, q, k, v, scale=None, causal=True):
         return q
-
-
-def copy_peak_gbs(device: torch.device, nbytes: int = 2 << 30) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * nbytes * 10 / (start.elapsed_time(end) / 1e3) / 1e9
 
 
 def step_ms(model, rows: int, iters: int) -> float:
@@ -99,24 +80,8 @@ def kernels_per_step(model, rows: int) -> int:
 
 
 def graph_ms(fn, iters: int, device: torch.device) -> float:
-    """Median-free mean ms of `fn()` replayed from one CUDA graph (wall clock per call on the CPU)."""
-    if device.type != "cuda":
-        fn()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t0) / iters * 1e3
-    graph = capture(fn)
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    graph.reset()
-    return start.elapsed_time(end) / iters
+    """ms of `fn()`: the median of `iters` replays of one CUDA graph (wall clock on the CPU; bench/lib/timing.py)."""
+    return time_calls([fn], replays=iters, budget_s=float("inf"))[0] / 1e3
 
 
 def fp8_matmuls(preset: str, device: torch.device, rows_list: list[int], iters: int) -> list[dict]:
@@ -184,11 +149,6 @@ def fp8_matmuls(preset: str, device: torch.device, rows_list: list[int], iters: 
 
 
 def main() -> None:
-    if "--gemm-ab" in sys.argv:  # the FP8 GEMM alternatives per shape (bench/lib/fp8_gemm_ab.py), its own options
-        sys.argv.remove("--gemm-ab")
-        from bench.lib.fp8_gemm_ab import main as gemm_ab
-
-        return gemm_ab()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="sensenova-u1-8b")
     parser.add_argument("--device", default="cuda")
@@ -214,7 +174,7 @@ def main() -> None:
         cfg = model.config
         tensors = [*model.named_parameters(), *model.named_buffers()]
         weight_bytes = sum(t.numel() * t.element_size() for name, t in tensors if name != "embed_tokens")
-        peak = copy_peak_gbs(device) if device.type == "cuda" else float("nan")
+        peak = copy_ceiling(device)[0] if device.type == "cuda" else float("nan")
         print(
             f"{args.preset} on {device}: {cfg.num_params / 1e9:.2f} B params, {weight_bytes / 1e9:.2f} GB read "
             f"per step, built in {built_s:.1f} s, copy peak {peak:.0f} GB/s"

@@ -42,12 +42,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from batchkv.executor import Engine, Request, SamplingParams
 from batchkv.models import SenseNovaConfig, preset_config
 from batchkv.models.loading import load
 from batchkv.tp.group import no_multicast
 from bench.lib.ceilings import copy_ceiling, read_ceiling
-from bench.lib.serving import Parts, release, serve_offline, warm_up, workload
+from bench.lib.serving import Parts, one_sequence, release, serve_offline, serving_engine, single, warm_up, workload
 from bench.lib.timing import Deadline
 
 LLAMA_70B = SenseNovaConfig(num_layers=80, hidden=8192, q_heads=64, kv_heads=8, head_dim=128, intermediate=28672,
@@ -128,38 +127,10 @@ def collectives(world: int, sizes: list[int], gathers: list[int]) -> dict:
 
 
 # ---- engine runs ---------------------------------------------------------------------------------
-def single(engine: Engine, prompt_len: int, new_tokens: int, vocab: int) -> dict:
-    """ms/token of one greedy sequence on an idle `engine` (the second of two identical requests)
-    and its tokens."""
-    prompt = np.random.default_rng(0).integers(0, vocab, prompt_len).tolist()
-    for _ in range(2):
-        engine.metrics.inter_token.clear()
-        engine.submit(Request(prompt, SamplingParams(max_new_tokens=new_tokens)))
-        tokens = [e.token for e in engine.run_until_done() if e.token is not None]
-    itl = np.asarray(engine.metrics.inter_token) * 1e3
-    return {"ms_per_token_p50": float(np.median(itl)), "ms_per_token_mean": float(itl.mean()), "tokens": tokens}
-
-
-def one_sequence(source, tp: int, device, prompt_len: int, new_tokens: int, vocab: int) -> dict:
-    """`single` on an engine made for one sequence (bench/decode.py's b1 configuration)."""
-    length = prompt_len + new_tokens + 1
-    engine = Engine(source, tensor_parallel=tp, max_seqs=1, capacity=length, max_step_tokens=prompt_len,
-                    prefill_chunk=prompt_len, width_buckets=(1, prompt_len), use_graphs=device.type == "cuda",
-                    device=device, kv_positions=length)  # fmt: skip
-    with engine:
-        out = single(engine, prompt_len, new_tokens, vocab)
-    release(device)
-    return out
-
-
 def serving(source, tp: int, device, prompts, outputs, then=None) -> dict:
     """The standard serving run (bench/decode.py's configuration), warmed up first: output tok/s;
     `then(engine)`, if given, runs on the idle engine after it (its result under "then")."""
-    capacity = max(map(len, prompts)) + max(outputs) + 1
-    engine = Engine(source, tensor_parallel=tp, max_seqs="auto", capacity=capacity, max_step_tokens=1024,
-                    prefill_chunk=min(512, capacity), use_graphs=device.type == "cuda", device=device,
-                    kv_positions="auto")  # fmt: skip
-    with engine:
+    with serving_engine(source, device, prompts, outputs, tensor_parallel=tp) as engine:
         warm_up(engine, device, prompts, outputs)
         d = serve_offline(engine, device, prompts, outputs)
         store = engine.sizing.describe() if engine.sizing else None
@@ -226,7 +197,8 @@ def main() -> None:
         r["allreduce_per_step_b1"] = per_step
 
     def b1():
-        r["b1_detail"] = {tp: one_sequence(source, tp, device, prompt_len, new_tokens, base.vocab) for tp in (1, 2)}
+        b1s = {tp: one_sequence(source, device, prompt_len, new_tokens, base.vocab, cuda, tp) for tp in (1, 2)}
+        r["b1_detail"] = b1s
         one, two = r["b1_detail"][1], r["b1_detail"][2]
         r["b1"] = {"tp1_ms": one["ms_per_token_p50"], "tp2_ms": two["ms_per_token_p50"],
                    "tp2_over_tp1": two["ms_per_token_p50"] / one["ms_per_token_p50"], "target_tp2_over_tp1": 0.6,
@@ -237,7 +209,7 @@ def main() -> None:
 
     def greedy_fp32():
         fp32 = functools.partial(load, base, seed=0, dtype=torch.float32)
-        runs = [one_sequence(fp32, tp, device, min(prompt_len, 128), 32, base.vocab)["tokens"] for tp in (1, 2)]
+        runs = [one_sequence(fp32, device, min(prompt_len, 128), 32, base.vocab, cuda, tp)["tokens"] for tp in (1, 2)]
         r["greedy_fp32"] = agreement(*runs)
         print(f"greedy fp32: {r['greedy_fp32']}", flush=True)
 
@@ -250,7 +222,8 @@ def main() -> None:
 
     def llama70b():  # one engine (its weights drawn once): serving, then one sequence on it
         big_source = functools.partial(load, big, seed=0)
-        b1_run = functools.partial(single, prompt_len=prompt_len, new_tokens=new_tokens // 2, vocab=big.vocab)
+        b1_run = functools.partial(single, device=device, prompt_len=prompt_len, new_tokens=new_tokens // 2,
+                                   vocab=big.vocab)  # fmt: skip
         served = serving(big_source, 2, device, big_prompts, big_outputs, then=b1_run)
         b1_run = served.pop("then")
         b1_run.pop("tokens")

@@ -21,23 +21,12 @@ def _run(args: list[str], out: Path) -> dict:
 
 
 def test_kv_fp8_smoke_times_the_serving_histories_and_prompt_chunks_against_the_reference(tmp_path):
-    args = ["bench/kv_fp8.py", "--smoke", "--qk-long", "--cases", "b64-serve,prefill-2x512"]
-    report = _run(args, tmp_path / "kv.json")
+    report = _run(["bench/kv_fp8.py", "--smoke", "--cases", "b64-serve,prefill-2x512"], tmp_path / "kv.json")
     cases = {case["name"]: case for case in report["cases"]}
     assert cases["prefill-2x512"]["q_len"] == 32 and cases["b64-serve"]["q_len"] == 1  # the long and split paths
     for case in cases.values():
         assert case["max_abs_err_fp8"] < 1e-3 and case["batchkv_fp8_us"] > 0 and case["batchkv_us"] > 0
-    assert "fp8_qk" not in cases["b64-serve"]  # --qk-long times the variant on prompt cases only
-    runs = cases["prefill-2x512"]["fp8_qk"]
-    assert [r["config"]["e4m3_qk_long"] for r in runs] == [False, True, True, True] and all(r["us"] > 0 for r in runs)
-    assert "top1_agreement_fp8_qk" in report["accuracy"]
-
-
-def test_kv_fp8_refuses_an_unknown_serving_run(tmp_path):
-    out = tmp_path / "kv.json"
-    args = [sys.executable, "bench/kv_fp8.py", "--smoke", "--serve-runs", "bf16,fp9", "--out", str(out)]
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "unknown fp9" in proc.stderr and not out.exists()
+    assert 0.5 < report["accuracy"]["top1_agreement_fp8"] <= 1
 
 
 def test_decode_resumed_for_its_single_sequence_part_keeps_the_peers_entries(tmp_path):
@@ -77,7 +66,7 @@ def test_real_model_smoke_scores_both_texts_in_both_compute_dtypes(tmp_path):
 
 
 def test_decode_serve_limits_count_the_kv_bytes_the_engine_stores(tmp_path):
-    skip = "b1_batchkv,online_batchkv,budgets_batchkv,serve_max64_batchkv"
+    skip = "b1_batchkv,online_batchkv,serve_fp8_batchkv,serve_fp8_e4m3_batchkv"
     report = _run(["bench/decode.py", "--small", "--skip-hf", "--device", "cpu", "--skip-parts", skip],
                   tmp_path / "decode.json")  # fmt: skip
     bf16, e4m3 = report["serve"]["workload_limit"], report["serve_e4m3"]["workload_limit"]
@@ -85,35 +74,6 @@ def test_decode_serve_limits_count_the_kv_bytes_the_engine_stores(tmp_path):
     # e4m3: one byte an element where the model's dtype has more, plus one fp32 scale per (position, head)
     assert 0.25 < e4m3["kv_read_bytes"] / bf16["kv_read_bytes"] < 0.75
     assert e4m3["no_overlap"] > bf16["no_overlap"]
-
-
-def test_decode_budgets_serve_each_step_size_at_half_and_all_of_it(tmp_path):
-    skip = "b1_batchkv,online_batchkv,serve_e4m3_batchkv,serve_max64_batchkv"
-    report = _run(["bench/decode.py", "--small", "--skip-hf", "--device", "cpu", "--skip-parts", skip],
-                  tmp_path / "decode.json")  # fmt: skip
-    rows = report["serve"]["budgets"]
-    cells = [(row["max_step_tokens"], row["prefill_budget"]) for row in rows]
-    assert cells == [(128, 64), (128, 128), (1024, 16), (1024, 32), (1024, 512)]  # 512: the serve part's default
-    assert all(row["tokens_per_s"] > 0 and row["steps"] > 0 for row in rows)
-    best = report["serve"]["fastest_within_2_5x"]
-    assert best is None or best["tokens_per_s"] == max(r["tokens_per_s"] for r in rows if r["p99_over_p50"] <= 2.5)
-
-
-def test_kernel_sweep_few_grid_runs_each_config_on_the_cases_given(tmp_path):
-    out = tmp_path / "sweep.json"
-    args = [sys.executable, "bench/kernels.py", "--small", "--sweep", "--sweep-grid", "few", "--cases", "b8-l40",
-            "--sweep-out", str(out)]  # fmt: skip
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    report = json.loads(out.read_text())
-    from bench.lib.kernel_sweep import FEW as few
-
-    assert report["cases"] == ["b8-l40"] and [r["config"] for r in report["results"]] == few
-    assert all(r["us"]["b8-l40"] > 0 and not r["errors"] for r in report["results"])
-    base = report["results"][0]["us"]["b8-l40"]
-    for r in report["results"]:  # each config's speedup is the default's time over its own
-        assert r["speedup_vs_default"] == round(base / r["us"]["b8-l40"], 3)
-    assert report["best"]["speedup_vs_default"] == max(r["speedup_vs_default"] for r in report["results"])
 
 
 def test_structured_smoke_constrains_a_tenth_of_the_requests_only_in_the_runs_that_say_so(tmp_path):

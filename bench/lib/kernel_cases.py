@@ -14,6 +14,7 @@ import torch
 
 from batchkv.ops import sdpa_varlen_reference
 from batchkv.ops.reference import quantize_fp8
+from batchkv.ops.sdpa.launch import SdpaConfig, sdpa_varlen
 from batchkv.ops.support import empty_scales
 
 
@@ -135,3 +136,12 @@ def e4m3_store(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 TOLERANCE = 3e-2  # max abs error against the reference (bf16 outputs of unit-variance values)
+
+
+def batchkv_calls(case: Case, k, v, config: SdpaConfig | None) -> list:
+    """sdpa_varlen on rotation j of `case` for each of its calls, into one output buffer."""
+    out = torch.empty_like(case.q)
+    return [
+        lambda j=j: sdpa_varlen(case.q, k, v, case.tables[j % case.rot], out=out, config=config)
+        for j in range(case.calls)
+    ]

@@ -1,7 +1,7 @@
 """What the serving entry points share: the request list, the serving engine and its warm-up, an
-offline run, the idle engine's full-chunk step, and `Parts` (named parts under one deadline, the
-JSON saved after each, `--resume` skipping those done). bench/decode.py, prefix.py, real_model.py
-and tp.py build on these."""
+offline run, one sequence's ms/token, the idle engine's full-chunk step, and `Parts` (named parts
+under one deadline, the JSON saved after each, `--resume` skipping those done). bench/decode.py,
+prefix.py, real_model.py and tp.py build on these."""
 
 from __future__ import annotations
 
@@ -44,18 +44,16 @@ def serving_engine(
     outputs,
     max_seqs: int | str = "auto",
     kv_dtype=None,
-    step_tokens: int = 1024,
-    prefill_budget: int | None = None,
+    tensor_parallel: int = 1,
 ) -> Engine:
-    """The serving configuration: 1024-token steps (`step_tokens`), 512-token prompt chunks, capacity
-    the longest request, the store allocated whole. max_seqs "auto" (the README's): 256 sequences, the
-    store sized to the device; an int: that many, each column at capacity (the configuration before)."""
+    """The serving configuration: 1024-token steps, 512-token prompt chunks, capacity the longest
+    request, the store allocated whole. max_seqs "auto" (the README's): 256 sequences, the store sized
+    to the device; an int: that many, each column at capacity (the configuration before)."""
     capacity = max(map(len, prompts)) + max(outputs) + 1
     kv_positions = "auto" if max_seqs == "auto" else max_seqs * capacity
-    return Engine(model, max_seqs=max_seqs, capacity=capacity, max_step_tokens=step_tokens,
-                  prefill_chunk=min(512, capacity, step_tokens), prefill_budget=prefill_budget,
-                  use_graphs=device.type == "cuda", device=device, kv_positions=kv_positions,
-                  kv_dtype=kv_dtype)  # fmt: skip
+    return Engine(model, tensor_parallel=tensor_parallel, max_seqs=max_seqs, capacity=capacity,
+                  max_step_tokens=1024, prefill_chunk=min(512, capacity), use_graphs=device.type == "cuda",
+                  device=device, kv_positions=kv_positions, kv_dtype=kv_dtype)  # fmt: skip
 
 
 WARM_UP = (
@@ -71,6 +69,35 @@ def warm_up(engine: Engine, device, prompts, outputs) -> None:
     engine.clear_prefix_cache()
     engine.warm_up()  # every width's graph, so that no timed step captures one
     engine.metrics = engine.metrics.fresh()
+
+
+def single(engine: Engine, device, prompt_len: int, new_tokens: int, vocab: int) -> dict:
+    """ms/token of one greedy sequence on an idle `engine` (median inter-token latency of the second
+    of two identical requests: the first warms up), and its tokens."""
+    prompt = np.random.default_rng(0).integers(0, vocab, prompt_len).tolist()
+    for _ in range(2):
+        engine.metrics.inter_token.clear()
+        engine.submit(Request(prompt, SamplingParams(max_new_tokens=new_tokens)))
+        sync(device)
+        start = time.perf_counter()
+        tokens = [e.token for e in engine.run_until_done() if e.token is not None]
+        sync(device)
+        wall = time.perf_counter() - start
+    itl = np.asarray(engine.metrics.inter_token) * 1e3
+    return {"ms_per_token_p50": float(np.median(itl)), "ms_per_token_mean": float(itl.mean()), "wall_s": wall,
+            "tokens": tokens, "captures": engine.metrics.captures}  # fmt: skip
+
+
+def one_sequence(source, device, prompt_len: int, new_tokens: int, vocab: int, graphs: bool, tp: int = 1) -> dict:
+    """`single` on an engine made for one sequence (bench/decode.py's b1 configuration), closed after."""
+    length = prompt_len + new_tokens + 1
+    engine = Engine(source, tensor_parallel=tp, max_seqs=1, capacity=length, max_step_tokens=prompt_len,
+                    prefill_chunk=prompt_len, width_buckets=(1, prompt_len), use_graphs=graphs, device=device,
+                    kv_positions=length)  # fmt: skip
+    with engine:
+        out = single(engine, device, prompt_len, new_tokens, vocab)
+    release(device)
+    return out
 
 
 def full_chunk_step_ms(engine: Engine, device, prompts, repeats: int = 5) -> float:
@@ -136,56 +163,3 @@ class Parts:
             self.status[name]["s"] = round(time.perf_counter() - start, 1)
         print(f"== part {name}: {self.status[name]}", flush=True)
         self.save()
-
-
-def _kind(name: str) -> str:
-    """A kernel's kind, by its name."""
-    n = name.lower()
-    for kind, marks in (("memcpy", ("memcpy", "memset")), ("matmul", ("gemm", "nvjet", "gemv", "xmma", "cutlass",
-                        "_fp8_mm")), ("attention", ("split_kernel", "long_kernel", "sdpa", "attn", "merge")),
-                        ("fp8_quant", ("quantize", "amax", "_scale_kernel")), ("norm_rope_silu", ("norm", "rope",
-                        "silu")), ("sampling", ("sample", "argmax", "topk", "softmax", "logits"))):  # fmt: skip
-        if any(m in n for m in marks):
-            return kind
-    return "other"
-
-
-def profile_loaded(engine: Engine, device, prompts, outputs, windows=((100, 20), (300, 20))) -> dict:
-    """Where a loaded step's time goes: the workload submitted again on the warm `engine`, and for each
-    (steps to run first, steps to profile) window, the steps' wall time, the GPU's busy time (union of
-    kernel intervals) and kernel time by kind and by name (the 15 largest), per step, from
-    torch.profiler's CUDA activity; the rest of the workload is cancelled."""
-    engine.clear_prefix_cache()
-    ids = [engine.submit(Request(p, SamplingParams(max_new_tokens=o))) for p, o in zip(prompts, outputs, strict=True)]
-    out = []
-    for before, steps in windows:
-        for _ in range(before):
-            engine.step()
-        sync(device)
-        running, waiting, captures = engine.num_running, engine.num_waiting, engine.runner.captures
-        start = time.perf_counter()
-        activity = (
-            torch.profiler.ProfilerActivity.CUDA if device.type == "cuda" else torch.profiler.ProfilerActivity.CPU
-        )
-        with torch.profiler.profile(activities=[activity]) as prof:
-            for _ in range(steps):
-                engine.step()
-            sync(device)
-        wall = (time.perf_counter() - start) / steps * 1e3
-        events = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                        if e.device_type.name == activity.name)  # fmt: skip
-        busy, cursor, kinds, names = 0.0, events[0][0] if events else 0.0, {}, {}
-        for s, e, name in events:
-            busy += max(0.0, e - max(s, cursor))
-            cursor = max(cursor, e)
-            kinds[_kind(name)] = kinds.get(_kind(name), 0.0) + (e - s) / steps / 1e3
-            names[name[:90]] = names.get(name[:90], 0.0) + (e - s) / steps / 1e3
-        out.append({"after_steps": before, "steps": steps, "running": running, "waiting": waiting,
-                    "captures_during": engine.runner.captures - captures, "wall_ms_per_step": wall,
-                    "gpu_busy_ms_per_step": busy / steps / 1e3,
-                    "kernel_ms_per_step_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-                    "kernel_ms_per_step_by_name": dict(sorted(names.items(), key=lambda kv: -kv[1])[:15])})  # fmt: skip
-    for request_id in ids:
-        engine.cancel(request_id)
-    engine.run_until_done()
-    return {"windows": out, "note": "wall_ms_per_step is under the profiler; running/waiting at the window's start"}

@@ -1,7 +1,7 @@
 """`SdpaConfig`: the launch choices of `sdpa_varlen`, and `resolve_config`, which fills them from shapes.
 
 Choices come from a static heuristic (no triton.autotune, whose first-call benchmarking does not
-mix with graph capture); `bench/kernels.py --sweep` and `bench/b1_sweep.py` time the alternatives.
+mix with graph capture); bench/results/README.md records the sweeps that chose them.
 Everything here is host-side and reads no device memory.
 """
 
