@@ -71,7 +71,11 @@ def torch_sdpa(q, k, v, info, *, window=0, scale=None, softcap=0.0, sinks=None):
     return out
 
 
-def run(segments, *, key_dim, value_dim, e4m3=False, config=None, window=0, softcap=0.0, sinks=False, rows=40):
+def run(
+    segments, *, key_dim, value_dim, e4m3=False, config=None, window=0, softcap=0.0, sinks=False, rows=40, v_apart=False
+):
+    """sdpa_varlen against torch SDPA; v_apart: V a view of a store with one more (NaN) column, so its
+    row stride is not K's (the kernels' own V strides, not K's, even at one width)."""
     q, k, v, info = make_case(segments, rows=rows, key_dim=key_dim, value_dim=value_dim)
     extras = {"softcap": softcap} if softcap else {}
     if sinks:
@@ -85,6 +89,10 @@ def run(segments, *, key_dim, value_dim, e4m3=False, config=None, window=0, soft
         k_ref, v_ref = k, v
     want = torch_sdpa(q, k_ref, v_ref, info, window=window, **extras)
     dev = [x.to(DEVICE) for x in (q, k, v, info)]
+    if v_apart:
+        wider = torch.full((v.shape[0], v.shape[1] + 1, *v.shape[2:]), float("nan"), device=DEVICE)
+        wider[:, : v.shape[1]] = dev[2]
+        dev[2] = wider[:, : v.shape[1]]
     extras = {n: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for n, x in extras.items()}
     out = torch.full((q.shape[0], q.shape[1], value_dim), float("nan"), device=DEVICE)
     sdpa_varlen(*dev, out=out, config=config, window=window, **scales, **extras)
@@ -106,6 +114,13 @@ WIDTHS = [(48, 32), (32, 48), (48, 48), (32, 16)]  # keys wider, values wider, b
 @pytest.mark.parametrize(("key_dim", "value_dim"), WIDTHS)
 def test_a_mixed_table_matches_torch_sdpa_with_keys_and_values_of_their_own_widths(key_dim, value_dim):
     run(MIXED, key_dim=key_dim, value_dim=value_dim, config=SdpaConfig(block_m_long=16, q_short=4))
+
+
+@pytest.mark.parametrize(("key_dim", "value_dim"), [(32, 32), (48, 32)])
+def test_values_laid_out_unlike_the_keys_are_read_at_their_own_strides_on_every_path(key_dim, value_dim):
+    run(MIXED, key_dim=key_dim, value_dim=value_dim, config=SdpaConfig(block_m_long=16, q_short=4), v_apart=True)
+    run([(1, 1, 33), (2, 0, 9)], key_dim=key_dim, value_dim=value_dim, v_apart=True,
+        config=SdpaConfig(split_merge=True, programs=3))  # fmt: skip
 
 
 def test_the_split_merge_path_and_several_heads_per_program_take_separate_widths():

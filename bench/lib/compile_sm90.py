@@ -73,6 +73,7 @@ def build(fn, types: dict, consts: dict, warps: int, stages: int, label: str, al
     consts = {**{n: False for n in ("SOFTCAP", "SINKS") if n in fn.arg_names}, **consts}
     if "HEAD_DIM" in consts:  # keys and values of one width, a power of two, unless a variant says otherwise
         widths = {n: consts["HEAD_DIM"] for n in ("K_DIM", "V_TILE", "V_DIM") if n in fn.arg_names}
+        widths |= {"SAME_STRIDES": True} if "SAME_STRIDES" in fn.arg_names else {}  # V in K's layout
         consts = {**widths, **consts}
     types = {"sinks": "*fp32", "cap2": "fp32", **types}
     sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in fn.arg_names}

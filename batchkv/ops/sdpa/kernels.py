@@ -113,7 +113,11 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
                  PREFETCH: tl.constexpr, SECTOR: tl.constexpr, PREFETCH_CHECK: tl.constexpr,
                  MERGE_STAGES: tl.constexpr, CVT_ASM: tl.constexpr, cap2, sinks, SOFTCAP: tl.constexpr,
                  SINKS: tl.constexpr, stride_vr, stride_vc, stride_vh, K_DIM: tl.constexpr, V_TILE: tl.constexpr,
-                 V_DIM: tl.constexpr):  # fmt: skip
+                 V_DIM: tl.constexpr, SAME_STRIDES: tl.constexpr):  # fmt: skip
+    if SAME_STRIDES:  # V laid out as K: K's offsets serve V (one set of 64-bit row offsets, as one width had)
+        stride_vr = stride_r
+        stride_vc = stride_c
+        stride_vh = stride_h
     hp = tl.program_id(0)  # head group: KV heads h0 .. h0 + HEADS - 1
     p = tl.program_id(1)
     h0 = hp * HEADS

@@ -161,7 +161,11 @@ def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, k_desc, v_desc
                 BLOCK_N: tl.constexpr, Q_SHORT: tl.constexpr, S_POW2: tl.constexpr,
                 DOT_PREC: tl.constexpr, TMA: tl.constexpr, cap2, sinks, SOFTCAP: tl.constexpr,
                 SINKS: tl.constexpr, stride_vr, stride_vc, stride_vh, K_DIM: tl.constexpr, V_TILE: tl.constexpr,
-                V_DIM: tl.constexpr):  # fmt: skip
+                V_DIM: tl.constexpr, SAME_STRIDES: tl.constexpr):  # fmt: skip
+    if SAME_STRIDES:  # V laid out as K: K's offsets serve V (one set of 64-bit row offsets, as one width had)
+        stride_vr = stride_r
+        stride_vc = stride_c
+        stride_vh = stride_h
     pid = tl.program_id(0) // num_kv_heads
     h = tl.program_id(0) % num_kv_heads
     idx = tl.arange(0, S_POW2)

@@ -51,7 +51,11 @@ def splitkv_partials(q, k_store, v_store, k_scale, v_scale, info, o_part, lse_pa
                      new_k, new_v, slots, W, columns, stride_nks, stride_nkh, stride_nvs, stride_nvh,
                      WRITE: tl.constexpr, W_POW2: tl.constexpr, GDC: tl.constexpr, cap2,
                      SOFTCAP: tl.constexpr, stride_vr, stride_vc, stride_vh, K_DIM: tl.constexpr,
-                     V_TILE: tl.constexpr, V_DIM: tl.constexpr):  # fmt: skip
+                     V_TILE: tl.constexpr, V_DIM: tl.constexpr, SAME_STRIDES: tl.constexpr):  # fmt: skip
+    if SAME_STRIDES:  # V laid out as K: K's offsets serve V (one set of 64-bit row offsets, as one width had)
+        stride_vr = stride_r
+        stride_vc = stride_c
+        stride_vh = stride_h
     pdl_enter(GDC)  # launched early: wait until the grids before have finished (the K/V write, q)
     h = tl.program_id(0)
     p = tl.program_id(1)
@@ -210,7 +214,7 @@ def split_merge(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, stri
         stride_nvh=new_v.stride(1), WRITE=width > 0, W_POW2=triton.next_power_of_2(max(width, 1)), **launch, **pdl,
         cap2=extras["cap2"], SOFTCAP=extras["SOFTCAP"], stride_vr=v_store.stride(0),
         stride_vc=v_store.stride(0) if v_store.shape[1] == 1 else v_store.stride(1), stride_vh=v_store.stride(2),
-        K_DIM=common["K_DIM"], V_TILE=v_tile, V_DIM=v_store.shape[3],
+        K_DIM=common["K_DIM"], V_TILE=v_tile, V_DIM=v_store.shape[3], SAME_STRIDES=common["SAME_STRIDES"],
     )  # fmt: skip
     splitkv_merge[(num_tokens, num_kv_heads * group)](
         out, o_part, lse_part, seq_info, num_segments, programs, stride_ot, stride_oh, GROUP=group,
