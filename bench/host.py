@@ -106,7 +106,7 @@ def instrument(engine: Engine, timer: PhaseTimer) -> None:
     cache.commit_step = timer.wrap("commit", cache.commit_step)
     runner._stage = timer.wrap("stage", runner._stage)
     runner._device_step = timer.wrap("sample", runner._device_step)
-    metrics.record_finished = timer.wrap("events", metrics.record_finished)
+    metrics.observe_finish = timer.wrap("events", metrics.observe_finish)
     # The tokens' handle is made per step (and the tensor-parallel role is shared): wrap the class's
     # read once, timing into whichever timer is current.
     global CURRENT
