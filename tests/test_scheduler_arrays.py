@@ -17,12 +17,12 @@ import sys
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.scheduler_model import ModelRequest, ModelScheduler
 
 from batchkv import BatchedSequenceCache, CacheConfig
 from batchkv.executor.request import Request, SamplingParams
 from batchkv.executor.scheduler import Scheduler
 from batchkv.executor.state import RequestState
+from tests.scheduler_model import ModelRequest, ModelScheduler
 
 VOCAB = 12
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32)
