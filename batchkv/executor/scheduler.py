@@ -63,6 +63,18 @@ def default_prefill_budget(max_step_tokens: int, prefill_chunk: int) -> int:
     return max(prefill_chunk, max_step_tokens // 2)
 
 
+def _add_chunk(
+    chunks: list[tuple[RequestState, int]], state: RequestState, limit: int, budget: int, rows: int
+) -> tuple[int, int]:
+    """Append `state`'s chunk of at most `limit` tokens that fits `budget` tokens and `rows` logits
+    rows (none when nothing fits); returns the budget and rows left."""
+    chunk = state.fit(min(state.remaining, limit, budget), rows)
+    if chunk <= 0:
+        return budget, rows
+    chunks.append((state, chunk))
+    return budget - chunk, rows - state.rows_for(chunk)
+
+
 class Scheduler:
     """FIFO admission and step packing over one cache. Host only."""
 
@@ -311,17 +323,16 @@ class Scheduler:
         if not prefilling:
             return []
         head, *rest = prefilling
-        rest.sort(key=lambda state: state.remaining)  # stable: ties in admission order
         capped = bool(rest) and head.remaining > self.prefill_chunk
-        limits = [(head, self.head_share if capped else self.prefill_chunk)]
-        chunks = []
-        for state, limit in limits + [(state, self.prefill_chunk) for state in rest]:
-            chunk = state.fit(min(state.remaining, limit, budget), rows)
-            if chunk <= 0:
-                continue
-            chunks.append((state, chunk))
-            budget -= chunk
-            rows -= state.rows_for(chunk)
+        chunks: list[tuple[RequestState, int]] = []
+        budget, rows = _add_chunk(chunks, head, self.head_share if capped else self.prefill_chunk, budget, rows)
+        if rows <= 0:  # no logits row left: only a prompt's non-final chunk can go, never its last token
+            rest = [state for state in rest if state.remaining > 1 and state.request.params.prompt_logprobs is None]
+        rest.sort(key=lambda state: state.remaining)  # stable: ties in admission order
+        for state in rest:
+            if budget <= 0:  # no chunk fits any more
+                break
+            budget, rows = _add_chunk(chunks, state, self.prefill_chunk, budget, rows)
         if capped and budget > 0 and chunks and chunks[0][0] is head:  # the others took less than the budget
             taken = chunks[0][1]
             grown = head.fit(min(self.prefill_chunk, taken + budget), rows + head.rows_for(taken))
