@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import time
 import weakref
+from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
@@ -438,7 +439,7 @@ class Engine:
 
     # ---- stepping ------------------------------------------------------------------------------
     def _bucket(self, tokens: int) -> int:
-        return next(b for b in self.buckets if b >= tokens)
+        return self.buckets[bisect_left(self.buckets, tokens)]
 
     def step(self) -> list[Event]:
         """Launch one step and finish one (the previous with overlap, else this one); returns the

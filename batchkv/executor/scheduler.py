@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import replace
+from itertools import chain
 from operator import attrgetter
 
 import numpy as np
@@ -376,9 +377,9 @@ class Scheduler:
             state.prompt_logprobs += scored[at : at + count]
             at += count
         slots = batch.slots
-        one_each = len(tokens) == 0 or (min(map(len, tokens)) == 1 and max(map(len, tokens)) == 1)
-        if one_each and self.table.plain[slots].all():
-            events, finished = self._record_plain(batch, tokens, now, sampled)
+        flat = np.fromiter(chain.from_iterable(tokens), dtype=np.int64)
+        if len(flat) == len(tokens) and self.table.plain[slots].all():  # one token a row (a run has >= 1)
+            events, finished = self._record_plain(batch, flat, now, sampled)
         else:
             events, finished = self._record_runs(batch, tokens, now, sampled)
         for sample in finished:
@@ -393,15 +394,14 @@ class Scheduler:
         return events
 
     def _record_plain(
-        self, batch: Batch, tokens: list[list[int]], now: float, sampled: list
+        self, batch: Batch, token: np.ndarray, now: float, sampled: list
     ) -> tuple[list[Event], list[SampleState]]:
         """`complete` for a step whose every row read one token and is plain decode (no constraint,
         no prompt_logprobs: `SlotTable.plain`), as array work over the rows: tokens recorded, stop
-        ids, max_new_tokens and capacity checked together. Returns the events and the samples
-        that finished."""
+        ids, max_new_tokens and capacity checked together. `token`: each row's, int64. Returns the
+        events and the samples that finished."""
         table, slots, samples = self.table, batch.slots, batch.samples
         table.pending[slots] -= 1
-        token = np.array(tokens, dtype=np.int64).reshape(-1)
         keep = ~table.done[slots]  # finished or cancelled since launch: the token is discarded
         if not keep.all():
             samples = [samples[i] for i in np.flatnonzero(keep).tolist()]
