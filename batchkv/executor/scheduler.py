@@ -413,8 +413,7 @@ class Scheduler:
         capacity = table.prompt[slots] + read > self.cache.capacity  # no position left to write it
         code = np.where(stop, 1, np.where(length, 2, np.where(capacity, 3, 0)))
         reasons, values = REASONS[code].tolist(), token.tolist()
-        for sample, value in zip(samples, values, strict=True):
-            sample.tokens.append(value)
+        deque(map(list.append, [sample.tokens for sample in samples], values), maxlen=0)  # each its token
         finished = []
         for i in np.flatnonzero(code).tolist():
             samples[i].finish = reasons[i]
