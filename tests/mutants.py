@@ -114,12 +114,12 @@ MUTANTS: list[Mutant] = [
            "prefilling = self.prefilling",
            FAIRNESS, "test_a_less_urgent_prompt_is_not_prefilled_while_urgent_samples_run"),
     Mutant("scheduler: no round-robin among urgent samples", SCHED,
-           "self.running = deque([s for s in self.running if s not in picked] + taken)",
-           "self.running = deque(self.running)",
+           "self._running = np.concatenate((self._running[~picked], taken))",
+           "self._running = self._running",
            FAIRNESS, "test_urgent_samples_a_step_cannot_all_take_take_turns_while_a_less_urgent_one_is_paused"),
     Mutant("scheduler: urgent prompts held to the prefill budget beside only paused samples", SCHED,
-           "prefill_cap = self.prefill_budget if running else budget",
-           "prefill_cap = self.prefill_budget if self.running else budget",
+           "prefill_cap = self.prefill_budget if len(running) else budget",
+           "prefill_cap = self.prefill_budget if len(self._running) else budget",
            FAIRNESS, "test_an_urgent_prompt_beside_only_paused_samples_takes_the_whole_step_not_the_prefill_budget"),
 ]  # fmt: skip
 
