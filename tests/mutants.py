@@ -312,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("select", nargs="*", help="mutant numbers, or words their names contain (default: all)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per mutant's selection (default 300)")
-    parser.add_argument("--list", choices=[*LISTS, "all"], default="all",
-                        help="44: the first pass's behaviours; 38: the vectorised host path's (default: both)")  # fmt: skip
+    lists = "44: the first pass's behaviours; 38: the vectorised host path's (default: both)"
+    parser.add_argument("--list", choices=[*LISTS, "all"], default="all", help=lists)
     args = parser.parse_args(argv)
     lists = LISTS if args.list == "all" else {args.list: LISTS[args.list]}
     chosen = [
