@@ -16,7 +16,7 @@ engine already makes (nothing inside the library is instrumented):
     launched  Scheduler.launched
     read      SampledTokens.read (the tokens to Python lists)
     complete  Scheduler.complete (tokens recorded, finishes, the events built)
-    events    Metrics.record_finished + Scheduler.take_cancelled (the consumer's bookkeeping)
+    events    Metrics.observe_finish + Scheduler.take_cancelled (the consumer's bookkeeping)
     other     the rest of Engine.step()
 
 Reported per configuration (rows x prefix cache x overlap): the median over steady steps of each
@@ -106,7 +106,8 @@ def instrument(engine: Engine, timer: PhaseTimer) -> None:
     cache.commit_step = timer.wrap("commit", cache.commit_step)
     runner._stage = timer.wrap("stage", runner._stage)
     runner._device_step = timer.wrap("sample", runner._device_step)
-    metrics.record_finished = timer.wrap("events", metrics.record_finished)
+    finish = "observe_finish" if hasattr(metrics, "observe_finish") else "record_finished"  # (older trees)
+    setattr(metrics, finish, timer.wrap("events", getattr(metrics, finish)))
     # The tokens' handle is made per step (and the tensor-parallel role is shared): wrap the class's
     # read once, timing into whichever timer is current.
     global CURRENT

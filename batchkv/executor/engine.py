@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import time
 import weakref
+from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
@@ -411,7 +412,7 @@ class Engine:
         cache keeps count as free (they are freed when their memory is needed), as vLLM counts its
         cached blocks in `vllm:kv_cache_usage_perc`."""
         prefix, cache = self.scheduler.prefix, self.cache
-        kept = {h.seq for h in prefix.cached} if prefix is not None else set()
+        kept = {h.seq for h in prefix.cached}
         held = sum(cache.reach(seq) for seq in cache.sequences if seq not in kept)
         return held, cache.config.max_pool_rows() - cache.config.scratch_rows
 
@@ -419,8 +420,7 @@ class Engine:
         """The chain hashes of the 16-token blocks the prefix cache indexes, live prompts and kept
         histories (`batchkv.executor.prefix.block_hashes` hashes a prompt the same way): what a router
         asks to send a prompt where its prefix is. Empty without a prefix cache."""
-        prefix = self.scheduler.prefix
-        return prefix.blocks() if prefix is not None else []
+        return self.scheduler.prefix.blocks()
 
     def cached_tokens(self, request_id: int) -> int | None:
         """Prompt tokens a live, admitted request reused from the prefix cache (None: not live or not
@@ -439,27 +439,25 @@ class Engine:
 
     # ---- stepping ------------------------------------------------------------------------------
     def _bucket(self, tokens: int) -> int:
-        return next(b for b in self.buckets if b >= tokens)
+        return self.buckets[bisect_left(self.buckets, tokens)]
 
     def step(self) -> list[Event]:
         """Launch one step and finish one (the previous with overlap, else this one); returns the
         cancellations since the last call, then the finished step's tokens and finishes."""
         start = time.perf_counter()
-        launched = self._launch()
+        launched = self._launch()  # schedule and run (queued on the device)
         done = self.pipeline.swap(launched)
-        events = self._finish(done) if done is not None else []
-        self.metrics.record_call(start, time.perf_counter(), launched, self.runner)
+        events = self._finish(done) if done is not None else []  # postprocess
+        cancelled = self.scheduler.take_cancelled()  # taken once the step succeeded, else a later one's
+        self.metrics.observe_call(start, time.perf_counter(), launched, cancelled, self)
         self._idle = launched is None and done is None
-        return self._take_cancelled() + events
+        return cancelled + events
 
     def _launch(self) -> InFlight | None:
-        """Admit, plan, and queue the next step on the device; commit it on the host. None: no step."""
-        prefix = self.scheduler.prefix
-        before = prefix.counts()
+        """Admit and plan (the scheduler), draft (the speculator), declare and prepare it on the
+        cache, queue it on the device (the runner), commit. None: no step."""
         self.scheduler.admit()
-        self.metrics.note_prefix(before, prefix.counts())
         batch = self.scheduler.plan()
-        self.metrics.note_generation(self.cache.generation)
         if batch is None:
             return None
         self.speculator.extend(batch)  # decode rows become verify segments [anchor, drafts...]
@@ -467,31 +465,23 @@ class Engine:
         width = self._bucket(max(len(batch.seq_ids), batch.logits_rows))
         self.cache.declare_step(batch.seq_ids)
         self.cache.prepare_step(width)
-        self.metrics.note_generation(self.cache.generation)
-        held = len(self.cache.sequences)
         previous = self.pipeline.in_flight
         tokens = self.runner.launch(batch, width, previous.tokens if previous is not None else None)
         self.cache.commit_step()
         self.scheduler.launched(batch)
-        return InFlight(batch, tokens, width, held)
+        return InFlight(batch, tokens, width, self.cache.num_sequences)
 
     def _finish(self, step: InFlight) -> list[Event]:
         """Read a launched step's tokens (the wait for the device), accept drafts, record tokens,
         finish and free."""
-        batch = step.batch
+        batch, table = step.batch, self.scheduler.table
         runs = self.tp.read(step.tokens)
         self.speculator.accept(batch, runs)  # rewind verify segments to their accepted end
         now = time.perf_counter()
-        before = [(s.last_emit if s.tokens else None, len(s.tokens)) for s in batch.samples]
-        new = self.scheduler.complete(batch, runs, now, step.tokens.logprobs())
+        read, emit = table.read[batch.slots], table.emit[batch.slots]  # before the step's tokens
+        events = self.scheduler.complete(batch, runs, now, step.tokens.logprobs())
         self.speculator.release()
-        self.metrics.record_finished(now, batch.samples, before, new)
-        return new
-
-    def _take_cancelled(self) -> list[Event]:
-        # Taken only once the step succeeded: if it raised, they come out of a later step.
-        events = self.scheduler.take_cancelled()
-        self.metrics.finished["cancelled"] += len(events)
+        self.metrics.observe_finish(now, table, batch.slots, read, emit, events)
         return events
 
     def stream(self) -> Iterator[Event]:

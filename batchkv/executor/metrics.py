@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -58,30 +58,38 @@ class Metrics:
     prefix_evictions: int = 0  # cached histories freed for room
     first_start: float | None = None
     last_end: float = 0.0
-    generation: int = 0  # the cache's storage generation last seen (set by the engine)
+    generation: int = 0  # the cache's storage generation last seen
+    prefix_seen: tuple[int, int, int, int] = (0, 0, 0, 0)  # the prefix cache's `counts()` last seen
 
-    def note_prefix(self, before: tuple[int, ...], after: tuple[int, ...]) -> None:
-        """Add what the prefix cache counted between two `PrefixCache.counts()` readings."""
-        admitted, hits, reused, evictions = (a - b for a, b in zip(after, before, strict=True))
+    def note_prefix(self, counts: tuple[int, int, int, int]) -> None:
+        """Add what the prefix cache counted since its `counts()` were last seen."""
+        admitted, hits, reused, evictions = (a - b for a, b in zip(counts, self.prefix_seen, strict=True))
         self.prefix_admitted += admitted
         self.prefix_hits += hits
         self.prefix_reused += reused
         self.prefix_evictions += evictions
+        self.prefix_seen = counts
 
     def fresh(self) -> Metrics:
-        """Empty totals for the same engine, counting from now: the storage generation is carried,
-        so earlier growths are not counted again (assign it to `engine.metrics` after a warm-up)."""
-        return Metrics(self.max_seqs, generation=self.generation)
+        """Empty totals for the same engine, counting from now: the storage generation and the
+        prefix cache's counts are carried, so earlier growths and admissions are not counted again
+        (assign it to `engine.metrics` after a warm-up)."""
+        return Metrics(self.max_seqs, generation=self.generation, prefix_seen=self.prefix_seen)
 
     def note_generation(self, generation: int) -> None:
         """Count storage reallocations: the cache's generation moved to `generation`."""
         self.growths += generation - self.generation
         self.generation = generation
 
-    def record_call(self, start: float, end: float, launched: InFlight | None, runner: object) -> None:
-        """One `Engine.step()` call from `start` to `end`; `launched` is the step it queued (None:
-        it only finished one, whose tokens extend the elapsed time)."""
-        self.captures, self.replays = runner.captures, runner.replays  # type: ignore[attr-defined]
+    def observe_call(self, start: float, end: float, launched: InFlight | None, cancelled: list, engine: Any) -> None:
+        """One `Engine.step()` call from `start` to `end`: the step it launched (None: it only
+        finished one, whose tokens extend the elapsed time), the cancellations it handed out, and
+        the engine's storage generation, prefix cache counts and graph counters after it."""
+        runner = engine.runner
+        self.note_generation(engine.cache.generation)
+        self.note_prefix(engine.scheduler.prefix.counts())
+        self.finished["cancelled"] += len(cancelled)
+        self.captures, self.replays = runner.captures, runner.replays
         if launched is None:
             if self.first_start is not None:
                 self.last_end = end
@@ -90,12 +98,23 @@ class Metrics:
         self.record_step(start, end, width=launched.width, prefill=batch.prefill_tokens,
                          decode=batch.decode_tokens, held_columns=launched.held)  # fmt: skip
 
-    def record_finished(self, now: float, samples: list, before: list[tuple[float | None, int]], events: list) -> None:
-        """A finished step: each sample's new tokens (its last token time and token count before
-        the step in `before`), and the finish reasons among `events`."""
-        for sample, (previous, count) in zip(samples, before, strict=True):
-            submitted = sample.owner.submitted if sample.index == 0 else None  # one first token per request
-            self.record_tokens(now, previous, submitted, len(sample.tokens) - count)
+    def observe_finish(
+        self, now: float, table: Any, slots: np.ndarray, read: np.ndarray, emit: np.ndarray, events: list
+    ) -> None:
+        """A finished step, read at `now`: its sampling rows' slots of the scheduler's `SlotTable`,
+        each one's tokens read and newest token time before the step (`read`, `emit`), and the
+        step's events (their finish reasons). Array work over the rows: one inter-token gap per
+        sample that got tokens after an earlier one, one time to first token per request (its
+        sample 0's first)."""
+        got = table.read[slots] - read
+        arrived = got > 0
+        self.generated_tokens += int(got.sum())
+        later = arrived & (read > 0)
+        if later.any():
+            self.inter_token += (now - emit[later]).tolist()
+        first = arrived & (read == 0) & (table.index[slots] == 0)
+        if first.any():
+            self.first_token += (now - table.submitted[slots][first]).tolist()
         for event in events:
             if event.finish_reason is not None:
                 self.finished[event.finish_reason] += 1

@@ -307,6 +307,10 @@ class NoPrefixCache:
 
     held_columns = 0
 
+    def blocks(self) -> list[int]:
+        """No block is indexed."""
+        return []
+
     def lookup(self, state: RequestState) -> Match:
         """No reuse."""
         return NO_MATCH

@@ -30,19 +30,26 @@ decode; the rows of its forks are held back too. A request waits while its n ext
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
 from dataclasses import replace
+from itertools import chain
+from operator import attrgetter
+
+import numpy as np
 
 from batchkv.cache import BatchedSequenceCache
 from batchkv.checks import int_arg
 from batchkv.executor.constraints import accept
 from batchkv.executor.logprobs import row_ks
 from batchkv.executor.prefix import NO_MATCH, NoPrefixCache, PrefixCache
-from batchkv.executor.request import MAX_SAMPLE_ROWS, Event
+from batchkv.executor.request import MAX_SAMPLE_ROWS, Event, events
+from batchkv.executor.slots import SlotTable
 from batchkv.executor.state import Batch, RequestState, SampleState
 
 HEAD_SHARE = 4  # a long oldest prompt takes a chunk / 4 first while others wait (bench/long_context.py)
+REASONS = np.array([None, "stop", "length", "capacity"], dtype=object)  # `complete`'s finish codes
+NO_SLOTS = np.zeros(0, dtype=np.int64)
+PRIORITY = attrgetter("request.priority")
 
 __all__ = ["Batch", "RequestState", "SampleState", "Scheduler", "default_prefill_budget"]
 
@@ -55,6 +62,18 @@ def default_prefill_budget(max_step_tokens: int, prefill_chunk: int) -> int:
     tokens/s with p99 3.5x p50; 256 1.2% fewer. At that shape half the step and one chunk are the
     same 512; the rule between them is a choice, not a measurement."""
     return max(prefill_chunk, max_step_tokens // 2)
+
+
+def _add_chunk(
+    chunks: list[tuple[RequestState, int]], state: RequestState, limit: int, budget: int, rows: int
+) -> tuple[int, int]:
+    """Append `state`'s chunk of at most `limit` tokens that fits `budget` tokens and `rows` logits
+    rows (none when nothing fits); returns the budget and rows left."""
+    chunk = state.fit(min(state.remaining, limit, budget), rows)
+    if chunk <= 0:
+        return budget, rows
+    chunks.append((state, chunk))
+    return budget - chunk, rows - state.rows_for(chunk)
 
 
 class Scheduler:
@@ -86,35 +105,67 @@ class Scheduler:
         self.buckets = buckets  # step widths; prompt chunks are trimmed to land on one
         # what a long oldest prompt is sure of per step while shorter prompts wait (`_chunks`)
         self.head_share = max(1, prefill_chunk // HEAD_SHARE)
-        self.sources: dict[SampleState, int] = {}  # sampling row of each sample in the last launched step
+        self.table = SlotTable()  # every held sample's step state, by slot (`batchkv.executor.slots`)
         self.waiting: deque[RequestState] = deque()
         self.prefilling: list[RequestState] = []
-        self.running: deque[SampleState] = deque()
+        self._running = NO_SLOTS  # slots of the running samples, in round-robin order
         self.live: dict[int, RequestState] = {}
         self.cancelled: list[Event] = []
         self.scoring = 0  # live requests that ask for logprobs or prompt_logprobs
+        self._retired: list[SampleState] = []  # samples of retired requests whose slots a launched step may name
+
+    @property
+    def running(self) -> list[SampleState]:
+        """The running samples (prompt written, not finished), in round-robin order."""
+        samples = self.table.samples
+        return [samples[slot] for slot in self._running.tolist()]
 
     # ---- admission -----------------------------------------------------------------------------
     def add(self, state: RequestState) -> None:
-        params = state.request.params
+        """Queue a submitted request; each of its samples takes a slot of the table."""
+        request, params = state.request, state.request.params
+        prompt = len(state.prompt)
         state.samples = [SampleState(state, i) for i in range(params.n)]
+        for sample in state.samples:
+            self.table.take(
+                sample, t0=request.rope_offset + prompt - 1, max_new=params.max_new_tokens, prompt=prompt,
+                limit=min(params.max_new_tokens, self.cache.capacity - prompt + 1), priority=request.priority,
+                request=state.id, submitted=state.submitted, stops=params.stop_token_ids,
+                plain=state.grammar is None and params.prompt_logprobs is None,
+            )  # fmt: skip
         self.waiting.append(state)
         self.live[state.id] = state
         self.scoring += params.scores
 
     def _retire(self, state: RequestState) -> bool:
-        """Forget a request that is no longer live; False when it was not."""
+        """Forget a request that is no longer live; False when it was not. Its slots are freed by
+        `_free_retired` once no launched step names them."""
         if self.live.pop(state.id, None) is None:
             return False
         self.scoring -= state.request.params.scores
+        self._retired += state.samples
         return True
+
+    def _free_retired(self) -> None:
+        """Free the slots of retired samples that no launched, unread step names (pending 0)."""
+        keep = []
+        for sample in self._retired:
+            if sample.slot < 0:
+                continue
+            if sample.pending:
+                keep.append(sample)
+                continue
+            slot = sample.slot
+            sample.detach()
+            self.table.give(slot)
+        self._retired = keep
 
     @property
     def spare(self) -> int:
         return sum(r.spare for r in self.prefilling)
 
     def free_columns(self) -> int:
-        return self.cache.max_seqs - len(self.cache.sequences) - self.spare
+        return self.cache.max_seqs - self.cache.num_sequences - self.spare
 
     def free_rows(self) -> int:
         """Rows the store can still give, less those held back for the forks of prompts in flight."""
@@ -130,7 +181,7 @@ class Scheduler:
         their n extents are free (evicting cached prefixes first). With the prefix cache a request
         starts after the longest prefix it can reuse, and one that shares more with a prompt still
         being written waits for it while the requests behind it go on."""
-        for state in sorted(self.waiting, key=lambda state: state.request.priority):  # stable: FIFO within one
+        for state in sorted(self.waiting, key=PRIORITY):  # stable: FIFO within one
             params, reach = state.request.params, self.reach(state)
             match = self.prefix.lookup(state)
             if match.wait:
@@ -157,7 +208,7 @@ class Scheduler:
         prefix = self.prefix
         cached = match.history is not None and match.history.live is None
         attempts = [match, replace(match, take=True)] if cached else [match]
-        if cached and not self.prefilling and not self.running:
+        if cached and not self.prefilling and not len(self._running):
             attempts.append(NO_MATCH)
         for attempt in attempts:
             need_cols, need_rows = prefix.room(attempt, columns, rows)
@@ -169,29 +220,32 @@ class Scheduler:
         return attempts[-1] if attempts[-1] is NO_MATCH else match  # (the history may be evicted)
 
     # ---- planning ------------------------------------------------------------------------------
-    def _urgent(self) -> tuple[list[RequestState], deque[SampleState] | None]:
-        """The admitted prompts and running samples of the most urgent priority that holds a column
-        (`Request.priority`): the only ones a step takes. None for the samples when every running
-        one is of that priority (the common case: self.running as it is)."""
+    def _urgent(self) -> tuple[list[RequestState], np.ndarray | None]:
+        """The admitted prompts and running samples (slots) of the most urgent priority that holds a
+        column (`Request.priority`): the only ones a step takes. None for the samples when every
+        running one is of that priority (the common case: all of `_running`)."""
         priorities = {state.request.priority for state in self.prefilling}
-        priorities.update(sample.owner.request.priority for sample in self.running)
+        running = self._running
+        levels = self.table.priority[running]
+        if len(levels):
+            priorities.update((int(levels.min()), int(levels.max())))
         if len(priorities) <= 1:
             return self.prefilling, None
         level = min(priorities)
         prefilling = [state for state in self.prefilling if state.request.priority == level]
-        return prefilling, deque(sample for sample in self.running if sample.owner.request.priority == level)
+        return prefilling, running[levels == level]
 
     def plan(self) -> Batch | None:
         """Pack the next step, or None when nothing is admitted."""
         batch = Batch()
         prefilling, urgent = self._urgent()
-        running = self.running if urgent is None else urgent
+        running = self._running if urgent is None else urgent
         # A step's sampling rows fit its width (the LM head runs on min(width, sample_rows) rows).
         budget, rows = self.max_step_tokens, min(self.sample_rows, self.max_step_tokens)
         decode_tokens, decode_rows = budget, rows
         # prompts share the step with running samples, whose next token waits for it: the prefill budget
         # binds (with nothing running, the step is the prompts' alone)
-        prefill_cap = self.prefill_budget if running else budget
+        prefill_cap = self.prefill_budget if len(running) else budget
         if prefilling:  # the oldest prompt moves every step, and can sample when it is done
             head = prefilling[0]
             decode_tokens = budget - 1
@@ -199,20 +253,14 @@ class Scheduler:
             if chunk == head.remaining or head.request.params.prompt_logprobs is not None:  # its rows
                 decode_rows = rows - min(head.rows_for(chunk), max(rows // 2, head.request.params.n))
         take = min(len(running), decode_tokens, decode_rows)
-        taken = list(itertools.islice(running, take))
-        if urgent is None:
-            self.running.rotate(-take)  # round-robin: the deferred go first next step
+        taken = running[:take]
+        if urgent is None:  # round-robin: the deferred go first next step
+            if take < len(running):
+                self._running = np.concatenate((running[take:], taken))
         else:  # the same among the urgent; the paused keep their places
-            picked = set(taken)
-            self.running = deque([s for s in self.running if s not in picked] + taken)
-        sources = []
-        for sample in taken:
-            # A pending newest token is still on the device: the row gathers it from there.
-            sources.append(self.sources[sample] if sample.pending else -1)
-            row = batch.add(sample.seq, [0 if sample.pending else sample.tokens[-1]], [sample.next_t])
-            batch.rows.append(row)
-            batch.samples.append(sample)
-        batch.decode_tokens = take
+            picked = np.isin(self._running, taken)
+            self._running = np.concatenate((self._running[~picked], taken))
+        sources = self._decode_rows(batch, taken)
         budget, rows = min(budget - take, prefill_cap), rows - take
         chunks = self._chunks(prefilling, budget, rows)
         # Trim the prompt chunks so the step lands on a width bucket: padding rows cost a full
@@ -221,6 +269,36 @@ class Scheduler:
         fit = max((b for b in self.buckets if take < b <= total), default=total)
         if fit < total:
             chunks = self._chunks(prefilling, fit - take, rows)
+        self._prompt_rows(batch, chunks)
+        batch.spans = [1] * len(batch.samples)
+        if len(batch.samples) > take:
+            batch.slots = np.concatenate((taken, [s.slot for s in batch.samples[take:]]))
+        if sources is not None:
+            batch.token_src = sources + [-1] * (len(batch.seq_ids) - take)
+        if self.scoring:
+            batch.logprob_k = row_ks(batch)
+        return batch if batch.seq_ids else None
+
+    def _decode_rows(self, batch: Batch, taken: np.ndarray) -> list[int] | None:
+        """One decode row per sample of `taken` (slots), from the table's columns: its column, its
+        newest token (0 when still pending: the row gathers it on the device from the launched
+        step's sampling row, returned as the rows' token sources; None when none is pending) and
+        its RoPE t."""
+        table, take = self.table, len(taken)
+        pending = table.pending[taken]
+        waits = pending > 0
+        batch.seq_ids = table.seq[taken].tolist()
+        batch.input_ids = np.where(waits, 0, table.last[taken]).tolist()
+        batch.t_index = (table.t0[taken] + table.read[taken] + pending).tolist()
+        batch.rows = list(range(take))
+        samples = table.samples
+        batch.samples = [samples[slot] for slot in taken.tolist()]
+        batch.slots = taken
+        batch.decode_tokens = take
+        return np.where(waits, table.src[taken], -1).tolist() if waits.any() else None
+
+    def _prompt_rows(self, batch: Batch, chunks: list[tuple[RequestState, int]]) -> None:
+        """The prompt chunks' rows after the decode rows; a prompt's last chunk samples its n rows."""
         for state, chunk in chunks:
             n = state.request.params.n
             start, offset = state.prefilled, state.request.rope_offset
@@ -236,12 +314,6 @@ class Scheduler:
                 batch.completed.append(state)
                 batch.rows += [row] * n
                 batch.samples += state.samples
-        batch.spans = [1] * len(batch.samples)
-        if any(src >= 0 for src in sources):
-            batch.token_src = sources + [-1] * (len(batch.seq_ids) - take)
-        if self.scoring:
-            batch.logprob_k = row_ks(batch)
-        return batch if batch.seq_ids else None
 
     def _chunks(self, prefilling: list[RequestState], budget: int, rows: int) -> list[tuple[RequestState, int]]:
         """Chunks of `prefilling`'s prompts that fit `budget` tokens and `rows` logits rows: the oldest
@@ -252,17 +324,16 @@ class Scheduler:
         if not prefilling:
             return []
         head, *rest = prefilling
-        rest.sort(key=lambda state: state.remaining)  # stable: ties in admission order
         capped = bool(rest) and head.remaining > self.prefill_chunk
-        limits = [(head, self.head_share if capped else self.prefill_chunk)]
-        chunks = []
-        for state, limit in limits + [(state, self.prefill_chunk) for state in rest]:
-            chunk = state.fit(min(state.remaining, limit, budget), rows)
-            if chunk <= 0:
-                continue
-            chunks.append((state, chunk))
-            budget -= chunk
-            rows -= state.rows_for(chunk)
+        chunks: list[tuple[RequestState, int]] = []
+        budget, rows = _add_chunk(chunks, head, self.head_share if capped else self.prefill_chunk, budget, rows)
+        if rows <= 0:  # no logits row left: only a prompt's non-final chunk can go, never its last token
+            rest = [state for state in rest if state.remaining > 1 and state.request.params.prompt_logprobs is None]
+        rest.sort(key=lambda state: state.remaining)  # stable: ties in admission order
+        for state in rest:
+            if budget <= 0:  # no chunk fits any more
+                break
+            budget, rows = _add_chunk(chunks, state, self.prefill_chunk, budget, rows)
         if capped and budget > 0 and chunks and chunks[0][0] is head:  # the others took less than the budget
             taken = chunks[0][1]
             grown = head.fit(min(self.prefill_chunk, taken + budget), rows + head.rows_for(taken))
@@ -277,18 +348,20 @@ class Scheduler:
         last token is never written), so the next plan can admit into them."""
         for state, chunk in batch.prefill:
             state.prefilled += chunk
-        self.sources = {}
-        for row, sample in enumerate(batch.samples):
-            sample.pending += 1
-            self.sources[sample] = row
-        capacity = self.cache.capacity
+        table, slots = self.table, batch.slots
+        table.pending[slots] += 1
+        table.src[slots] = np.arange(len(slots))  # where the next plan gathers a pending token
         for state in batch.completed:
             self._fork(state)
-            self.running += [s for s in state.samples if s.finish is None]
-        for sample in batch.samples:
-            if sample.seq >= 0 and sample.exhausted(capacity):
-                self._release(sample)
-        self.running = deque(s for s in self.running if s.seq >= 0)
+            started = [s.slot for s in state.samples if s.finish is None]
+            self._running = np.concatenate((self._running, np.asarray(started, dtype=np.int64)))
+        held = table.seq[slots] >= 0
+        exhausted = held & (table.read[slots] + table.pending[slots] >= table.limit[slots])
+        if exhausted.any():
+            for slot in slots[exhausted].tolist():
+                self._release(table.samples[slot])
+        if batch.completed or exhausted.any():
+            self._running = self._running[table.seq[self._running] >= 0]
 
     def complete(
         self, batch: Batch, tokens: list[list[int]], now: float, logprobs: tuple[list, list] | None = None
@@ -298,13 +371,65 @@ class Scheduler:
         finished or was cancelled since the step was launched has its token discarded (its column
         is already free, or freed here: the K/V the step wrote there is never read). `logprobs`:
         the step's (`StepLogprobs.read()`), when some row asked. Returns events."""
-        capacity = self.cache.capacity
-        events = []
         sampled, scored = logprobs if logprobs is not None else ([None] * len(batch.samples), [])
         at = 0
         for state, count in batch.scores:  # prompt_logprobs, in prompt order
             state.prompt_logprobs += scored[at : at + count]
             at += count
+        slots = batch.slots
+        flat = np.fromiter(chain.from_iterable(tokens), dtype=np.int64)
+        if len(flat) == len(tokens) and self.table.plain[slots].all():  # one token a row (a run has >= 1)
+            events, finished = self._record_plain(batch, flat, now, sampled)
+        else:
+            events, finished = self._record_runs(batch, tokens, now, sampled)
+        for sample in finished:
+            if sample.seq >= 0:
+                self._release(sample)
+        if finished:
+            self._running = self._running[~self.table.done[self._running]]
+            for sample in finished:
+                if not sample.owner.live():
+                    self._retire(sample.owner)
+        self._free_retired()
+        return events
+
+    def _record_plain(
+        self, batch: Batch, token: np.ndarray, now: float, sampled: list
+    ) -> tuple[list[Event], list[SampleState]]:
+        """`complete` for a step whose every row read one token and is plain decode (no constraint,
+        no prompt_logprobs: `SlotTable.plain`), as array work over the rows: tokens recorded, stop
+        ids, max_new_tokens and capacity checked together. `token`: each row's, int64. Returns the
+        events and the samples that finished."""
+        table, slots, samples = self.table, batch.slots, batch.samples
+        table.pending[slots] -= 1
+        keep = ~table.done[slots]  # finished or cancelled since launch: the token is discarded
+        if not keep.all():
+            samples = [samples[i] for i in np.flatnonzero(keep).tolist()]
+            slots, token, sampled = slots[keep], token[keep], [sampled[i] for i in np.flatnonzero(keep).tolist()]
+        read = table.read[slots] + 1
+        table.read[slots], table.last[slots], table.emit[slots] = read, token, now
+        stop = (table.stops[slots] == token[:, None]).any(axis=1)
+        length = read >= table.max_new[slots]
+        capacity = table.prompt[slots] + read > self.cache.capacity  # no position left to write it
+        code = np.where(stop, 1, np.where(length, 2, np.where(capacity, 3, 0)))
+        reasons, values = REASONS[code].tolist(), token.tolist()
+        for sample, value in zip(samples, values, strict=True):
+            sample.tokens.append(value)
+        finished = []
+        for i in np.flatnonzero(code).tolist():
+            samples[i].finish = reasons[i]
+            finished.append(samples[i])
+        out = events(table.request[slots].tolist(), values, reasons, table.index[slots].tolist(), sampled)
+        return out, finished
+
+    def _record_runs(
+        self, batch: Batch, tokens: list[list[int]], now: float, sampled: list
+    ) -> tuple[list[Event], list[SampleState]]:
+        """`complete` row by row, for a step with a verify segment's run, a constrained row (its
+        matcher accepts each token) or a prompt's logprobs to hand out. Returns the events and the
+        samples that finished."""
+        capacity, table = self.cache.capacity, self.table
+        events, finished = [], []
         for sample, run, lp in zip(batch.samples, tokens, sampled, strict=True):
             sample.pending -= 1
             if sample.finish is not None:
@@ -331,14 +456,11 @@ class Scheduler:
                 prompt_lps = None
                 if sample.finish is not None:
                     break
-        for sample in batch.samples:
-            if sample.finish is not None and sample.seq >= 0:
-                self._release(sample)
-        self.running = deque(s for s in self.running if s.finish is None)
-        for sample in batch.samples:
-            if not sample.owner.live():
-                self._retire(sample.owner)
-        return events
+            if sample.tokens:
+                table.read[sample.slot], table.last[sample.slot] = len(sample.tokens), sample.tokens[-1]
+            if sample.finish is not None:
+                finished.append(sample)
+        return events, finished
 
     def _release(self, sample: SampleState, keep: bool = True) -> None:
         """Free a sample's column, or with the prefix cache (`keep`: it finished) keep it cached."""
@@ -377,7 +499,8 @@ class Scheduler:
                 self._release(sample, keep=False)
             sample.finish = "cancelled"
             self.cancelled.append(Event(state.id, None, "cancelled", sample.index))
-        self.running = deque(s for s in self.running if s.owner is not state)
+        self._running = self._running[~self.table.done[self._running]]
+        self._free_retired()
         return True
 
     def take_cancelled(self) -> list[Event]:

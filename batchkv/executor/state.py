@@ -9,24 +9,53 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from batchkv.executor.request import Logprobs, Request
+from batchkv.executor.slots import DETACHED, Column, SlotTable
 
 
-@dataclass(eq=False)
 class SampleState:
-    """One of a request's n samples: its column, its tokens so far, and those still on the device."""
+    """One of a request's n samples: its column, its tokens so far, and those still on the device.
 
-    owner: RequestState
-    index: int
-    seq: int = -1  # column; -1 until the prompt is written (sample 0) or forked (others), and once freed
-    tokens: list[int] = field(default_factory=list)  # read by the host
+    Its step state lives in its slot of the scheduler's `SlotTable` (`batchkv.executor.slots`):
+    `seq`, `pending` and `last_emit` read and write that row. A sample made on its own (no table)
+    keeps them in its `detached` dict, as does a sample whose slot was freed.
+    """
+
+    seq = Column("seq")  # column; -1 until the prompt is written (sample 0) or forked (others), and once freed
     # Launched steps that sampled for it and were not read yet (0 or 1 at planning time); each
     # counts as one token. A verify step may emit more, known only once read: speculating engines
     # finish every step before planning the next, so they never plan with one pending.
-    pending: int = 0
-    finish: str | None = None
-    last_emit: float = 0.0  # host time of the last token (inter-token latency)
-    matcher: object = None  # constrained decoding: its xgrammar matcher, made when it first samples
+    pending = Column("pending")
+    last_emit = Column("emit", float)  # host time of the last token (inter-token latency)
+
+    def __init__(self, owner: RequestState, index: int) -> None:
+        self.owner, self.index = owner, index
+        self.tokens: list[int] = []  # read by the host
+        self.matcher: object = None  # constrained decoding: its xgrammar matcher, made when it first samples
+        self._finish: str | None = None
+        self.table: SlotTable | None = None  # set by `SlotTable.take`
+        self.slot = -1
+        self.detached: dict = dict(DETACHED)
+
+    @property
+    def finish(self) -> str | None:
+        return self._finish
+
+    @finish.setter
+    def finish(self, reason: str | None) -> None:
+        self._finish = reason
+        if self.slot >= 0:
+            self.table.done[self.slot] = reason is not None  # type: ignore[union-attr]
+
+    def detach(self) -> None:
+        """Its slot is being freed: keep its values in `detached`."""
+        self.detached = self.table.row(self.slot)  # type: ignore[union-attr]
+        self.slot = -1
+
+    def __repr__(self) -> str:
+        return f"SampleState(request={self.owner.id}, index={self.index}, seq={self.seq}, finish={self.finish!r})"
 
     @property
     def count(self) -> int:
@@ -98,6 +127,8 @@ class Batch:
     t_index: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)  # packed row whose logits each sample row reads
     samples: list[SampleState] = field(default_factory=list)  # who samples at each row (segment)
+    # Per sampling row: its sample's slot in the scheduler's `SlotTable` (int64, as `samples`).
+    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     # Logits rows of each sample's segment, in `rows` order: 1 for plain decode and prompt rows,
     # 1 + drafts for a verify segment [anchor, d1 .. dk] (set by the speculator).
     spans: list[int] = field(default_factory=list)
