@@ -135,7 +135,7 @@ BATCH, STEP, STAGING = "batchkv/cache/batch.py", "batchkv/cache/step.py", "batch
 REFERENCE, FOOTPRINT = "batchkv/ops/reference.py", "batchkv/cache/footprint.py"
 HOOKS = "batchkv/cache/hooks.py"
 SLOTS, METRICS = "batchkv/executor/slots.py", "batchkv/executor/metrics.py"
-SLOTS_TEST = "tests/test_scheduler_arrays.py"
+SLOTS_TEST, TABLE = "tests/test_scheduler_arrays.py", "tests/test_slot_table.py"
 SLOTS_MODEL = "test_slot_arrays_plan_and_record_what_the_per_sample_model_does"
 ARRAYS, LIVE, CACHE = "tests/test_cache_arrays.py", "tests/test_cache_live.py", "tests/test_cache.py"
 LOOPS = "test_array_bookkeeping_stages_and_refuses_exactly_as_the_per_sequence_loops"
@@ -247,7 +247,7 @@ VECTORISED: list[Mutant] = [
     Mutant("scheduler: the most urgent level ignores the least urgent running sample", SCHED,
            "priorities.update((int(levels.min()), int(levels.max())))",
            "priorities.update((int(levels.min()),))",
-           SLOTS_TEST, SLOTS_MODEL),
+           "tests/test_executor_priority.py", "test_a_less_urgent_request_pauses_while_a_more_urgent_one_is_admitted"),
     Mutant("scheduler: running samples of a less urgent level are not paused", SCHED,
            "return prefilling, running[levels == level]",
            "return prefilling, running",
@@ -299,7 +299,7 @@ VECTORISED: list[Mutant] = [
     Mutant("slots: a table that grows drops the stop ids of the slots it had", SLOTS,
            "stops[:old] = self.stops",
            "pass",
-           SLOTS_TEST, SLOTS_MODEL),
+           TABLE, "test_a_table_grown_past_its_first_size_keeps_the_stop_ids_of_its_first_samples"),
     Mutant("metrics: a sample's first token counts as an inter-token gap", METRICS,
            "later = arrived & (read > 0)",
            "later = arrived",
