@@ -118,7 +118,7 @@ MUTANTS: list[Mutant] = [
            FAIRNESS, "test_a_less_urgent_prompt_is_not_prefilled_while_urgent_samples_run"),
     Mutant("scheduler: no round-robin among urgent samples", SCHED,
            "self._running = np.concatenate((self._running[~picked], taken))",
-           "pass",
+           "self._running = self._running",
            FAIRNESS, "test_urgent_samples_a_step_cannot_all_take_take_turns_while_a_less_urgent_one_is_paused"),
     Mutant("scheduler: urgent prompts held to the prefill budget beside only paused samples", SCHED,
            "prefill_cap = self.prefill_budget if len(running) else budget",
@@ -134,7 +134,7 @@ MUTANTS: list[Mutant] = [
 BATCH, STEP, STAGING = "batchkv/cache/batch.py", "batchkv/cache/step.py", "batchkv/cache/staging.py"
 REFERENCE, FOOTPRINT = "batchkv/ops/reference.py", "batchkv/cache/footprint.py"
 HOOKS = "batchkv/cache/hooks.py"
-SLOTS, METRICS = "batchkv/executor/slots.py", "batchkv/executor/metrics.py"
+SLOTS, METRICS, RECORD = "batchkv/executor/slots.py", "batchkv/executor/metrics.py", "batchkv/executor/record.py"
 SLOTS_TEST, TABLE = "tests/test_scheduler_arrays.py", "tests/test_slot_table.py"
 SLOTS_MODEL = "test_slot_arrays_plan_and_record_what_the_per_sample_model_does"
 ARRAYS, LIVE, CACHE = "tests/test_cache_arrays.py", "tests/test_cache_live.py", "tests/test_cache.py"
@@ -243,7 +243,7 @@ VECTORISED: list[Mutant] = [
            "per_sequence = 2 + 3 * 8 + groups * 2 * 8",
            "per_sequence = 2 + 3 * 8 + 2 * 8",
            LIVE, "test_static_bytes_are_what_a_built_cache_holds_in_its_per_sequence_arrays_and_step_buffers"),
-    # the scheduler and engine's slot arrays (executor/slots.py, scheduler.py, metrics.py)
+    # the scheduler and engine's slot arrays (executor/slots.py, scheduler.py, record.py, metrics.py)
     Mutant("scheduler: the most urgent level ignores the least urgent running sample", SCHED,
            "priorities.update((int(levels.min()), int(levels.max())))",
            "priorities.update((int(levels.min()),))",
@@ -272,21 +272,21 @@ VECTORISED: list[Mutant] = [
            "table.read[slots] + table.pending[slots] >= table.limit[slots]",
            "table.read[slots] + table.pending[slots] > table.limit[slots]",
            SLOTS_TEST, SLOTS_MODEL),
-    Mutant("scheduler: a stop id must match in every stop column (wrong reduction)", SCHED,
+    Mutant("record: a stop id must match in every stop column (wrong reduction)", RECORD,
            "(table.stops[slots] == token[:, None]).any(axis=1)",
            "(table.stops[slots] == token[:, None]).all(axis=1)",
            SLOTS_TEST, SLOTS_MODEL),
-    Mutant("scheduler: a token read for a sample cancelled since launch is recorded", SCHED,
+    Mutant("record: a token read for a sample cancelled since launch is recorded", RECORD,
            "keep = ~table.done[slots]",
            "keep = np.ones(len(slots), dtype=bool)",
            SLOTS_TEST, SLOTS_MODEL),
-    Mutant("scheduler: max_new_tokens is reached one token late", SCHED,
+    Mutant("record: max_new_tokens is reached one token late", RECORD,
            "length = read >= table.max_new[slots]",
            "length = read > table.max_new[slots]",
            SLOTS_TEST, SLOTS_MODEL),
-    Mutant("scheduler: a stop token that is also the last allowed finishes by length", SCHED,
-           "np.where(stop, 1, np.where(length, 2, np.where(capacity, 3, 0)))",
-           "np.where(length, 2, np.where(stop, 1, np.where(capacity, 3, 0)))",
+    Mutant("record: a stop token that is also the last allowed finishes by length", RECORD,
+           "np.where(stop, 1, np.where(length, 2, np.where(full, 3, 0)))",
+           "np.where(length, 2, np.where(stop, 1, np.where(full, 3, 0)))",
            SLOTS_TEST, SLOTS_MODEL),
     Mutant("scheduler: finished samples stay in the running slots", SCHED,
            "if finished:\n            self._running = self._running[~self.table.done[self._running]]\n",

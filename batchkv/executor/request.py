@@ -8,7 +8,7 @@ reaches the engine. Rules that depend on the engine (capacity, max_seqs, vocabul
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from batchkv.cache.config import MAX_POSITIONS
 from batchkv.checks import int_arg, int_args, real_arg
@@ -110,6 +110,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     constraint: object | None = None
+    __slots__ = ("__dict__", "adjusts_logits", "adjusts_sampling", "greedy", "scores")  # `_derive`'s
 
     def __post_init__(self) -> None:
         def put(name: str, value: object) -> object:
@@ -136,6 +137,7 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 put(name, int_arg(name, getattr(self, name), 0, MAX_LOGPROBS, error=RequestError, why=why))
         self._check_penalties(put)
+        self._derive()
 
     def _check_penalties(self, put) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -167,27 +169,24 @@ class SamplingParams:
             return self
         return replace(self, stop_token_ids=self.stop_token_ids + extra)
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+    def __reduce__(self) -> tuple:
+        """Pickled as its fields (rebuilt through `__init__`: the frozen slots are derived again)."""
+        return (type(self), tuple(getattr(self, f.name) for f in fields(self)))
 
-    @property
-    def adjusts_logits(self) -> bool:
-        """True when a penalty, min_tokens or logit_bias changes this request's logits."""
-        return bool(
+    def _derive(self) -> None:
+        """The flags a step reads for every row, computed once (slots, not properties: a plain
+        attribute read per row per step, no call; not fields, so equality, repr, replace() and
+        `__dict__` leave them out): greedy (temperature 0); adjusts_logits (a penalty, min_tokens or
+        logit_bias changes the logits); adjusts_sampling (adjusts_logits, min_p or a constraint);
+        scores (logprobs or prompt_logprobs asked)."""
+        adjusts_logits = bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
             or self.min_tokens or self.logit_bias
         )  # fmt: skip
-
-    @property
-    def adjusts_sampling(self) -> bool:
-        """True when `adjusts_logits`, min_p is set, or a constraint applies."""
-        return self.adjusts_logits or self.min_p > 0.0 or self.constraint is not None
-
-    @property
-    def scores(self) -> bool:
-        """True when the request asks for log-probabilities of its output or of its prompt."""
-        return self.logprobs is not None or self.prompt_logprobs is not None
+        object.__setattr__(self, "greedy", self.temperature == 0.0)
+        object.__setattr__(self, "adjusts_logits", adjusts_logits)
+        object.__setattr__(self, "adjusts_sampling", adjusts_logits or self.min_p > 0.0 or self.constraint is not None)
+        object.__setattr__(self, "scores", self.logprobs is not None or self.prompt_logprobs is not None)
 
 
 @dataclass(frozen=True)

@@ -39,15 +39,14 @@ import numpy as np
 
 from batchkv.cache import BatchedSequenceCache
 from batchkv.checks import int_arg
-from batchkv.executor.constraints import accept
 from batchkv.executor.logprobs import row_ks
 from batchkv.executor.prefix import NO_MATCH, NoPrefixCache, PrefixCache
-from batchkv.executor.request import MAX_SAMPLE_ROWS, Event, events
+from batchkv.executor.record import record_plain, record_runs
+from batchkv.executor.request import MAX_SAMPLE_ROWS, Event
 from batchkv.executor.slots import SlotTable
 from batchkv.executor.state import Batch, RequestState, SampleState
 
 HEAD_SHARE = 4  # a long oldest prompt takes a chunk / 4 first while others wait (bench/long_context.py)
-REASONS = np.array([None, "stop", "length", "capacity"], dtype=object)  # `complete`'s finish codes
 NO_SLOTS = np.zeros(0, dtype=np.int64)
 PRIORITY = attrgetter("request.priority")
 
@@ -379,9 +378,9 @@ class Scheduler:
         slots = batch.slots
         flat = np.fromiter(chain.from_iterable(tokens), dtype=np.int64)
         if len(flat) == len(tokens) and self.table.plain[slots].all():  # one token a row (a run has >= 1)
-            events, finished = self._record_plain(batch, flat, now, sampled)
+            events, finished = record_plain(self.table, batch, flat, now, sampled, self.cache.capacity)
         else:
-            events, finished = self._record_runs(batch, tokens, now, sampled)
+            events, finished = record_runs(self.table, batch, tokens, now, sampled, self.cache.capacity)
         for sample in finished:
             if sample.seq >= 0:
                 self._release(sample)
@@ -392,75 +391,6 @@ class Scheduler:
                     self._retire(sample.owner)
         self._free_retired()
         return events
-
-    def _record_plain(
-        self, batch: Batch, token: np.ndarray, now: float, sampled: list
-    ) -> tuple[list[Event], list[SampleState]]:
-        """`complete` for a step whose every row read one token and is plain decode (no constraint,
-        no prompt_logprobs: `SlotTable.plain`), as array work over the rows: tokens recorded, stop
-        ids, max_new_tokens and capacity checked together. `token`: each row's, int64. Returns the
-        events and the samples that finished."""
-        table, slots, samples = self.table, batch.slots, batch.samples
-        table.pending[slots] -= 1
-        keep = ~table.done[slots]  # finished or cancelled since launch: the token is discarded
-        if not keep.all():
-            samples = [samples[i] for i in np.flatnonzero(keep).tolist()]
-            slots, token, sampled = slots[keep], token[keep], [sampled[i] for i in np.flatnonzero(keep).tolist()]
-        read = table.read[slots] + 1
-        table.read[slots], table.last[slots], table.emit[slots] = read, token, now
-        stop = (table.stops[slots] == token[:, None]).any(axis=1)
-        length = read >= table.max_new[slots]
-        capacity = table.prompt[slots] + read > self.cache.capacity  # no position left to write it
-        code = np.where(stop, 1, np.where(length, 2, np.where(capacity, 3, 0)))
-        reasons, values = REASONS[code].tolist(), token.tolist()
-        for sample, value in zip(samples, values, strict=True):
-            sample.tokens.append(value)
-        finished = []
-        for i in np.flatnonzero(code).tolist():
-            samples[i].finish = reasons[i]
-            finished.append(samples[i])
-        out = events(table.request[slots].tolist(), values, reasons, table.index[slots].tolist(), sampled)
-        return out, finished
-
-    def _record_runs(
-        self, batch: Batch, tokens: list[list[int]], now: float, sampled: list
-    ) -> tuple[list[Event], list[SampleState]]:
-        """`complete` row by row, for a step with a verify segment's run, a constrained row (its
-        matcher accepts each token) or a prompt's logprobs to hand out. Returns the events and the
-        samples that finished."""
-        capacity, table = self.cache.capacity, self.table
-        events, finished = [], []
-        for sample, run, lp in zip(batch.samples, tokens, sampled, strict=True):
-            sample.pending -= 1
-            if sample.finish is not None:
-                continue
-            state, params = sample.owner, sample.owner.request.params
-            prompt_lps = None
-            if params.prompt_logprobs is not None and sample.index == 0 and not sample.tokens:
-                prompt_lps, state.prompt_logprobs = tuple(state.prompt_logprobs), []
-            for token in run:
-                grammar = accept(sample.matcher, token) if sample.matcher is not None else None
-                if grammar == "grammar":  # no token could continue it: ends without the token
-                    sample.finish = "grammar"
-                    events.append(Event(state.id, None, "grammar", sample.index, None, prompt_lps))
-                    break
-                sample.tokens.append(token)
-                sample.last_emit = now
-                if token in params.stop_token_ids or grammar == "stop":
-                    sample.finish = "stop"
-                elif len(sample.tokens) >= params.max_new_tokens:
-                    sample.finish = "length"
-                elif len(state.prompt) + len(sample.tokens) > capacity:  # no position left to write it
-                    sample.finish = "capacity"
-                events.append(Event(state.id, token, sample.finish, sample.index, lp, prompt_lps))
-                prompt_lps = None
-                if sample.finish is not None:
-                    break
-            if sample.tokens:
-                table.read[sample.slot], table.last[sample.slot] = len(sample.tokens), sample.tokens[-1]
-            if sample.finish is not None:
-                finished.append(sample)
-        return events, finished
 
     def _release(self, sample: SampleState, keep: bool = True) -> None:
         """Free a sample's column, or with the prefix cache (`keep`: it finished) keep it cached."""
