@@ -7,12 +7,15 @@ with a time limit and puts the file back. Nothing in the working tree
 is touched. Not collected by pytest and not run by CI: run it by hand after changing the code it
 covers (a mutant whose text is gone is reported `stale`: re-locate it, do not drop it).
 
-    python -m tests.mutants                 # every mutant
-    python -m tests.mutants pool 7          # mutants whose name contains "pool", and number 7
+    python -m tests.mutants                 # every mutant of both lists
+    python -m tests.mutants pool 44.7       # mutants whose name contains "pool", and number 7 of list 44
+    python -m tests.mutants --list 38 3 5   # numbers 3 and 5 of the second list
     python -m tests.mutants --timeout 120
 
 The first list (issue #44) is the behaviours of the extent pool, compaction, the prefix cache and
-the priority scheduler that an earlier pass found no test guarding.
+the priority scheduler that an earlier pass found no test guarding. The second (issue #38) is a
+fresh pass over the vectorised host path: the cache's per-sequence arrays, the pool's extent
+mirror, the step plan and buffer fill, and the scheduler and engine's slot arrays.
 """
 
 from __future__ import annotations
@@ -123,6 +126,188 @@ MUTANTS: list[Mutant] = [
            FAIRNESS, "test_an_urgent_prompt_beside_only_paused_samples_takes_the_whole_step_not_the_prefill_budget"),
 ]  # fmt: skip
 
+# The second list (issue #38's vectorised host path): the cache's per-sequence arrays, the pool's
+# extent mirror, the step plan's run-length encoding and buffer fill, the staged upload's spans,
+# the reference attention's live rows and the static-bytes check; then the scheduler and engine's
+# slot arrays. Most are caught by the property test that drives the cache and the per-sequence
+# loops it replaced (`LoopCache`) through the same random traces.
+BATCH, STEP, STAGING = "batchkv/cache/batch.py", "batchkv/cache/step.py", "batchkv/cache/staging.py"
+REFERENCE, FOOTPRINT = "batchkv/ops/reference.py", "batchkv/cache/footprint.py"
+HOOKS = "batchkv/cache/hooks.py"
+SLOTS, METRICS, RECORD = "batchkv/executor/slots.py", "batchkv/executor/metrics.py", "batchkv/executor/record.py"
+SLOTS_TEST, TABLE = "tests/test_scheduler_arrays.py", "tests/test_slot_table.py"
+SLOTS_MODEL = "test_slot_arrays_plan_and_record_what_the_per_sample_model_does"
+ARRAYS, LIVE, CACHE = "tests/test_cache_arrays.py", "tests/test_cache_live.py", "tests/test_cache.py"
+LOOPS = "test_array_bookkeeping_stages_and_refuses_exactly_as_the_per_sequence_loops"
+FIXED_POOL = "test_array_bookkeeping_matches_the_loops_in_a_fixed_pool_where_extents_move_and_compact"
+SPLIT = "test_a_split_declaration_continues_each_sequence_run_after_run"
+
+VECTORISED: list[Mutant] = [
+    Mutant("batch: seq_rm does not push the freed id back on the heap", BATCH,
+           "heapq.heappush(self._released, seq)",
+           "pass",
+           ARRAYS, LOOPS),
+    Mutant("hooks: a loaded history keeps the high-water mark of the one it replaced", HOOKS,
+           "self._hw[seq] = n  # every resident row now holds the new history",
+           "pass",
+           "tests/test_cache_hooks.py", "test_loading_over_a_longer_history_replaces_it"),
+    Mutant("batch: a clone's high-water mark is its length, not what the donor wrote", BATCH,
+           "self._hold(dst, int(upto), int(self._hw[src]), height)",
+           "self._hold(dst, int(upto), int(upto), height)",
+           CACHE, "test_a_fork_of_a_fork_keeps_the_donors_floor"),
+    Mutant("batch: seq_rm drops a declaration that does not name it", BATCH,
+           "if self._declaration is not None and self._declared[seq]:\n            self._drop_declaration()",
+           "if self._declaration is not None:\n            self._drop_declaration()",
+           ARRAYS, LOOPS),
+    Mutant("batch: rewind keeps a prepared step's stale positions", BATCH,
+           "self._len[seq] = int(new_len)\n        self._restage(seq)",
+           "self._len[seq] = int(new_len)",
+           ARRAYS, LOOPS),
+    Mutant("batch: the first unknown id refused is the last in packed order", BATCH,
+           "self._known(members[np.argmin(known)].item())",
+           "self._known(members[~known][-1].item())",
+           ARRAYS, LOOPS),
+    Mutant("batch: an id equal to max_seqs passes the range mask", BATCH,
+           "(members < cfg.max_seqs)",
+           "(members <= cfg.max_seqs)",
+           ARRAYS, LOOPS),
+    Mutant("batch: a step ending exactly at its extent's height grows it", BATCH,
+           "short = ends > self._height[decl.members]",
+           "short = ends >= self._height[decl.members]",
+           ARRAYS, LOOPS),
+    Mutant("batch: prepare_step lowers the high-water mark after a rewind", BATCH,
+           "np.maximum(self._hw[members], self._len[members] + decl.counts)",
+           "self._len[members] + decl.counts",
+           ARRAYS, LOOPS),
+    Mutant("batch: commit adds per segment through a fancy index (a split sequence advances once)", BATCH,
+           "self._len[self._declaration.members] += self._declaration.counts",
+           "self._len[self._declaration.seqs] += self._declaration.q_len",
+           ARRAYS, LOOPS),
+    Mutant("batch: the ring floor follows the largest ring, not the smallest", BATCH,
+           "self._min_ring = min(rings, default=0)",
+           "self._min_ring = max(rings, default=0)",
+           ARRAYS, "test_a_sequence_past_the_smaller_of_two_rings_has_the_ring_floor_of_the_per_layer_loop"),
+    Mutant("step: the first refused writer is the first over max_write, not over either limit", STEP,
+           "i = int(np.argmax(over | beyond))",
+           "i = int(np.argmax(over))",
+           ARRAYS, "test_a_step_refuses_its_first_sequence_over_either_limit_in_packed_order_as_the_loop_does"),
+    Mutant("step: a step ending exactly at capacity is refused", STEP,
+           "over, beyond = counts > max_write, ends > capacity",
+           "over, beyond = counts > max_write, ends >= capacity",
+           "tests/test_boundaries.py", "test_a_sequence_reaches_exactly_its_capacity_and_not_one_more"),
+    Mutant("step: the exclusive cumsum of run lengths starts at the first run's length", STEP,
+           "before = np.cumsum(sorted_len) - sorted_len",
+           "before = np.cumsum(sorted_len)",
+           ARRAYS, SPLIT),
+    Mutant("step: the one-run fast path compares neighbouring runs, not sorted ids", STEP,
+           "if not (ordered[1:] == ordered[:-1]).any():",
+           "if not (seqs[1:] == seqs[:-1]).any():",
+           ARRAYS, SPLIT),
+    Mutant("step: a sequence's first run is not carried to its later runs", STEP,
+           "np.maximum.accumulate(np.where(first, np.arange(len(seqs)), 0))",
+           "np.where(first, np.arange(len(seqs)), 0)",
+           ARRAYS, SPLIT),
+    Mutant("step: members come in id order, not order of first appearance", STEP,
+           "order = np.argsort(heads, kind=\"stable\")",
+           "order = np.arange(len(heads))",
+           ARRAYS, SPLIT),
+    Mutant("step: a second run's kv_end ignores the tokens of the first", STEP,
+           "return lengths[self.seqs] + self.consumed + self.q_len",
+           "return lengths[self.seqs] + self.q_len",
+           ARRAYS, SPLIT),
+    Mutant("step: seq_info rows the previous step used are not zeroed", STEP,
+           "if stale > count:\n            info[:, count:stale] = 0",
+           "if False:\n            info[:, count:stale] = 0",
+           ARRAYS, LOOPS),
+    Mutant("step: the zeroed seq_info rows are not uploaded", STEP,
+           "4 * max(count, stale)",
+           "4 * count",
+           ARRAYS, LOOPS),
+    Mutant("step: a group's slots are uploaded from the span one group lower", STEP,
+           "(w * (1 + g), w * (1 + g) + width)",
+           "(w * g, w * g + width)",
+           ARRAYS, LOOPS),
+    Mutant("pool: the extent mirror skips sequence id 0", POOL,
+           "if type(key) is int and 0 <= key < self.slots:\n            self.bases[key], self.sizes[key] = base, rows",
+           "if type(key) is int and 0 < key < self.slots:\n            self.bases[key], self.sizes[key] = base, rows",
+           ARRAYS, LOOPS),
+    Mutant("pool: a compaction's new bases bypass the extent mirror", POOL,
+           "self._set(move.key, move.dst, move.rows)",
+           "self.extents[move.key] = (move.dst, move.rows)",
+           ARRAYS, FIXED_POOL),
+    Mutant("reference: the attention skips one-token segments with the empty rows", REFERENCE,
+           "seq_info[seq_info[:, 1] > 0]",
+           "seq_info[seq_info[:, 1] > 1]",
+           LIVE, "test_the_reference_attention_visits_only_the_rows_with_queries"),
+    Mutant("footprint: the extent mirrors' bytes count one layer group, whatever the layers", FOOTPRINT,
+           "per_sequence = 2 + 3 * 8 + groups * 2 * 8",
+           "per_sequence = 2 + 3 * 8 + 2 * 8",
+           LIVE, "test_static_bytes_are_what_a_built_cache_holds_in_its_per_sequence_arrays_and_step_buffers"),
+    # the scheduler and engine's slot arrays (executor/slots.py, scheduler.py, record.py, metrics.py)
+    Mutant("scheduler: the most urgent level ignores the least urgent running sample", SCHED,
+           "priorities.update((int(levels.min()), int(levels.max())))",
+           "priorities.update((int(levels.min()),))",
+           "tests/test_executor_priority.py", "test_a_less_urgent_request_pauses_while_a_more_urgent_one_is_admitted"),
+    Mutant("scheduler: running samples of a less urgent level are not paused", SCHED,
+           "return prefilling, running[levels == level]",
+           "return prefilling, running",
+           SLOTS_TEST, SLOTS_MODEL),
+    Mutant("scheduler: the samples a step deferred do not go first next step", SCHED,
+           "self._running = np.concatenate((running[take:], taken))",
+           "self._running = running",
+           SLOTS_TEST, SLOTS_MODEL),
+    Mutant("scheduler: a decode row's RoPE t leaves out its pending token", SCHED,
+           "(table.t0[taken] + table.read[taken] + pending)",
+           "(table.t0[taken] + table.read[taken])",
+           SLOTS_TEST, SLOTS_MODEL),
+    Mutant("scheduler: rows with their token on the host also gather one from the device", SCHED,
+           "np.where(waits, table.src[taken], -1).tolist()",
+           "table.src[taken].tolist()",
+           SLOTS_TEST, SLOTS_MODEL),
+    Mutant("scheduler: a pending token's source is its logits row, not its sampling row", SCHED,
+           "table.src[slots] = np.arange(len(slots))",
+           "table.src[slots] = np.asarray(batch.rows)",
+           SLOTS_TEST, SLOTS_MODEL),
+    Mutant("scheduler: a sample that cannot be fed again keeps its column one step longer", SCHED,
+           "table.read[slots] + table.pending[slots] >= table.limit[slots]",
+           "table.read[slots] + table.pending[slots] > table.limit[slots]",
+           SLOTS_TEST, SLOTS_MODEL),
+    Mutant("record: a stop id must match in every stop column (wrong reduction)", RECORD,
+           "(table.stops[slots] == token[:, None]).any(axis=1)",
+           "(table.stops[slots] == token[:, None]).all(axis=1)",
+           SLOTS_TEST, SLOTS_MODEL),
+    Mutant("record: a token read for a sample cancelled since launch is recorded", RECORD,
+           "keep = ~table.done[slots]",
+           "keep = np.ones(len(slots), dtype=bool)",
+           SLOTS_TEST, SLOTS_MODEL),
+    Mutant("record: max_new_tokens is reached one token late", RECORD,
+           "length = read >= table.max_new[slots]",
+           "length = read > table.max_new[slots]",
+           SLOTS_TEST, SLOTS_MODEL),
+    Mutant("record: a stop token that is also the last allowed finishes by length", RECORD,
+           "np.where(stop, 1, np.where(length, 2, np.where(full, 3, 0)))",
+           "np.where(length, 2, np.where(stop, 1, np.where(full, 3, 0)))",
+           SLOTS_TEST, SLOTS_MODEL),
+    Mutant("scheduler: finished samples stay in the running slots", SCHED,
+           "if finished:\n            self._running = self._running[~self.table.done[self._running]]\n",
+           "if finished:\n",
+           SLOTS_TEST, SLOTS_MODEL),
+    Mutant("scheduler: a retired sample's slot is freed while a launched step still names it", SCHED,
+           "if sample.pending:\n                keep.append(sample)",
+           "if False:\n                keep.append(sample)",
+           SLOTS_TEST, SLOTS_MODEL),
+    Mutant("slots: a table that grows drops the stop ids of the slots it had", SLOTS,
+           "stops[:old] = self.stops",
+           "pass",
+           TABLE, "test_a_table_grown_past_its_first_size_keeps_the_stop_ids_of_its_first_samples"),
+    Mutant("metrics: a sample's first token counts as an inter-token gap", METRICS,
+           "later = arrived & (read > 0)",
+           "later = arrived",
+           "tests/test_executor.py", "test_time_to_first_token_counts_each_request_once_whatever_its_samples"),
+]  # fmt: skip
+
+LISTS = {"44": MUTANTS, "38": VECTORISED}
+
 
 def copy_tree(dest: Path) -> Path:
     """The repository without git, caches or build outputs, at dest / 'tree'."""
@@ -146,7 +331,7 @@ def pytest(tree: Path, tests: tuple[str, ...], timeout: float) -> tuple[str, flo
     return {0: "pass", 1: "fail"}.get(done.returncode, "error"), seconds, tail
 
 
-def check(mutants: list[tuple[int, Mutant]], timeout: float) -> int:
+def check(mutants: list[tuple[str, Mutant]], timeout: float) -> int:
     """Run the check; prints a table and returns how many mutants were not caught."""
     with tempfile.TemporaryDirectory(prefix="batchkv-mutants-") as tmp:
         tree = copy_tree(Path(tmp))
@@ -174,7 +359,7 @@ def check(mutants: list[tuple[int, Mutant]], timeout: float) -> int:
                 path.write_text(original)
             verdict = {"fail": "caught", "timeout": "caught (timeout)", "pass": "MISSED"}.get(status, "error")
             rows.append((number, mutant, verdict, seconds))
-            print(f"{number:>2}  {verdict:<16} {seconds:5.0f} s  {mutant.name}", flush=True)
+            print(f"{number:>5}  {verdict:<16} {seconds:5.0f} s  {mutant.name}", flush=True)
     caught = sum(verdict.startswith("caught") for _, _, verdict, _ in rows)
     print(f"\n{caught}/{len(rows)} caught\n")
     print("| # | file | mutation | caught by | result |\n|---|---|---|---|---|")
@@ -187,11 +372,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("select", nargs="*", help="mutant numbers, or words their names contain (default: all)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per mutant's selection (default 300)")
+    lists = "44: the first pass's behaviours; 38: the vectorised host path's (default: both)"
+    parser.add_argument("--list", choices=[*LISTS, "all"], default="all", help=lists)
     args = parser.parse_args(argv)
+    lists = LISTS if args.list == "all" else {args.list: LISTS[args.list]}
     chosen = [
-        (number, m)
-        for number, m in enumerate(MUTANTS, 1)
-        if not args.select or any(s == str(number) or s.lower() in m.name.lower() for s in args.select)
+        (f"{name}.{number}", m)
+        for name, mutants in lists.items()
+        for number, m in enumerate(mutants, 1)
+        if not args.select
+        or any(s in (str(number), f"{name}.{number}") or s.lower() in m.name.lower() for s in args.select)
     ]
     return 1 if check(chosen, args.timeout) else 0
 

@@ -386,3 +386,43 @@ def test_a_split_declaration_continues_each_sequence_run_after_run(ids):
     assert got == want
     assert dict(zip(plan.members.tolist(), plan.counts.tolist(), strict=True)) == counts
     assert plan.members.tolist() == list(counts)  # first appearance order: the refusals' order
+
+
+def test_a_sequence_past_the_smaller_of_two_rings_has_the_ring_floor_of_the_per_layer_loop():
+    # rings of 3 and 7 rows (window + max_write - 1): positions 4 to 7 wrapped only the smaller one
+    layers = (LayerSpec("flat"), LayerSpec("ring", window=2), LayerSpec("ring", window=6))
+    cfg = CacheConfig(num_layers=3, kv_heads=1, head_dim=4, max_seqs=2, capacity=20, max_write=2, layers=layers,
+                      dtype=torch.float32, buckets=(4, 8), tail_step=4)  # fmt: skip
+    cache, loop = BatchedSequenceCache(cfg, "cpu", attention="reference"), LoopCache(cfg)
+    floors = []
+    for target in (cache, loop):
+        seq, seen = target.seq_new(), []
+        for _ in range(5):  # ten positions, two a step
+            target.declare_step([seq, seq])
+            target.prepare_step(2)
+            target.commit_step()
+            seen.append(target.ring_floor(seq))
+        floors.append(seen)
+        clone = target.seq_clone(seq, upto=8)
+        seen.append(target.ring_floor(clone))
+        seen.append(outcome(lambda t=target, s=seq: t.rewind(s, 3)))
+    assert floors[0] == floors[1]  # the same floors, and the same refusal of the rewind, word for word
+    assert floors[0][:6] == [0, 2, 4, 6, 8, 8] and floors[0][6][1][0] is RingFloorError
+
+
+def test_a_step_refuses_its_first_sequence_over_either_limit_in_packed_order_as_the_loop_does():
+    cfg = CacheConfig(num_layers=1, kv_heads=1, head_dim=4, max_seqs=3, capacity=8, max_write=3,
+                      dtype=torch.float32, buckets=(4, 8), tail_step=4)  # fmt: skip
+    cache, loop = BatchedSequenceCache(cfg, "cpu", attention="reference"), LoopCache(cfg)
+    refusals = []
+    for target in (cache, loop):
+        a, b = target.seq_new(), target.seq_new()
+        for _ in range(2):  # b holds 6 of its 8 positions
+            target.declare_step([b, b, b])
+            target.prepare_step(3)
+            target.commit_step()
+        steps = ([a, b, b, b], [b, b, b, a, a, a, a], [a, a, a, a, b, b, b], [a, a, b, b, b, a, a])
+        refusals.append([outcome(lambda t=target, ids=ids: t.declare_step(ids))[1] for ids in steps])
+    assert refusals[0] == refusals[1]
+    assert [message.split(" needs")[0].split(" writes")[0] for _, message in refusals[0]] == [
+        "sequence 1", "sequence 1", "declare_step: sequence 0", "declare_step: sequence 0"]  # fmt: skip

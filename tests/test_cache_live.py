@@ -111,3 +111,17 @@ def test_static_bytes_follow_max_seqs_and_the_step_buffers():
     # 4 more sequences: 42 bytes each of state, 8 more int32 seq_info rows of 16 bytes (host and device),
     # 4 more tokens of int64 positions and slots (max_width = max_seqs * max_write)
     assert host8 - host4 == 4 * 42 + 8 * 16 + 4 * 2 * 8 and dev8 - dev4 == 8 * 16 + 4 * 2 * 8
+
+
+@pytest.mark.parametrize("windows", [(), (4,), (2, 5)])
+def test_static_bytes_are_what_a_built_cache_holds_in_its_per_sequence_arrays_and_step_buffers(windows):
+    layers = (LayerSpec("flat"), *(LayerSpec("ring", window=w) for w in windows))
+    cfg = CacheConfig(num_layers=len(layers), kv_heads=HKV, head_dim=D, max_seqs=8, capacity=16, max_write=2,
+                      layers=layers, dtype=torch.float32)  # fmt: skip
+    cache = BatchedSequenceCache(cfg, "cpu", attention="reference")
+    assert len(cache._store.groups) == 1 + len(windows)  # one pool, so one extent mirror, per layer group
+    ids = [cache._held, cache._declared, cache._len, cache._hw, cache._height]
+    mirrors = [a for group in cache._store.groups for a in (group.pool.bases, group.pool.sizes)]
+    staged = sum(t.numel() * t.element_size() for t in cache._buffers._staging._host.values())
+    host, device = BatchedSequenceCache.static_bytes(cfg)
+    assert (host, device) == (sum(a.nbytes for a in ids + mirrors) + staged, staged)
