@@ -51,6 +51,7 @@ class Mutant:
 
 POOL, STORE = "batchkv/cache/pool.py", "batchkv/cache/store.py"
 PREFIX, SCHED = "batchkv/executor/prefix.py", "batchkv/executor/scheduler.py"
+ADMIT = "batchkv/executor/admission.py"  # the Scheduler's admission half
 PLACEMENT, COMPACTION = "tests/test_pool_placement.py", "tests/test_store_compaction.py"
 POLICY, ADMISSION = "tests/test_prefix_policy.py", "tests/test_admission_rows.py"
 FAIRNESS = "tests/test_priority_fairness.py"
@@ -68,7 +69,7 @@ MUTANTS: list[Mutant] = [
            "rows - min(held, rows // max(columns, 1))",
            "rows - held",
            ADMISSION, "test_an_n_sample_request_adopting_a_tall_history_waits_for_its_forks_rows_under_a_full_store"),
-    Mutant("scheduler: free_rows forgets the rows held back for forks", SCHED,
+    Mutant("scheduler: free_rows forgets the rows held back for forks", ADMIT,
            "return self.cache.free_rows - sum(r.spare * self.reach(r) for r in self.prefilling)",
            "return self.cache.free_rows",
            ADMISSION, "test_a_later_request_does_not_take_the_rows_held_back_for_a_prompts_forks"),
@@ -108,7 +109,7 @@ MUTANTS: list[Mutant] = [
            "if history.matchable() // BLOCK > len(history.blocks):",
            "if False:",
            POLICY, "test_tokens_read_after_a_history_was_retired_are_matched"),
-    Mutant("scheduler: a request waiting for a donor blocks those behind it", SCHED,
+    Mutant("scheduler: a request waiting for a donor blocks those behind it", ADMIT,
            "if match.wait:\n                continue",
            "if match.wait:\n                return",
            FAIRNESS, "test_a_request_waiting_for_a_donors_prefix_lets_the_requests_behind_it_in"),
