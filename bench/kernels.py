@@ -19,6 +19,7 @@ while flex runs.
 
     python3 bench/kernels.py [--check] [--sweep] [--out bench/results/kernels-h200.json] [--budget-s 215]
     python bench/kernels.py --small --check --out /tmp/k.json     # CPU smoke run (Triton interpreter)
+    python3 bench/kernels.py --softcap-sinks-ab --base .base --out bench/results/softcap-sinks-ab-h200.json
 
 --check first compares batchkv with the torch reference on every case (a mismatch is recorded and
 printed, not fatal); --sweep times a grid of SdpaConfig choices instead (bench/lib/kernel_sweep.py);
@@ -43,7 +44,7 @@ import torch
 if not torch.cuda.is_available() and "--compile-sm90" not in sys.argv:  # no GPU: the Triton interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config
+from batchkv.ops.sdpa.launch import SdpaConfig, resolve_config
 from bench.lib.ceilings import copy_ceiling, read_ceiling
 from bench.lib.flashinfer_jit import load as load_flashinfer
 from bench.lib.flashinfer_peer import at_page, flashinfer
@@ -245,6 +246,12 @@ def header(geo, cfg: SdpaConfig | None, device: torch.device) -> dict:
 
 
 def main() -> None:
+    if "--softcap-sinks-ab" in sys.argv[1:]:  # a bench of its own, with its own options
+        from bench.lib import softcap_sinks_ab
+
+        sys.argv.remove("--softcap-sinks-ab")
+        softcap_sinks_ab.main()
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels-h200.json"))
     parser.add_argument("--sweep-out", type=Path, default=Path("bench/results/kernels-sweep.json"))
@@ -257,6 +264,9 @@ def main() -> None:
         "loop of each variant whose label contains LABEL ('' for all): bench/lib/compile_sm90.py",
     )
     parser.add_argument("--sweep", action="store_true", help="time a grid of SdpaConfig instead of the benchmark")
+    parser.add_argument("--softcap-sinks-ab", action="store_true",
+                        help="instead: what soft-capping and attention sinks cost, against a tree before them "
+                        "(bench/lib/softcap_sinks_ab.py; its options --base, --rounds, --small, --out)")  # fmt: skip
     parser.add_argument("--sweep-grid", choices=("defaults", "few"), default="defaults",
                         help="the grid --sweep times (bench/lib/kernel_sweep.py GRIDS)")  # fmt: skip
     parser.add_argument("--config", default="{}", help="SdpaConfig overrides as JSON, e.g. '{\"occupancy\": 4}'")

@@ -54,8 +54,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batchkv import BatchedSequenceCache, CacheConfig
-from batchkv.ops import sdpa_varlen_reference, sdpa_varlen_triton
-from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config, sdpa_varlen
+from batchkv.ops import sdpa_varlen_reference
+from batchkv.ops.sdpa import launch
+from batchkv.ops.sdpa.launch import SdpaConfig, resolve_config, sdpa_varlen
 from bench.lib.kernel_cases import e4m3_store
 from bench.lib.timing import time_calls as lib_time_calls
 
@@ -87,13 +88,13 @@ QK_CONFIGS = [{"e4m3_qk_long": False}, {"e4m3_qk_long": True}, {"e4m3_qk_long": 
 def qk_long(on: bool):
     """config=None calls (the model's) take `SdpaConfig.e4m3_qk_long=on` while inside (the default has
     it on; the narrow config too: a one-sequence cache's 2-row table takes it, for prompt chunks as well)."""
-    default = sdpa_varlen_triton.DEFAULT_CONFIG
+    default = launch.DEFAULT_CONFIG
     narrow = default.narrow and replace(default.narrow, e4m3_qk_long=on)
-    sdpa_varlen_triton.DEFAULT_CONFIG = replace(default, e4m3_qk_long=on, narrow=narrow)
+    launch.DEFAULT_CONFIG = replace(default, e4m3_qk_long=on, narrow=narrow)
     try:
         yield
     finally:
-        sdpa_varlen_triton.DEFAULT_CONFIG = default
+        launch.DEFAULT_CONFIG = default
 
 
 class Shape:

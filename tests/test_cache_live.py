@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from batchkv import BatchedSequenceCache, CacheConfig, LayerSpec, cli
-from batchkv.cache import batch as batch_module
+from batchkv.cache import footprint
 from batchkv.errors import CapacityError
 from batchkv.ops.reference import sdpa_varlen_reference
 
@@ -79,7 +79,7 @@ def test_a_max_seqs_whose_buffers_cannot_fit_is_refused_at_construction_with_the
 
 
 def test_batchkv_run_refuses_max_seqs_of_a_hundred_million_at_once(monkeypatch, capsys):
-    monkeypatch.setattr(batch_module, "available_host_memory", lambda: 16 * 2**30)  # a 16 GiB host
+    monkeypatch.setattr(footprint, "available_host_memory", lambda: 16 * 2**30)  # a 16 GiB host
     argv = ["run", "--device", "cpu", "--max-seqs", "100000000", "--requests", "2"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err

@@ -34,7 +34,7 @@ def run_case(q_lens, kv_ends, *, rows, kv_heads=8, group=4, head_dim=128, q_dtyp
     reference on the same codes, scale planes in the store's layout; q in q_dtype, so the dots run in it.
     v_magnitude: V times it, and the relative error of the covered rows bounded at 5e-3. config None:
     the default with q unrounded (its prompt chunks round q: tests/test_fp8_qk_long.py)."""
-    from batchkv.ops.sdpa_varlen_triton import DEFAULT_CONFIG, _counters, sdpa_varlen
+    from batchkv.ops.sdpa.launch import DEFAULT_CONFIG, _counters, sdpa_varlen
 
     if config is None:
         config = replace(DEFAULT_CONFIG, e4m3_qk_long=False, narrow=replace(DEFAULT_CONFIG.narrow, e4m3_qk_long=False))
@@ -92,7 +92,7 @@ def test_e4m3_with_fp32_queries_matches_reference_tightly():
 
 
 def test_every_swept_config_on_e4m3_matches_reference():
-    from batchkv.ops.sdpa_varlen_triton import SdpaConfig
+    from batchkv.ops.sdpa.launch import SdpaConfig
 
     sweep = [{"block_n": 64}, {"block_n": 128}, {"heads": 2, "occupancy": 4}, {"heads": 8, "occupancy": 1},
              {"min_blocks": 4}, {"num_stages": 4}, {"skip_masks": False},
@@ -138,7 +138,7 @@ def test_the_gpu_write_stores_the_reference_codes_and_scales_bit_for_bit():
 
 def test_one_captured_graph_replays_length_mixes_with_the_e4m3_write():
     from batchkv.ops.kv_write_triton import kv_write
-    from batchkv.ops.sdpa_varlen_triton import sdpa_varlen
+    from batchkv.ops.sdpa.launch import sdpa_varlen
 
     rows, kv_heads, head_dim, width = 4096, 8, 128, 24
     gen = torch.Generator(device="cuda").manual_seed(3)

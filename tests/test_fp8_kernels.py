@@ -22,8 +22,8 @@ from batchkv.errors import ContractError
 from batchkv.ops import sdpa_varlen_reference
 from batchkv.ops.kv_write_triton import kv_write
 from batchkv.ops.reference import dequantize_fp8, kv_write_reference, quantize_fp8
-from batchkv.ops.sdpa_varlen_common import unpack_pairs
-from batchkv.ops.sdpa_varlen_triton import DEFAULT_CONFIG, SdpaConfig, _counters, sdpa_varlen
+from batchkv.ops.sdpa.common import unpack_pairs
+from batchkv.ops.sdpa.launch import DEFAULT_CONFIG, SdpaConfig, _counters, sdpa_varlen
 from batchkv.ops.support import FP8, SCALE_FLOOR, empty_scales, to_scale_layout
 from tests.test_sdpa_varlen import DEVICE, make_case
 

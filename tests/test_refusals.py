@@ -24,7 +24,7 @@ def snapshot(cache) -> dict:
     return {
         "lengths": {s: cache.pos(s) for s in cache.sequences},
         "floors": {s: cache.ring_floor(s) for s in cache.sequences},
-        "plan": cache._plan,
+        "plan": cache._declaration,
         "width": cache._width,
         "seq_info": cache.seq_info.clone(),
         "positions": cache.positions.clone(),
@@ -89,10 +89,10 @@ def test_every_refusal_leaves_everything_unchanged(kv_dtype):
     while cache.pos(b) + 3 <= cache.capacity:
         pair.step([b, b, b])
     cache.declare_step([a])
-    plan = cache._plan
+    plan = cache._declaration
     with pytest.raises(CapacityError, match="capacity is 32"):
         cache.declare_step([b] * 3)
-    assert cache._plan is plan
+    assert cache._declaration is plan
     assert not cache.can_admit(b, 3) and cache.can_admit(b, 32 - cache.pos(b))
 
 

@@ -11,7 +11,7 @@ import torch
 
 from batchkv.errors import ContractError
 from batchkv.ops import sdpa_varlen_reference
-from batchkv.ops.sdpa_varlen_triton import SdpaConfig, _counters, sdpa_varlen
+from batchkv.ops.sdpa.launch import SdpaConfig, _counters, sdpa_varlen
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -123,7 +123,7 @@ def test_the_last_program_merges_many_partials_in_several_rounds_and_resets_its_
 
 
 def test_the_64_bit_work_axis_gives_the_32_bit_result(monkeypatch):
-    import batchkv.ops.sdpa_varlen_triton as launcher
+    import batchkv.ops.sdpa.launch as launcher
 
     segments, config = [(1, 0, 300), (3, 1, 45), (1, 2, 7)], SdpaConfig(programs=5, block_n=16)
     out32, _ = check(segments, rows=310, head_dim=16, kv_heads=1, config=config)

@@ -37,7 +37,7 @@ def table(q_lens, kv_ends, cols, num_segments):
 
 def run_case(q_lens, kv_ends, *, rows, kv_heads=8, group=4, head_dim=128, dtype=torch.bfloat16, causal=True,
              window=0, pad=3, seed=0, atol=2e-2, config=None):  # fmt: skip
-    from batchkv.ops.sdpa_varlen_triton import _counters, sdpa_varlen
+    from batchkv.ops.sdpa.launch import _counters, sdpa_varlen
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     cols = torch.randperm(64, generator=torch.Generator().manual_seed(seed))[: len(q_lens)].tolist()
@@ -76,7 +76,7 @@ def test_other_head_dims_and_fp16_match_reference(head_dim, dtype):
 
 
 def test_every_swept_config_matches_reference():
-    from batchkv.ops.sdpa_varlen_triton import SdpaConfig
+    from batchkv.ops.sdpa.launch import SdpaConfig
 
     sweep = [{"heads": 1}, {"heads": 2, "occupancy": 4}, {"heads": 4}, {"heads": 8, "occupancy": 1},
              {"min_blocks": 4}, {"occupancy": 3}, {"skip_masks": False},
@@ -98,7 +98,7 @@ def test_fp32_storage_matches_reference_tightly():
 
 def test_one_captured_graph_replays_three_length_mixes_with_the_kv_write():
     from batchkv.ops.kv_write_triton import kv_write
-    from batchkv.ops.sdpa_varlen_triton import _counters, sdpa_varlen
+    from batchkv.ops.sdpa.launch import _counters, sdpa_varlen
 
     rows, kv_heads, head_dim, width = 4096, 8, 128, 24
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -159,7 +159,7 @@ def test_tma_prompt_chunks_equal_pointer_loads_exactly_and_replay_in_a_graph(dty
     # SdpaConfig.tma_long reads the same tiles through host descriptors: outputs bit for bit equal,
     # also from a captured graph replayed after the table changes (the descriptors hold store addresses)
     from batchkv.ops.reference import quantize_fp8
-    from batchkv.ops.sdpa_varlen_triton import SdpaConfig, sdpa_varlen
+    from batchkv.ops.sdpa.launch import SdpaConfig, sdpa_varlen
     from batchkv.ops.support import to_scale_layout
 
     gen = torch.Generator(device="cuda").manual_seed(5)

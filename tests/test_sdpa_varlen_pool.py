@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from batchkv.ops import sdpa_varlen_reference
 from batchkv.ops.reference import dequantize_fp8, quantize_fp8
-from batchkv.ops.sdpa_varlen_triton import SdpaConfig, sdpa_varlen
+from batchkv.ops.sdpa.launch import SdpaConfig, sdpa_varlen
 from batchkv.ops.support import FP8, empty_scales
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -19,7 +19,7 @@ import torch
 from batchkv.errors import ContractError
 from batchkv.ops import sdpa_varlen_reference
 from batchkv.ops.reference import dequantize_fp8, quantize_fp8, quantize_queries
-from batchkv.ops.sdpa_varlen_triton import SdpaConfig, _counters, sdpa_varlen
+from batchkv.ops.sdpa.launch import SdpaConfig, _counters, sdpa_varlen
 from batchkv.ops.support import to_scale_layout
 from tests.test_sdpa_varlen import DEVICE, make_case
 

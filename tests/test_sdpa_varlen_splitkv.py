@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from batchkv.errors import ContractError
-from batchkv.ops import sdpa_varlen_reference, sdpa_varlen_triton
+from batchkv.ops import sdpa_varlen_reference
 from batchkv.ops.reference import quantize_fp8
-from batchkv.ops.sdpa_varlen_splitkv import takes_split_merge
-from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config, sdpa_varlen
+from batchkv.ops.sdpa import launch
+from batchkv.ops.sdpa.launch import SdpaConfig, resolve_config, sdpa_varlen
+from batchkv.ops.sdpa.splitkv import takes_split_merge
 from batchkv.ops.support import to_scale_layout
 from tests.test_sdpa_varlen import check, make_case
 
@@ -64,8 +65,8 @@ def test_as_the_narrow_config_it_serves_narrow_steps_only():
 )
 def test_the_default_config_takes_split_merge_for_one_sequence_or_two_tokens(monkeypatch, segments, takes):
     calls = []
-    real = sdpa_varlen_triton.split_merge
-    monkeypatch.setattr(sdpa_varlen_triton, "split_merge", lambda *a: calls.append(1) or real(*a))
+    real = launch.split_merge
+    monkeypatch.setattr(launch, "split_merge", lambda *a: calls.append(1) or real(*a))
     check(segments, rows=160, kv_heads=1, head_dim=16, pad=0)  # config None: DEFAULT_CONFIG
     assert bool(calls) == takes
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import batchkv.ops.sdpa_varlen_triton as triton_ops
+import batchkv.ops.sdpa.launch as triton_ops
 from batchkv.ops import sdpa_varlen_reference
-from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config, sdpa_varlen, tma_views
+from batchkv.ops.sdpa.launch import SdpaConfig, resolve_config, sdpa_varlen, tma_views
 from tests.test_fp8_qk_long import run as qk_run
 from tests.test_sdpa_varlen import check, make_case
 from tests.test_sdpa_varlen_pool import PROMPT, oracle, pool_case

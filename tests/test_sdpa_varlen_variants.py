@@ -17,8 +17,8 @@ import triton.language as tl
 from batchkv.errors import ContractError
 from batchkv.ops import sdpa_varlen_reference
 from batchkv.ops.reference import quantize_fp8
-from batchkv.ops.sdpa_varlen_common import prefetch_keys
-from batchkv.ops.sdpa_varlen_triton import SdpaConfig, resolve_config, sdpa_varlen
+from batchkv.ops.sdpa.common import prefetch_keys
+from batchkv.ops.sdpa.launch import SdpaConfig, resolve_config, sdpa_varlen
 from batchkv.ops.support import to_scale_layout
 from tests.test_sdpa_varlen import check, make_case
 
@@ -155,7 +155,7 @@ def test_warp_split_with_prefetch_at_other_head_dims_and_dtypes(head_dim, dtype,
 @pytest.mark.gpu
 @pytest.mark.parametrize("overrides", GPU_VARIANTS, ids=str)
 def test_one_captured_graph_of_each_variant_replays_any_length(overrides):
-    from batchkv.ops.sdpa_varlen_triton import _counters
+    from batchkv.ops.sdpa.launch import _counters
 
     config, gen = SdpaConfig(**overrides), torch.Generator(device="cuda").manual_seed(5)
     k, v = (torch.randn(16384, 2, 8, 128, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(2))

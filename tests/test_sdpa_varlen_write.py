@@ -12,7 +12,7 @@ import torch
 from batchkv.errors import ContractError
 from batchkv.ops import kv_write_reference, sdpa_varlen_reference
 from batchkv.ops.reference import quantize_fp8
-from batchkv.ops.sdpa_varlen_triton import SdpaConfig, sdpa_varlen
+from batchkv.ops.sdpa.launch import SdpaConfig, sdpa_varlen
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FUSED = SdpaConfig(split_merge=True, fuse_write=True, block_n=16, programs=5)

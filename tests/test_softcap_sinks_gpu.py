@@ -23,7 +23,7 @@ EXTRAS = {"gemma2": dict(softcap=50.0), "gpt-oss": dict(sinks=True), "both": dic
 
 
 def run_case(shape, extras, q_lens, kv_ends, *, rows, e4m3=False, seed=0, config=None, atol=2e-2):
-    from batchkv.ops.sdpa_varlen_triton import _counters, sdpa_varlen
+    from batchkv.ops.sdpa.launch import _counters, sdpa_varlen
     from batchkv.ops.support import to_scale_layout
 
     kv_heads, group, head_dim, window = SHAPES[shape]
@@ -77,7 +77,7 @@ def test_e4m3_stores_match_reference_on_their_codes(shape, extras):
 
 
 def test_the_main_path_configs_with_several_heads_and_tma_match_reference():
-    from batchkv.ops.sdpa_varlen_triton import SdpaConfig
+    from batchkv.ops.sdpa.launch import SdpaConfig
 
     for overrides in ({"heads": 2}, {"heads": 4}, {"tma_long": True}, {"warp_split": 2}, {"split_merge": True}):
         run_case("gpt-oss", EXTRAS["both"], [1, 3, 1, 2], [4000, 300, 64, 3000], rows=4096,
@@ -86,7 +86,7 @@ def test_the_main_path_configs_with_several_heads_and_tma_match_reference():
 
 
 def test_one_captured_graph_replays_new_tables_with_a_cap_and_sinks():
-    from batchkv.ops.sdpa_varlen_triton import sdpa_varlen
+    from batchkv.ops.sdpa.launch import sdpa_varlen
 
     kv_heads, group, head_dim, window = SHAPES["gpt-oss"]
     rows, width = 4096, 24

@@ -6,57 +6,41 @@ Device work (per layer, inside the forward, capturable):
     update_and_attend(layer, q, k, v) -- write the step's K/V at its slots, then sdpa_varlen.
 
 A refused call raises a `BatchKVError` subclass and changes nothing: lengths, histories, the
-standing declaration and the staged buffers stay as they were.
+standing declaration and the staged buffers stay as they were. The read-only accessors are in
+`views.py`, the single-sequence facade's hooks in `hooks.py`, the memory check in `footprint.py`.
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
-import os
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from batchkv import ops
-from batchkv.cache import rotation
+from batchkv.cache import footprint, rotation
 from batchkv.cache.config import CacheConfig
 from batchkv.cache.contract import check_attend_args
+from batchkv.cache.hooks import FacadeHooks
 from batchkv.cache.staging import Staging
-from batchkv.cache.step import Placement, StepBuffers, StepPlan
+from batchkv.cache.step import Declaration, Placement, StepBuffers
 from batchkv.cache.store import SCRATCH, Allocator, ColumnStore
+from batchkv.cache.views import CacheViews
 from batchkv.checks import allocating, device_arg, int_arg, is_int
 from batchkv.errors import (
     CapacityError,
     ConfigError,
-    ContractError,
     NoFreeColumnError,
     PositionError,
     RingFloorError,
     StepError,
-    UnknownSequenceError,
 )
 from batchkv.ops.support import refusal
 
 
-def available_host_memory() -> int | None:
-    """Bytes of host memory available to allocate now (Linux's MemAvailable, else the free pages);
-    None when the OS does not say."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-class BatchedSequenceCache:
+class BatchedSequenceCache(CacheViews, FacadeHooks):
     """KV cache of up to `max_seqs` sequences in one column store, one column per sequence.
 
     Sequence ids are column indexes: `seq_new` hands out the lowest free one, and ids recycle. A
@@ -97,7 +81,7 @@ class BatchedSequenceCache:
         if problem:
             raise ConfigError(f"{problem}; use attention='reference'" if self.attention == "triton" else problem)
         self._attend = ops.backend_functions(self.attention)[1]  # it also does the step's K/V write
-        self._check_static(config, self.device)
+        footprint.check_static(config, self.device)
         self._store = ColumnStore(config, self.device, alloc)
         sizes = (config.max_width, len(self._store.groups), config.max_segments)
         with allocating("the step buffers", Staging.nbytes(StepBuffers.sizes(*sizes)), "lower max_width or max_seqs"):
@@ -118,156 +102,12 @@ class BatchedSequenceCache:
         self._fresh = 0  # no id from here up was ever handed out
         rings = [config.ring_rows(layer) for layer in range(config.num_layers) if config.ring_rows(layer)]
         self._min_ring = min(rings, default=0)  # a sequence wrapped some ring once it wrote more
-        self._plan: StepPlan | None = None
+        self._declaration: Declaration | None = None
         self._width: int | None = None  # set by prepare_step, cleared by commit/invalidation
 
-    @staticmethod
-    def static_bytes(config: CacheConfig) -> tuple[int, int]:
-        """(host, device) bytes a cache of `config` holds whatever it stores, sized by `max_seqs`,
-        `max_segments` and `max_width`: the per-sequence arrays (id state and each layer group's
-        extent mirror) and the step buffers (a pinned host copy and the device one). The K/V pool
-        comes on top (it grows with what sequences reach, or is `pool_rows` whole)."""
-        groups = len({config.ring_rows(layer) for layer in range(config.num_layers)})
-        per_sequence = 2 + 3 * 8 + groups * 2 * 8  # held, declared; length, high water, height; base, rows
-        staged = Staging.nbytes(StepBuffers.sizes(config.max_width, groups, config.max_segments)) // 2
-        return config.max_seqs * per_sequence + staged, staged
-
-    @staticmethod
-    def _check_static(config: CacheConfig, device: torch.device) -> None:
-        """Refuse at once (CapacityError naming the bytes) a `max_seqs` the memory there is cannot
-        serve: its fixed buffers (`static_bytes`) and, for a store that grows on demand, one K/V
-        position per sequence (fewer could never hold max_seqs sequences; a `pool_rows` store is
-        allocated whole next, under its own check). Rather than allocate for minutes, or accept a
-        geometry that fails later."""
-        host, on_device = BatchedSequenceCache.static_bytes(config)
-        kv = 0 if config.pool_rows else config.max_seqs * config.bytes_per_position()
-        if device.type == "cuda":  # (place, its fixed buffers, K/V, bytes available there)
-            places = [("the host", host, 0, available_host_memory())]
-            places.append((str(device), on_device, kv, torch.cuda.mem_get_info(device)[0]))
-        else:
-            places = [("the host", host + on_device, kv, available_host_memory())]
-        for where, fixed, least, free in places:
-            need = fixed + least
-            if free is not None and need > free:
-                raise CapacityError(
-                    f"max_seqs={config.max_seqs} needs {need} bytes ({need / 2**30:.2f} GiB) on {where} before any "
-                    f"sequence exists ({fixed} for its per-sequence state and step buffers, {least} for one K/V "
-                    f"position per sequence) and {free} bytes are available; lower max_seqs"
-                )
-
-    # ---- properties ---------------------------------------------------------------------------
-    @property
-    def max_seqs(self) -> int:
-        return self.config.max_seqs
-
-    @property
-    def capacity(self) -> int:
-        return self.config.capacity
-
-    @property
-    def generation(self) -> int:
-        """Moves whenever storage is reallocated; a graph captured before is stale."""
-        return self._store.generation
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of K/V storage currently allocated."""
-        return self._store.nbytes
-
-    @property
-    def pool_rows(self) -> int:
-        """Rows of the flat layers' pool: every sequence's extent and the scratch rows together."""
-        return self._store.pool_rows(0)
-
-    @property
-    def free_rows(self) -> int:
-        """Rows the flat pool can still give to extents (a pool that grows on demand counts the rows
-        it may still grow by, up to every sequence at capacity)."""
-        return self._store.free_rows()
-
-    def reach(self, seq: int) -> int:
-        """Positions `seq` holds without its extent moving (its flat extent's rows)."""
-        self._known(seq)
-        return int(self._height[seq])
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """Device int64 [W]: KV position of each packed token of the prepared step (padding -> 0)."""
-        return self._buffers.positions[: self._width or 0]
-
-    @property
-    def prepared(self) -> bool:
-        """True between a successful `prepare_step` and the step's commit (or its invalidation)."""
-        return self._width is not None
-
-    @property
-    def seq_info(self) -> torch.Tensor:
-        """Device int32 [max_segments, 4]: the staged (q_start, q_len, col, kv_end) table of the first
-        layer group (flat layers' when there are any); `col` is the extent's first row in its pool."""
-        return self._buffers.seq_info[0]
-
-    @property
-    def sequences(self) -> list[int]:
-        """Ids currently held, ascending."""
-        return list(self._ids)
-
-    @property
-    def num_sequences(self) -> int:
-        """How many ids are held."""
-        return len(self._ids)
-
-    @property
-    def _lengths(self) -> dict[int, int]:
-        """id -> positions held, of every held id (a copy; for tests and debugging)."""
-        return {seq: int(self._len[seq]) for seq in self.sequences}
-
-    @property
-    def _high_water(self) -> dict[int, int]:
-        """id -> most positions ever written, of every held id (a copy; for tests and debugging)."""
-        return {seq: int(self._hw[seq]) for seq in self.sequences}
-
-    def k_store(self, layer: int) -> torch.Tensor:
-        """Layer's K pool [P, 1, Hkv, D]. Its address changes when `generation` does."""
-        return self._store.k[self._layer(layer)]
-
-    def v_store(self, layer: int) -> torch.Tensor:
-        """Layer's V pool [P, 1, Hkv, D]. Its address changes when `generation` does."""
-        return self._store.v[self._layer(layer)]
-
-    def column(self, seq: int, layer: int) -> dict[str, torch.Tensor]:
-        """Views of `seq`'s rows in `layer`: k, v [rows, Hkv, D] in `config.kv_dtype` (and, for e4m3
-        storage, k_scale, v_scale fp32 [rows, Hkv]); position p sits at row p % rows. The views
-        stay valid until the extent moves (growth, compaction) or storage does (`generation`)."""
-        self._known(seq)
-        return self._store.extent(seq, self._layer(layer))
-
-    def _layer(self, layer: int) -> int:
-        return int_arg("layer", layer, 0, self.config.num_layers - 1, error=ContractError)
-
-    def planes(self, layer: int) -> dict[str, torch.Tensor]:
-        """Every storage plane of `layer` by name: k, v [P, 1, Hkv, D] in `config.kv_dtype` and, for
-        e4m3 storage, k_scale, v_scale fp32 [P, 1, Hkv] (value = code * scale)."""
-        return self._store.layer(self._layer(layer))
+    static_bytes = staticmethod(footprint.static_bytes)
 
     # ---- sequence verbs (host) ----------------------------------------------------------------
-    def _holds(self, seq: object) -> bool:
-        return is_int(seq) and 0 <= seq < self.config.max_seqs and bool(self._held[seq])  # type: ignore[operator]
-
-    def _known(self, seq: int) -> int:
-        if not self._holds(seq):
-            held = self.sequences
-            raise UnknownSequenceError(f"sequence {seq!r} is not held (held: {held}); create it with seq_new()")
-        return int(self._len[seq])
-
-    def pos(self, seq: int) -> int:
-        """One past the newest position of `seq` (its length)."""
-        return self._known(seq)
-
-    def can_admit(self, seq: int, n: int = 1) -> bool:
-        """Whether `seq` may still grow by `n` positions (reach, not room). False for unknown ids."""
-        n = int_arg("can_admit: n", n, 0, error=PositionError)
-        return self._holds(seq) and int(self._len[seq]) + n <= self.capacity
-
     def _free_column(self) -> int:
         """The lowest free id (not taken yet: `_hold` takes it)."""
         if self._released:
@@ -348,13 +188,13 @@ class BatchedSequenceCache:
         heapq.heappush(self._released, seq)
         self._held[seq] = False
         self._len[seq] = self._hw[seq] = self._height[seq] = 0
-        if self._plan is not None and self._declared[seq]:
-            self._drop_plan()
+        if self._declaration is not None and self._declared[seq]:
+            self._drop_declaration()
 
-    def _drop_plan(self) -> None:
-        if self._plan is not None:
-            self._declared[self._plan.members] = False
-        self._plan, self._width = None, None
+    def _drop_declaration(self) -> None:
+        if self._declaration is not None:
+            self._declared[self._declaration.members] = False
+        self._declaration, self._width = None, None
 
     def rewind(self, seq: int, new_len: int) -> None:
         """Move `seq`'s length back to `new_len` (speculative rejection, retries)."""
@@ -373,8 +213,8 @@ class BatchedSequenceCache:
         self._restage(seq)
 
     def _restage(self, seq: int) -> None:
-        """`seq`'s length moved: a declared step naming it keeps its plan but must be prepared again."""
-        if self._plan is not None and self._declared[seq]:
+        """`seq`'s length moved: a declared step naming it keeps its declaration but must be prepared again."""
+        if self._declaration is not None and self._declared[seq]:
             self._width = None  # staged positions are stale
 
     def reserve(self, seq: int, length: int) -> bool:
@@ -407,65 +247,6 @@ class BatchedSequenceCache:
             self._restage(seq)
         return True
 
-    # ---- package-internal hooks of the single-sequence facade (batchkv.cache.single) ----------
-    def _set_length(self, seq: int, new_len: int) -> None:
-        """Move `seq`'s length to `new_len`, back (as `rewind`, same refusals) or forward.
-
-        Forward asserts that positions [pos, new_len) already hold K/V the caller wrote (the facade
-        re-stages a one-token step whose K/V an earlier attend wrote); nothing is copied. Refused
-        past the allocated rows (grow with `reserve` first). A declared step naming `seq` must be
-        prepared again. Host side; package-internal: everything else uses the public verbs.
-        """
-        length = self._known(seq)
-        if new_len <= length:
-            self.rewind(seq, new_len)
-            return
-        if new_len > self._height[seq]:
-            raise CapacityError(
-                f"_set_length: sequence {seq} cannot reach {new_len} positions in {self._height[seq]} rows; "
-                "reserve() first"
-            )
-        self._len[seq] = new_len
-        self._hw[seq] = max(int(self._hw[seq]), new_len)
-        self._restage(seq)
-
-    def _load_prefix(self, seq: int, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
-        """Replace `seq`'s history with external K/V: one [n, Hkv, D] tensor per layer for each.
-
-        Grows storage first and checks every tensor before copying, so a refusal changes nothing.
-        The length becomes n. Host side; package-internal (the facade's `load_prefix`).
-        """
-        self._known(seq)
-        cfg = self.config
-        n = keys[0].shape[0] if len(keys) else 0
-        want = (n, cfg.kv_heads, cfg.head_dim)
-        if len(keys) != cfg.num_layers or len(values) != cfg.num_layers:
-            raise ContractError(f"_load_prefix: got {len(keys)}/{len(values)} layers of K/V for {cfg.num_layers}")
-        bad = [tuple(t.shape) for t in (*keys, *values) if tuple(t.shape) != want]
-        if bad:
-            raise ContractError(f"_load_prefix: every K/V must be {list(want)} (n, Hkv, D); got {bad[0]}")
-        if not 0 < n <= cfg.capacity:
-            raise CapacityError(f"_load_prefix: {n} positions is outside [1, capacity={cfg.capacity}]")
-        self._resize({int(seq): cfg.rows_for(n)})
-        if self._rotation is not None:  # the store holds rotated keys
-            keys = [self._rotation.rotate_keys(k) for k in keys]
-        if self._rounding is not None:  # rounded as the step's write rounds them
-            keys = [self._rounding.round(layer, k) for layer, k in enumerate(keys)]
-        for layer in range(cfg.num_layers):
-            self._store.write_column(seq, layer, keys[layer], values[layer])
-        self._len[seq] = n
-        self._hw[seq] = n  # every resident row now holds the new history
-        self._restage(seq)
-
-    def _read_prefix(self, seq: int, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """K and V of positions [0, n) of `seq` (flat layers, n <= its reach: a staged step's positions
-        count), one [n, Hkv, D] tensor per layer each, in `config.dtype` (e4m3 dequantised).
-        Host side; package-internal (the facade's `to_dynamic_cache`)."""
-        self._known(seq)
-        pairs = [self._store.read_column(seq, layer, n) for layer in range(self.config.num_layers)]
-        keys = [k if self._rotation is None else self._rotation.unrotate(k) for k, _ in pairs]
-        return keys, [v for _, v in pairs]
-
     # ---- step protocol (host) -----------------------------------------------------------------
     def declare_step(self, seq_ids: Sequence[int]) -> None:
         """Declare the next forward: one sequence id per packed token, in packed order.
@@ -474,37 +255,24 @@ class BatchedSequenceCache:
         the previous declaration standing. O(1) Python: every check is one array operation over
         the step's tokens, segments or sequences.
         """
-        plan = StepPlan.from_ids(seq_ids)
+        decl = Declaration.from_ids(seq_ids)
         cfg = self.config
-        if plan.num_tokens == 0:
+        if decl.num_tokens == 0:
             raise StepError("declare_step needs at least one token id")
-        if plan.num_tokens > cfg.max_width:
-            raise CapacityError(f"declare_step: {plan.num_tokens} tokens exceed max_width={cfg.max_width}")
-        members = plan.members
+        if decl.num_tokens > cfg.max_width:
+            raise CapacityError(f"declare_step: {decl.num_tokens} tokens exceed max_width={cfg.max_width}")
+        members = decl.members
         known = (members >= 0) & (members < cfg.max_seqs)
         known[known] = self._held[members[known]]
         if not known.all():  # the first unknown id, in packed order
             self._known(members[np.argmin(known)].item())
-        if plan.num_segments > cfg.max_segments:
+        if decl.num_segments > cfg.max_segments:
             raise CapacityError(
-                f"declare_step: {plan.num_segments} runs exceed max_segments={cfg.max_segments}; "
+                f"declare_step: {decl.num_segments} runs exceed max_segments={cfg.max_segments}; "
                 "pack each sequence's tokens together"
             )
-        counts, ends = plan.counts, self._len[members] + plan.counts
-        over, beyond = counts > cfg.max_write, ends > cfg.capacity
-        if over.any() or beyond.any():  # the first sequence refused, in packed order
-            i = int(np.argmax(over | beyond))
-            seq = members[i].item()
-            if over[i]:
-                raise CapacityError(
-                    f"declare_step: sequence {seq} writes {counts[i]} tokens; max_write is {cfg.max_write} "
-                    "(split its prefill into smaller chunks)"
-                )
-            raise CapacityError(
-                f"sequence {seq} needs {ends[i]} positions; capacity is {cfg.capacity} "
-                "(raise capacity or finish the sequence)"
-            )
-        growth = self._growth(plan)
+        decl.refuse_writes(self._len[members], cfg.max_write, cfg.capacity)
+        growth = self._growth(decl)
         if growth:
             more = sum(h - int(self._height[seq]) for seq, h in growth.items())
             if more > self.free_rows:
@@ -512,18 +280,18 @@ class BatchedSequenceCache:
                     f"declare_step: the sequences {sorted(growth)} need {more} more rows and the store can give "
                     f"{self.free_rows}; finish or remove sequences, or give the store more rows (pool_rows)"
                 )
-        self._drop_plan()
+        self._drop_declaration()
         self._declared[members] = True
-        self._plan = plan
+        self._declaration = decl
 
-    def _growth(self, plan: StepPlan) -> dict[int, int]:
+    def _growth(self, decl: Declaration) -> dict[int, int]:
         """The extent heights the sequences of a step must grow to (those that must): a sequence
         ends the step at its length plus its tokens."""
-        ends = self._len[plan.members] + plan.counts
-        short = ends > self._height[plan.members]
+        ends = self._len[decl.members] + decl.counts
+        short = ends > self._height[decl.members]
         if not short.any():
             return {}
-        grow = zip(plan.members[short].tolist(), ends[short].tolist(), strict=True)
+        grow = zip(decl.members[short].tolist(), ends[short].tolist(), strict=True)
         return {seq: self.config.rows_for(end) for seq, end in grow}
 
     def prepare_step(self, width: int) -> None:
@@ -533,21 +301,21 @@ class BatchedSequenceCache:
         padding (they write to the scratch column and come out of attention as zeros).
         """
         width = int_arg("prepare_step: width", width, error=StepError)
-        plan = self._plan
-        if plan is None:
+        decl = self._declaration
+        if decl is None:
             raise StepError("prepare_step: no step is declared; call declare_step(seq_ids) first")
-        if not plan.num_tokens <= width <= self.config.max_width:
+        if not decl.num_tokens <= width <= self.config.max_width:
             raise StepError(
-                f"prepare_step: width {width} must cover the {plan.num_tokens} declared tokens "
+                f"prepare_step: width {width} must cover the {decl.num_tokens} declared tokens "
                 f"and be at most max_width={self.config.max_width}"
             )
-        growth = self._growth(plan)
+        growth = self._growth(decl)
         if growth:
             self._resize(growth)  # grow before staging, so a refusal leaves the cache as it was
-        self._buffers.fill(plan, plan.kv_end(self._len), self._placements(), width)
+        self._buffers.fill(decl, decl.kv_end(self._len), self._placements(), width)
         # Written on the device from now on, whether or not the step commits.
-        members = plan.members
-        self._hw[members] = np.maximum(self._hw[members], self._len[members] + plan.counts)
+        members = decl.members
+        self._hw[members] = np.maximum(self._hw[members], self._len[members] + decl.counts)
         self._width = width
 
     def _placements(self) -> list[Placement]:
@@ -560,10 +328,10 @@ class BatchedSequenceCache:
 
     def commit_step(self) -> None:
         """Advance every declared sequence by its tokens in the step; clears the declaration."""
-        if self._plan is None or self._width is None:
+        if self._declaration is None or self._width is None:
             raise StepError("commit_step: no prepared step; declare_step and prepare_step come first")
-        self._len[self._plan.members] += self._plan.counts
-        self._drop_plan()
+        self._len[self._declaration.members] += self._declaration.counts
+        self._drop_declaration()
 
     # ---- device work (capturable) -------------------------------------------------------------
     def update_and_attend(
@@ -598,7 +366,7 @@ class BatchedSequenceCache:
         check_attend_args(self.config, self._width, self._buffers.seq_info.device, layer, q, k, v, scale, causal,
                           softcap, sinks)  # fmt: skip
         width, cfg = self._width, self.config
-        if not causal and self._plan is not None and self._plan.split:
+        if not causal and self._declaration is not None and self._declaration.split:
             raise StepError("a non-causal step needs each sequence's tokens in one run (a draft block is one segment)")
         if self._rotation is not None:  # e4m3 keys: rotate q and k alike (q . k unchanged), V as is
             q, k = self._rotation.rotate(q, k)

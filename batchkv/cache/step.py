@@ -1,9 +1,11 @@
 """Host planning of one step: segments from a declaration, and the static device buffers it fills.
 
-`StepPlan` is pure bookkeeping (NumPy arrays, no tensors): a declaration run-length encoded with
-array operations. `StepBuffers` owns the fixed-address device tensors a captured graph reads
-(positions, write slots, `seq_info` per layer group) and fills them through `Staging`: one
-host-to-device copy per live span, from pinned memory on CUDA. A fill writes and uploads only what
+`Declaration` is pure bookkeeping (NumPy arrays, no tensors): what `declare_step` was given, one
+sequence id per packed token, run-length encoded into segments with array operations (the cache's
+word; the executor's plan of a step, `batchkv.executor.state.Batch`, is the layer above it).
+`StepBuffers` owns the fixed-address device tensors a captured graph reads (positions, write slots,
+`seq_info` per layer group) and fills them through `Staging`: one host-to-device copy per live span,
+from pinned memory on CUDA. A fill writes and uploads only what
 the step covers (its tokens, its segments, and the segment rows the previous step left to clear),
 so its cost follows the step, not `max_seqs` or `max_width`.
 """
@@ -17,11 +19,11 @@ import numpy as np
 import torch
 
 from batchkv.cache.staging import Staging
-from batchkv.errors import UnknownSequenceError
+from batchkv.errors import CapacityError, UnknownSequenceError
 
 
 @dataclass(frozen=True, eq=False)
-class StepPlan:
+class Declaration:
     """A declaration: one id per packed token, run-length encoded into segments (arrays).
 
     ids [T] (as given: any integer dtype); per segment: seqs [S] (its sequence), q_start [S],
@@ -38,7 +40,7 @@ class StepPlan:
     counts: np.ndarray
 
     @classmethod
-    def from_ids(cls, seq_ids: Sequence[int]) -> StepPlan:
+    def from_ids(cls, seq_ids: Sequence[int]) -> Declaration:
         array = np.asarray(seq_ids)
         if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
             raise UnknownSequenceError(f"declare_step takes a flat list of integer sequence ids; got {seq_ids!r}")
@@ -71,6 +73,24 @@ class StepPlan:
         totals = np.add.reduceat(sorted_len, np.flatnonzero(first))
         order = np.argsort(heads, kind="stable")
         return cls(array, seqs, q_start, q_len, consumed, seqs[heads][order], totals[order])
+
+    def refuse_writes(self, lengths: np.ndarray, max_write: int, capacity: int) -> None:
+        """CapacityError for the first sequence, in packed order, that writes more than `max_write`
+        tokens in the step or ends it past `capacity` positions; `lengths` [U] are the members'."""
+        counts, ends = self.counts, lengths + self.counts
+        over, beyond = counts > max_write, ends > capacity
+        if over.any() or beyond.any():
+            i = int(np.argmax(over | beyond))
+            seq = self.members[i].item()
+            if over[i]:
+                raise CapacityError(
+                    f"declare_step: sequence {seq} writes {counts[i]} tokens; max_write is {max_write} "
+                    "(split its prefill into smaller chunks)"
+                )
+            raise CapacityError(
+                f"sequence {seq} needs {ends[i]} positions; capacity is {capacity} "
+                "(raise capacity or finish the sequence)"
+            )
 
     @property
     def num_tokens(self) -> int:
@@ -128,7 +148,7 @@ class StepBuffers:
         """Elements per dtype of the staged buffers."""
         return {torch.int64: (1 + groups) * max_width, torch.int32: 4 * groups * max_segments}
 
-    def fill(self, plan: StepPlan, kv_end: np.ndarray, placements: Sequence[Placement], width: int) -> None:
+    def fill(self, decl: Declaration, kv_end: np.ndarray, placements: Sequence[Placement], width: int) -> None:
         """Fill positions, slots (unplanned tokens -> the scratch rows) and seq_info for one step.
 
         Only the first `width` tokens are written: a step of width W reads positions[:W] and
@@ -140,10 +160,10 @@ class StepBuffers:
         staged = self._staging.begin()
         w, host, groups = self.max_width, staged[torch.int64], len(placements)
         info = staged[torch.int32].reshape(groups, -1, 4)
-        count, tokens, stale = plan.num_segments, plan.num_tokens, self.segments
+        count, tokens, stale = decl.num_segments, decl.num_tokens, self.segments
         if stale > count:
             info[:, count:stale] = 0
-        q_start, q_len, seqs = plan.q_start, plan.q_len, plan.seqs
+        q_start, q_len, seqs = decl.q_start, decl.q_len, decl.seqs
         pos = host[:width]
         # Token i of a segment sits at position kv_end - q_len + i, packed row q_start + i: tokens
         # are packed in segment order from row 0, so a token's position is its row plus its

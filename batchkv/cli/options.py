@@ -86,6 +86,13 @@ def add_model_options(group: argparse._ArgumentGroup, *, default: str | None = N
 def add_engine_options(group: argparse._ArgumentGroup, storage: argparse._ArgumentGroup) -> None:
     """The Engine's options (run, serve): sizing and scheduling in `group`, K/V storage and
     speculative decoding in `storage`."""
+    _add_sizing(group)
+    _add_scheduling(group)
+    _add_storage(storage)
+
+
+def _add_sizing(group: argparse._ArgumentGroup) -> None:
+    """How many sequences, how long, in how much memory, and how many tokens a step takes."""
     group.add_argument(
         "--max-seqs",
         "--max-num-seqs",
@@ -133,6 +140,10 @@ def add_engine_options(group: argparse._ArgumentGroup, storage: argparse._Argume
         help="most prompt tokens per step, all prompts, while samples are running (default: half of "
         "--max-step-tokens, at least one prefill chunk; with none running a step fills the step)",
     )
+
+
+def _add_scheduling(group: argparse._ArgumentGroup) -> None:
+    """Prefix reuse, overlap, graphs and tensor parallelism."""
     group.add_argument(
         "--prefix-cache",
         "--enable-prefix-caching",
@@ -157,6 +168,10 @@ def add_engine_options(group: argparse._ArgumentGroup, storage: argparse._Argume
         help="processes that shard the model, one per GPU of this host (gloo processes on the CPU); N > 1 needs "
         "a preset or a model directory",
     )
+
+
+def _add_storage(storage: argparse._ArgumentGroup) -> None:
+    """K/V storage dtype and speculative decoding."""
     storage.add_argument(
         "--kv-dtype",
         choices=("model", "fp8", *STORAGE_DTYPES),

@@ -23,7 +23,7 @@ of the running `HFModel` call (a context variable), for decoder layers that do n
 kwargs on to the attention module (StableLM). Gemma2's `softcap` and gpt-oss's sinks (`s_aux`), which
 the attention modules hand the function, go to `update_and_attend(softcap=, sinks=)`.
 
-Refused at construction (ConfigError naming the architecture): an attention class whose forward
+Refused at construction (ConfigError naming the architecture; `hf_refusals.py`): an attention class whose forward
 does not dispatch through `ALL_ATTENTION_FUNCTIONS` (Falcon picks its kernels itself: the cache
 would never see its keys), a soft-capping config whose attention does not pass the cap on, and
 non-causal configs. Query/key and value heads of different widths (DeepSeek-V2/V3's multi-head
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import inspect
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -52,6 +51,7 @@ import torch
 
 from batchkv.cache.config import LayerSpec
 from batchkv.errors import ConfigError, ContractError, DependencyError
+from batchkv.models.hf_refusals import refuse_unrouted_attention, refuse_unsupported
 
 TRANSFORMERS_RANGE = ">=5.17,<6"  # as pyproject's `hf` extra; tested with 5.17 through 5.24
 _INSTALL = "pip install 'batchkv[hf]'"
@@ -132,58 +132,6 @@ def _attention_implementation(config, name: str, cache=None) -> Iterator[None]:
     finally:
         _ACTIVE_CACHE.reset(token)
         config._attn_implementation = previous
-
-
-def _refuse_unsupported(config) -> None:
-    if getattr(config, "is_causal", True) is False:
-        raise ConfigError(f"{config.model_type}: a non-causal config (is_causal=False) cannot be served")
-
-
-def _attention_classes(hf_model: torch.nn.Module) -> list[type]:
-    """The classes of the model's attention modules (named `...Attention`), in first-seen order."""
-    seen: dict[type, None] = {}
-    for module in hf_model.modules():
-        if type(module).__name__.endswith("Attention"):
-            seen.setdefault(type(module), None)
-    return list(seen)
-
-
-def _forward_source(cls: type) -> str | None:
-    """The source of `cls.forward`, or None where Python cannot show it (then nothing is inferred)."""
-    try:
-        return inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return None
-
-
-def _refuse_unrouted_attention(hf_model: torch.nn.Module) -> None:
-    """ConfigError, naming the architecture, for a model whose attention would not reach the cache:
-    an attention class whose forward does not dispatch through transformers' `AttentionInterface`
-    (Falcon picks its kernels by the implementation's name and would attend within the step only),
-    a soft-capping config whose attention does not pass the cap on, or attention modules holding sinks
-    that their forward does not hand over."""
-    config = hf_model.config
-    arch = f"{type(hf_model).__name__} ({config.model_type})"
-    for cls in _attention_classes(hf_model):
-        source = _forward_source(cls)
-        if source is not None and "ALL_ATTENTION_FUNCTIONS" not in source:
-            raise ConfigError(
-                f"{arch}: {cls.__name__} does not dispatch through transformers' AttentionInterface (it picks "
-                "its attention kernel itself), so the batchkv cache would never see its keys; this architecture "
-                "cannot be served through HFModel"
-            )
-        modules = [m for m in hf_model.modules() if type(m) is cls]
-        has_sinks = any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in modules)
-        if source is not None and has_sinks and "sinks" not in source:
-            raise ConfigError(
-                f"{arch}: {cls.__name__} holds attention sinks but its forward does not hand them to the attention "
-                "function; it cannot be served as configured"
-            )
-        if source is not None and getattr(config, "attn_logit_softcapping", None) and "softcap" not in source:
-            raise ConfigError(
-                f"{arch}: attn_logit_softcapping={config.attn_logit_softcapping} is set but {cls.__name__} does "
-                "not pass a soft-cap to the attention function; it cannot be served as configured"
-            )
 
 
 def _head_dim(cfg) -> int:
@@ -294,8 +242,8 @@ class HFModel:
         self.hf = hf_model.eval()
         self.kv_dtype = kv_dtype
         self.config = hf_model.config
-        _refuse_unsupported(self.config)
-        _refuse_unrouted_attention(hf_model)
+        refuse_unsupported(self.config)
+        refuse_unrouted_attention(hf_model)
         self._head = hf_model.get_output_embeddings()
         self.shard = shard  # a batchkv.models.parallel.Shard, or None: the whole model
         self.directory: Path | None = None  # set by from_pretrained

@@ -4,8 +4,9 @@
 - `kv_write_reference(k_flat, v_flat, k, v, slots)`: the step's K/V write.
 - `sdpa_varlen`, `kv_write`: the Triton kernels of the same contracts (imported lazily, so CPU-only
   use works without Triton; on CPU they run under `TRITON_INTERPRET=1`). Their modules are
-  `sdpa_varlen_triton` and `kv_write_triton`: a submodule named like the function it exports
-  would shadow the function on this package once imported.
+  `sdpa.launch` (the subpackage `batchkv.ops.sdpa` holds the attention kernel's host side, its
+  device code and its configuration) and `kv_write_triton`: a submodule named like the function it
+  exports would shadow the function on this package once imported.
 
 `resolve_backend` / `backend_functions` pick the pair a cache uses. `batchkv.ops.support.refusal`
 is the one owner of the rule on which head_dim and storage dtype each backend takes (every
@@ -59,7 +60,7 @@ def backend_functions(name: str) -> tuple[Callable[..., None], Callable[..., tor
     if name == "triton":
         try:
             from batchkv.ops.kv_write_triton import kv_write
-            from batchkv.ops.sdpa_varlen_triton import sdpa_varlen
+            from batchkv.ops.sdpa.launch import sdpa_varlen
         except ImportError as exc:
             raise DependencyError(
                 f"attention 'triton' needs Triton ({exc}); pip install 'batchkv[triton]', or use attention='reference'"
@@ -71,7 +72,7 @@ def backend_functions(name: str) -> tuple[Callable[..., None], Callable[..., tor
 def __getattr__(name: str) -> object:
     """Lazy `sdpa_varlen` / `kv_write` (importing Triton only when they are asked for)."""
     if name == "sdpa_varlen":
-        from batchkv.ops.sdpa_varlen_triton import sdpa_varlen
+        from batchkv.ops.sdpa.launch import sdpa_varlen
 
         return sdpa_varlen
     if name == "kv_write":

@@ -90,59 +90,11 @@ def build_app(
 ) -> FastAPI:
     """The FastAPI application. The worker's thread starts and stops with the app's lifespan;
     `info.limits` bound each request, `access` (default: open, any Host) says who may ask."""
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        worker.start(asyncio.get_running_loop())
-        try:
-            yield
-        finally:
-            worker.stop()
-
-    app = FastAPI(title="batchkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    access = access or Access()
-    app.add_middleware(Guard, access=access, count=lambda status: metrics.refused.labels(str(status)).inc())
-    if access.allowed_origins:  # added last, so outermost: preflights are answered before the key is asked
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=list(access.allowed_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["authorization", "content-type", "x-request-id"],
-            expose_headers=["x-request-id"],
-        )
+    app = FastAPI(title="batchkv", lifespan=_lifespan(worker), docs_url=None, redoc_url=None, openapi_url=None)
+    _guard(app, access or Access(), metrics)
+    _error_handlers(app, metrics)
+    _info_routes(app, worker, info, metrics)
     limits = info.limits
-
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, exc: APIError) -> Response:
-        metrics.refused.labels(str(exc.status)).inc()
-        log.info("request %s refused (%d): %s", REQUEST_ID.get(), exc.status, exc.message)
-        return _json(exc.body(), exc.status)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _json(APIError(exc.status_code, str(exc.detail), type=kind).body(), exc.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
-        log.info("request %s refused (400): %s", REQUEST_ID.get(), exc)
-        return _json(APIError(400, "the request does not match this route's parameters").body(), 400)
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not worker.alive:
-            return _json(APIError(503, "the engine thread has stopped", type="server_error").body(), 503)
-        return _json({"status": "ok"})
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        card = {"id": info.name, "object": "model", "created": 0, "owned_by": "batchkv", "max_model_len": info.capacity}
-        return _json({"object": "list", "data": [card]})
-
     tokens.add_routes(app, info)  # /tokenize, /detokenize, /version (vLLM's)
 
     async def generate(
@@ -207,6 +159,73 @@ def build_app(
         )
 
     return app
+
+
+def _lifespan(worker: EngineWorker) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the worker's thread starts with the app and stops with it."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        worker.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            worker.stop()
+
+    return lifespan
+
+
+def _guard(app: FastAPI, access: Access, metrics: ServerMetrics) -> None:
+    """Who may ask: the key and Host checks (refusals counted), and CORS where origins are allowed."""
+    app.add_middleware(Guard, access=access, count=lambda status: metrics.refused.labels(str(status)).inc())
+    if access.allowed_origins:  # added last, so outermost: preflights are answered before the key is asked
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(access.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["authorization", "content-type", "x-request-id"],
+            expose_headers=["x-request-id"],
+        )
+
+
+def _error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Every refusal as OpenAI's error body: ours (APIError), a route not found, a body that does
+    not match a route's parameters."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        metrics.refused.labels(str(exc.status)).inc()
+        log.info("request %s refused (%d): %s", REQUEST_ID.get(), exc.status, exc.message)
+        return _json(exc.body(), exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _json(APIError(exc.status_code, str(exc.detail), type=kind).body(), exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        log.info("request %s refused (400): %s", REQUEST_ID.get(), exc)
+        return _json(APIError(400, "the request does not match this route's parameters").body(), 400)
+
+
+def _info_routes(app: FastAPI, worker: EngineWorker, info: jobs.ModelInfo, metrics: ServerMetrics) -> None:
+    """The routes that generate nothing: /health, /metrics, /v1/models."""
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not worker.alive:
+            return _json(APIError(503, "the engine thread has stopped", type="server_error").body(), 503)
+        return _json({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {"id": info.name, "object": "model", "created": 0, "owned_by": "batchkv", "max_model_len": info.capacity}
+        return _json({"object": "list", "data": [card]})
 
 
 async def _chunks(

@@ -253,24 +253,7 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
     most = limits.prompt_tokens(info.capacity)
     requests = []
     for prompt in prompts:
-        if len(prompt) > most:
-            raise APIError(
-                400,
-                f"the prompt has {len(prompt)} tokens; this server takes at most {most} per prompt (the server's "
-                "--max-prompt-tokens and --capacity): shorten it",
-                param="prompt" if isinstance(body, CompletionRequest) else "messages",
-                code="context_length_exceeded",
-            )
-        room = info.capacity - len(prompt)
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            raise APIError(
-                400,
-                f"this server's context length is {info.capacity} positions per sequence; the prompt has "
-                f"{len(prompt)} tokens and max_tokens is {max_tokens}, {len(prompt) + (max_tokens or 1)} in all "
-                f"(lower max_tokens to {max(room, 0)} or shorten the prompt)",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
+        room = _room(body, prompt, most, info.capacity, max_tokens)
         try:
             params = SamplingParams(
                 max_new_tokens=max_tokens if max_tokens is not None else room,
@@ -310,6 +293,30 @@ def make_job(body: SamplingFields, prompts: list[list[int]], info: ModelInfo) ->
         spaces_between_special_tokens=body.spaces_between_special_tokens,
         echo=_echo(body, prompts, info, logprobs),
     )
+
+
+def _room(body: SamplingFields, prompt: list[int], most: int, capacity: int, max_tokens: int | None) -> int:
+    """Positions left after `prompt` (max_new_tokens when max_tokens is unset); APIError(400,
+    context_length_exceeded) for a prompt over the server's `most` or one that leaves no room."""
+    if len(prompt) > most:
+        raise APIError(
+            400,
+            f"the prompt has {len(prompt)} tokens; this server takes at most {most} per prompt (the server's "
+            "--max-prompt-tokens and --capacity): shorten it",
+            param="prompt" if isinstance(body, CompletionRequest) else "messages",
+            code="context_length_exceeded",
+        )
+    room = capacity - len(prompt)
+    if room < 1 or (max_tokens is not None and max_tokens > room):
+        raise APIError(
+            400,
+            f"this server's context length is {capacity} positions per sequence; the prompt has "
+            f"{len(prompt)} tokens and max_tokens is {max_tokens}, {len(prompt) + (max_tokens or 1)} in all "
+            f"(lower max_tokens to {max(room, 0)} or shorten the prompt)",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return room
 
 
 def _echo(body: SamplingFields, prompts: list[list[int]], info: ModelInfo, logprobs: int | None) -> list[str] | None:

@@ -31,9 +31,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from batchkv.models.gemv import _gemv_kernel
 from batchkv.ops.kv_write_triton import _kv_write_kernel
-from batchkv.ops.sdpa_varlen_kernels import split_kernel
-from batchkv.ops.sdpa_varlen_long import long_kernel
-from batchkv.ops.sdpa_varlen_splitkv import splitkv_merge, splitkv_partials
+from batchkv.ops.sdpa.kernels import split_kernel
+from batchkv.ops.sdpa.long import long_kernel
+from batchkv.ops.sdpa.splitkv import splitkv_merge, splitkv_partials
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 TARGET = GPUTarget("cuda", 90, 32)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from batchkv.ops.sdpa_varlen_triton import SdpaConfig, sdpa_varlen
+from batchkv.ops.sdpa.launch import SdpaConfig, sdpa_varlen
 
 from .kernel_cases import TOLERANCE, Case
 from .timing import time_calls

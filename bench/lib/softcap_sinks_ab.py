@@ -9,8 +9,8 @@ bf16), in one process, alternating variants in `--rounds` rounds (median per var
 Each variant is checked against the torch reference on rotation 0 (the reference with the same cap
 and sinks) before it is timed; times are CUDA-graph replays of back-to-back calls (bench/timing.py).
 
-    python3 bench/softcap_sinks_ab.py --base .base --out bench/results/softcap-sinks-ab-h200.json
-    python bench/softcap_sinks_ab.py --small --out /tmp/ab.json     # CPU smoke run (interpreter)
+    python3 bench/kernels.py --softcap-sinks-ab --base .base --out bench/results/softcap-sinks-ab-h200.json
+    python bench/kernels.py --softcap-sinks-ab --small --out /tmp/ab.json     # CPU smoke run (interpreter)
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from kernel_cases import CASES, SMALL_CASES, TOLERANCE, build_cases
 from timing import time_calls
 
 from batchkv.ops import sdpa_varlen_reference
-from batchkv.ops.sdpa_varlen_triton import sdpa_varlen
+from batchkv.ops.sdpa.launch import sdpa_varlen
 
 SOFTCAP = 50.0
 
@@ -62,7 +62,7 @@ def main() -> None:
     base = None
     if args.base is not None:
         sys.path.insert(0, str(args.base.resolve()))
-        base = importlib.import_module("batchkv_base.ops.sdpa_varlen_triton").sdpa_varlen
+        base = importlib.import_module("batchkv_base.ops.sdpa.launch").sdpa_varlen
     cuda = torch.cuda.is_available()
     names = list(SMALL_CASES if args.small else CASES)
     l2 = torch.cuda.get_device_properties(0).L2_cache_size if cuda else 1 << 16

@@ -42,10 +42,10 @@ class SdpaConfig:
     tile, one per warp, each with its own softmax state, merged once per piece (a power of two,
     one head per program, block_n / warp_split >= 16; num_warps 0 means warp_split and block_n 0
     at least 16 * warp_split; meant for 16-bit and e4m3 stores with D <= 128: fp32 tiles and D 256
-    spill registers on sm_90; `sdpa_varlen_warp_split.py`); prefetch: key blocks each program
+    spill registers on sm_90; `warp_split.py`); prefetch: key blocks each program
     asks the L2 for ahead of its loads, the first ones before q is read (0: none).
     split_merge: steps of at most q_short tokens with T * G <= 64 (32 on e4m3) take the two-launch
-    split-KV variant (`sdpa_varlen_splitkv.py`: `programs` equal runs of every live segment's
+    split-KV variant (`splitkv.py`: `programs` equal runs of every live segment's
     keys, then a merge launch; one head per program, no warp_split or prefetch); meant as a
     `narrow` config. pdl: split_merge's two launches are programmatic dependent launches (NVIDIA
     sm_90+ only; elsewhere ignored): each may start while the grid before it runs and waits on the

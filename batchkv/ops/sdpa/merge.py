@@ -1,7 +1,7 @@
 """Device code of the split path's merge: the last program to finish an item combines its partials.
 
 Programs p_first..p_last of an item each left a normalised fp32 output and its log2-sum-exp in
-partial slot p + item (`sdpa_varlen_kernels.split_kernel`); the last of them to arrive reads them
+partial slot p + item (`kernels.split_kernel`); the last of them to arrive reads them
 all back from the L2 (.cg: the acq_rel counter made the others' stores visible) and writes `out`.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchkv.ops.sdpa_varlen_common import NEG_INF, sink_weight
+from batchkv.ops.sdpa.common import NEG_INF, sink_weight
 
 
 @triton.jit

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchkv.ops.sdpa_varlen_common import NEG_INF, P_SHIFT, prefetch_keys, ring_rows, soft_cap, unpack_pairs
+from batchkv.ops.sdpa.common import NEG_INF, P_SHIFT, prefetch_keys, ring_rows, soft_cap, unpack_pairs
 
 
 @triton.jit
@@ -25,11 +25,11 @@ def attend_warp_split(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride
                       HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr, SKIP_MASKS: tl.constexpr, DOT_PREC: tl.constexpr,
                       QUANT: tl.constexpr, CVT_ASM: tl.constexpr, PREFETCH: tl.constexpr, SECTOR: tl.constexpr,
                       CHECK: tl.constexpr, cap2=0.0, SOFTCAP: tl.constexpr = False):  # fmt: skip
-    """`attend` of `sdpa_varlen_attend` for one KV head, keys cut across SPLIT warps.
+    """`attend.attend` for one KV head, keys cut across SPLIT warps.
 
     q_tile: [1, BLOCK_M, D]; k_base, v_base: the (column, KV head) at key row 0; row_lo, row_hi:
     [BLOCK_M]. Returns the normalised output [1, BLOCK_M, D] and its lse [1, BLOCK_M] (log2 units).
-    QUANT: e4m3 codes read as int16 pairs, dots split by column parity, as in `sdpa_varlen_attend`.
+    QUANT: e4m3 codes read as int16 pairs, dots split by column parity, as in `attend.py`.
     PREFETCH: the loop asks the L2 for the block PREFETCH blocks ahead (`prefetch_keys`). SOFTCAP: as in `attend`."""
     SUB: tl.constexpr = BLOCK_N // SPLIT
     DIM: tl.constexpr = HEAD_DIM // 2 if QUANT else HEAD_DIM  # elements a load reads per key

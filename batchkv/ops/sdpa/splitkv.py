@@ -1,7 +1,7 @@
 """`sdpa_varlen`'s split-KV variant for narrow steps (`SdpaConfig.split_merge`): two launches, no atomics.
 
 For steps of at most Q_SHORT tokens (one or a few decoding or verifying sequences), where the
-time is latency, not bandwidth: the stream-K kernel (`sdpa_varlen_kernels`) locates each program's
+time is latency, not bandwidth: the stream-K kernel (`kernels`) locates each program's
 blocks with a scan over the table and merges in the last program to finish an item (a fence, an
 atomic, and a merge that starts only after the slowest program). Here instead:
 
@@ -31,9 +31,9 @@ import triton.language as tl
 
 from batchkv.ops.kv_write_triton import _store_rows
 from batchkv.ops.pdl import pdl_enter, pdl_kwargs
-from batchkv.ops.sdpa_varlen_attend import attend
-from batchkv.ops.sdpa_varlen_common import NEG_INF, full_bounds, load_table, q_for_dots, row_bounds, sink_weight
-from batchkv.ops.sdpa_varlen_kernels import _blocks
+from batchkv.ops.sdpa.attend import attend
+from batchkv.ops.sdpa.common import NEG_INF, full_bounds, load_table, q_for_dots, row_bounds, sink_weight
+from batchkv.ops.sdpa.kernels import _blocks
 
 
 @triton.jit

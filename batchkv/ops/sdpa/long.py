@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from batchkv.ops.kv_write_triton import E4M3_FLOOR
-from batchkv.ops.sdpa_varlen_common import (
+from batchkv.ops.sdpa.common import (
     NEG_INF,
     P_SHIFT,
     full_bounds,
@@ -88,7 +88,7 @@ def _update(q_tile, raw, k_s, v, v_s, start, row_lo, row_hi, m_i, l_i, acc, qk_s
     gives the dots' dtype. MASKED: the block is masked to each row's [row_lo, row_hi).
 
     QUANT: e4m3 codes convert to q's dtype; the K scales scale the score columns and the V scales
-    p before the PV dot (see `sdpa_varlen_kernels`). QK_E4M3: raw holds e4m3 products and qk_scale is
+    p before the PV dot (see `kernels`). QK_E4M3: raw holds e4m3 products and qk_scale is
     [BLOCK_M] (each row's q scale times the softmax scale); V converts to fp16 for the PV dot.
     SOFTCAP: each score is capped (`soft_cap`) before the mask; never with QK_E4M3 (the launcher's rule)."""
     tl.static_assert(not (SOFTCAP and QK_E4M3))

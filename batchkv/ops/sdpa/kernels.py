@@ -2,7 +2,7 @@
 
 `split_kernel`, grid (Hkv / HEADS, P): split-K (flash-decoding) for *short* segments, 0 < q_len <=
 Q_SHORT, with the merge done by the last program to finish each item, and the zeroing of rows no
-segment covers. Long segments (prefill) are `long_kernel`'s (`sdpa_varlen_long.py`).
+segment covers. Long segments (prefill) are `long_kernel`'s (`long.py`).
 
 - Tiles: a program serves HEADS KV heads at once, [HEADS, BLOCK_M, D] query tiles against
   [HEADS, BLOCK_N, D] key tiles (batched dots), so each key row it reads is HEADS * D contiguous
@@ -17,21 +17,21 @@ segment covers. Long segments (prefill) are `long_kernel`'s (`sdpa_varlen_long.p
   writes `out` itself. Otherwise each writes its normalised fp32 output and log2-sum-exp to
   partial slot `p + item` (unique), then adds 1 to the item's counter (acq_rel, gpu scope, after a
   CTA barrier so every thread's stores are ordered before it); the one that sees count-1 reads all
-  the item's partials (`sdpa_varlen_merge.py`), writes `out`, and stores 0 back. Counters are
+  the item's partials (`merge.py`), writes `out`, and stores 0 back. Counters are
   therefore zero after every launch (graph replays need no memset); the workspace must not be
   shared by two launches running at once (the launcher keeps one per device; batchkv attends on
   one stream).
 - Rows: program P-1-p of a head group zeroes rows t = p, p + P, ... that no segment writes (its
   heads only), so padding rows are exact zeros without another launch.
 - Few-row variants (off by default): WARP_SPLIT cuts each key tile across warps, one softmax
-  state per warp (`sdpa_varlen_warp_split.py`); PREFETCH asks the L2 for the blocks ahead
+  state per warp (`warp_split.py`); PREFETCH asks the L2 for the blocks ahead
   (`prefetch_keys`), a piece's first ones before q is loaded.
 
 - Soft-capping and sinks (constexpr SOFTCAP, SINKS; off: the code is unchanged): the tile loop
   caps each score (`soft_cap`); a sink changes only a row's normaliser, so it is applied once per
   row where the row's output is final, by `sink_weight` of its lse over all its keys: by the sole
   program of an item, or in the merge (partials are normalised over their own keys only).
-- e4m3 stores (QUANT): the tile loop (`sdpa_varlen_attend.attend`) reads codes as int16 pairs and
+- e4m3 stores (QUANT): the tile loop (`attend.attend`) reads codes as int16 pairs and
   converts them in registers to fp16 (fp32 for fp32 queries), so the dots run on 16-bit operands
   in their native layouts; per tile one [BLOCK_N] vector of K scales (times qk_scale) multiplies
   the score columns and one of V scales multiplies p before the PV dot, so l_i sums p without the
@@ -48,8 +48,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchkv.ops.sdpa_varlen_attend import attend
-from batchkv.ops.sdpa_varlen_common import (
+from batchkv.ops.sdpa.attend import attend
+from batchkv.ops.sdpa.common import (
     first_key,
     full_bounds,
     load_table,
@@ -58,8 +58,8 @@ from batchkv.ops.sdpa_varlen_common import (
     row_bounds,
     sink_weight,
 )
-from batchkv.ops.sdpa_varlen_merge import merge_partials
-from batchkv.ops.sdpa_varlen_warp_split import attend_warp_split
+from batchkv.ops.sdpa.merge import merge_partials
+from batchkv.ops.sdpa.warp_split import attend_warp_split
 
 ITEM_SHIFT = tl.constexpr(40)  # packed scan: items above bit 40, key blocks below
 LOW_MASK = tl.constexpr((1 << 40) - 1)

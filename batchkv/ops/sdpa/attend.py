@@ -1,7 +1,7 @@
 """Device code of the split path's tile loop: online softmax of a query tile over a key range.
 
 `attend` walks keys [k0, k1) of one (column, KV head group) in BLOCK_N-key tiles for
-`sdpa_varlen_kernels.split_kernel`. One head runs as plain 2-D tiles (q [M, D], keys [N, D],
+`kernels.split_kernel`. One head runs as plain 2-D tiles (q [M, D], keys [N, D],
 scores [M, N]); several heads as 3-D tiles with the head axis first.
 
 e4m3 stores (QUANT): the codes are read as int16 pairs, [N, D / 2] tiles whose elements are two
@@ -12,7 +12,7 @@ D = 16 the halves have 8 columns, fewer than a GPU dot contracts, so K's are joi
 [N, 16] tile for a single QK dot; the PV dots contract over keys and stay split). Each
 tile loads one [BLOCK_N] K scale vector per head (times qk_scale), folded into the score columns,
 and one V scale vector, folded into p before the PV dot (l_i sums p without it; p and l_i are
-2^P_SHIFT times larger, `sdpa_varlen_common.P_SHIFT`). With the
+2^P_SHIFT times larger, `common.P_SHIFT`). With the
 store's scale layout (rows contiguous per column and head) a vector is BLOCK_N * 4 contiguous bytes.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from batchkv.ops.sdpa_varlen_common import NEG_INF, P_SHIFT, prefetch_keys, ring_rows, soft_cap, unpack_pairs
+from batchkv.ops.sdpa.common import NEG_INF, P_SHIFT, prefetch_keys, ring_rows, soft_cap, unpack_pairs
 
 
 @triton.jit

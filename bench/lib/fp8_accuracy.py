@@ -13,7 +13,7 @@ Variants (each an FP8 model built from the bf16 one, as the GPU runs it: bf16 in
   docs/design.md, never the scored texts), emulated here by dividing the input; served, it folds
   into the RMSNorm weights and up_proj rows at no cost.
 
-    python bench/fp8_accuracy.py --max-tokens 512 --out bench/results/fp8-accuracy-cpu.json
+    python bench/real_model.py --fp8-accuracy --max-tokens 512 --out bench/results/fp8-accuracy-cpu.json
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from batchkv.models.gguf import packaged_gguf, transformers_dir  # noqa: E402
 from batchkv.models.hf import quantize_decoder  # noqa: E402

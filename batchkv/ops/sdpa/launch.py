@@ -8,7 +8,7 @@ store's rows unless given). A store of one column (C = 1) is a pool of extents: 
 row of the segment's extent and key t sits at row `col + t % rows`. GQA: query head h*G + g reads KV
 head h (G = Hq // Hkv). Uncovered rows and rows with no key are zeros.
 
-How (device code in `sdpa_varlen_kernels.py` and `sdpa_varlen_long.py`):
+How (device code in `kernels.py` and `long.py`):
 - short segments (q_len <= q_short: decode, verify blocks) go through a stream-K split kernel on a
   persistent grid of P programs per head group; every program takes an equal share of all short
   segments' key blocks, so one wave serves any length mix (one sequence of 1024 keys or 64 of up
@@ -19,7 +19,7 @@ How (device code in `sdpa_varlen_kernels.py` and `sdpa_varlen_long.py`):
   only when T > q_short);
 - `SdpaConfig.split_merge` (the default's narrow config: steps of at most 2 tokens, tables of at
   most 2 rows), steps of at most q_short tokens whose segments fit one tile: equal runs of every
-  segment's keys per program, then a separate merge launch (`sdpa_varlen_splitkv.py`).
+  segment's keys per program, then a separate merge launch (`splitkv.py`).
 `softcap` (Gemma2) caps every score in the tile loops; `sinks` (gpt-oss) rescale each row once where
 its output is final (an item's sole program, the merge, the long path). Both are constexpr switches:
 a call with neither compiles and runs the kernels it did before.
@@ -32,7 +32,7 @@ Why these choices: decode reads ~all of its time from HBM, so the split kernel a
 per program (stream-K) rather than equal splits per sequence, which would leave a long sequence's
 programs running after the short ones finished. The grid is fixed by shapes (P from the SM count),
 so replays with new lengths need no recapture. Tiles use ~32 KiB of K+V per pipeline stage.
-Choices live in `SdpaConfig` (`sdpa_varlen_config.py`); defaults come from a static heuristic (no
+Choices live in `SdpaConfig` (`config.py`); defaults come from a static heuristic (no
 triton.autotune, whose first-call benchmarking does not mix with graph capture); `bench/kernels.py
 --sweep` and `bench/b1_sweep.py` tune them.
 
@@ -51,10 +51,10 @@ import triton
 from batchkv.checks import int_arg
 from batchkv.errors import ContractError
 from batchkv.ops.kv_write_triton import check_kv_write, launch_kv_write
-from batchkv.ops.sdpa_varlen_config import DEFAULT_CONFIG, SdpaConfig, pow2_floor, resolve_config
-from batchkv.ops.sdpa_varlen_kernels import split_kernel
-from batchkv.ops.sdpa_varlen_long import long_kernel
-from batchkv.ops.sdpa_varlen_splitkv import split_merge, takes_split_merge
+from batchkv.ops.sdpa.config import DEFAULT_CONFIG, SdpaConfig, pow2_floor, resolve_config
+from batchkv.ops.sdpa.kernels import split_kernel
+from batchkv.ops.sdpa.long import long_kernel
+from batchkv.ops.sdpa.splitkv import split_merge, takes_split_merge
 from batchkv.ops.support import COMPUTE_DTYPES, e4m3_cvt_asm, quantized, refusal, scales_refusal, tma_loads
 
 try:
