@@ -198,7 +198,7 @@ def main() -> None:
         "model": Path(path).name,
         "dtype": "float32 reference; bf16 floor; fp8 variants built from the bf16 model (bf16 in and out)",
         "kv_dtype": "bfloat16",
-        "command": "python bench/fp8_accuracy.py " + " ".join(sys.argv[1:]),
+        "command": "python bench/real_model.py --fp8-accuracy " + " ".join(sys.argv[1:]),
         "texts": {},
     }
     for text, file in TEXTS.items() if names else ():  # --variants '' with --explore: the breakdown only
