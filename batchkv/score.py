@@ -154,6 +154,37 @@ def score_caches(
     ]
 
 
+@torch.no_grad()
+def chunk_logprobs(model, ids: Sequence[int], cache: BatchedSequenceCache, chunk: int) -> torch.Tensor:
+    """Next-token log-probabilities, float32 [len(ids) - 1, vocab] on the CPU, of token `ids` teacher-forced
+    through `model` in prompt chunks of `chunk` tokens (a fresh one-sequence `cache`, capacity >= len(ids)):
+    one model's side of `score_caches`, kept whole so that several models compare pairwise."""
+    ids = list(ids)
+    if len(ids) < 2:
+        raise ConfigError(f"scoring needs at least 2 tokens (one to predict from); the text has {len(ids)}")
+    seq, text = cache.seq_new(), torch.tensor(ids, dtype=torch.int64, device=model.device)
+    out = []
+    for start in range(0, len(ids) - 1, chunk):
+        piece = text[start : min(start + chunk, len(ids) - 1)]
+        out.append(_chunk_logits(model, cache, seq, piece, start).log_softmax(-1).cpu())
+    return torch.cat(out)
+
+
+def compare_logprobs(tested: torch.Tensor, reference: torch.Tensor, target: torch.Tensor, *,
+                     tested_name: str = "tested", reference_name: str = "reference") -> Score:  # fmt: skip
+    """The `Score` of log-probabilities `tested` against `reference` (both [T, vocab]) at the T
+    positions whose next tokens are `target` [T]: `score_caches`' arithmetic on whole texts."""
+    target = target.reshape(-1, 1).to(tested.device)
+    nll = -tested.gather(1, target).double().mean()
+    reference_nll = -reference.gather(1, target).double().mean()
+    kl = (reference.exp() * (reference - tested)).sum(-1)
+    agree = (tested.argmax(-1) == reference.argmax(-1)).double().mean()
+    return Score(
+        int(target.shape[0]), tested_name, reference_name, float(nll.exp()), float(reference_nll.exp()),
+        float(agree), float(kl.double().mean()), float(kl.max()),
+    )  # fmt: skip
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

