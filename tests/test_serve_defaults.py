@@ -24,7 +24,7 @@ def test_serving_sizes_the_store_to_a_gpu_and_takes_a_few_sequences_on_the_cpu(p
     assert args.max_seqs is None
     assert scheduling_kwargs(args, "cuda")["max_seqs"] == "auto"
     assert scheduling_kwargs(args, "cpu")["max_seqs"] == CPU_MAX_SEQS == 16
-    assert "auto on CUDA, 16 on the CPU" in parser.format_help()
+    assert "auto on CUDA, 16 on the CPU" in " ".join(parser.format_help().split())  # as wrapped
 
 
 @pytest.mark.parametrize("given, expected", [("8", 8), ("auto", "auto")])
