@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchkv import BatchedSequenceCache, CacheConfig
+from batchkv.executor.admission import PRIORITY
 from batchkv.executor.request import Request, SamplingParams
 from batchkv.executor.scheduler import Scheduler
 from batchkv.executor.state import RequestState
@@ -150,7 +151,8 @@ def test_slot_arrays_plan_and_record_what_the_per_sample_model_does(ops, max_seq
             for rid in sorted(requests)
             for s in requests[rid][id(side)].samples
         ]
-        return (samples, [(s.owner.id, s.index) for s in sched.running], [st.id for st in sched.waiting],
+        waiting = [st.id for st in sorted(sched.waiting, key=PRIORITY)]  # in admission order
+        return (samples, [(s.owner.id, s.index) for s in sched.running], waiting,
                 [st.id for st in sched.prefilling], sorted(sched.live), sorted(side.cache.sequences))  # fmt: skip
 
     for op, arg in ops:

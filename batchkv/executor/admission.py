@@ -36,18 +36,20 @@ class Admission:
     prefix: PrefixCache | NoPrefixCache
     waiting: deque[RequestState]
     prefilling: list[RequestState]
+    forking: list[RequestState]  # the prefilling requests still holding columns and rows for forks
     _running: np.ndarray
 
     @property
     def spare(self) -> int:
-        return sum(r.spare for r in self.prefilling)
+        """Columns held back for the forks of prompts in flight (only n > 1 requests hold any)."""
+        return sum(r.spare for r in self.forking)
 
     def free_columns(self) -> int:
         return self.cache.max_seqs - self.cache.num_sequences - self.spare
 
     def free_rows(self) -> int:
         """Rows the store can still give, less those held back for the forks of prompts in flight."""
-        return self.cache.free_rows - sum(r.spare * self.reach(r) for r in self.prefilling)
+        return self.cache.free_rows - sum(r.spare * self.reach(r) for r in self.forking)
 
     def reach(self, state: RequestState) -> int:
         """Positions one of a request's samples can hold: its prompt and every generated token but
@@ -59,7 +61,7 @@ class Admission:
         their n extents are free (evicting cached prefixes first). With the prefix cache a request
         starts after the longest prefix it can reuse, and one that shares more with a prompt still
         being written waits for it while the requests behind it go on."""
-        for state in sorted(self.waiting, key=PRIORITY):  # stable: FIFO within one
+        for state in list(self.waiting):  # queued by priority, FIFO within one (`queue`)
             params, reach = state.request.params, self.reach(state)
             match = self.prefix.lookup(state)
             if match.wait:
@@ -74,7 +76,18 @@ class Admission:
             state.samples[0].seq, state.spare, state.prefilled = seq, params.n - 1, match.length
             state.cached = match.length
             self.prefilling.append(state)
+            if state.spare:
+                self.forking.append(state)
             self.prefix.add_live(state)
+
+    def queue(self, state: RequestState) -> None:
+        """Put a submitted request in `waiting` after every request as or more urgent than it
+        (`Request.priority`; FIFO within one), so admission reads the queue in order, unsorted."""
+        waiting, level = self.waiting, state.request.priority
+        if not waiting or PRIORITY(waiting[-1]) <= level:
+            waiting.append(state)  # the common case: one priority
+        else:
+            waiting.insert(next(i for i, other in enumerate(waiting) if PRIORITY(other) > level), state)
 
     def _make_room(self, match, columns: int, rows: int):
         """Evict cached histories (least recently used first) until a request of `columns` samples

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections import deque
 from itertools import chain
-from operator import attrgetter
 
 import numpy as np
 
@@ -44,7 +43,6 @@ from batchkv.executor.state import Batch, RequestState, SampleState
 
 HEAD_SHARE = 4  # a long oldest prompt takes a chunk / 4 first while others wait (bench/long_context.py)
 NO_SLOTS = np.zeros(0, dtype=np.int64)
-PRIORITY = attrgetter("request.priority")
 
 __all__ = ["Batch", "RequestState", "SampleState", "Scheduler", "default_prefill_budget"]
 
@@ -103,6 +101,7 @@ class Scheduler(Admission):
         self.table = SlotTable()  # every held sample's step state, by slot (`batchkv.executor.slots`)
         self.waiting: deque[RequestState] = deque()
         self.prefilling: list[RequestState] = []
+        self.forking: list[RequestState] = []  # prefilling with spare > 0 (n > 1): what `spare` sums
         self._running = NO_SLOTS  # slots of the running samples, in round-robin order
         self.live: dict[int, RequestState] = {}
         self.cancelled: list[Event] = []
@@ -128,7 +127,7 @@ class Scheduler(Admission):
                 request=state.id, submitted=state.submitted, stops=params.stop_token_ids,
                 plain=state.grammar is None and params.prompt_logprobs is None,
             )  # fmt: skip
-        self.waiting.append(state)
+        self.queue(state)
         self.live[state.id] = state
         self.scoring += params.scores
 
@@ -343,6 +342,8 @@ class Scheduler(Admission):
         """After the prompt is queued: clone its column for every other sample that will decode
         (the clone is a device copy queued after the prompt's K/V writes); release the spares."""
         self.prefilling.remove(state)
+        if state.spare:
+            self.forking.remove(state)
         parent = state.samples[0].seq
         for sample in state.samples[1:]:
             if sample.finish is None and not sample.exhausted(self.cache.capacity):
@@ -360,6 +361,8 @@ class Scheduler(Admission):
             self.waiting.remove(state)
         if state in self.prefilling:
             self.prefilling.remove(state)
+            if state.spare:
+                self.forking.remove(state)
             state.spare = 0
         for sample in state.live():
             if sample.seq >= 0:
