@@ -70,7 +70,7 @@ MUTANTS: list[Mutant] = [
            "rows - held",
            ADMISSION, "test_an_n_sample_request_adopting_a_tall_history_waits_for_its_forks_rows_under_a_full_store"),
     Mutant("scheduler: free_rows forgets the rows held back for forks", ADMIT,
-           "return self.cache.free_rows - sum(r.spare * self.reach(r) for r in self.forking)",
+           "return self.cache.free_rows - sum(r.spare * self.horizon(r) for r in self.forking)",
            "return self.cache.free_rows",
            ADMISSION, "test_a_later_request_does_not_take_the_rows_held_back_for_a_prompts_forks"),
     Mutant("pool: release does not return the rows as a hole", POOL,

@@ -383,7 +383,7 @@ class ModelScheduler:
         """Free a sample's column, or with the prefix cache (`keep`: it finished) keep it cached."""
         if sample.index == 0:
             self.prefix.end_live(sample.owner)
-        if keep and self.prefix.retire(sample):
+        if keep and self.prefix.keep(sample):
             sample.seq = -1
             return
         self.cache.seq_rm(sample.seq)

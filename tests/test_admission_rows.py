@@ -119,14 +119,14 @@ def test_a_later_request_does_not_take_the_rows_held_back_for_a_prompts_forks(mo
 def test_admitting_a_burst_does_work_linear_in_the_burst_and_keeps_priority_order(model, monkeypatch):
     # What holds rows back is summed over the requests that still hold rows for forks (n > 1), not
     # over every prompt in flight, and the queue is kept in admission order instead of sorted each
-    # step: counted in `reach` calls (each fork-holding request costs one per check).
+    # step: counted in `horizon` calls (each fork-holding request costs one per check).
     from batchkv.executor.admission import Admission
     from batchkv.executor.request import SamplingParams
 
     e = Engine(model, max_seqs=512, capacity=16, max_step_tokens=512, prefill_chunk=8, prefix_cache=False)
     calls = []
-    reach = Admission.reach
-    monkeypatch.setattr(Admission, "reach", lambda self, state: calls.append(1) or reach(self, state))
+    horizon = Admission.horizon
+    monkeypatch.setattr(Admission, "horizon", lambda self, state: calls.append(1) or horizon(self, state))
     params = SamplingParams(max_new_tokens=4)
     ids = [e.submit(Request([i % 50 + 1, 2, 3], params, priority=i % 3)) for i in range(300)]
     ids.append(e.submit(Request([7, 8, 9], SamplingParams(max_new_tokens=4, n=3), priority=-1)))

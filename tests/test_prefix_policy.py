@@ -157,7 +157,7 @@ def test_tokens_read_after_a_history_was_retired_are_matched(model):
     tokens = random_prompt(rng, 32, 32)
     done = state(tokens[:20], 0)  # a finished sample: 32 positions written, its 12th token not read yet
     done.samples[0].seq, done.samples[0].tokens = column(32), tokens[20:31]
-    assert prefix.retire(done.samples[0])
+    assert prefix.keep(done.samples[0])
     done.samples[0].tokens.append(tokens[31])  # read now
     writing = state(tokens + [1] * 8, 1)  # a live prompt sharing all 32, 16 of them written
     writing.samples[0].seq, writing.prefilled = column(16), 16

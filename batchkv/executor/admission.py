@@ -49,9 +49,9 @@ class Admission:
 
     def free_rows(self) -> int:
         """Rows the store can still give, less those held back for the forks of prompts in flight."""
-        return self.cache.free_rows - sum(r.spare * self.reach(r) for r in self.forking)
+        return self.cache.free_rows - sum(r.spare * self.horizon(r) for r in self.forking)
 
-    def reach(self, state: RequestState) -> int:
+    def horizon(self, state: RequestState) -> int:
         """Positions one of a request's samples can hold: its prompt and every generated token but
         the last, which is never written."""
         return min(self.cache.capacity, len(state.prompt) + state.request.params.max_new_tokens - 1)
@@ -62,7 +62,7 @@ class Admission:
         starts after the longest prefix it can reuse, and one that shares more with a prompt still
         being written waits for it while the requests behind it go on."""
         for state in list(self.waiting):  # queued by priority, FIFO within one (`queue`)
-            params, reach = state.request.params, self.reach(state)
+            params, reach = state.request.params, self.horizon(state)
             match = self.prefix.lookup(state)
             if match.wait:
                 continue

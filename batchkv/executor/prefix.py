@@ -118,7 +118,7 @@ class PrefixCache:
         if history is not None:
             self._unindex(history)
 
-    def retire(self, sample: SampleState) -> bool:
+    def keep(self, sample: SampleState) -> bool:
         """Keep a finished sample's column as a cached history instead of freeing it; False when
         there is nothing worth keeping (the caller frees the column)."""
         state, seq = sample.owner, sample.seq
@@ -294,7 +294,7 @@ class NoPrefixCache:
     def end_live(self, state: RequestState) -> None:
         """Nothing was indexed."""
 
-    def retire(self, sample: SampleState) -> bool:
+    def keep(self, sample: SampleState) -> bool:
         """Keeps nothing: the caller frees the column."""
         return False
 

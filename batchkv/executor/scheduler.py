@@ -332,7 +332,7 @@ class Scheduler(Admission):
         """Free a sample's column, or with the prefix cache (`keep`: it finished) keep it cached."""
         if sample.index == 0:
             self.prefix.end_live(sample.owner)
-        if keep and self.prefix.retire(sample):
+        if keep and self.prefix.keep(sample):
             sample.seq = -1
             return
         self.cache.seq_rm(sample.seq)
@@ -348,7 +348,7 @@ class Scheduler(Admission):
         for sample in state.samples[1:]:
             if sample.finish is None and not sample.exhausted(self.cache.capacity):
                 # as tall as admission held back for it (an adopted parent may be taller)
-                sample.seq = self.cache.seq_clone(parent, reach=self.reach(state))
+                sample.seq = self.cache.seq_clone(parent, reach=self.horizon(state))
         state.spare = 0
 
     # ---- cancellation --------------------------------------------------------------------------
