@@ -269,13 +269,7 @@ class ModelRunner:
         the forward (eager or a graph) and sampling into `sampled[slot]`. No host wait. Returns
         the step's logits [rows, vocab]."""
         logits = self.execute(width, lambda: self._forward(width, rows))
-        if sampling:
-            tokens = sample_tokens(
-                logits[:real], self.temperature[:real], self.top_k[:real], self.top_p[:real], self.draws[:real]
-            )
-        else:
-            tokens = greedy_tokens(logits[:real])
-        self.sampled[slot, :real].copy_(tokens)
+        self.sampled[slot, :real].copy_(self._pick(logits[:real], 0, real, sampling))
         return logits
 
     _adjusting: tuple[Batch, SampledTokens | None] | None = None  # rank 0, during an adjusted step
@@ -290,13 +284,20 @@ class ModelRunner:
         runs the forward, rank 0 alone (`_adjusting`: its batch and previous launch) adjusts and
         samples, and the other ranks take its tokens (`tp.share`), which later steps gather."""
         logits = self.execute(width, lambda: self._forward(width, rows))
-        if self._adjusting is not None:
-            batch, previous = self._adjusting
-            adjust = self._adjuster(batch, real, sampling, slot, previous, logits.device)
+        adjust = self._rank_adjuster(real, sampling, slot, logits.device)
+        if adjust is not None:
             chosen, min_p = adjust(logits[:real], 0, real)
             self.sampled[slot, :real].copy_(self._pick(chosen, 0, real, sampling, min_p))
         self.tp.share(self.sampled[slot, :real])
         return logits
+
+    def _rank_adjuster(self, real: int, sampling: bool, slot: int, device: torch.device) -> Adjust | None:
+        """This rank's part of an adjusted step: rank 0's adjuster (`_adjusting` holds its batch and
+        previous launch), None on the other tensor-parallel ranks and in plain steps."""
+        if self._adjusting is None:
+            return None
+        batch, previous = self._adjusting
+        return self._adjuster(batch, real, sampling, slot, previous, device)
 
     def _adjuster(
         self, batch: Batch, real: int, sampling: bool, slot: int, previous: SampledTokens | None, device: torch.device
@@ -339,10 +340,7 @@ class ModelRunner:
         A step that `adjusts` is adjusted and sampled by rank 0 alone (`_adjusting`, as
         `_adjusted_step`), whose tokens the other ranks then take (`tp.share`). No host wait."""
         h = self.execute(width, lambda: self._trunk(width, rows))
-        adjust = None
-        if self._adjusting is not None:
-            batch, previous = self._adjusting
-            adjust = self._adjuster(batch, real, sampling, slot, previous, h.device)
+        adjust = self._rank_adjuster(real, sampling, slot, h.device)
         with torch.no_grad():
             for lo, hi in head_chunks(rows):
                 logits = self.logits[: hi - lo]
