@@ -341,14 +341,19 @@ class Scheduler(Admission):
     def _fork(self, state: RequestState) -> None:
         """After the prompt is queued: clone its column for every other sample that will decode
         (the clone is a device copy queued after the prompt's K/V writes); release the spares."""
-        self.prefilling.remove(state)
-        if state.spare:
-            self.forking.remove(state)
+        self._end_prefill(state)
         parent = state.samples[0].seq
         for sample in state.samples[1:]:
             if sample.finish is None and not sample.exhausted(self.cache.capacity):
                 # as tall as admission held back for it (an adopted parent may be taller)
                 sample.seq = self.cache.seq_clone(parent, reach=self.horizon(state))
+
+    def _end_prefill(self, state: RequestState) -> None:
+        """The prompt is written or dropped: it leaves `prefilling`, and with it the columns and
+        rows it held back for its forks (`forking`, `spare`)."""
+        self.prefilling.remove(state)
+        if state.spare:
+            self.forking.remove(state)
         state.spare = 0
 
     # ---- cancellation --------------------------------------------------------------------------
@@ -360,10 +365,7 @@ class Scheduler(Admission):
         if state in self.waiting:
             self.waiting.remove(state)
         if state in self.prefilling:
-            self.prefilling.remove(state)
-            if state.spare:
-                self.forking.remove(state)
-            state.spare = 0
+            self._end_prefill(state)
         for sample in state.live():
             if sample.seq >= 0:
                 self._release(sample, keep=False)
