@@ -23,6 +23,7 @@ from batchkv.cache.config import MAX_POSITIONS, MAX_STEP_TOKENS
 from batchkv.cli.common import bounded
 from batchkv.dtypes import STORAGE_DTYPES, dtype_named
 from batchkv.errors import ConfigError
+from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.sizing import DEFAULT_CAPACITY, DEFAULT_PREFILL_CHUNK, DEFAULT_STEP_TOKENS
 from batchkv.models.config import MODEL_PRESETS
 
@@ -99,7 +100,8 @@ def _add_sizing(group: argparse._ArgumentGroup) -> None:
         type=or_auto(bounded(int, 1, MAX_POSITIONS)),
         metavar="N|auto",
         help=f"resident sequences (cache columns; n samples take n); auto: the store sized to "
-        f"--memory-fraction, then up to 1024 sequences it holds (default: auto on CUDA, {CPU_MAX_SEQS} on the CPU)",
+        f"--memory-fraction, then up to {MAX_SAMPLE_ROWS} sequences it holds (default: auto on CUDA, "
+        f"{CPU_MAX_SEQS} on the CPU)",
     )
     group.add_argument(
         "--memory-fraction",
