@@ -70,7 +70,7 @@ class NoOpModel:
         self._zeros = torch.zeros(MAX_SAMPLE_ROWS * 8, VOCAB, dtype=torch.float32, device=device)
 
     def cache_spec(self) -> dict:
-        return {"num_layers": 1, "kv_heads": 1, "head_dim": 8, "dtype": torch.bfloat16}
+        return {"num_layers": 1, "kv_heads": 1, "head_dim": 16, "dtype": torch.bfloat16}
 
     def __call__(self, input_ids, indexes, cache, logits_rows) -> torch.Tensor:
         return self._zeros[: logits_rows.shape[0]]
