@@ -2,6 +2,7 @@
 
 - `launch`: `sdpa_varlen(...)`, the function the cache calls (picks a variant, sizes the grid,
   launches); `batchkv.ops.sdpa_varlen` is the same function, imported lazily.
+- `checks`: the refusals of `sdpa_varlen`'s arguments (`ContractError`s raised before any launch).
 - `config`: `SdpaConfig`, `DEFAULT_CONFIG` and the static heuristic that resolves a config per call.
 - Device code: `kernels` (the stream-K kernel for decode and short chunks), `long` (prompt chunks),
   `splitkv` (the two-launch split-KV variant), and their parts `attend` (one head's tile loop),

@@ -52,12 +52,13 @@ import triton
 from batchkv.checks import int_arg
 from batchkv.errors import ContractError
 from batchkv.ops.kv_write_triton import check_kv_write, launch_kv_write
+from batchkv.ops.sdpa.checks import check_call, check_extras
 from batchkv.ops.sdpa.common import SOFTCAP_APPROX, SOFTCAP_EXACT
 from batchkv.ops.sdpa.config import DEFAULT_CONFIG, SdpaConfig, pow2_floor, resolve_config
 from batchkv.ops.sdpa.kernels import split_kernel
 from batchkv.ops.sdpa.long import long_kernel
 from batchkv.ops.sdpa.splitkv import split_merge, takes_split_merge
-from batchkv.ops.support import COMPUTE_DTYPES, e4m3_cvt_asm, quantized, refusal, scales_refusal, tma_loads
+from batchkv.ops.support import e4m3_cvt_asm, quantized, tma_loads
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -108,84 +109,6 @@ def _softcap_mode(softcap: float, q: torch.Tensor) -> int:
         return 0
     nvidia = q.device.type == "cuda" and torch.version.hip is None
     return SOFTCAP_APPROX if SOFTCAP_TANH_APPROX and nvidia and q.dtype != torch.float32 else SOFTCAP_EXACT
-
-
-def _check_extras(q: torch.Tensor, softcap: float, sinks: torch.Tensor | None) -> None:
-    """Refuse a soft-cap that is not a finite number >= 0, and sinks that are not one float logit per
-    query head ([Hq], contiguous, on q's device)."""
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
-        raise ContractError(f"sdpa_varlen: softcap is {softcap!r}; use 0 (none) or a positive finite number")
-    if sinks is None:
-        return
-    if not isinstance(sinks, torch.Tensor):
-        raise ContractError(f"sdpa_varlen: sinks is a {type(sinks).__name__}; pass a float tensor [Hq] or None")
-    if sinks.shape != (q.shape[1],) or sinks.dtype not in COMPUTE_DTYPES or sinks.stride() != (1,):
-        raise ContractError(
-            f"sdpa_varlen: sinks must be one fp16/bf16/fp32 logit per query head, contiguous [{q.shape[1]}]; "
-            f"got {sinks.dtype} {list(sinks.shape)} strides {sinks.stride()}"
-        )
-    if sinks.device != q.device:
-        raise ContractError(f"sdpa_varlen: sinks are on {sinks.device}, q on {q.device}; move them to q's device")
-
-
-def _check(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale) -> None:
-    if q.dim() != 3 or k_store.dim() != 4 or v_store.dim() != 4 or k_store.shape[:3] != v_store.shape[:3]:
-        raise ContractError(
-            "sdpa_varlen wants q [T, Hq, D], k_store [rows, C, Hkv, D] and v_store [rows, C, Hkv, Dv]; "
-            f"got {tuple(q.shape)}, {tuple(k_store.shape)}, {tuple(v_store.shape)}"
-        )
-    num_q_heads, head_dim = q.shape[1:]
-    rows, _, num_kv_heads, store_dim = k_store.shape
-    if store_dim != head_dim:
-        raise ContractError(f"sdpa_varlen: q has head_dim {head_dim} but the key store {store_dim}")
-    problem = refusal(k_store.dtype, head_dim, device=k_store.device, value_dim=v_store.shape[3])
-    if problem:
-        raise ContractError(f"sdpa_varlen: {problem}")
-    if num_kv_heads < 1 or num_q_heads < 1 or num_q_heads % num_kv_heads:
-        raise ContractError(
-            f"Hq={num_q_heads} is not a positive multiple of Hkv={num_kv_heads}; GQA needs Hq % Hkv == 0"
-        )
-    if rows < 1:
-        raise ContractError("the stores have 0 rows; grow the cache before attending")
-    if q.dtype not in COMPUTE_DTYPES or v_store.dtype != k_store.dtype:
-        raise ContractError(
-            f"q must be fp16/bf16/fp32 and both stores one dtype; got {q.dtype}, {k_store.dtype}, {v_store.dtype}"
-        )
-    problem = scales_refusal(k_store.dtype, k_store.device, tuple(k_store.shape[:-1]), k_scale, v_scale)
-    if problem:
-        raise ContractError(f"sdpa_varlen: {problem}")
-    if quantized(k_store.dtype):  # the kernels read e4m3 codes two at a time, as int16
-        odd = [x for x in (k_store, v_store) if x.storage_offset() % 2 or any(n % 2 for n in x.stride()[:3])]
-        if odd:
-            raise ContractError(
-                f"sdpa_varlen: e4m3 stores need even strides and offsets (codes are read in pairs); got strides "
-                f"{odd[0].stride()} at offset {odd[0].storage_offset()} (pass a view of an even-sized store)"
-            )
-    if q.stride(-1) != 1 or k_store.stride(-1) != 1 or v_store.stride(-1) != 1:
-        raise ContractError(
-            "q and the stores need a contiguous last dim; "
-            f"got {q.stride()}, {k_store.stride()}, {v_store.stride()} (call .contiguous())"
-        )
-    if not q.device == k_store.device == v_store.device == seq_info.device:
-        raise ContractError(
-            f"q, the stores and seq_info must share a device; got {q.device}, {k_store.device}, "
-            f"{v_store.device}, {seq_info.device}"
-        )
-    if seq_info.dtype != torch.int32 or seq_info.dim() != 2 or seq_info.shape[1] != 4 or seq_info.stride(-1) != 1:
-        raise ContractError(f"seq_info must be int32 [S, 4], rows contiguous; got {seq_info.dtype} {seq_info.shape}")
-    if seq_info.shape[0] > 1 and seq_info.stride(0) != 4:
-        raise ContractError("seq_info rows must be packed (stride 4); pass seq_info.contiguous()")
-    int_arg("sdpa_varlen: window", window, 0, error=ContractError, why=" (0: none)")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise ContractError(f"sdpa_varlen: scale is {scale!r}; use None (1/sqrt(D)) or a number")
-    want = (*q.shape[:2], v_store.shape[3])  # [T, Hq, Dv]
-    if out is not None and (
-        tuple(out.shape) != want or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1
-    ):
-        raise ContractError(
-            f"out must be {want} {q.dtype} on {q.device} with a contiguous last dim; "
-            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
-        )
 
 
 def _layout(store: torch.Tensor) -> tuple[int, int, int]:
@@ -279,24 +202,16 @@ def sdpa_varlen(
     >>> info = torch.tensor([[0, 1, 3, 700], [1, 4, 0, 52]], dtype=torch.int32, device="cuda")
     >>> out = sdpa_varlen(q, k_store, v_store, info)  # q [5, 32, 128], stores [1024, 65, 8, 128]
     """
-    _check(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale)
-    _check_extras(q, softcap, sinks)
+    check_call(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale)
+    check_extras(q, softcap, sinks)
     num_tokens, num_q_heads, head_dim = q.shape
-    columns, num_kv_heads, value_dim = *k_store.shape[1:3], v_store.shape[3]
     rows = k_store.shape[0] if rows is None else int_arg("sdpa_varlen: rows", rows, 1, 2**31 - 1, error=ContractError)
     num_segments = seq_info.shape[0]
-    out = q.new_empty(num_tokens, num_q_heads, value_dim) if out is None else out
-    group = num_q_heads // num_kv_heads
-    config = config or DEFAULT_CONFIG
-    if config.narrow is not None and (num_tokens <= config.narrow_width or num_segments <= config.narrow_segments):
-        config = config.narrow  # a static-shape choice: the same for every replay of a graph
+    out = q.new_empty(num_tokens, num_q_heads, v_store.shape[3]) if out is None else out
+    group, quant = num_q_heads // k_store.shape[2], quantized(k_store.dtype)
     # tiles of a power of two of columns: keys' (and queries') k_tile, values' (and the output's) v_tile
-    k_tile, v_tile = triton.next_power_of_2(head_dim), triton.next_power_of_2(value_dim)
-    cfg = resolve_config(config, max(k_tile, v_tile), k_store.dtype, num_kv_heads, q.device, q.dtype != torch.float32)
-    same_layout = _layout(v_store) == _layout(k_store)  # V's strides are K's
-    if not (head_dim == value_dim == k_tile and same_layout):  # variants that assume one width and layout: off
-        cfg = replace(cfg, warp_split=1, prefetch=0, tma_long=False, fuse_write=False)
-    quant = quantized(k_store.dtype)
+    k_tile, v_tile = triton.next_power_of_2(head_dim), triton.next_power_of_2(v_store.shape[3])
+    cfg, same_layout = _choose_config(config or DEFAULT_CONFIG, q, k_store, v_store, num_segments, k_tile, v_tile)
     fused = num_tokens > 0 and num_segments > 0 and cfg.fuse_write and takes_split_merge(num_tokens, group, cfg, quant)
     fused = fused and write is not None and write[0].shape[0] <= num_tokens  # each program stores all W rows
     if write is not None:
@@ -305,6 +220,37 @@ def sdpa_varlen(
         return out
     if num_segments == 0:
         return out.zero_()
+    _launch(q, k_store, v_store, k_scale, v_scale, seq_info, out, cfg, same_layout, quant, k_tile, v_tile, rows, scale,
+            causal, window, write, softcap, sinks)  # fmt: skip
+    return out
+
+
+def _choose_config(config: SdpaConfig, q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor,
+                   num_segments: int, k_tile: int, v_tile: int) -> tuple[SdpaConfig, bool]:  # fmt: skip
+    """A call's resolved config and whether V's strides are K's: `config.narrow` for a narrow step (a
+    static-shape choice: the same for every replay of a graph), resolved for the wider of the key and
+    value tiles, the store dtype, the device and the query dtype, with the variants that assume one
+    width and one layout for K and V (warp split, prefetch, TMA long loads, fused write) turned off
+    otherwise."""
+    num_tokens, _, head_dim = q.shape
+    num_kv_heads, value_dim = k_store.shape[2], v_store.shape[3]
+    if config.narrow is not None and (num_tokens <= config.narrow_width or num_segments <= config.narrow_segments):
+        config = config.narrow
+    cfg = resolve_config(config, max(k_tile, v_tile), k_store.dtype, num_kv_heads, q.device, q.dtype != torch.float32)
+    same_layout = _layout(v_store) == _layout(k_store)  # V's strides are K's
+    if not (head_dim == value_dim == k_tile and same_layout):  # variants that assume one width and layout: off
+        cfg = replace(cfg, warp_split=1, prefetch=0, tma_long=False, fuse_write=False)
+    return cfg, same_layout
+
+
+def _launch(q, k_store, v_store, k_scale, v_scale, seq_info, out, cfg: SdpaConfig, same_layout: bool, quant: bool,
+            k_tile: int, v_tile: int, rows: int, scale, causal, window, write, softcap, sinks) -> None:  # fmt: skip
+    """Launch a step with tokens and segments: the arguments every path shares (scalars, strides,
+    constexprs, soft-cap and sinks, V's layout), then the path: `split_merge`'s two launches for a
+    narrow step, else the split kernel and, when a segment can be long (T > q_short), the long kernel."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_segments, columns, num_kv_heads, value_dim = seq_info.shape[0], *k_store.shape[1:3], v_store.shape[3]
+    group = num_q_heads // num_kv_heads
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
     dots = q.dtype if quant else k_store.dtype  # the dtype tl.dot runs in
     cvt_asm = quant and e4m3_cvt_asm(q.device)  # e4m3 codes converted by inline PTX (NVIDIA sm_89+)
@@ -338,9 +284,21 @@ def sdpa_varlen(
         launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device))
         split_merge(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, strides, cfg, common,
                     cvt_asm, launch, write, extras)  # fmt: skip
-        return out
+        return
+    _launch_split(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, strides, cfg, common, extras, values,
+                  cvt_asm, long)  # fmt: skip
+    if long:
+        _launch_long(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, strides, cfg, common, extras, values,
+                     cvt_asm, softcap)  # fmt: skip
 
-    # Split path: block_q queries per item; at most max_items items over all short segments.
+
+def _launch_split(q, k_store, v_store, k_scale, v_scale, seq_info, out, args: tuple, strides: tuple, cfg: SdpaConfig,
+                  common: dict, extras: dict, values: dict, cvt_asm: bool, long: bool) -> None:  # fmt: skip
+    """The stream-K split kernel over the short segments (and the zeros of uncovered rows): block_q
+    queries per item, at most max_items items over all short segments, on `cfg.programs` programs
+    per head group, with its fp32 partials (torch.empty) and the device's merge counters."""
+    num_segments, num_tokens, rows = args[:3]
+    num_kv_heads, group, v_tile = k_store.shape[2], common["GROUP"], values["V_TILE"]
     heads, groups = cfg.heads, num_kv_heads // cfg.heads
     block_q = max(1, cfg.block_m // group)
     block_m = max(16, triton.next_power_of_2(block_q * group))
@@ -365,20 +323,27 @@ def sdpa_varlen(
         CVT_ASM=cvt_asm, **common, **extras, **values,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device),
     )  # fmt: skip
-    if long:
-        block_q_long = max(1, cfg.block_m_long // group)
-        most_long = min(num_segments, num_tokens // (cfg.q_short + 1))
-        e4m3_dots = q.device.type == "cpu" or cvt_asm  # NVIDIA sm_89+, or the interpreter
-        qk_e4m3 = quant and cfg.e4m3_qk_long and q.dtype != torch.float32 and head_dim >= 32 and qk_scale > 0
-        qk_e4m3 = qk_e4m3 and e4m3_dots and not softcap  # a cap works on true scores: exact queries
-        descs = tma_views(k_store, v_store, cfg.block_n_long) if cfg.tma_long else None
-        long_kernel[((-(-num_tokens // block_q_long) + most_long) * num_kv_heads,)](
-            q, k_store, v_store, k_scale, v_scale, seq_info, out, *(descs or (k_store, v_store)), *args, num_kv_heads,
-            *strides,
-            QK_E4M3=qk_e4m3, TMA=descs is not None,
-            HW_CAST=qk_e4m3 and cvt_asm, BLOCK_M=max(16, triton.next_power_of_2(block_q_long * group)),
-            BLOCK_Q=block_q_long,
-            BLOCK_N=cfg.block_n_long, **common, **extras, **values, num_warps=cfg.num_warps_long,
-            num_stages=cfg.num_stages_long,
-        )  # fmt: skip
-    return out
+
+
+def _launch_long(q, k_store, v_store, k_scale, v_scale, seq_info, out, args: tuple, strides: tuple, cfg: SdpaConfig,
+                 common: dict, extras: dict, values: dict, cvt_asm: bool, softcap: float) -> None:  # fmt: skip
+    """The long kernel over the segments longer than q_short (prompt chunks): one program per query
+    block, no split; e4m3 QK dots under `cfg.e4m3_qk_long` where they apply, TMA loads where
+    `tma_views` can serve them."""
+    num_segments, num_tokens, _rows, _window, qk_scale = args
+    num_kv_heads, group, quant, head_dim = k_store.shape[2], common["GROUP"], common["QUANT"], common["K_DIM"]
+    block_q_long = max(1, cfg.block_m_long // group)
+    most_long = min(num_segments, num_tokens // (cfg.q_short + 1))
+    e4m3_dots = q.device.type == "cpu" or cvt_asm  # NVIDIA sm_89+, or the interpreter
+    qk_e4m3 = quant and cfg.e4m3_qk_long and q.dtype != torch.float32 and head_dim >= 32 and qk_scale > 0
+    qk_e4m3 = qk_e4m3 and e4m3_dots and not softcap  # a cap works on true scores: exact queries
+    descs = tma_views(k_store, v_store, cfg.block_n_long) if cfg.tma_long else None
+    long_kernel[((-(-num_tokens // block_q_long) + most_long) * num_kv_heads,)](
+        q, k_store, v_store, k_scale, v_scale, seq_info, out, *(descs or (k_store, v_store)), *args, num_kv_heads,
+        *strides,
+        QK_E4M3=qk_e4m3, TMA=descs is not None,
+        HW_CAST=qk_e4m3 and cvt_asm, BLOCK_M=max(16, triton.next_power_of_2(block_q_long * group)),
+        BLOCK_Q=block_q_long,
+        BLOCK_N=cfg.block_n_long, **common, **extras, **values, num_warps=cfg.num_warps_long,
+        num_stages=cfg.num_stages_long,
+    )  # fmt: skip
