@@ -8,8 +8,8 @@ named `<what>[_<mode>][@<config>]`:
   `plain` (this tree, neither switch: the zero-cost claim is plain / base), `softcap` (a cap of 50,
   Gemma2's), `sinks` (one random logit per query head, gpt-oss's), `both`;
 - mode (the kernels' SOFTCAP switch while it runs, `launch._softcap_mode`'s `SOFTCAP_APPROX`):
-  none: the tree's default; `exact`: the exp2-and-division tanh; `f16`: `tanh.approx.f16x2`;
-  `split`: the hardware tanh with half the long path's exp2s on the FMA pipe (common.py's modes);
+  none: the tree's default; `exact`: the exp2-and-division tanh (f7ec584 also had `f16`,
+  `tanh.approx.f16x2`, and `split`, half the long path's exp2s on the FMA pipe: both measured slower);
 - config: `SdpaConfig` long-path tiles replacing the default's: `s2` (2 stages), `n32` (32 keys),
   `n128` (128 keys, 2 stages), `m64` (64 rows, 4 warps, 2 stages), `w4` (4 warps).
 Each variant is checked against the torch reference on rotation 0 (the reference with the same cap
@@ -17,7 +17,7 @@ and sinks) before it is timed (one over `TOLERANCE` is reported and left out of 
 are CUDA-graph replays of back-to-back calls (bench/timing.py).
 
     python3 bench/kernels.py --softcap-sinks-ab --base .base --out bench/results/softcap-sinks-ab-h200.json
-    python3 bench/kernels.py --softcap-sinks-ab --variants softcap,softcap_split,softcap@s2 --cases prefill-4x512
+    python3 bench/kernels.py --softcap-sinks-ab --variants softcap,both,softcap@m64 --cases prefill-4x512
     python bench/kernels.py --softcap-sinks-ab --small --out /tmp/ab.json     # CPU smoke run (interpreter)
 """
 
@@ -41,14 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from batchkv.ops import sdpa_varlen_reference
 from batchkv.ops.sdpa import launch as launcher
-from batchkv.ops.sdpa.common import SOFTCAP_APPROX, SOFTCAP_EXACT, SOFTCAP_F16X2, SOFTCAP_SPLIT_EX2
+from batchkv.ops.sdpa.common import SOFTCAP_APPROX, SOFTCAP_EXACT
 from batchkv.ops.sdpa.config import DEFAULT_CONFIG
 from batchkv.ops.sdpa.launch import sdpa_varlen
 from bench.lib.kernel_cases import CASES, SMALL_CASES, TOLERANCE, build_cases
 from bench.lib.timing import time_calls
 
 SOFTCAP = 50.0
-MODES = {"": None, "exact": SOFTCAP_EXACT, "f16": SOFTCAP_F16X2, "split": SOFTCAP_SPLIT_EX2}
+MODES = {"": None, "exact": SOFTCAP_EXACT}
 CONFIGS = {"": {}, "s2": dict(num_stages_long=2), "n32": dict(block_n_long=32), "w4": dict(num_warps_long=4),
            "n128": dict(block_n_long=128, num_stages_long=2),
            "m64": dict(block_m_long=64, num_warps_long=4, num_stages_long=2)}  # fmt: skip

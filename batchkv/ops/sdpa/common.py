@@ -48,40 +48,18 @@ def load_table(info, S, S_POW2: tl.constexpr):
 # one MUFU.TANH per element (sm_75+): max relative error 2^-10.99, so a capped score moves by at most
 # ~5e-4 of itself, below bf16's rounding of the scores' own inputs
 TANH_ASM = tl.constexpr("tanh.approx.f32 $0, $1;")
-# two scores per `tanh.approx.f16x2` (sm_75+; PTX ISA: max relative error 2^-10.7, on top of rounding x
-# and the result to f16): sm_90 issues it as two MUFU.TANH.F16, one per half (no fewer MUFU ops)
-TANH_F16X2_ASM = tl.constexpr(
-    "{ .reg .b32 p; .reg .b16 lo, hi; cvt.rn.f16x2.f32 p, $3, $2; tanh.approx.f16x2 p, p; "
-    "mov.b32 {lo, hi}, p; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }"
-)
-# 2^x for x <= P_SHIFT on the FMA pipe, no MUFU: j = floor(x) by a round-down add of 1.5 * 2^23 (the
-# sum's low bits hold j), 2^(x - j) a degree-5 polynomial (relative error <= 1.7e-7 in fp32, fitted
-# near-minimax on [0, 1)), 2^j built in the exponent field by one integer multiply-add, one FMUL.
-# x clamps at -127 (NaN kept: max.NaN), where 2^j's bits are 0: exp2(-inf) is exactly 0, NaN stays NaN.
-EX2_FMA_ASM = tl.constexpr(
-    "{ .reg .f32 x, t, j, f, q; .reg .b32 e; max.NaN.f32 x, $1, 0fC2FE0000; add.rm.f32 t, x, 0f4B400000; "
-    "sub.rn.f32 j, t, 0f4B400000; sub.rn.f32 f, x, j; fma.rn.f32 q, f, 0f3AF4BA8A, 0f3C13BC27; "
-    "fma.rn.f32 q, q, f, 0f3D648E74; fma.rn.f32 q, q, f, 0f3E75EDAB; fma.rn.f32 q, q, f, 0f3F31725D; "
-    "fma.rn.f32 q, q, f, 0f3F800000; mov.b32 e, t; mad.lo.s32 e, e, 8388608, 1065353216; mov.b32 t, e; "
-    "mul.rn.f32 $0, q, t; }"
-)
 SOFTCAP_EXACT = 1  # the kernels' SOFTCAP switch: 0 none, 1 exact (exp2 and a division), 2 the hardware tanh
 SOFTCAP_APPROX = 2
-SOFTCAP_F16X2 = 3  # the hardware tanh on f16 pairs (the A/B's; `tanh_capped`)
-SOFTCAP_SPLIT_EX2 = 4  # the hardware tanh, and on the long path half the exp2s on the FMA pipe (`exp2_split`)
 
 
 @triton.jit
 def tanh_capped(x, MODE: tl.constexpr = 1):
     """tanh(x), x a score over the cap (the scales folded by the caller). MODE 1 (exact; the
     interpreter, fp32 queries): tanh(x) = 1 - 2 / (e^2x + 1), one exp2 and one division, exact limits
-    (+-1 where e^2x overflows or vanishes), an absolute error of ~1e-7 near 0. MODE 2 and 4 (NVIDIA,
-    16-bit queries): the hardware's `tanh.approx.f32`, one special-function op instead of an exp2, a
-    reciprocal and its refinement; relative error <= 2^-10.99. MODE 3: `tanh.approx.f16x2` on pairs.
-    NaN stays NaN either way."""
-    if MODE == 3:
-        return tl.inline_asm_elementwise(TANH_F16X2_ASM, "=f,=f,f,f", [x], dtype=tl.float32, is_pure=True, pack=2)
-    if MODE >= 2:
+    (+-1 where e^2x overflows or vanishes), an absolute error of ~1e-7 near 0. MODE 2 (NVIDIA, 16-bit
+    queries): the hardware's `tanh.approx.f32`, one special-function op instead of an exp2, a
+    reciprocal and its refinement; relative error <= 2^-10.99. NaN stays NaN either way."""
+    if MODE == 2:
         return tl.inline_asm_elementwise(TANH_ASM, "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
     e = tl.exp2(x * (2.0 * LOG2E))
     return 1.0 - 2.0 / (e + 1.0)
@@ -93,18 +71,6 @@ def soft_cap(s, cap2, MODE: tl.constexpr = 1):
     Gemma2 caps its scaled scores, cap2 the cap times 1/ln2, so the result stays in log2 units
     (`tanh_capped` says how, per MODE)."""
     return cap2 * tanh_capped(s * (1.0 / cap2), MODE)
-
-
-@triton.jit
-def exp2_split(x, FMA: tl.constexpr):
-    """exp2 of a 2-D tile; FMA: the odd columns on the FMA pipe (`EX2_FMA_ASM`), the even ones by
-    MUFU.EX2, so a capped tile's two special-function ops per score become 1.5 (the pair of
-    columns sits in one thread in Hopper's MMA layouts: the split and join move nothing)."""
-    if not FMA:
-        return tl.exp2(x)
-    even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
-    odd = tl.inline_asm_elementwise(EX2_FMA_ASM, "=f,f", [odd], dtype=tl.float32, is_pure=True, pack=1)
-    return tl.reshape(tl.join(tl.exp2(even), odd), [x.shape[0], x.shape[1]])
 
 
 @triton.jit

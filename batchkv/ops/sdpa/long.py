@@ -31,7 +31,6 @@ from batchkv.ops.kv_write_triton import E4M3_FLOOR
 from batchkv.ops.sdpa.common import (
     NEG_INF,
     P_SHIFT,
-    exp2_split,
     full_bounds,
     q_for_dots,
     quantize_rows,
@@ -126,8 +125,7 @@ def _update(q_tile, raw, k_s, v, v_s, start, row_lo, row_hi, m_i, l_i, acc, qk_s
         alpha = tl.exp2(m_i - m_safe)
         if QUANT:  # p times 2^P_SHIFT, l_i with it (acc / l_i is unchanged): p * v_scale stays normal in fp16
             m_safe -= P_SHIFT
-        # SOFTCAP: one FFMA per score back to log2 units (4: SOFTCAP_SPLIT_EX2)
-        p = exp2_split(s * cap2 - m_safe[:, None], SOFTCAP == 4) if SOFTCAP else tl.exp2(s - m_safe[:, None])
+        p = tl.exp2(s * cap2 - m_safe[:, None] if SOFTCAP else s - m_safe[:, None])  # SOFTCAP: one FFMA per score
     l_i = l_i * alpha + tl.sum(p, 1)
     if QK_E4M3:
         p = p * v_s[None, :]
