@@ -74,12 +74,24 @@ def soft_cap(s, cap2, MODE: tl.constexpr = 1):
 
 
 @triton.jit
-def sink_weight(lse, sinks, head, ok):
+def sink_logit(sinks, head, ok):
+    """`sinks[head]` (natural units, any float dtype) in log2 units, 0 where not ok: loaded apart from
+    `sink_share` so a kernel can issue the load early and keep its latency off the row's tail."""
+    return tl.load(sinks + head, mask=ok, other=0.0).to(tl.float32) * LOG2E
+
+
+@triton.jit
+def sink_share(lse, sink):
     """The factor 1 / (1 + 2^(sink - lse)) that turns a row's output normalised over its keys into one
-    normalised over its keys and its query head's sink logit (`sinks[head]`, natural units, any float
-    dtype): lse is the row's log2-sum-exp over every key. A row without keys (lse = -inf) gets 0."""
-    sink = tl.load(sinks + head, mask=ok, other=0.0).to(tl.float32) * LOG2E
+    normalised over its keys and its sink logit (`sink_logit`): lse is the row's log2-sum-exp over
+    every key. A row without keys (lse = -inf) gets 0."""
     return 1.0 / (1.0 + tl.exp2(sink - lse))
+
+
+@triton.jit
+def sink_weight(lse, sinks, head, ok):
+    """`sink_share` of a row's lse and its query head's sink logit, `sinks[head]` loaded here."""
+    return sink_share(lse, sink_logit(sinks, head, ok))
 
 
 @triton.jit
