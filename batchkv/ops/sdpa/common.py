@@ -53,29 +53,45 @@ SOFTCAP_APPROX = 2
 
 
 @triton.jit
+def tanh_capped(x, MODE: tl.constexpr = 1):
+    """tanh(x), x a score over the cap (the scales folded by the caller). MODE 1 (exact; the
+    interpreter, fp32 queries): tanh(x) = 1 - 2 / (e^2x + 1), one exp2 and one division, exact limits
+    (+-1 where e^2x overflows or vanishes), an absolute error of ~1e-7 near 0. MODE 2 (NVIDIA, 16-bit
+    queries): the hardware's `tanh.approx.f32`, one special-function op instead of an exp2, a
+    reciprocal and its refinement; relative error <= 2^-10.99. NaN stays NaN either way."""
+    if MODE == 2:
+        return tl.inline_asm_elementwise(TANH_ASM, "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+    e = tl.exp2(x * (2.0 * LOG2E))
+    return 1.0 - 2.0 / (e + 1.0)
+
+
+@triton.jit
 def soft_cap(s, cap2, MODE: tl.constexpr = 1):
     """cap2 * tanh(s / cap2): a score s in log2 units (softmax scale and 1/ln2 folded in) capped as
-    Gemma2 caps its scaled scores, cap2 the cap times 1/ln2, so the result stays in log2 units.
-    MODE 1 (exact; the interpreter, fp32 queries): tanh(x) = 1 - 2 / (e^2x + 1), one exp2 and one
-    division per score, exact limits (+-1 where e^2x overflows or vanishes), an absolute error of
-    ~1e-7 near 0. MODE 2 (NVIDIA, 16-bit queries): the hardware's `tanh.approx.f32`, one special-function
-    op per score instead of an exp2, a reciprocal and its refinement; relative error <= 2^-10.99.
-    NaN stays NaN either way."""
-    if MODE == 2:
-        x = s * (1.0 / cap2)
-        t = tl.inline_asm_elementwise(TANH_ASM, "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
-        return cap2 * t
-    e = tl.exp2(s * ((2.0 * LOG2E) / cap2))
-    return cap2 - (2.0 * cap2) / (e + 1.0)
+    Gemma2 caps its scaled scores, cap2 the cap times 1/ln2, so the result stays in log2 units
+    (`tanh_capped` says how, per MODE)."""
+    return cap2 * tanh_capped(s * (1.0 / cap2), MODE)
+
+
+@triton.jit
+def sink_logit(sinks, head, ok):
+    """`sinks[head]` (natural units, any float dtype) in log2 units, 0 where not ok: loaded apart from
+    `sink_share` so a kernel can issue the load early and keep its latency off the row's tail."""
+    return tl.load(sinks + head, mask=ok, other=0.0).to(tl.float32) * LOG2E
+
+
+@triton.jit
+def sink_share(lse, sink):
+    """The factor 1 / (1 + 2^(sink - lse)) that turns a row's output normalised over its keys into one
+    normalised over its keys and its sink logit (`sink_logit`): lse is the row's log2-sum-exp over
+    every key. A row without keys (lse = -inf) gets 0."""
+    return 1.0 / (1.0 + tl.exp2(sink - lse))
 
 
 @triton.jit
 def sink_weight(lse, sinks, head, ok):
-    """The factor 1 / (1 + 2^(sink - lse)) that turns a row's output normalised over its keys into one
-    normalised over its keys and its query head's sink logit (`sinks[head]`, natural units, any float
-    dtype): lse is the row's log2-sum-exp over every key. A row without keys (lse = -inf) gets 0."""
-    sink = tl.load(sinks + head, mask=ok, other=0.0).to(tl.float32) * LOG2E
-    return 1.0 / (1.0 + tl.exp2(sink - lse))
+    """`sink_share` of a row's lse and its query head's sink logit, `sinks[head]` loaded here."""
+    return sink_share(lse, sink_logit(sinks, head, ok))
 
 
 @triton.jit

@@ -37,7 +37,7 @@ from batchkv.ops.sdpa.common import (
     ring_rows,
     row_bounds,
     sink_weight,
-    soft_cap,
+    tanh_capped,
 )
 
 
@@ -98,20 +98,25 @@ def _update(q_tile, raw, k_s, v, v_s, start, row_lo, row_hi, m_i, l_i, acc, qk_s
     QUANT: e4m3 codes convert to q's dtype; the K scales scale the score columns and the V scales
     p before the PV dot (see `kernels`). QK_E4M3: raw holds e4m3 products and qk_scale is
     [BLOCK_M] (each row's q scale times the softmax scale); V converts to fp16 for the PV dot.
-    SOFTCAP: each score is capped (`soft_cap`) before the mask; never with QK_E4M3 (the launcher's rule)."""
+    SOFTCAP: each score is capped (its tanh, `tanh_capped`) before the mask; never with QK_E4M3 (the
+    launcher's rule)."""
     tl.static_assert(not (SOFTCAP and QK_E4M3))
-    if QK_E4M3:
+    if SOFTCAP:  # s = tanh(score / cap): 1/cap2 rides in the scores' scale, cap2 in exp2's FFMA below
+        if QUANT:
+            s = tanh_capped(raw * (k_s * (qk_scale / cap2))[None, :], SOFTCAP)
+        else:
+            s = tanh_capped(raw * (qk_scale / cap2), SOFTCAP)
+    elif QK_E4M3:
         s = raw * k_s[None, :]  # log2 units / qk_scale rows
     elif QUANT:
         s = raw * (k_s * qk_scale)[None, :]  # [M, N], log2 units
     else:
         s = raw * qk_scale  # [M, N], log2 units
-    if SOFTCAP:
-        s = soft_cap(s, cap2, SOFTCAP)
     if MASKED:
         t = start + tl.arange(0, BLOCK_N)
         s = tl.where((t[None, :] >= row_lo[:, None]) & (t[None, :] < row_hi[:, None]), s, NEG_INF)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # SOFTCAP: m in log2 units, cap2 * the largest tanh (cap2 > 0)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * cap2) if SOFTCAP else tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == NEG_INF, 0.0, m_new)  # a row without keys yet stays at exp2(-inf) = 0
     if QK_E4M3:  # s and m are scores / qk_scale (> 0): the row scale rides in exp2's argument, one FFMA
         alpha = tl.exp2((m_i - m_safe) * qk_scale)
@@ -120,7 +125,7 @@ def _update(q_tile, raw, k_s, v, v_s, start, row_lo, row_hi, m_i, l_i, acc, qk_s
         alpha = tl.exp2(m_i - m_safe)
         if QUANT:  # p times 2^P_SHIFT, l_i with it (acc / l_i is unchanged): p * v_scale stays normal in fp16
             m_safe -= P_SHIFT
-        p = tl.exp2(s - m_safe[:, None])
+        p = tl.exp2(s * cap2 - m_safe[:, None] if SOFTCAP else s - m_safe[:, None])  # SOFTCAP: one FFMA per score
     l_i = l_i * alpha + tl.sum(p, 1)
     if QK_E4M3:
         p = p * v_s[None, :]

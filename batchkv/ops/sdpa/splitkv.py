@@ -32,7 +32,7 @@ import triton.language as tl
 from batchkv.ops.kv_write_triton import _store_rows
 from batchkv.ops.pdl import pdl_enter, pdl_kwargs
 from batchkv.ops.sdpa.attend import attend
-from batchkv.ops.sdpa.common import NEG_INF, full_bounds, load_table, q_for_dots, row_bounds, sink_weight
+from batchkv.ops.sdpa.common import NEG_INF, full_bounds, load_table, q_for_dots, row_bounds, sink_logit, sink_share
 from batchkv.ops.sdpa.kernels import _blocks
 
 
@@ -142,6 +142,8 @@ def splitkv_merge(out, o_part, lse_part, info, S, P, stride_ot, stride_oh, GROUP
     hits = tl.sum(((q_len_v > 0) & (q_start_v <= t) & (t < q_start_v + q_len_v)).to(tl.int32), 0)
     # one covering segment wrote every slot of (t, head); none (or an overlapping table): zeros, nothing read
     covered = hits == 1
+    if SINKS:  # a parameter no grid before writes: read while the partials kernel still runs
+        sink = sink_logit(sinks, hq, covered)
     pdl_enter(GDC)  # launched early: the partials are complete and visible past here
     c = tl.arange(0, MERGE_SLOTS)
     d = tl.arange(0, HEAD_DIM)
@@ -163,8 +165,7 @@ def splitkv_merge(out, o_part, lse_part, info, S, P, stride_ot, stride_oh, GROUP
         m_i = m_new
     res = tl.where(l_i > 0, acc / tl.where(l_i > 0, l_i, 1.0), 0.0)  # zeros: no key, or no segment
     if SINKS:  # the row's sink logit joins its normaliser once, here, after every partial
-        res = res * sink_weight(tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), NEG_INF), sinks, hq,
-                                covered)  # fmt: skip
+        res = res * sink_share(tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), NEG_INF), sink)
     # HEAD_DIM: the partials' columns (the value tile), of which the first V_DIM are the output's
     tl.store(
         out + t.to(tl.int64) * stride_ot + hq * stride_oh + d,
