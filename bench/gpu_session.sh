@@ -47,8 +47,8 @@ for p in "$@"; do
     model) phase model 90 python3 bench/model_step.py --preset sensenova-u1-8b --rows 1 8 32 64 --json "$OUT/model_step.json" ;;
     decode) phase decode "${DECODE_LIMIT:-420}" python3 bench/decode.py --out "$OUT/decode-h200.json" \
       --budget-s "${DECODE_BUDGET:-390}" ${DECODE_ARGS:-} ;;
-    fp8) phase fp8 "${FP8_LIMIT:-240}" python3 bench/kv_fp8.py --out "$OUT/kv-fp8-h200.json" \
-      --kernels-json "$OUT/kernels-h200.json" ${FP8_ARGS:-} ;;
+    fp8) phase fp8 "${FP8_LIMIT:-240}" python3 bench/kernels.py --e4m3 --out "$OUT/kv-fp8-h200.json" \
+      --budget-s "${FP8_BUDGET:-215}" ${FP8_ARGS:-} ;;
     spec) phase spec "${SPEC_LIMIT:-240}" python3 bench/spec.py --out "$OUT/spec-h200.json" \
       --budget-s "${SPEC_BUDGET:-150}" ${SPEC_ARGS:-} ;;
     tp) phase tp "${TP_LIMIT:-590}" python3 bench/tp.py --out "$OUT/tp-h200x2.json" --budget-s "${TP_BUDGET:-560}" \

@@ -20,13 +20,14 @@ def _run(args: list[str], out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def test_kv_fp8_smoke_times_the_serving_histories_and_prompt_chunks_against_the_reference(tmp_path):
-    report = _run(["bench/kv_fp8.py", "--smoke", "--cases", "b64-serve,prefill-2x512"], tmp_path / "kv.json")
+def test_kernels_e4m3_smoke_times_decode_verify_and_prompt_chunks_on_both_stores_against_the_reference(tmp_path):
+    args = ["bench/kernels.py", "--small", "--e4m3", "--cases", "b4-mixed,b4-verify4,prefill-2x32"]
+    report = _run(args, tmp_path / "kv.json")
     cases = {case["name"]: case for case in report["cases"]}
-    assert cases["prefill-2x512"]["q_len"] == 32 and cases["b64-serve"]["q_len"] == 1  # the long and split paths
-    for case in cases.values():
+    assert set(cases) == {"b4-mixed", "b4-verify4", "prefill-2x32"}
+    for case in cases.values():  # the split, verify and long paths
         assert case["max_abs_err_fp8"] < 1e-3 and case["batchkv_fp8_us"] > 0 and case["batchkv_us"] > 0
-    assert 0.5 < report["accuracy"]["top1_agreement_fp8"] <= 1
+        assert case["peers"] == {}  # no peers beside the two stores
 
 
 def test_decode_resumed_for_its_single_sequence_part_keeps_the_peers_entries(tmp_path):
