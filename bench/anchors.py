@@ -16,8 +16,8 @@ trtllm-bench reports), the steady-state rate (`steady_tokens_per_s`: output toke
 in which requests were still waiting, so every column was busy; None when none waited) and the
 workload's own limit from its request list (`limit_tokens_per_s`: its FLOPs at the GEMM rates and its
 bytes at the read bandwidth, all measured in this run, perfectly overlapped and serial, as
-bench/roofline.py's `workload_limit` computes them; the projections' FLOPs at the FP8 rate and their
-weights at one byte for fp8). The request counts run are recorded beside the published ones.
+bench/lib/roofline.py's `workload_limit` computes them; the projections' FLOPs at the FP8 rate and
+their weights at one byte for fp8). The request counts run are recorded beside the published ones.
 
     python3 bench/anchors.py --out bench/results/anchors-h200.json --budget-s 500     # on the H200
     python bench/anchors.py --small --out /tmp/a.json                                  # CPU smoke run
@@ -39,8 +39,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout: bench.lib and batchkv
 from batchkv.executor import Engine, Request, SamplingParams
-from bench.lib.ceilings import matmul_peak, read_ceiling
-from bench.lib.fp8_limits import fp8_peak, limit
+from bench.lib.ceilings import fp8_peak, matmul_peak, read_ceiling
+from bench.lib.roofline import fp8_weights, shape_cost, workload_limit
+from bench.lib.serving import sync, workload
 from bench.lib.timing import Deadline
 
 SOURCE = (
@@ -61,14 +62,6 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
         "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512}  # fmt: skip
 
 
-def workload(name: str, n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """n random prompts of the workload's input length, each asking its output length."""
-    isl, osl = (int(x) for x in name.split("/"))
-    gen = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, vocab, (n, isl), generator=gen).tolist()
-    return prompts, [osl] * n
-
-
 def serve(engine: Engine, prompts, outputs, device: torch.device) -> dict:
     """Every request at once, EOS ignored, greedy; whole-run and steady-state output tokens/s."""
     engine.clear_prefix_cache()
@@ -76,8 +69,7 @@ def serve(engine: Engine, prompts, outputs, device: torch.device) -> dict:
     params = [SamplingParams(max_new_tokens=o, ignore_eos=True) for o in outputs]
     for p, sp in zip(prompts, params, strict=True):
         engine.submit(Request(p, sp))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     start = time.perf_counter()
     finished, times, tokens = 0, [], 0  # times[j]: (seconds, tokens so far) when the j-th request finished
     for event in engine.stream():
@@ -186,13 +178,15 @@ def main() -> None:
             if deadline.left() < 30:
                 works[name][key] = {"status": f"skipped: {deadline.left():.0f} s of the budget left"}
                 continue
-            prompts, outputs = workload(name, n, config["vocab_size"])
+            isl, osl = (int(x) for x in name.split("/"))
+            prompts, outputs = workload(n, (isl, isl), (osl, osl), config["vocab_size"])
             got = serve(engine, prompts, outputs, device)
-            kv_pos = engine.cache.config.bytes_per_position()
-            got["limit_tokens_per_s"] = lim = limit(prompts, outputs, config, fp8=cfg_name != "bf16",
-                                                    kv_bytes_per_pos=kv_pos, read_gbps=result["read_gbps"],
-                                                    bf16_tflops=result["bf16_tflops"],
-                                                    fp8_tflops=result["fp8_tflops"])  # fmt: skip
+            cost = shape_cost(config, engine.cache.config.bytes_per_position())
+            fp8 = cfg_name != "bf16"
+            lim = workload_limit(prompts, outputs, fp8_weights(cost) if fp8 else cost, result["read_gbps"],
+                                 result["bf16_tflops"], result["fp8_tflops"] if fp8 else None)  # fmt: skip
+            lim["serial"] = lim.pop("no_overlap")
+            got["limit_tokens_per_s"] = lim
             got.update(max_seqs=engine.cache.max_seqs, store=engine.sizing.describe() if engine.sizing else None,
                        warm_up_s=warm_s, kv_dtype=str(engine.cache.config.kv_dtype))  # fmt: skip
             works[name][key] = got

@@ -17,9 +17,7 @@ Parts, in order, each under the run's budget (`--budget-s`), each written to the
 4. online: three Poisson arrival rates (0.25, 0.5 and 0.9 of the offline run's requests/s), each
    over the first `rate * --online-window-s` requests of the same list, on the engine the offline
    run warmed (bench/lib/online.py): tokens/s, TTFT (from arrival) and inter-token p50/p99;
-5. the transformers peers (bench/lib/decode_hf.py): continuous batching calibrated, offline on a
-   prefix of the list, online at the same rates and arrivals; batchkv on the same prefix; and one
-   sequence eager and StaticCache + compile.
+5. the transformers peer of b1 (bench/lib/decode_hf.py): one sequence, eager and StaticCache + compile.
 --resume FILE runs only the parts that FILE lacks (a part skipped for budget or failed runs again).
 
     python3 bench/decode.py --out bench/results/decode-h200.json                 # on the H200
@@ -40,9 +38,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout: bench.lib and batchkv
 from batchkv.executor import Engine
 from batchkv.models import build_model, preset_config
-from bench.lib.ceilings import copy_ceiling, matmul_peak, read_ceiling
+from bench.lib.ceilings import copy_ceiling, fp8_peak, matmul_peak, read_ceiling
 from bench.lib.online import poisson_arrivals, run_online
-from bench.lib.roofline import StepLog, bytes_only_tokens_per_s, fair_seconds, model_cost, workload_limit
+from bench.lib.roofline import (
+    StepLog,
+    bytes_only_tokens_per_s,
+    fair_seconds,
+    fp8_weights,
+    model_cost,
+    workload_limit,
+)
 from bench.lib.serving import (
     WARM_UP,
     Parts,
@@ -84,35 +89,40 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
             r["b1"][f"{name}_ms"] = d["ms_per_token_p50"]
             print(f"b1 {name}: {d['ms_per_token_p50']:.3f} ms/token", flush=True)
 
-    def serve_entry(engine: Engine, d: dict, log: StepLog, warm_captures: int) -> dict:
+    def serve_entry(engine: Engine, d: dict, log: StepLog, warm_captures: int, fp8: bool) -> dict:
         # K/V bytes as the engine stores them (e4m3: one byte an element plus the scales), for every roofline
         cost = dataclasses.replace(ctx.cost(), kv_bytes_per_pos=engine.cache.config.bytes_per_position())
+        body_tflops = None
+        if fp8:  # the projections' FLOPs at the FP8 GEMM rate, their weights one byte: the limit only
+            cost, body_tflops = fp8_weights(cost), r.setdefault("fp8_tflops", fp8_peak(dev))
         fair_s = fair_seconds(log.steps, cost, r["read_gbps"], r["matmul_tflops"])
-        limit = workload_limit(ctx.prompts, ctx.outputs, cost, r["read_gbps"], r["matmul_tflops"])
+        limit = workload_limit(ctx.prompts, ctx.outputs, cost, r["read_gbps"], r["matmul_tflops"], body_tflops)
         return {
             "requests": len(ctx.prompts), "max_seqs": engine.cache.max_seqs,
             "tokens_per_s": d["output_tokens_per_s_wall"], "requests_per_s": len(ctx.prompts) / d["wall_s"],
-            "kv_dtype": str(engine.cache.config.kv_dtype),
+            "kv_dtype": str(engine.cache.config.kv_dtype), **({"quantization": "fp8"} if fp8 else {}),
             "store": engine.sizing.describe() if engine.sizing else f"{engine.cache.max_seqs} columns at capacity",
             "store_bytes": engine.cache.nbytes, "decode_rows_per_step": d["decode_tokens"] / max(len(log.steps), 1),
             "workload_limit_tokens_per_s": {k: limit[k] for k in ("overlap", "no_overlap")}, "workload_limit": limit,
-            "fair_roofline_tokens_per_s": d["generated_tokens"] / fair_s,
-            "bytes_only_roofline_tokens_per_s": bytes_only_tokens_per_s(ctx.prompts, ctx.outputs, cost, r["read_gbps"],
-                                                                        engine.cache.max_seqs),
+            **({} if fp8 else {"fair_roofline_tokens_per_s": d["generated_tokens"] / fair_s, "fair_roofline_s": fair_s,
+                "bytes_only_roofline_tokens_per_s": bytes_only_tokens_per_s(ctx.prompts, ctx.outputs, cost,
+                                                                            r["read_gbps"], engine.cache.max_seqs)}),
             "p50_itl_ms": d["itl_ms_p50"], "p99_itl_ms": d["itl_ms_p99"], "ttft_p50_ms": d["ttft_ms_p50"],
             "ttft_p99_ms": d["ttft_ms_p99"], "captures": d["captures"] - warm_captures,
-            "captures_warm_up": warm_captures, "steps": len(log.steps), "fair_roofline_s": fair_s,
-            "wall_s": d["wall_s"], "prefill_budget": engine.scheduler.prefill_budget, "overlap": engine.overlap,
-            "warm_up": WARM_UP,
+            "captures_warm_up": warm_captures, "steps": len(log.steps), "wall_s": d["wall_s"],
+            "prefill_budget": engine.scheduler.prefill_budget, "overlap": engine.overlap, "warm_up": WARM_UP,
         }  # fmt: skip
 
-    def run_serve(max_seqs, kv_dtype=None) -> tuple[Engine, dict]:
-        engine = serving_engine(ctx.model(), dev, ctx.prompts, ctx.outputs, max_seqs, kv_dtype)
+    def run_serve(max_seqs, kv_dtype=None, fp8: bool = False) -> tuple[Engine, dict]:
+        if fp8:
+            ctx.cost()  # from the bf16 model, before the FP8 one takes its place
+        model = ctx.fp8_model() if fp8 else ctx.model()
+        engine = serving_engine(model, dev, ctx.prompts, ctx.outputs, max_seqs, kv_dtype)
         warm_up(engine, dev, ctx.prompts, ctx.outputs)
         warm_captures = engine.runner.captures
         log = StepLog(engine)
         d = serve_offline(engine, dev, ctx.prompts, ctx.outputs)
-        return engine, {**serve_entry(engine, d, log, warm_captures), "detail": d}
+        return engine, {**serve_entry(engine, d, log, warm_captures, fp8), "detail": d}
 
     def serve():
         ctx.engine, entry = run_serve("auto")
@@ -123,13 +133,13 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
             row["ttft_p50_in_full_chunk_steps"] = row["ttft_p50_ms"] / r["serve"]["full_chunk_step_ms"]
         print(f"serve: {entry['tokens_per_s']:.0f} tok/s (workload limit {entry['workload_limit_tokens_per_s']})")
 
-    def other(key: str, max_seqs, kv_dtype=None):
+    def other(key: str, max_seqs, kv_dtype=None, fp8: bool = False):
         def part():
             if ctx.engine is not None:  # its store holds the device: let it go first
                 ctx.engine.close()
                 ctx.engine = None
                 release(dev)
-            engine, entry = run_serve(max_seqs, kv_dtype)
+            engine, entry = run_serve(max_seqs, kv_dtype, fp8)
             entry.pop("detail")
             r[key] = entry
             engine.close()
@@ -167,44 +177,8 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
     parts.run("online_batchkv", online, need_s=3 * args.online_window_s + 20)
     parts.run("serve_e4m3_batchkv", other("serve_e4m3", "auto", torch.float8_e4m3fn), need_s=40)
 
-    def fp8(key: str, kv_dtype=None):
-        def part():
-            from bench.lib.fp8_limits import fp8_peak, limit
-
-            if ctx.engine is not None:
-                ctx.engine.close()
-                ctx.engine = None
-                release(dev)
-            if "fp8_tflops" not in r:
-                r["fp8_tflops"] = fp8_peak(dev)
-            engine = serving_engine(ctx.fp8_model(), dev, ctx.prompts, ctx.outputs, "auto", kv_dtype)
-            warm_up(engine, dev, ctx.prompts, ctx.outputs)
-            warm_captures = engine.runner.captures
-            d = serve_offline(engine, dev, ctx.prompts, ctx.outputs)
-            cfg = preset_config(ctx.preset)
-            shape = {"hidden_size": cfg.hidden, "intermediate_size": cfg.intermediate, "num_hidden_layers":
-                     cfg.num_layers, "num_attention_heads": cfg.q_heads, "num_key_value_heads": cfg.kv_heads,
-                     "vocab_size": cfg.vocab}  # fmt: skip
-            kv_pos = engine.cache.config.bytes_per_position()
-            lim = limit(ctx.prompts, ctx.outputs, shape, fp8=True, kv_bytes_per_pos=kv_pos, read_gbps=r["read_gbps"],
-                        bf16_tflops=r["matmul_tflops"], fp8_tflops=r["fp8_tflops"])  # fmt: skip
-            r[key] = {"requests": len(ctx.prompts), "tokens_per_s": d["output_tokens_per_s_wall"],
-                      "kv_dtype": str(engine.cache.config.kv_dtype), "quantization": "fp8",
-                      "workload_limit_tokens_per_s": {"overlap": lim["overlap"], "no_overlap": lim["serial"]},
-                      "workload_limit": lim, "p50_itl_ms": d["itl_ms_p50"], "p99_itl_ms": d["itl_ms_p99"],
-                      "ttft_p50_ms": d["ttft_ms_p50"], "steps": d["steps"], "wall_s": d["wall_s"],
-                      "captures": d["captures"] - warm_captures, "max_seqs": engine.cache.max_seqs,
-                      "store": engine.sizing.describe() if engine.sizing else None, "warm_up": WARM_UP}  # fmt: skip
-            engine.close()
-            release(dev)
-            print(
-                f"{key}: {r[key]['tokens_per_s']:.0f} tok/s (limit {r[key]['workload_limit_tokens_per_s']})", flush=True
-            )
-
-        return part
-
-    parts.run("serve_fp8_batchkv", fp8("serve_fp8"), need_s=40)
-    parts.run("serve_fp8_e4m3_batchkv", fp8("serve_fp8_e4m3", torch.float8_e4m3fn), need_s=40)
+    parts.run("serve_fp8_batchkv", other("serve_fp8", "auto", fp8=True), need_s=40)
+    parts.run("serve_fp8_e4m3_batchkv", other("serve_fp8_e4m3", "auto", torch.float8_e4m3fn, fp8=True), need_s=40)
 
 
 def main() -> None:
@@ -217,16 +191,11 @@ def main() -> None:
     ap.add_argument("--serve-requests", type=int, default=256)
     ap.add_argument("--budget-s", type=float, default=390.0, help="wall-clock budget of the whole run")
     ap.add_argument("--online-window-s", type=float, default=None, help="seconds of arrivals per rate (12; 3 small)")
-    ap.add_argument("--hf-calibrate-s", type=float, default=None, help="transformers calibration budget (45; 10)")
-    ap.add_argument("--hf-box-s", type=float, default=None, help="time box of the transformers offline run (45; 10)")
-    ap.add_argument("--hf-online-box-s", type=float, default=None, help="box past the last arrival per rate (10; 5)")
     ap.add_argument("--resume", type=Path, default=None, help="a result JSON to complete: only missing parts run")
     ap.add_argument("--skip-parts", default="", help="comma-separated parts not to run (e.g. online_batchkv)")
     args = ap.parse_args()
-    for name, full, small in (("online_window_s", 12, 3), ("hf_calibrate_s", 45, 10), ("hf_box_s", 45, 10),
-                              ("hf_online_box_s", 10, 5)):  # fmt: skip
-        if getattr(args, name) is None:
-            setattr(args, name, float(small if args.small else full))
+    if args.online_window_s is None:
+        args.online_window_s = 3.0 if args.small else 12.0
     deadline = Deadline(args.budget_s)
     device = torch.device(args.device)
     preset = args.preset or ("sensenova-u1-tiny" if args.small else "sensenova-u1-8b")
@@ -257,17 +226,13 @@ def main() -> None:
         return built["fp8"]
 
     ctx.fp8_model = fp8_model
-    engines: dict = {}
 
-    def serve_batchkv(p, o):  # one engine per prefix, kept: a second call runs warm (graphs captured)
-        if len(p) not in engines:
-            engines[len(p)] = serving_engine(model(), device, p, o)
-        engine = engines[len(p)]
-        engine.metrics = engine.metrics.fresh()
-        return serve_offline(engine, device, p, o)
+    def cost():
+        if "cost" not in built:
+            built["cost"] = model_cost(model(), preset_config(preset).q_heads)
+        return built["cost"]
 
-    ctx.serve_batchkv = serve_batchkv
-    ctx.cost = lambda: model_cost(model(), preset_config(preset).q_heads)
+    ctx.cost = cost
     parts = Parts(result, args.out, deadline)
     parts.skip = tuple(filter(None, args.skip_parts.split(",")))
     batchkv_parts(parts, ctx, args)
@@ -277,10 +242,9 @@ def main() -> None:
         if ctx.engine is not None:  # the peer gets the memory of batchkv's serving cache
             ctx.engine.close()
             ctx.engine = None
-        for engine in engines.values():
-            engine.close()
+        built.clear()
         release(device)
-        hf_parts(parts, ctx, args)
+        hf_parts(parts, ctx)
     parts.save()
 
 

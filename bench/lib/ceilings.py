@@ -6,7 +6,7 @@
   sum, row sums and row maxima of 8192-element rows). Attention reads K/V and writes almost nothing,
   so this is its ceiling; the copy figure undercounts it.
 - matmul: dense bf16 GEMM TFLOP/s (8192^3 and 16384 x 16384 x 8192), the compute ceiling of a
-  prefill-heavy step.
+  prefill-heavy step; fp8: the same shapes in e4m3 as `Fp8Linear` runs them.
 
 On CPU (smoke runs) the sizes shrink to a few MiB and the numbers only exercise the code.
 """
@@ -73,3 +73,26 @@ def matmul_peak(device: torch.device) -> tuple[float, dict[str, float]]:
         variants[f"{m}x{n}x{k}"] = float(f"{2 * m * n * k / us / 1e6:.4g}")  # 4 digits: a CPU rate is under 0.1
         del a, b, c
     return max(variants.values()), variants
+
+
+def fp8_peak(device: torch.device) -> float:
+    """TFLOP/s of e4m3 GEMMs through torch's scaled matmul with row-wise scales (as `Fp8Linear` runs
+    them; fast accumulation), best of two shapes; the bf16 peak's on the CPU (no FP8 there)."""
+    if device.type != "cuda":
+        return matmul_peak(device)[0]
+    from batchkv.models.quant import fp8 as fp8_module
+
+    best = 0.0
+    for m, n, k in ((8192, 8192, 8192), (16384, 16384, 8192)):
+        a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn)
+        sa, sb = torch.ones(m, 1, device=device), torch.ones(1, n, device=device)
+
+        def call(a=a, b=b, sa=sa, sb=sb):
+            return torch._scaled_mm(a, b.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                    use_fast_accum=fp8_module.FAST_ACCUM)  # fmt: skip
+
+        us, _ = time_calls([call], replays=20)
+        best = max(best, 2 * m * n * k / us / 1e6)
+        del a, b
+    return best

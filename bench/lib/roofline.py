@@ -17,13 +17,14 @@ needs (its prompt and every generated token but the last through the body, every
 through the LM head, each attended pair) at the matmul peak, and the bytes (each fed decode token
 reads its KV prefix once, with every request resident; the weights once per step over the steps the
 longest output needs) at the read bandwidth; tokens/s with the two times perfectly overlapped
-(their max) and not at all (their sum).
+(their max) and not at all (their sum). With FP8 projections (`fp8_weights`) the body's FLOPs run at
+the e4m3 GEMM rate (`body_tflops`, bench/lib/ceilings.py `fp8_peak`) and its weights read one byte.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -98,22 +99,45 @@ def bytes_only_tokens_per_s(
 
 
 def workload_limit(
-    prompts: Sequence[Sequence[int]], outputs: Sequence[int], cost: ModelCost, read_gbps: float, matmul_tflops: float
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[int],
+    cost: ModelCost,
+    read_gbps: float,
+    matmul_tflops: float,
+    body_tflops: float | None = None,
 ) -> dict:
-    """The workload's own limit (module docstring): {"overlap", "no_overlap"} tokens/s and the terms."""
-    flops = kv_bytes = 0
+    """The workload's own limit (module docstring): {"overlap", "no_overlap"} tokens/s and the terms;
+    the body's FLOPs at `body_tflops` (default `matmul_tflops`)."""
+    body_flops = flops = kv_bytes = 0
     for prompt, out in zip(prompts, outputs, strict=True):
         p, fed = len(prompt), out - 1  # the last generated token is never fed back
-        flops += 2 * cost.body_params * (p + fed) + 2 * cost.head_params * out
+        body_flops += 2 * cost.body_params * (p + fed)
+        flops += 2 * cost.head_params * out
         flops += cost.attn_flops_per_pair * (causal_pairs(p, p) + fed * p + fed * (fed + 1) // 2 + fed)
         kv_bytes += cost.kv_bytes_per_pos * (fed * (p + 1) + fed * (fed + 1) // 2)  # decode token i reads p + i + 1
     steps = max(outputs)  # the longest output's decode steps, one weight read each
-    flop_s = flops / (matmul_tflops * 1e12)
+    flop_s = body_flops / ((body_tflops or matmul_tflops) * 1e12) + flops / (matmul_tflops * 1e12)
+    flops += body_flops
     byte_s = (kv_bytes + steps * cost.weight_bytes) / (read_gbps * 1e9)
     tokens = sum(outputs)
     return {"overlap": tokens / max(flop_s, byte_s), "no_overlap": tokens / (flop_s + byte_s), "flops": flops,
-            "flop_s": flop_s, "kv_read_bytes": kv_bytes, "weight_steps": steps, "byte_s": byte_s,
-            "output_tokens": tokens}  # fmt: skip
+            "body_flops": body_flops, "flop_s": flop_s, "kv_read_bytes": kv_bytes, "weight_steps": steps,
+            "byte_s": byte_s, "output_tokens": tokens}  # fmt: skip
+
+
+def fp8_weights(cost: ModelCost) -> ModelCost:
+    """`cost` with the body's weights in e4m3 (one byte each) and the LM head in bf16."""
+    return replace(cost, weight_bytes=cost.body_params + 2 * cost.head_params)
+
+
+def shape_cost(config: dict, kv_bytes_per_pos: int) -> ModelCost:
+    """ModelCost of a Llama-like decoder from its transformers config keys, bf16 weights."""
+    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    hq, hkv = config["num_attention_heads"], config["num_key_value_heads"]
+    d = h // hq
+    body = layers * (h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * i)
+    head = config["vocab_size"] * h
+    return ModelCost(body, head, 2 * (body + head), kv_bytes_per_pos, 4 * d * hq * layers)
 
 
 def model_cost(model, q_heads: int) -> ModelCost:
