@@ -75,13 +75,3 @@ def test_decode_serve_limits_count_the_kv_bytes_the_engine_stores(tmp_path):
     # e4m3: one byte an element where the model's dtype has more, plus one fp32 scale per (position, head)
     assert 0.25 < e4m3["kv_read_bytes"] / bf16["kv_read_bytes"] < 0.75
     assert e4m3["no_overlap"] > bf16["no_overlap"]
-
-
-def test_structured_smoke_constrains_a_tenth_of_the_requests_only_in_the_runs_that_say_so(tmp_path):
-    pytest.importorskip("xgrammar")
-    report = _run(["bench/structured.py", "--small"], tmp_path / "structured.json")
-    runs = report["runs"]
-    assert [r["constrained"] for r in runs] == [False, True, False, True]
-    assert all(r["tokens"] == 10 * 4 for r in runs)
-    assert all((r["itl_ms_p50_constrained"] is None) == (not r["constrained"]) for r in runs)
-    assert report["unconstrained_tok_s_ratio"] > 0 and report["constrained_itl_ratio"] > 0
