@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -47,7 +46,7 @@ from batchkv.models.loading import load
 from batchkv.tp.group import no_multicast
 from bench.lib.ceilings import copy_ceiling, read_ceiling
 from bench.lib.serving import Parts, one_sequence, release, serve_offline, serving_engine, single, warm_up, workload
-from bench.lib.timing import Deadline
+from bench.lib.timing import Deadline, capture, median_us
 
 LLAMA_70B = SenseNovaConfig(num_layers=80, hidden=8192, q_heads=64, kv_heads=8, head_dim=128, intermediate=28672,
                             vocab=128256, dtype=torch.bfloat16)  # fmt: skip
@@ -91,19 +90,8 @@ def _time_collective(op, cuda: bool, calls: int = 20, replays: int = 10) -> floa
         for _ in range(calls):
             op()
         return (time.perf_counter() - start) / calls * 1e6
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for _ in range(calls):
-            op()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return float(np.median(times))
+    graph = capture(lambda: [op() for _ in range(calls)], error_mode="thread_local")
+    return median_us(graph.replay, replays) / calls
 
 
 def collectives(world: int, sizes: list[int], gathers: list[int]) -> dict:

@@ -15,8 +15,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 
-def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of `fn`, warmed up twice on a side stream first (cuBLAS handles, allocations)."""
+def capture(fn: Callable[[], object], error_mode: str = "global") -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `fn`, warmed up twice on a side stream first (cuBLAS handles, allocations);
+    `error_mode` "thread_local" for NCCL collectives."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -24,7 +25,7 @@ def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=error_mode):
         fn()
     return graph
 
