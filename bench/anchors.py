@@ -1,23 +1,15 @@
 """TensorRT-LLM's published Llama-3.1-8B workloads on one H200, served by batchkv on the same shape.
 
-TensorRT-LLM's performance overview (`docs/source/performance/perf-overview.md`, `trtllm-bench`
-throughput, FP8 weights and activations, fixed input/output lengths, all requests at once) gives for
-Llama-3.1-8B on one H200: 128/128 27,911; 1000/1000 17,744; 2048/2048 12,194; 5000/500 3,902 output
-tokens/s, from 30,000 / 3,000 / 1,500 / 1,500 requests. This bench serves the same workloads on the
-Llama-3.1-8B shape (transformers `LlamaConfig`: hidden 4096, intermediate 14336, 32 layers, 32 query
-and 8 KV heads, vocabulary 128,256; random bf16 weights) through `HFModel`, every request submitted
-at once, EOS ignored, greedy, on the README's engine (`max_seqs="auto"`, the store sized to the
-device, CUDA graphs, overlap), in three configurations: bf16; fp8 (`batchkv.models.quant`: e4m3
-projections, per-token activations); fp8 + e4m3 K/V. One engine per configuration (capacity the
-longest workload's reach), warmed once (`Engine.warm_up`), serves the workloads in turn.
-
-Each (workload, configuration) records output tokens/s over the whole run (`tokens_per_s`, what
-trtllm-bench reports), the steady-state rate (`steady_tokens_per_s`: output tokens over the window
-in which requests were still waiting, so every column was busy; None when none waited) and the
-workload's own limit from its request list (`limit_tokens_per_s`: its FLOPs at the GEMM rates and its
-bytes at the read bandwidth, all measured in this run, perfectly overlapped and serial, as
-bench/lib/roofline.py's `workload_limit` computes them; the projections' FLOPs at the FP8 rate and
-their weights at one byte for fp8). The request counts run are recorded beside the published ones.
+TensorRT-LLM's performance overview (`PUBLISHED`, `SOURCE`: trtllm-bench throughput, FP8, fixed
+input/output lengths, all requests at once) against the same workloads on the Llama-3.1-8B shape
+(transformers `LlamaConfig`, random bf16 weights) through `HFModel`, every request at once, EOS
+ignored, greedy, on the README's engine (`max_seqs="auto"`, graphs, overlap), in three
+configurations: bf16; fp8 (e4m3 projections, per-token activations); fp8 + e4m3 K/V. One engine per
+configuration, warmed once, serves the workloads in turn. Each records output tokens/s over the
+whole run (what trtllm-bench reports), the steady-state rate (`steady_tokens_per_s`: over the window
+in which requests still waited; None when none did) and the workload's own limit
+(`limit_tokens_per_s`: bench/lib/roofline.py's `workload_limit` at the rates measured in this run,
+`overlap` and `serial`).
 
     python3 bench/anchors.py --out bench/results/anchors-h200.json --budget-s 500     # on the H200
     python bench/anchors.py --small --out /tmp/a.json                                  # CPU smoke run
@@ -41,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout: b
 from batchkv.executor import Engine, Request, SamplingParams
 from bench.lib.ceilings import fp8_peak, matmul_peak, read_ceiling
 from bench.lib.roofline import fp8_weights, shape_cost, workload_limit
-from bench.lib.serving import sync, workload
+from bench.lib.serving import release, sync, workload
 from bench.lib.timing import Deadline
 
 SOURCE = (
@@ -160,8 +152,7 @@ def main() -> None:
         if cfg_name != "bf16" and not quantized:
             quantize_decoder(hf)
             quantized = True
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            release(device)
         elif cfg_name == "bf16" and quantized:
             raise SystemExit("bf16 must come before the fp8 configurations (the model is quantised in place)")
         kv_dtype = torch.float8_e4m3fn if cfg_name == "fp8_e4m3" else None
@@ -197,8 +188,7 @@ def main() -> None:
                   flush=True)  # fmt: skip
         engine.close()
         del engine, model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(device)
     save()
 
 

@@ -6,16 +6,12 @@ over CUDA-graph replays of a graph holding K back-to-back calls, divided by K (b
 Ceilings (bench/lib/ceilings.py): device copy and read-only streaming; attention only reads K/V, so
 `pct_of_read` is the honest figure, `pct_of_copy` is kept for comparison with earlier runs.
 
-Peers, each tried every way it runs and the fastest that matches the reference kept (all tries
-are in `peer_candidates`): SDPA over exact prefixes and SDPA padded + mask, in the enable_gqa and
-the folded layouts under every SDPA backend (bench/lib/kernel_peers.py); torch's own varlen attention
-when this torch ships it; FlashInfer's paged decode and prefill wrappers at page sizes 16, 32, 64
-and one page per sequence (bench/lib/flashinfer_peer.py; first of the peers), when it is importable:
-its kernels are compiled before the budget starts (bench/lib/flashinfer_jit.py; `flashinfer` in the
-report says what was built, or why the peer is out); flex_attention compiled per case shape with
-its knobs (bench/lib/flex_peer.py, last, since compiles are the slow part; defaults for every case
-first, then the other knobs while the budget lasts). Recompiles are logged (TORCH_LOGS=recompiles)
-while flex runs.
+Peers, each tried every way it runs and the fastest that matches the reference kept (every try in
+`peer_candidates`; bench/results/README.md "Method"): FlashInfer first, when importable, its kernels
+compiled before the budget starts (bench/lib/flashinfer_peer.py, flashinfer_jit.py); SDPA over exact
+prefixes and padded + mask, and torch's varlen attention (bench/lib/kernel_peers.py); flex_attention
+last, compiled per case (bench/lib/flex_peer.py: defaults for every case first, then the other
+knobs while the budget lasts; recompiles logged).
 
     python3 bench/kernels.py [--check] [--out bench/results/kernels-h200.json] [--budget-s 215]
     python bench/kernels.py --small --check --out /tmp/k.json     # CPU smoke run (Triton interpreter)

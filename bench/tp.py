@@ -1,23 +1,17 @@
 """Tensor parallelism: TP=1 and TP=2 in the same call, on two GPUs of one host (nvidia-h200-x2).
 
 Parts, in order, each written to the JSON as it ends (`--resume` runs only the missing ones):
-1. ceilings: copy and read bandwidth of GPU 0 (bench/lib/ceilings.py), and all-reduce bus bandwidth
-   between the ranks (NCCL, two processes of their own, CUDA graphs of back-to-back collectives):
-   busbw = bytes * 2 (N - 1) / N / time, per size; the latency of one all-reduce of a decode
-   step's hidden row and of the LM head's logits all-gather give the collective time per step;
-2. b1: SenseNova-U1-8B shape (random bf16 weights, the same at every world size), one sequence,
-   prompt 512, 256 new tokens, greedy, ms/token (median inter-token latency of a second, warmed-up
-   request), TP=1 and TP=2, against the weight+KV read roofline at 1 and 2 GPUs; the greedy tokens
-   of both (bf16: they may part at a near tie: the first divergence is reported);
+1. ceilings: copy and read bandwidth of GPU 0, and all-reduce bus bandwidth between the ranks (NCCL,
+   two processes of their own, graphs of back-to-back collectives; busbw = bytes * 2 (N - 1) / N /
+   time); one decode row's all-reduce and the logits all-gather give the collectives per step;
+2. b1: bench/decode.py's one sequence on the SenseNova-U1-8B shape at TP=1 and TP=2, against the
+   weight+KV read roofline at 1 and 2 GPUs, and the greedy tokens of both (bf16 may part at a near
+   tie: the first divergence is reported);
 3. greedy_fp32: the same shape in fp32, prompt 128, 32 tokens: TP=2 tokens against TP=1's;
-4. serve: the standard serving workload of bench/decode.py (256 requests, prompts U[64, 2048],
-   outputs U[64, 1024], seed 0, all at once; max_seqs "auto", 1,024-token steps, 512-token chunks),
-   output tokens/s at TP=1 and TP=2;
-5. llama70b: a Llama-3-70B-shaped model (80 layers, hidden 8192, 64 query / 8 KV heads, MLP 28672,
-   vocab 128256; ~141 GB of random bf16 weights: SenseNovaLM at that geometry, whose layers differ
-   from Llama's only by QK-norm weights and RoPE sections, so the bytes read are the same) at TP=2:
-   serving tok/s, then on the same engine (built once) one-sequence ms/token against its
-   weight-read roofline at two GPUs' bandwidth.
+4. serve: bench/decode.py's standard serving workload, output tokens/s at TP=1 and TP=2;
+5. llama70b: a Llama-3-70B-shaped model (~141 GB of random bf16 weights; SenseNovaLM at that
+   geometry reads the same bytes) at TP=2: serving tok/s, then on the same engine one-sequence
+   ms/token against its weight-read roofline at two GPUs' bandwidth.
 
 Every process batchkv starts keeps NVLink multicast off (batchkv.tp.group.NO_MULTICAST).
 

