@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout: bench.lib and batchkv
 from batchkv.executor import Engine, Request, SamplingParams
-from bench.lib.ceilings import fp8_peak, matmul_peak, read_ceiling
+from bench.lib.ceilings import matmul_peak, read_ceiling
 from bench.lib.roofline import fp8_weights, shape_cost, workload_limit
 from bench.lib.serving import release, sync, workload
 from bench.lib.timing import Deadline
@@ -131,7 +131,7 @@ def main() -> None:
     if "read_gbps" not in result:
         result["read_gbps"] = read_ceiling(device)[0]
         result["bf16_tflops"] = matmul_peak(device)[0]
-        result["fp8_tflops"] = fp8_peak(device)
+        result["fp8_tflops"] = matmul_peak(device, fp8=True)[0]
         save()
     print(f"read {result['read_gbps']:.0f} GB/s, bf16 {result['bf16_tflops']:.0f} TFLOP/s, fp8 "
           f"{result['fp8_tflops']:.0f} TFLOP/s", flush=True)  # fmt: skip

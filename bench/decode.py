@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout: bench.lib and batchkv
 from batchkv.executor import Engine
 from batchkv.models import build_model, preset_config
-from bench.lib.ceilings import copy_ceiling, fp8_peak, matmul_peak, read_ceiling
+from bench.lib.ceilings import copy_ceiling, matmul_peak, read_ceiling
 from bench.lib.online import poisson_arrivals, run_online
 from bench.lib.roofline import (
     StepLog,
@@ -96,7 +96,9 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
         cost = dataclasses.replace(ctx.cost(), kv_bytes_per_pos=engine.cache.config.bytes_per_position())
         body_tflops = None
         if fp8:  # the projections' FLOPs at the FP8 GEMM rate, their weights one byte: the limit only
-            cost, body_tflops = fp8_weights(cost), r.setdefault("fp8_tflops", fp8_peak(dev))
+            if "fp8_tflops" not in r:
+                r["fp8_tflops"] = matmul_peak(dev, fp8=True)[0]
+            cost, body_tflops = fp8_weights(cost), r["fp8_tflops"]
         fair_s = fair_seconds(log.steps, cost, r["read_gbps"], r["matmul_tflops"])
         limit = workload_limit(ctx.prompts, ctx.outputs, cost, r["read_gbps"], r["matmul_tflops"], body_tflops)
         return {

@@ -5,8 +5,19 @@ its forward returns zeros of the logits' shape and never touches the cache, so w
 the engine's own Python and the small tensor work around the forward. N requests (short prompts,
 long outputs, no stop ids) are admitted and prefilled; then the steady decode steps, where every
 step decodes min(N, MAX_SAMPLE_ROWS) rows, are timed. Each phase is timed by wrapping the call the
-engine already makes (`instrument` names the call behind each of `PHASES`; nothing inside the
-library is instrumented); `other` is the rest of Engine.step().
+engine already makes (nothing inside the library is instrumented):
+
+    plan      Scheduler.admit + Scheduler.plan
+    declare   BatchedSequenceCache.declare_step
+    prepare   BatchedSequenceCache.prepare_step
+    stage     ModelRunner._stage (the step's inputs into the staging buffers and their upload)
+    sample    ModelRunner._device_step (the no-op forward and sampling)
+    commit    BatchedSequenceCache.commit_step
+    launched  Scheduler.launched
+    read      SampledTokens.read (the tokens to Python lists)
+    complete  Scheduler.complete (tokens recorded, finishes, the events built)
+    events    Metrics.observe_finish + Scheduler.take_cancelled (the consumer's bookkeeping)
+    other     the rest of Engine.step()
 
 Reported per configuration (rows x prefix cache x overlap): the median over steady steps of each
 phase and of the whole step, then the median of those over --repeats independent runs (the machine

@@ -59,39 +59,33 @@ def read_ceiling(device: torch.device) -> tuple[float, dict[str, float]]:
     return max(numbers), variants
 
 
-def matmul_peak(device: torch.device) -> tuple[float, dict[str, float]]:
-    """(best TFLOP/s, {shape: TFLOP/s}) of dense bf16 GEMMs `a [m, k] @ b [k, n]`."""
-    shapes = ((8192, 8192, 8192), (16384, 16384, 8192)) if device.type == "cuda" else ((256, 256, 256),)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+def matmul_peak(device: torch.device, fp8: bool = False) -> tuple[float, dict[str, float]]:
+    """(best TFLOP/s, {shape: TFLOP/s}) of dense GEMMs `a [m, k] @ b [k, n]` in bf16, or with `fp8` in
+    e4m3 through torch's scaled matmul with row-wise scales as `Fp8Linear` runs them (fast
+    accumulation; on the CPU, which has no FP8, the float32 figure)."""
+    cuda = device.type == "cuda"
+    shapes = ((8192, 8192, 8192), (16384, 16384, 8192)) if cuda else ((256, 256, 256),)
+    dtype = torch.bfloat16 if cuda else torch.float32
     variants = {}
     for m, n, k in shapes:
         a = torch.randn(m, k, dtype=dtype, device=device)
         b = torch.randn(k, n, dtype=dtype, device=device)
-        c = torch.empty(m, n, dtype=dtype, device=device)
-        us, _ = time_calls([lambda a=a, b=b, c=c: torch.mm(a, b, out=c)], replays=20)
-        variants[f"{m}x{n}x{k}"] = float(f"{2 * m * n * k / us / 1e6:.4g}")  # 4 digits: a CPU rate is under 0.1
-        del a, b, c
-    return max(variants.values()), variants
+        if fp8 and cuda:
+            from batchkv.models.quant import fp8 as fp8_module
 
+            a, b = a.to(torch.float8_e4m3fn), b.T.contiguous().to(torch.float8_e4m3fn).T  # b column-major
+            sa, sb = torch.ones(m, 1, device=device), torch.ones(1, n, device=device)
 
-def fp8_peak(device: torch.device) -> float:
-    """TFLOP/s of e4m3 GEMMs through torch's scaled matmul with row-wise scales (as `Fp8Linear` runs
-    them; fast accumulation), best of two shapes; the bf16 peak's on the CPU (no FP8 there)."""
-    if device.type != "cuda":
-        return matmul_peak(device)[0]
-    from batchkv.models.quant import fp8 as fp8_module
+            def call(a=a, b=b, sa=sa, sb=sb):
+                return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                        use_fast_accum=fp8_module.FAST_ACCUM)  # fmt: skip
+        else:
+            c = torch.empty(m, n, dtype=dtype, device=device)
 
-    best = 0.0
-    for m, n, k in ((8192, 8192, 8192), (16384, 16384, 8192)):
-        a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
-        b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn)
-        sa, sb = torch.ones(m, 1, device=device), torch.ones(1, n, device=device)
-
-        def call(a=a, b=b, sa=sa, sb=sb):
-            return torch._scaled_mm(a, b.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
-                                    use_fast_accum=fp8_module.FAST_ACCUM)  # fmt: skip
+            def call(a=a, b=b, c=c):
+                return torch.mm(a, b, out=c)
 
         us, _ = time_calls([call], replays=20)
-        best = max(best, 2 * m * n * k / us / 1e6)
+        variants[f"{m}x{n}x{k}"] = float(f"{2 * m * n * k / us / 1e6:.4g}")  # 4 digits: a CPU rate is under 0.1
         del a, b
-    return best
+    return max(variants.values()), variants

@@ -15,7 +15,7 @@ through the LM head, each attended pair) at the matmul peak, and the bytes (each
 reads its KV prefix once, with every request resident; the weights once per step over the steps the
 longest output needs) at the read bandwidth; tokens/s with the two times perfectly overlapped
 (their max) and not at all (their sum). With FP8 projections (`fp8_weights`) the body's FLOPs run at
-the e4m3 GEMM rate (`body_tflops`, bench/lib/ceilings.py `fp8_peak`) and its weights read one byte.
+the e4m3 GEMM rate (`body_tflops`, bench/lib/ceilings.py `matmul_peak(fp8=True)`) and its weights read one byte.
 """
 
 from __future__ import annotations

@@ -79,13 +79,10 @@ def time_calls(calls: Sequence[Callable[[], object]], replays: int = 100, budget
 
 
 class Deadline:
-    """Seconds left of a budget that started at construction; `part(limit)` caps one part's share."""
+    """Seconds left of a budget that started at construction."""
 
     def __init__(self, budget_s: float) -> None:
         self.end = time.perf_counter() + budget_s
 
     def left(self) -> float:
         return max(0.0, self.end - time.perf_counter())
-
-    def part(self, limit_s: float) -> float:
-        return min(limit_s, self.left())
