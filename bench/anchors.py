@@ -1,23 +1,15 @@
 """TensorRT-LLM's published Llama-3.1-8B workloads on one H200, served by batchkv on the same shape.
 
-TensorRT-LLM's performance overview (`docs/source/performance/perf-overview.md`, `trtllm-bench`
-throughput, FP8 weights and activations, fixed input/output lengths, all requests at once) gives for
-Llama-3.1-8B on one H200: 128/128 27,911; 1000/1000 17,744; 2048/2048 12,194; 5000/500 3,902 output
-tokens/s, from 30,000 / 3,000 / 1,500 / 1,500 requests. This bench serves the same workloads on the
-Llama-3.1-8B shape (transformers `LlamaConfig`: hidden 4096, intermediate 14336, 32 layers, 32 query
-and 8 KV heads, vocabulary 128,256; random bf16 weights) through `HFModel`, every request submitted
-at once, EOS ignored, greedy, on the README's engine (`max_seqs="auto"`, the store sized to the
-device, CUDA graphs, overlap), in three configurations: bf16; fp8 (`batchkv.models.quant`: e4m3
-projections, per-token activations); fp8 + e4m3 K/V. One engine per configuration (capacity the
-longest workload's reach), warmed once (`Engine.warm_up`), serves the workloads in turn.
-
-Each (workload, configuration) records output tokens/s over the whole run (`tokens_per_s`, what
-trtllm-bench reports), the steady-state rate (`steady_tokens_per_s`: output tokens over the window
-in which requests were still waiting, so every column was busy; None when none waited) and the
-workload's own limit from its request list (`limit_tokens_per_s`: its FLOPs at the GEMM rates and its
-bytes at the read bandwidth, all measured in this run, perfectly overlapped and serial, as
-bench/roofline.py's `workload_limit` computes them; the projections' FLOPs at the FP8 rate and their
-weights at one byte for fp8). The request counts run are recorded beside the published ones.
+TensorRT-LLM's performance overview (`PUBLISHED`, `SOURCE`: trtllm-bench throughput, FP8, fixed
+input/output lengths, all requests at once) against the same workloads on the Llama-3.1-8B shape
+(transformers `LlamaConfig`, random bf16 weights) through `HFModel`, every request at once, EOS
+ignored, greedy, on the README's engine (`max_seqs="auto"`, graphs, overlap), in three
+configurations: bf16; fp8 (e4m3 projections, per-token activations); fp8 + e4m3 K/V. One engine per
+configuration, warmed once, serves the workloads in turn. Each records output tokens/s over the
+whole run (what trtllm-bench reports), the steady-state rate (`steady_tokens_per_s`: over the window
+in which requests still waited; None when none did) and the workload's own limit
+(`limit_tokens_per_s`: bench/lib/roofline.py's `workload_limit` at the rates measured in this run,
+`overlap` and `serial`).
 
     python3 bench/anchors.py --out bench/results/anchors-h200.json --budget-s 500     # on the H200
     python bench/anchors.py --small --out /tmp/a.json                                  # CPU smoke run
@@ -40,7 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout: bench.lib and batchkv
 from batchkv.executor import Engine, Request, SamplingParams
 from bench.lib.ceilings import matmul_peak, read_ceiling
-from bench.lib.fp8_limits import fp8_peak, limit
+from bench.lib.roofline import fp8_weights, shape_cost, workload_limit
+from bench.lib.serving import release, sync, workload
 from bench.lib.timing import Deadline
 
 SOURCE = (
@@ -61,14 +54,6 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
         "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512}  # fmt: skip
 
 
-def workload(name: str, n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """n random prompts of the workload's input length, each asking its output length."""
-    isl, osl = (int(x) for x in name.split("/"))
-    gen = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, vocab, (n, isl), generator=gen).tolist()
-    return prompts, [osl] * n
-
-
 def serve(engine: Engine, prompts, outputs, device: torch.device) -> dict:
     """Every request at once, EOS ignored, greedy; whole-run and steady-state output tokens/s."""
     engine.clear_prefix_cache()
@@ -76,8 +61,7 @@ def serve(engine: Engine, prompts, outputs, device: torch.device) -> dict:
     params = [SamplingParams(max_new_tokens=o, ignore_eos=True) for o in outputs]
     for p, sp in zip(prompts, params, strict=True):
         engine.submit(Request(p, sp))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     start = time.perf_counter()
     finished, times, tokens = 0, [], 0  # times[j]: (seconds, tokens so far) when the j-th request finished
     for event in engine.stream():
@@ -147,7 +131,7 @@ def main() -> None:
     if "read_gbps" not in result:
         result["read_gbps"] = read_ceiling(device)[0]
         result["bf16_tflops"] = matmul_peak(device)[0]
-        result["fp8_tflops"] = fp8_peak(device)
+        result["fp8_tflops"] = matmul_peak(device, fp8=True)[0]
         save()
     print(f"read {result['read_gbps']:.0f} GB/s, bf16 {result['bf16_tflops']:.0f} TFLOP/s, fp8 "
           f"{result['fp8_tflops']:.0f} TFLOP/s", flush=True)  # fmt: skip
@@ -168,8 +152,7 @@ def main() -> None:
         if cfg_name != "bf16" and not quantized:
             quantize_decoder(hf)
             quantized = True
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            release(device)
         elif cfg_name == "bf16" and quantized:
             raise SystemExit("bf16 must come before the fp8 configurations (the model is quantised in place)")
         kv_dtype = torch.float8_e4m3fn if cfg_name == "fp8_e4m3" else None
@@ -186,13 +169,15 @@ def main() -> None:
             if deadline.left() < 30:
                 works[name][key] = {"status": f"skipped: {deadline.left():.0f} s of the budget left"}
                 continue
-            prompts, outputs = workload(name, n, config["vocab_size"])
+            isl, osl = (int(x) for x in name.split("/"))
+            prompts, outputs = workload(n, (isl, isl), (osl, osl), config["vocab_size"])
             got = serve(engine, prompts, outputs, device)
-            kv_pos = engine.cache.config.bytes_per_position()
-            got["limit_tokens_per_s"] = lim = limit(prompts, outputs, config, fp8=cfg_name != "bf16",
-                                                    kv_bytes_per_pos=kv_pos, read_gbps=result["read_gbps"],
-                                                    bf16_tflops=result["bf16_tflops"],
-                                                    fp8_tflops=result["fp8_tflops"])  # fmt: skip
+            cost = shape_cost(config, engine.cache.config.bytes_per_position())
+            fp8 = cfg_name != "bf16"
+            lim = workload_limit(prompts, outputs, fp8_weights(cost) if fp8 else cost, result["read_gbps"],
+                                 result["bf16_tflops"], result["fp8_tflops"] if fp8 else None)  # fmt: skip
+            lim["serial"] = lim.pop("no_overlap")
+            got["limit_tokens_per_s"] = lim
             got.update(max_seqs=engine.cache.max_seqs, store=engine.sizing.describe() if engine.sizing else None,
                        warm_up_s=warm_s, kv_dtype=str(engine.cache.config.kv_dtype))  # fmt: skip
             works[name][key] = got
@@ -203,8 +188,7 @@ def main() -> None:
                   flush=True)  # fmt: skip
         engine.close()
         del engine, model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(device)
     save()
 
 

@@ -1,25 +1,22 @@
-"""End-to-end decode at SenseNova-U1-8B shape: batchkv against transformers, offline and online, and
-the fair serving roofline measured in the same run.
+"""End-to-end decode at SenseNova-U1-8B shape (random bf16 weights), offline and online, beside the
+workload's limits measured in the same run, and one sequence against transformers.
 
 Parts, in order, each under the run's budget (`--budget-s`), each written to the JSON when it ends:
 1. ceilings: read bandwidth, copy bandwidth, bf16 GEMM peak (bench/lib/ceilings.py);
 2. b1: one sequence, prompt 512, 256 new tokens, greedy, ms/token (median inter-token latency of
    a second, warmed-up request), batchkv with CUDA graphs and eager;
-3. serve: 256 requests, prompts U[64, 2048], outputs U[64, 1024], seed 0, all submitted at once,
-   on the configuration the README recommends (`max_seqs="auto"`: 256 sequences decoding every
-   step, the store sized to the device, each request holding what it can reach): output tokens/s,
-   TTFT and inter-token p50/p99; the workload's own limit from the request list (its FLOPs and
-   bytes, perfectly overlapped and not at all), the fair roofline over the steps the engine ran and
-   the bytes-only roofline (bench/lib/roofline.py); serve_e4m3, the same with e4m3 K/V; serve_fp8 and
-   serve_fp8_e4m3, the serve run on the same weights with FP8 compute (`quantization="fp8"`), K/V in
-   bf16 and in e4m3, each with its own limit (bench/anchors.py `limit`: the projections' FLOPs at the
-   FP8 GEMM rate measured in the same part, their weights at one byte);
+3. serve: 256 requests, prompts U[64, 2048], outputs U[64, 1024], seed 0, all at once, on the
+   README's configuration (`max_seqs="auto"`): output tokens/s, TTFT and inter-token p50/p99, the
+   workload's own limit from the request list and the fair roofline over the steps the engine ran
+   (bench/lib/roofline.py); serve_e4m3 the same with e4m3 K/V; serve_fp8 and serve_fp8_e4m3 with
+   FP8 compute (`quantization="fp8"`), K/V in bf16 and e4m3, the limit's projections at the FP8 rate;
 4. online: three Poisson arrival rates (0.25, 0.5 and 0.9 of the offline run's requests/s), each
-   over the first `rate * --online-window-s` requests of the same list, on the engine the offline
-   run warmed (bench/lib/online.py): tokens/s, TTFT (from arrival) and inter-token p50/p99;
-5. the transformers peers (bench/lib/decode_hf.py): continuous batching calibrated, offline on a
-   prefix of the list, online at the same rates and arrivals; batchkv on the same prefix; and one
-   sequence eager and StaticCache + compile.
+   over the first `rate * --online-window-s` requests, on the engine the offline run warmed
+   (bench/lib/online.py): tokens/s, TTFT (from arrival) and inter-token p50/p99;
+5. b1_hf_eager, b1_hf_static_compile: transformers' Qwen3ForCausalLM of the same shape, one sequence
+   as in b1, eager with a DynamicCache and with a StaticCache and the forward compiled
+   ("reduce-overhead": CUDA graphs inside torch.compile; CUDA only). Its serving peer, transformers'
+   continuous batching, is in history (bench/results/README.md).
 --resume FILE runs only the parts that FILE lacks (a part skipped for budget or failed runs again).
 
     python3 bench/decode.py --out bench/results/decode-h200.json                 # on the H200
@@ -30,8 +27,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import inspect
 import json
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -42,7 +42,13 @@ from batchkv.executor import Engine
 from batchkv.models import build_model, preset_config
 from bench.lib.ceilings import copy_ceiling, matmul_peak, read_ceiling
 from bench.lib.online import poisson_arrivals, run_online
-from bench.lib.roofline import StepLog, bytes_only_tokens_per_s, fair_seconds, model_cost, workload_limit
+from bench.lib.roofline import (
+    StepLog,
+    fair_seconds,
+    fp8_weights,
+    model_cost,
+    workload_limit,
+)
 from bench.lib.serving import (
     WARM_UP,
     Parts,
@@ -51,6 +57,7 @@ from bench.lib.serving import (
     release,
     serve_offline,
     serving_engine,
+    sync,
     warm_up,
     workload,
 )
@@ -84,35 +91,41 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
             r["b1"][f"{name}_ms"] = d["ms_per_token_p50"]
             print(f"b1 {name}: {d['ms_per_token_p50']:.3f} ms/token", flush=True)
 
-    def serve_entry(engine: Engine, d: dict, log: StepLog, warm_captures: int) -> dict:
+    def serve_entry(engine: Engine, d: dict, log: StepLog, warm_captures: int, fp8: bool) -> dict:
         # K/V bytes as the engine stores them (e4m3: one byte an element plus the scales), for every roofline
         cost = dataclasses.replace(ctx.cost(), kv_bytes_per_pos=engine.cache.config.bytes_per_position())
+        body_tflops = None
+        if fp8:  # the projections' FLOPs at the FP8 GEMM rate, their weights one byte: the limit only
+            if "fp8_tflops" not in r:
+                r["fp8_tflops"] = matmul_peak(dev, fp8=True)[0]
+            cost, body_tflops = fp8_weights(cost), r["fp8_tflops"]
         fair_s = fair_seconds(log.steps, cost, r["read_gbps"], r["matmul_tflops"])
-        limit = workload_limit(ctx.prompts, ctx.outputs, cost, r["read_gbps"], r["matmul_tflops"])
+        limit = workload_limit(ctx.prompts, ctx.outputs, cost, r["read_gbps"], r["matmul_tflops"], body_tflops)
         return {
             "requests": len(ctx.prompts), "max_seqs": engine.cache.max_seqs,
             "tokens_per_s": d["output_tokens_per_s_wall"], "requests_per_s": len(ctx.prompts) / d["wall_s"],
-            "kv_dtype": str(engine.cache.config.kv_dtype),
+            "kv_dtype": str(engine.cache.config.kv_dtype), **({"quantization": "fp8"} if fp8 else {}),
             "store": engine.sizing.describe() if engine.sizing else f"{engine.cache.max_seqs} columns at capacity",
             "store_bytes": engine.cache.nbytes, "decode_rows_per_step": d["decode_tokens"] / max(len(log.steps), 1),
             "workload_limit_tokens_per_s": {k: limit[k] for k in ("overlap", "no_overlap")}, "workload_limit": limit,
-            "fair_roofline_tokens_per_s": d["generated_tokens"] / fair_s,
-            "bytes_only_roofline_tokens_per_s": bytes_only_tokens_per_s(ctx.prompts, ctx.outputs, cost, r["read_gbps"],
-                                                                        engine.cache.max_seqs),
+            **({} if fp8 else {"fair_roofline_tokens_per_s": d["generated_tokens"] / fair_s,
+                               "fair_roofline_s": fair_s}),
             "p50_itl_ms": d["itl_ms_p50"], "p99_itl_ms": d["itl_ms_p99"], "ttft_p50_ms": d["ttft_ms_p50"],
             "ttft_p99_ms": d["ttft_ms_p99"], "captures": d["captures"] - warm_captures,
-            "captures_warm_up": warm_captures, "steps": len(log.steps), "fair_roofline_s": fair_s,
-            "wall_s": d["wall_s"], "prefill_budget": engine.scheduler.prefill_budget, "overlap": engine.overlap,
-            "warm_up": WARM_UP,
+            "captures_warm_up": warm_captures, "steps": len(log.steps), "wall_s": d["wall_s"],
+            "prefill_budget": engine.scheduler.prefill_budget, "overlap": engine.overlap, "warm_up": WARM_UP,
         }  # fmt: skip
 
-    def run_serve(max_seqs, kv_dtype=None) -> tuple[Engine, dict]:
-        engine = serving_engine(ctx.model(), dev, ctx.prompts, ctx.outputs, max_seqs, kv_dtype)
+    def run_serve(max_seqs, kv_dtype=None, fp8: bool = False) -> tuple[Engine, dict]:
+        if fp8:
+            ctx.cost()  # from the bf16 model, before the FP8 one takes its place
+        model = ctx.fp8_model() if fp8 else ctx.model()
+        engine = serving_engine(model, dev, ctx.prompts, ctx.outputs, max_seqs, kv_dtype)
         warm_up(engine, dev, ctx.prompts, ctx.outputs)
         warm_captures = engine.runner.captures
         log = StepLog(engine)
         d = serve_offline(engine, dev, ctx.prompts, ctx.outputs)
-        return engine, {**serve_entry(engine, d, log, warm_captures), "detail": d}
+        return engine, {**serve_entry(engine, d, log, warm_captures, fp8), "detail": d}
 
     def serve():
         ctx.engine, entry = run_serve("auto")
@@ -123,13 +136,13 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
             row["ttft_p50_in_full_chunk_steps"] = row["ttft_p50_ms"] / r["serve"]["full_chunk_step_ms"]
         print(f"serve: {entry['tokens_per_s']:.0f} tok/s (workload limit {entry['workload_limit_tokens_per_s']})")
 
-    def other(key: str, max_seqs, kv_dtype=None):
+    def other(key: str, max_seqs, kv_dtype=None, fp8: bool = False):
         def part():
             if ctx.engine is not None:  # its store holds the device: let it go first
                 ctx.engine.close()
                 ctx.engine = None
                 release(dev)
-            engine, entry = run_serve(max_seqs, kv_dtype)
+            engine, entry = run_serve(max_seqs, kv_dtype, fp8)
             entry.pop("detail")
             r[key] = entry
             engine.close()
@@ -167,44 +180,79 @@ def batchkv_parts(parts: Parts, ctx: SimpleNamespace, args) -> None:
     parts.run("online_batchkv", online, need_s=3 * args.online_window_s + 20)
     parts.run("serve_e4m3_batchkv", other("serve_e4m3", "auto", torch.float8_e4m3fn), need_s=40)
 
-    def fp8(key: str, kv_dtype=None):
-        def part():
-            from bench.lib.fp8_limits import fp8_peak, limit
+    parts.run("serve_fp8_batchkv", other("serve_fp8", "auto", fp8=True), need_s=40)
+    parts.run("serve_fp8_e4m3_batchkv", other("serve_fp8_e4m3", "auto", torch.float8_e4m3fn, fp8=True), need_s=40)
 
-            if ctx.engine is not None:
-                ctx.engine.close()
-                ctx.engine = None
-                release(dev)
-            if "fp8_tflops" not in r:
-                r["fp8_tflops"] = fp8_peak(dev)
-            engine = serving_engine(ctx.fp8_model(), dev, ctx.prompts, ctx.outputs, "auto", kv_dtype)
-            warm_up(engine, dev, ctx.prompts, ctx.outputs)
-            warm_captures = engine.runner.captures
-            d = serve_offline(engine, dev, ctx.prompts, ctx.outputs)
-            cfg = preset_config(ctx.preset)
-            shape = {"hidden_size": cfg.hidden, "intermediate_size": cfg.intermediate, "num_hidden_layers":
-                     cfg.num_layers, "num_attention_heads": cfg.q_heads, "num_key_value_heads": cfg.kv_heads,
-                     "vocab_size": cfg.vocab}  # fmt: skip
-            kv_pos = engine.cache.config.bytes_per_position()
-            lim = limit(ctx.prompts, ctx.outputs, shape, fp8=True, kv_bytes_per_pos=kv_pos, read_gbps=r["read_gbps"],
-                        bf16_tflops=r["matmul_tflops"], fp8_tflops=r["fp8_tflops"])  # fmt: skip
-            r[key] = {"requests": len(ctx.prompts), "tokens_per_s": d["output_tokens_per_s_wall"],
-                      "kv_dtype": str(engine.cache.config.kv_dtype), "quantization": "fp8",
-                      "workload_limit_tokens_per_s": {"overlap": lim["overlap"], "no_overlap": lim["serial"]},
-                      "workload_limit": lim, "p50_itl_ms": d["itl_ms_p50"], "p99_itl_ms": d["itl_ms_p99"],
-                      "ttft_p50_ms": d["ttft_ms_p50"], "steps": d["steps"], "wall_s": d["wall_s"],
-                      "captures": d["captures"] - warm_captures, "max_seqs": engine.cache.max_seqs,
-                      "store": engine.sizing.describe() if engine.sizing else None, "warm_up": WARM_UP}  # fmt: skip
-            engine.close()
-            release(dev)
-            print(
-                f"{key}: {r[key]['tokens_per_s']:.0f} tok/s (limit {r[key]['workload_limit_tokens_per_s']})", flush=True
-            )
 
-        return part
+def qwen3_like(device: torch.device, dtype: torch.dtype = torch.bfloat16, tiny: bool = False, seed: int = 0):
+    """A randomly initialised Qwen3ForCausalLM with SenseNova-U1-8B's language-model shape (or, tiny,
+    the shape of the `sensenova-u1-tiny` preset, for smoke runs on CPU)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    parts.run("serve_fp8_batchkv", fp8("serve_fp8"), need_s=40)
-    parts.run("serve_fp8_e4m3_batchkv", fp8("serve_fp8_e4m3", torch.float8_e4m3fn), need_s=40)
+    shape = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32) if tiny else dict(
+                 vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=42,
+                 num_attention_heads=32, num_key_value_heads=8, head_dim=128)  # fmt: skip
+    config = Qwen3Config(**shape, rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=32768,
+                         attention_bias=False)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(dtype)
+    return model.eval()
+
+
+@torch.inference_mode()
+def decode_ms_per_token(model, prompt_len: int, new_tokens: int, static_compile: bool = False) -> float:
+    """Greedy decode of one sequence after a prompt; milliseconds per generated token (decode only).
+
+    static_compile: a `StaticCache` and `torch.compile(mode="reduce-overhead", fullgraph=True)` on the
+    forward, warmed up over a full run first so compilation and graph recording are not timed.
+    """
+    from transformers import DynamicCache, StaticCache
+
+    device = next(model.parameters()).device
+    params = inspect.signature(model.forward).parameters
+    name = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=gen).to(device)
+    static = StaticCache(config=model.config, max_cache_len=prompt_len + new_tokens + 8) if static_compile else None
+    forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) if static_compile else model.forward
+
+    def run(steps: int) -> float:
+        if static is not None:
+            static.reset()
+        cache = static if static is not None else DynamicCache()
+        pos = torch.arange(prompt_len, device=device)
+        out = model(input_ids=ids, position_ids=pos[None], cache_position=pos, use_cache=True, **{name: cache})
+        token = out.logits[:, -1:].argmax(-1)
+        sync(device)
+        start = time.perf_counter()
+        for step in range(steps):
+            p = torch.full((1,), prompt_len + step, device=device)
+            out = forward(input_ids=token, position_ids=p[None], cache_position=p, use_cache=True, **{name: cache})
+            token = out.logits[:, -1:].argmax(-1)
+        sync(device)
+        return (time.perf_counter() - start) * 1e3 / steps
+
+    run(16)  # warm-up: cuBLAS handles, and for the compiled path compilation and graph recording
+    return run(new_tokens)
+
+
+def hf_parts(parts, ctx: SimpleNamespace) -> None:
+    """`b1_hf_eager` and (on CUDA) `b1_hf_static_compile` into the result's `b1`."""
+    r, dev = parts.result, ctx.device
+    model = qwen3_like(dev, tiny=ctx.small)
+
+    def single(static: bool):
+        key = "hf_static_compile_ms" if static else "hf_eager_ms"
+        b1 = r.setdefault("b1", {"prompt": ctx.prompt_len, "new_tokens": ctx.new_tokens})
+        b1[key] = decode_ms_per_token(model, ctx.prompt_len, ctx.new_tokens, static_compile=static)
+        print(f"b1 {key}: {b1[key]:.3f} ms/token", flush=True)
+
+    parts.run("b1_hf_eager", lambda: single(False), need_s=40)
+    if dev.type == "cuda":  # on CPU inductor's C++ compile of the model takes minutes: not a smoke test
+        parts.run("b1_hf_static_compile", lambda: single(True), need_s=150)
 
 
 def main() -> None:
@@ -217,16 +265,11 @@ def main() -> None:
     ap.add_argument("--serve-requests", type=int, default=256)
     ap.add_argument("--budget-s", type=float, default=390.0, help="wall-clock budget of the whole run")
     ap.add_argument("--online-window-s", type=float, default=None, help="seconds of arrivals per rate (12; 3 small)")
-    ap.add_argument("--hf-calibrate-s", type=float, default=None, help="transformers calibration budget (45; 10)")
-    ap.add_argument("--hf-box-s", type=float, default=None, help="time box of the transformers offline run (45; 10)")
-    ap.add_argument("--hf-online-box-s", type=float, default=None, help="box past the last arrival per rate (10; 5)")
     ap.add_argument("--resume", type=Path, default=None, help="a result JSON to complete: only missing parts run")
     ap.add_argument("--skip-parts", default="", help="comma-separated parts not to run (e.g. online_batchkv)")
     args = ap.parse_args()
-    for name, full, small in (("online_window_s", 12, 3), ("hf_calibrate_s", 45, 10), ("hf_box_s", 45, 10),
-                              ("hf_online_box_s", 10, 5)):  # fmt: skip
-        if getattr(args, name) is None:
-            setattr(args, name, float(small if args.small else full))
+    if args.online_window_s is None:
+        args.online_window_s = 3.0 if args.small else 12.0
     deadline = Deadline(args.budget_s)
     device = torch.device(args.device)
     preset = args.preset or ("sensenova-u1-tiny" if args.small else "sensenova-u1-8b")
@@ -237,50 +280,29 @@ def main() -> None:
     n = 8 if args.small else args.serve_requests
     ranges = ((8, 64), (4, 32)) if args.small else ((64, 2048), (64, 1024))
     prompts, outputs = workload(n, *ranges, preset_config(preset).vocab)
-    ctx = SimpleNamespace(device=device, prompts=prompts, outputs=outputs, engine=None, small=args.small,
-                          prompt_len=32 if args.small else 512, new_tokens=16 if args.small else 256)  # fmt: skip
-    built: dict = {}
+    model = functools.cache(lambda: build_model(preset, device, seed=0))
 
-    def model():
-        if "model" not in built:
-            built["model"] = build_model(preset, device, seed=0)
-        return built["model"]
-
-    ctx.model = model
-    ctx.preset = preset
-
+    @functools.cache
     def fp8_model():
-        if "fp8" not in built:
-            built.pop("model", None)  # the bf16 model's memory goes to the store
-            release(device)
-            built["fp8"] = build_model(preset, device, seed=0, quantization="fp8")
-        return built["fp8"]
+        model.cache_clear()  # the bf16 model's memory goes to the store
+        release(device)
+        return build_model(preset, device, seed=0, quantization="fp8")
 
-    ctx.fp8_model = fp8_model
-    engines: dict = {}
-
-    def serve_batchkv(p, o):  # one engine per prefix, kept: a second call runs warm (graphs captured)
-        if len(p) not in engines:
-            engines[len(p)] = serving_engine(model(), device, p, o)
-        engine = engines[len(p)]
-        engine.metrics = engine.metrics.fresh()
-        return serve_offline(engine, device, p, o)
-
-    ctx.serve_batchkv = serve_batchkv
-    ctx.cost = lambda: model_cost(model(), preset_config(preset).q_heads)
+    cost = functools.cache(lambda: model_cost(model(), preset_config(preset).q_heads))
+    ctx = SimpleNamespace(device=device, prompts=prompts, outputs=outputs, engine=None, small=args.small,
+                          prompt_len=32 if args.small else 512, new_tokens=16 if args.small else 256, model=model,
+                          fp8_model=fp8_model, cost=cost)  # fmt: skip
     parts = Parts(result, args.out, deadline)
     parts.skip = tuple(filter(None, args.skip_parts.split(",")))
     batchkv_parts(parts, ctx, args)
     if not args.skip_hf:
-        from bench.lib.decode_hf import hf_parts
-
         if ctx.engine is not None:  # the peer gets the memory of batchkv's serving cache
             ctx.engine.close()
             ctx.engine = None
-        for engine in engines.values():
-            engine.close()
+        model.cache_clear()
+        fp8_model.cache_clear()
         release(device)
-        hf_parts(parts, ctx, args)
+        hf_parts(parts, ctx)
     parts.save()
 
 

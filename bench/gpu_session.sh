@@ -8,11 +8,9 @@
 # one-sequence decode and serving parts of bench/decode.py from a baseline tree (BASE, default
 # .base: `git archive <commit> | tar -x -C .base`, carried) and from this one, alternately
 # (AB_ROUNDS rounds), then each ratio this/base (the single-GPU path must stay within 3%).
-# Limits come from measured runs: tests took 120 s on a cold machine (26 tests, Triton compiles
-# first), so 300; kernels and decode carry their own wall-clock budgets (--budget-s) a little under
-# their limits, write JSON after every part, and finish with what fit. A run that stopped early is
-# completed on a later machine by copying its JSON into the tree and passing it back, e.g.
-#   DECODE_ARGS="--resume bench/results/decode-h200.json" OUT=/tmp/out bash bench/gpu_session.sh decode
+# kernels, fp8 (bench/kernels.py --e4m3) and decode carry wall-clock budgets (--budget-s) a little
+# under their limits, write JSON after every part and finish with what fit; a run that stopped early
+# is completed later by passing its JSON back, e.g. DECODE_ARGS="--resume bench/results/decode-h200.json".
 # The machine has no msgspec: carry its wheel in .whl/ (bash ../shared/device/wheels.sh). A carried .fi/ (the
 # pruned FlashInfer) adds the kernels phase's flashinfer peer; its JIT compile (~95 s) comes before the
 # phase's --budget-s, so raise KERNELS_LIMIT with it (bench/results/README.md gives the call).
@@ -47,8 +45,8 @@ for p in "$@"; do
     model) phase model 90 python3 bench/model_step.py --preset sensenova-u1-8b --rows 1 8 32 64 --json "$OUT/model_step.json" ;;
     decode) phase decode "${DECODE_LIMIT:-420}" python3 bench/decode.py --out "$OUT/decode-h200.json" \
       --budget-s "${DECODE_BUDGET:-390}" ${DECODE_ARGS:-} ;;
-    fp8) phase fp8 "${FP8_LIMIT:-240}" python3 bench/kv_fp8.py --out "$OUT/kv-fp8-h200.json" \
-      --kernels-json "$OUT/kernels-h200.json" ${FP8_ARGS:-} ;;
+    fp8) phase fp8 "${FP8_LIMIT:-240}" python3 bench/kernels.py --e4m3 --out "$OUT/kv-fp8-h200.json" \
+      --budget-s "${FP8_BUDGET:-215}" ${FP8_ARGS:-} ;;
     spec) phase spec "${SPEC_LIMIT:-240}" python3 bench/spec.py --out "$OUT/spec-h200.json" \
       --budget-s "${SPEC_BUDGET:-150}" ${SPEC_ARGS:-} ;;
     tp) phase tp "${TP_LIMIT:-590}" python3 bench/tp.py --out "$OUT/tp-h200x2.json" --budget-s "${TP_BUDGET:-560}" \

@@ -210,22 +210,24 @@ def main() -> None:
     report = {
         "bench": "host",
         "what": "Engine host time per steady decode step, no-op model, eager; median of steps, then of runs",
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "device": str(device),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "loadavg_before": load_before,
-            "loadavg_after": os.getloadavg(),
-        },
+        "machine": machine(load_before, device=str(device), torch=torch.__version__),
         "steps": args.steps,
         "repeats": args.repeats,
         "smoke": args.smoke,
         "cells": cells,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write(args.out, report)
+
+
+def machine(load_before: tuple[float, ...], **more: str) -> dict:
+    """The host the run had (its load average before and after: the machine may be shared)."""
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), **more, "python": platform.python_version(),
+            "loadavg_before": load_before, "loadavg_after": os.getloadavg()}  # fmt: skip
+
+
+def write(path: Path, report: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
 
 
 def serve_main(args: argparse.Namespace) -> None:
@@ -244,18 +246,11 @@ def serve_main(args: argparse.Namespace) -> None:
         "bench": "host --serve",
         "what": "output tok/s: the engine alone vs streamed completions over HTTP (no-op reciting model, "
         "SmolLM2's tokenizer, clients in a subprocess)",
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "loadavg_before": load_before,
-            "loadavg_after": os.getloadavg(),
-        },
+        "machine": machine(load_before),
         "smoke": args.smoke,
         "cells": cells,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write(args.out, report)
 
 
 if __name__ == "__main__":

@@ -6,20 +6,21 @@ over CUDA-graph replays of a graph holding K back-to-back calls, divided by K (b
 Ceilings (bench/lib/ceilings.py): device copy and read-only streaming; attention only reads K/V, so
 `pct_of_read` is the honest figure, `pct_of_copy` is kept for comparison with earlier runs.
 
-Peers, each tried every way it runs and the fastest that matches the reference kept (all tries
-are in `peer_candidates`): SDPA over exact prefixes and SDPA padded + mask, in the enable_gqa and
-the folded layouts under every SDPA backend (bench/lib/kernel_peers.py); torch's own varlen attention
-when this torch ships it; FlashInfer's paged decode and prefill wrappers at page sizes 16, 32, 64
-and one page per sequence (bench/lib/flashinfer_peer.py; first of the peers), when it is importable:
-its kernels are compiled before the budget starts (bench/lib/flashinfer_jit.py; `flashinfer` in the
-report says what was built, or why the peer is out); flex_attention compiled per case shape with
-its knobs (bench/lib/flex_peer.py, last, since compiles are the slow part; defaults for every case
-first, then the other knobs while the budget lasts). Recompiles are logged (TORCH_LOGS=recompiles)
-while flex runs.
+Peers, each tried every way it runs and the fastest that matches the reference kept (every try in
+`peer_candidates`; bench/results/README.md "Method"): FlashInfer first, when importable, its kernels
+compiled before the budget starts (bench/lib/flashinfer_peer.py, flashinfer_jit.py); SDPA over exact
+prefixes and padded + mask, and torch's varlen attention (bench/lib/kernel_peers.py); flex_attention
+last, compiled per case (bench/lib/flex_peer.py: defaults for every case first, then the other
+knobs while the budget lasts; recompiles logged).
 
     python3 bench/kernels.py [--check] [--out bench/results/kernels-h200.json] [--budget-s 215]
     python bench/kernels.py --small --check --out /tmp/k.json     # CPU smoke run (Triton interpreter)
     python3 bench/kernels.py --softcap-sinks-ab --base .base --out bench/results/softcap-sinks-ab-h200.json
+    python3 bench/kernels.py --e4m3 --out bench/results/kv-fp8-h200.json     # e4m3 K/V storage, no peers
+
+--e4m3 times batchkv on the cases' store and on its e4m3 codes with fp32 scales (the cache's layout),
+instead of the peers: `batchkv_fp8_us`, `gbps_fp8` (scales counted), `fp8_ratio` and each store's
+max abs error against the reference on the same stored values.
 
 --check first compares batchkv with the torch reference on every case (a mismatch is recorded and
 printed, not fatal); --compile-sm90 LABEL compiles the kernels for sm_90 without a GPU and prints
@@ -48,7 +49,7 @@ from bench.lib.ceilings import copy_ceiling, read_ceiling
 from bench.lib.flashinfer_jit import load as load_flashinfer
 from bench.lib.flashinfer_peer import at_page, flashinfer
 from bench.lib.flex_peer import flex, knob_sets
-from bench.lib.kernel_cases import CASES, SMALL_CASES, TOLERANCE, Case, batchkv_calls, build_cases
+from bench.lib.kernel_cases import CASES, SMALL_CASES, TOLERANCE, Case, batchkv_calls, build_cases, e4m3_store
 from bench.lib.kernel_peers import PEERS, varlen_api
 from bench.lib.timing import Deadline, time_calls
 
@@ -134,12 +135,26 @@ def new_entry(case: Case, cfg: SdpaConfig | None) -> dict:
     }
 
 
+def time_e4m3(entry: dict, case: Case, store: dict, cfg: SdpaConfig | None) -> None:
+    """batchkv on the e4m3 `store` (codes `k`, `v` and their scales) beside the bf16 time in `entry`."""
+    try:
+        entry["max_abs_err_fp8"] = float(f"{case.error(batchkv_calls(case, **store, config=cfg)[0](), **store):.3g}")
+        us, _ = time_calls(batchkv_calls(case, **store, config=cfg))
+        fp8_bytes = case.bytes // case.geo.dtype.itemsize // case.geo.d * (case.geo.d + 4)  # codes and fp32 scales
+        entry.update(batchkv_fp8_us=round(us, 2), gbps_fp8=round(fp8_bytes / us / 1e3, 1))
+        if entry.get("batchkv_us"):
+            entry["fp8_ratio"] = round(us / entry["batchkv_us"], 3)
+    except Exception as exc:  # recorded, and the next case runs
+        entry.update(batchkv_fp8_us=None, error_fp8=f"{type(exc).__name__}: {exc}"[:300])
+
+
 def bench(
-    cases: dict, k, v, cfg: SdpaConfig | None, report: dict, path: Path, deadline: Deadline, flex_s: float, peers: dict
-) -> dict:
-    """batchkv and every one of `peers` (name: candidates of a case) on every case, then flex (with `flex_s`
-    of the budget kept for it)."""
-    peers_deadline = Deadline(deadline.left() - flex_s)
+    cases: dict, k, v, cfg: SdpaConfig | None, report: dict, path: Path, deadline: Deadline, flex_s: float | None,
+    peers: dict, e4m3: dict | None = None,
+) -> dict:  # fmt: skip
+    """batchkv (and, given `e4m3`, batchkv on that store) and every one of `peers` (name: candidates of a
+    case) on every case, then flex with `flex_s` of the budget kept for it (None: no flex)."""
+    peers_deadline = Deadline(deadline.left() - (flex_s or 0))
     entries = {e["name"]: e for e in report["cases"]}
     for name, case in cases.items():
         entry = entries.get(name) or new_entry(case, cfg)
@@ -153,6 +168,8 @@ def bench(
                 entry.update(batchkv_us=r.pop("us"), **r)
             except Exception as exc:
                 entry.update(batchkv_us=None, timing=f"failed: {type(exc).__name__}: {exc}"[:300])
+        if e4m3 is not None and entry.get("batchkv_fp8_us") is None:
+            time_e4m3(entry, case, e4m3, cfg)
         for peer, build in peers.items():
             if entry["peers"].get(peer) is None:
                 entry["peer_candidates"].pop(peer, None)
@@ -160,9 +177,12 @@ def bench(
             write(path, report)
         if entry["peers"].get("flashinfer"):  # vLLM's default page size, beside the fastest
             entry["peers"]["flashinfer"]["page16_us"] = at_page(entry["peer_candidates"]["flashinfer"], 16)
-        shown = {p: (b or {}).get("us") for p, b in entry["peers"].items()}
+        shown = {p: (b or {}).get("us") for p, b in entry["peers"].items()} or {"e4m3": entry.get("batchkv_fp8_us")}
         print(f"{name:15s} batchkv {entry['batchkv_us']} us {entry.get('gbps')} GB/s "
               f"{entry.get('pct_of_read')}% of read | {shown}", flush=True)  # fmt: skip
+        write(path, report)
+    if flex_s is None:
+        return report
     torch._logging.set_logs(recompiles=True)
     order = [n for n in FLEX_FIRST if n in cases] + [n for n in cases if n not in FLEX_FIRST]
     for first_pass in (True, False):  # defaults for every case, then the other knobs while time lasts
@@ -183,40 +203,6 @@ def bench(
                   f"{best.get('config', {}).get('kernel_options')}", flush=True)  # fmt: skip
     torch._logging.set_logs(recompiles=False)
     return report
-
-
-def plot(report: dict, path: Path, peers: list[str]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cases = report["cases"]
-    names = [c["name"] for c in cases]
-    series = {"batchkv": [c.get("batchkv_us") or float("nan") for c in cases]}
-    for peer in (*peers, "flex"):
-        series[peer] = [(c["peers"].get(peer) or {}).get("us") or float("nan") for c in cases]
-    fig, ax = plt.subplots(figsize=(15, 5))
-    width = 0.8 / len(series)
-    for i, (label, values) in enumerate(series.items()):
-        bars = ax.bar([x + i * width for x in range(len(names))], values, width, label=label)
-        if label != "batchkv":
-            continue
-        for bar, case in zip(bars, cases, strict=True):
-            if case.get("pct_of_read") is not None:
-                prefill = case["name"].startswith("prefill")
-                text = f"{case['tflops']:.0f} TF/s" if prefill else f"{case['pct_of_read']:.0f}%"
-                ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                            fontsize=8)  # fmt: skip
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names, fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("µs per call (graph replay; lower is better)")
-    ax.set_title(
-        f"sdpa_varlen vs peers at their best — {report['device']}; % = of read ceiling {report['read_gbps']:.0f} GB/s"
-    )
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def header(geo, cfg: SdpaConfig | None, device: torch.device) -> dict:
@@ -264,6 +250,7 @@ def main() -> None:
                         help="instead: what soft-capping and attention sinks cost, against a tree before them "
                         "(bench/lib/softcap_sinks_ab.py; its options --base, --rounds, --small, --variants, "
                         "--out)")  # fmt: skip
+    parser.add_argument("--e4m3", action="store_true", help="batchkv on bf16 and e4m3 stores, no peers (docstring)")
     parser.add_argument("--config", default="{}", help="SdpaConfig overrides as JSON, e.g. '{\"occupancy\": 4}'")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     parser.add_argument("--small", action="store_true", help="tiny geometry and cases (a CPU smoke run)")
@@ -288,8 +275,14 @@ def main() -> None:
     overrides = json.loads(args.config)
     cfg = SdpaConfig(**overrides) if overrides else None
     report = json.loads(args.resume.read_text()) if args.resume else {"cases": []}
-    fi, report["flashinfer"] = load_flashinfer(geo.dtype, geo.d, k.device, args.flashinfer_compile_s)
-    peers = {"flashinfer": partial(flashinfer, fi, report["flashinfer"]), **PEERS}  # first: the budget cuts the last
+    e4m3, peers = None, {}
+    if args.e4m3:
+        (kc, ks), (vc, vs) = e4m3_store(k), e4m3_store(v)
+        e4m3 = {"k": kc, "v": vc, "k_scale": ks, "v_scale": vs}
+        report["config_e4m3"] = resolve_config(cfg, geo.d, kc.dtype, geo.hkv, k.device).__dict__
+    else:
+        fi, report["flashinfer"] = load_flashinfer(geo.dtype, geo.d, k.device, args.flashinfer_compile_s)
+        peers = {"flashinfer": partial(flashinfer, fi, report["flashinfer"]), **PEERS}  # first: budget cuts the last
     deadline = Deadline(args.budget_s)
     if "read_gbps" not in report:
         report.update(header(geo, cfg, k.device))
@@ -297,13 +290,9 @@ def main() -> None:
     if args.check:
         check(cases, k, v, report.setdefault("check_max_abs_err", {}))
     started = time.perf_counter()
-    bench(cases, k, v, cfg, report, args.out, deadline, args.flex_budget_s, peers)
+    bench(cases, k, v, cfg, report, args.out, deadline, None if args.e4m3 else args.flex_budget_s, peers, e4m3)
     report["wall_s"] = round(time.perf_counter() - started, 1)
     write(args.out, report)
-    try:
-        plot(report, args.out.with_suffix(".png"), list(peers))
-    except Exception as exc:
-        print(f"plot skipped: {type(exc).__name__}: {exc}")
 
 
 if __name__ == "__main__":

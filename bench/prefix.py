@@ -2,7 +2,7 @@
 
 SenseNova-U1-8B preset, random bf16 weights, the README's serving configuration (`max_seqs="auto"`:
 256 sequences, the store sized to the device; 1,024-token steps, 512-token chunks, graphs and
-overlap on), one engine per setting, warmed up before it is timed:
+overlap on), one engine per setting, warmed up before it is timed (bench/lib/serving.py `WARM_UP`):
 - shared_prefix: 256 requests of one shared 1,536-token prefix plus a unique 64-token suffix,
   128 new tokens each, all submitted at once (the prefix is 391,680 of 409,600 prompt tokens);
 - multi_turn: 32 conversations of 8 turns, each turn the whole history (earlier prompts and
@@ -31,27 +31,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from batchkv.executor import Engine, Request, SamplingParams
 from batchkv.models import build_model, preset_config
-from bench.lib.serving import release, serve_offline, sync, workload
+from bench.lib.serving import release, serve_offline, sync, warm_up, workload
 
 
 def engine_for(model, device, capacity: int, reuse: bool, small: bool) -> Engine:
     return Engine(model, max_seqs=16 if small else "auto", kv_positions=4096 if small else "auto", capacity=capacity,
                   max_step_tokens=64 if small else 1024, prefill_chunk=32 if small else 512, device=device,
                   prefix_cache=reuse)  # fmt: skip
-
-
-def warm(engine: Engine, vocab: int, device) -> None:
-    """Graphs captured and kernels compiled outside the timed runs (unrelated prompts), then fresh
-    metrics and an empty prefix cache."""
-    rng = np.random.default_rng(7)
-    for _ in range(4 if engine.cache.capacity < 1024 else 16):
-        length = min(600, engine.cache.capacity // 2)
-        engine.submit(Request(rng.integers(0, vocab, length).tolist(), SamplingParams(max_new_tokens=8)))
-    engine.run_until_done()
-    engine.clear_prefix_cache()
-    engine.warm_up()  # every width's graph, so that no timed step captures one
-    sync(device)
-    engine.metrics = engine.metrics.fresh()
 
 
 def entry(engine: Engine, d: dict) -> dict:
@@ -132,7 +118,7 @@ def main() -> None:
     for reuse in (False, True):
         key = "on" if reuse else "off"
         engine = engine_for(model, device, capacity, reuse, small)
-        warm(engine, vocab, device)
+        warm_up(engine, device, plain_p, plain_o)  # graphs captured outside the timed runs, an empty prefix cache
         d = serve_offline(engine, device, shared, [new] * n)
         result["shared_prefix"][key] = entry(engine, d)
         engine.clear_prefix_cache()

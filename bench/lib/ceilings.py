@@ -1,12 +1,11 @@
 """Measured ceilings of the device, each the best of a few variants (CUDA-graph replay, median).
 
-- copy: device-to-device copy, bytes read + written per second / 1e9 (memcpy of 1 and 4 GiB and an
-  elementwise copy kernel). What a kernel that reads and writes every byte can reach.
-- read: read-only streaming, bytes read per second / 1e9 (reductions over 4 GiB of bf16: one full
-  sum, row sums and row maxima of 8192-element rows). Attention reads K/V and writes almost nothing,
-  so this is its ceiling; the copy figure undercounts it.
+- copy: device-to-device copy, bytes read + written per second / 1e9 (memcpy and an elementwise
+  copy kernel, 1 and 4 GiB), kept for comparison with earlier runs;
+- read: read-only streaming, bytes read per second / 1e9 (reductions over 4 GiB of bf16): the
+  ceiling of attention, which reads K/V and writes almost nothing;
 - matmul: dense bf16 GEMM TFLOP/s (8192^3 and 16384 x 16384 x 8192), the compute ceiling of a
-  prefill-heavy step.
+  prefill-heavy step; fp8: the same shapes in e4m3 as `Fp8Linear` runs them.
 
 On CPU (smoke runs) the sizes shrink to a few MiB and the numbers only exercise the code.
 """
@@ -60,16 +59,33 @@ def read_ceiling(device: torch.device) -> tuple[float, dict[str, float]]:
     return max(numbers), variants
 
 
-def matmul_peak(device: torch.device) -> tuple[float, dict[str, float]]:
-    """(best TFLOP/s, {shape: TFLOP/s}) of dense bf16 GEMMs `a [m, k] @ b [k, n]`."""
-    shapes = ((8192, 8192, 8192), (16384, 16384, 8192)) if device.type == "cuda" else ((256, 256, 256),)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+def matmul_peak(device: torch.device, fp8: bool = False) -> tuple[float, dict[str, float]]:
+    """(best TFLOP/s, {shape: TFLOP/s}) of dense GEMMs `a [m, k] @ b [k, n]` in bf16, or with `fp8` in
+    e4m3 through torch's scaled matmul with row-wise scales as `Fp8Linear` runs them (fast
+    accumulation; on the CPU, which has no FP8, the float32 figure)."""
+    cuda = device.type == "cuda"
+    shapes = ((8192, 8192, 8192), (16384, 16384, 8192)) if cuda else ((256, 256, 256),)
+    dtype = torch.bfloat16 if cuda else torch.float32
     variants = {}
     for m, n, k in shapes:
         a = torch.randn(m, k, dtype=dtype, device=device)
         b = torch.randn(k, n, dtype=dtype, device=device)
-        c = torch.empty(m, n, dtype=dtype, device=device)
-        us, _ = time_calls([lambda a=a, b=b, c=c: torch.mm(a, b, out=c)], replays=20)
+        if fp8 and cuda:
+            from batchkv.models.quant import fp8 as fp8_module
+
+            a, b = a.to(torch.float8_e4m3fn), b.T.contiguous().to(torch.float8_e4m3fn).T  # b column-major
+            sa, sb = torch.ones(m, 1, device=device), torch.ones(1, n, device=device)
+
+            def call(a=a, b=b, sa=sa, sb=sb):
+                return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                        use_fast_accum=fp8_module.FAST_ACCUM)  # fmt: skip
+        else:
+            c = torch.empty(m, n, dtype=dtype, device=device)
+
+            def call(a=a, b=b, c=c):
+                return torch.mm(a, b, out=c)
+
+        us, _ = time_calls([call], replays=20)
         variants[f"{m}x{n}x{k}"] = float(f"{2 * m * n * k / us / 1e6:.4g}")  # 4 digits: a CPU rate is under 0.1
-        del a, b, c
+        del a, b
     return max(variants.values()), variants

@@ -1,21 +1,13 @@
 """FlashInfer's JIT on the GPU machine: its environment, and the peer's modules built once, in parallel.
 
-The pruned FlashInfer 0.7.4 (`../shared/peers/flashinfer`, copied into the ignored `.fi/` and put on
-PYTHONPATH with its apache-tvm-ffi wheel: bench/results/README.md) compiles its CUDA kernels with
-the machine's nvcc. Its wrappers would each build their module when first planned, one after
-another, in the middle of the benchmark. `load` builds every module the peer plans with before
-anything is timed, in one ninja run over all their sources (what FlashInfer's own `build_jit_specs`
-does, here with a time limit; 94 s for the four bf16 / head_dim 128 modules on the H200's 16 cores,
-FA3 the longest), then points FlashInfer's AOT folder at its JIT folder, so each wrapper loads the
-built library as a prebuilt one: a wrapper's own ninja run, per module in a folder with no ninja
-log, would rebuild every object.
-
-Environment, set before flashinfer is imported (it reads its cache paths and targets at import),
-each only where not already set: FLASHINFER_WORKSPACE_BASE (caches, default /tmp/batchkv-flashinfer;
-a warm machine's second run finds the modules built), CUDA_HOME (from the nvcc on PATH),
-FLASHINFER_CUDA_ARCH_LIST (the visible GPU's: 9.0 builds sm_90a), the curand headers CUTLASS
-includes when the toolkit lacks them (nvidia-curand's, else the copy in `.fi/pkg/extra_include`),
-and a folder of links to libcudart/libcuda when the toolkit's lib64 lacks them.
+The pruned FlashInfer 0.7.4 (in `.fi/`: bench/results/README.md) compiles its CUDA kernels with the
+machine's nvcc; its wrappers would each build their module when first planned, in the middle of the
+benchmark. `load` builds every module the peer plans with before anything is timed, in one ninja
+run with a time limit (94 s on the H200's 16 cores), then points FlashInfer's AOT folder at its JIT
+folder so each wrapper loads the built library as a prebuilt one (a wrapper's own ninja run would
+rebuild every object). `environment` sets what FlashInfer reads at import, each only where not set:
+its workspace, CUDA_HOME, the GPU's arch, the curand headers and libcudart/libcuda links the
+toolkit may lack.
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """FlashInfer as a peer of sdpa_varlen: its paged decode and prefill wrappers, every page size and backend.
 
-FlashInfer (Apache-2.0; the attention kernels vLLM and SGLang serve with; built by
-bench/lib/flashinfer_jit.py) reads K/V from a paged cache, NHD: `kv` [pages, 2, page, Hkv, D] (plane 0
-keys, 1 values), and for sequence b the pages `indices[indptr[b]:indptr[b + 1]]` in order, all full
-but the last, which holds `last_page_len[b]` positions (1..page). `paged_kv` builds that cache from
-a case's column store outside timing, one per rotation (the rotation's columns), each sequence's
-pages contiguous and in order, zeros past each sequence's end: the layout most favourable to a
-paged cache. The page table is the same for every rotation, so one `plan` (host, once per wrapper,
-not capturable) serves every call, and the calls (`run`, capturable) differ only in the K/V they
-read. Every wrapper is built with `use_cuda_graph=True` and timed by graph replay, as batchkv is.
-
-Candidates, page size 16 (vLLM's default) first so that a spent budget still leaves it timed; then
-32, 64 and one page per sequence (its longest, rounded up to 16 positions):
-- decode cases (q_len 1): `BatchDecodeWithPagedKVCacheWrapper` on CUDA cores and on tensor cores
-  (which runs FA2's prefill kernel);
-- prefill and verify cases: `BatchPrefillWithPagedKVCacheWrapper`, causal (FlashInfer aligns the
-  diagonal bottom-right: query i of a sequence sees kv_end - q_len + i + 1 keys, as the reference
-  does), `backend` "auto" (FlashInfer's own pick, recorded: FA3 on sm_90 past 64 queries a
-  sequence), then whichever of "fa3" (sm_90 only) and "fa2" it did not pick, and for short blocks
-  (verify) "fa2" told `uniform_q_len` (its tile sized for q_len * G rows, not the ragged worst case);
-- one-sequence decode cases also `single_decode_with_kv_cache` over the contiguous sequence.
+FlashInfer (built by bench/lib/flashinfer_jit.py) reads K/V from a paged cache, NHD: `kv` [pages,
+2, page, Hkv, D], and for sequence b the pages `indices[indptr[b]:indptr[b + 1]]` in order, all full
+but the last (`last_page_len[b]` positions). `paged_kv` builds it from a case's column store outside
+timing, one per rotation, each sequence's pages contiguous (the layout most favourable to a paged
+cache). The page table is the same for every rotation, so one `plan` (host, not capturable) serves
+every call; every wrapper is built with `use_cuda_graph=True` and timed by graph replay, as batchkv
+is. Candidates (`_variants`; bench/results/README.md "Method"), page size 16 (vLLM's default) first
+so that a spent budget still leaves it timed, then 32, 64 and one page per sequence; prefill and
+verify cases causal (FlashInfer aligns the diagonal bottom-right, as the reference does).
 """
 
 from __future__ import annotations

@@ -11,9 +11,8 @@ Knobs (`kernel_options`, read by torch 2.11 and 2.13 alike): what the mask guara
 empty, contiguous blocks) and a prescaled q; for decode shapes the split count (`SPLIT_KV`, default
 2 * SMs / (B * Hkv)), key tile (`BLOCK_N`), warps and pipeline stages; for prefill shapes the
 generic kernel's tiles. The first call runs under `run_and_get_code`, so the
-record says which template inductor generated (flex decoding has `SPLIT_KV`) and its constants;
-one call under the profiler names the kernels that ran. (torch 2.13 can also force a template with
-`kernel_options["BACKEND"]`; 2.11 may not have that knob, so the path is read, not forced.)
+record says which template inductor generated (flex decoding has `SPLIT_KV`) and its constants
+(read, not forced: torch 2.11 may lack `kernel_options["BACKEND"]`).
 """
 
 from __future__ import annotations
@@ -90,23 +89,6 @@ def _generated(codes: list[str]) -> dict:
     return found
 
 
-def _kernel_names(call) -> list[str]:
-    """Names of the device kernels (CPU ops on CPU) one call runs, from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        call()
-        if cuda:
-            torch.cuda.synchronize()
-    names = []
-    for event in prof.key_averages():
-        device_us = getattr(event, "device_time_total", getattr(event, "cuda_time_total", 0))
-        if (device_us > 0) if cuda else event.key.startswith("aten::"):
-            names.append(event.key)
-    return sorted(set(names))[:12]
-
-
 def flex(case: Case, k: torch.Tensor, v: torch.Tensor, knobs: list[dict] | None = None) -> Iterator[Candidate]:
     """One candidate per knob set; each compiles fresh (dynamo reset, dynamic=False) on first use."""
     from torch._inductor.utils import run_and_get_code
@@ -126,10 +108,6 @@ def flex(case: Case, k: torch.Tensor, v: torch.Tensor, knobs: list[dict] | None 
         _, codes = run_and_get_code(call, 0)  # the compile (resets dynamo, so it happens here)
         config = {"kernel_options": options, "compile_s": round(time.perf_counter() - start, 1)}
         config.update(_generated(codes))
-        try:
-            config["kernels"] = _kernel_names(lambda call=call: call(0))
-        except Exception as exc:  # the profiler is a witness, not a requirement
-            config["kernels"] = f"profiler failed: {type(exc).__name__}"
 
         def output(call=call):
             return call(0).transpose(1, 2).reshape(-1, case.geo.hq, case.geo.d)

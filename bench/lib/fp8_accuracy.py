@@ -28,7 +28,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from batchkv.models.gguf import packaged_gguf, transformers_dir  # noqa: E402
+from batchkv.models.gguf import packaged_gguf  # noqa: E402
 from batchkv.models.hf import quantize_decoder  # noqa: E402
 from batchkv.models.quant import Fp8Linear  # noqa: E402
 from batchkv.models.quant.fp8 import quantize_rows_torch  # noqa: E402
@@ -103,83 +103,17 @@ def _smooth(model, maxima: dict, alpha: float = 0.5) -> None:
                 setattr(owner, n, layer_fp8)
 
 
-# ---- where the error comes from: transformers' own forward, fake-quantised projections --------------
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _fake(x: torch.Tensor, group: int | None = None, fmt: str = "e4m3") -> torch.Tensor:
-    """x rounded as the FP8 path rounds it (scale per row of the last dim, or per `group` of it) and
-    scaled back, in float32; fmt "int8": symmetric int8 with amax / 127 scales instead."""
-    shape = x.shape
-    xg = x.float().reshape(*shape[:-1], shape[-1] // group, group) if group else x.float()
-    if fmt == "int8":
-        s = (xg.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-30)
-        return (torch.round(xg / s).clamp(-127, 127) * s).reshape(shape)
-    q, s = quantize_rows_torch(xg)
-    return (q.float() * s).reshape(shape)
-
-
-EXPLORE = {  # name: (weights quantised?, activations quantised?, which projections, group, weight format)
-    "w8a8": (True, True, PROJ, None, "e4m3"),
-    "w8_only": (True, False, PROJ, None, "e4m3"),
-    "a8_only": (False, True, PROJ, None, "e4m3"),
-    **{f"w8a8_only_{n}": (True, True, (n,), None, "e4m3") for n in PROJ},
-    "a8_only_qkv": (False, True, ("q_proj", "k_proj", "v_proj"), None, "e4m3"),
-    "a8_only_o": (False, True, ("o_proj",), None, "e4m3"),
-    "a8_only_gate_up": (False, True, ("gate_proj", "up_proj"), None, "e4m3"),
-    "a8_only_down": (False, True, ("down_proj",), None, "e4m3"),
-    "w8a8_group32": (True, True, PROJ, 32, "e4m3"),
-    "int8_weights_only": (True, False, PROJ, None, "int8"),
-}
-
-
-@torch.no_grad()
-def explore(path: str, texts: dict) -> dict:
-    """Each EXPLORE configuration on whole texts in one forward of transformers' float32 model, against
-    that model and against its bf16 copy (KL, top-1, perplexity)."""
-    from transformers import AutoModelForCausalLM
-
-    source = str(transformers_dir(path))
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    half = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).eval()
-    layers = [(getattr(layer.self_attn if n[0] in "qkvo" else layer.mlp, n), n) for layer in model.model.layers
-              for n in PROJ]  # fmt: skip
-    float_weights = [mod.weight.data.clone() for mod, _ in layers]
-
-    def logp(m, ids):
-        return m(torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
-
-    refs = {t: (logp(model, ids), logp(half, ids)) for t, ids in texts.items()}
-    out = {t: {"bf16_floor": compare_logprobs(refs[t][1], refs[t][0], torch.tensor(ids[1:])).as_dict()}
-           for t, ids in texts.items()}  # fmt: skip
-    for name, (wq, aq, chosen, group, fmt) in EXPLORE.items():
-        for (mod, n), w in zip(layers, float_weights, strict=True):
-            on = n in chosen
-            mod.weight.data.copy_(_fake(w, group, fmt) if on and wq else w)
-            fwd = (lambda self, x, g=group: torch.nn.functional.linear(_fake(x, g), self.weight)) if on and aq else None
-            mod.forward = types.MethodType(fwd or torch.nn.Linear.forward, mod)
-        for t, ids in texts.items():
-            lp, target = logp(model, ids), torch.tensor(ids[1:])
-            row = compare_logprobs(lp, refs[t][0], target).as_dict()
-            row["vs_bf16"] = compare_logprobs(lp, refs[t][1], target).as_dict()
-            out[t][name] = row
-            print(f"explore {t:7s} {name:22s} vs float32: ppl {row['ppl_change']:+.2%}, top-1 "
-                  f"{row['top1_agreement']:.2%}, KL {row['kl_mean']:.5f}", flush=True)  # fmt: skip
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--variants", default=",".join(KEEP))
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--explore", action="store_true", help="also the fake-quantised breakdown (explore())")
     args = ap.parse_args()
     path = str(packaged_gguf())
     fp32 = load_served_model(path, args.device, dtype="float32")
     names = [v for v in args.variants.split(",") if v]
-    bf16 = load_served_model(path, args.device, dtype="bfloat16").model if names else None
+    bf16 = load_served_model(path, args.device, dtype="bfloat16").model
     tested = {}
     for name in names:
         model = load_served_model(path, args.device, dtype="bfloat16").model
@@ -201,7 +135,7 @@ def main() -> None:
         "command": "python bench/real_model.py --fp8-accuracy " + " ".join(sys.argv[1:]),
         "texts": {},
     }
-    for text, file in TEXTS.items() if names else ():  # --variants '' with --explore: the breakdown only
+    for text, file in TEXTS.items():
         ids = fp32.tokenizer(file.read_text()).input_ids[: args.max_tokens]
         run = {n: chunk_logprobs(m, ids, make_cache(m, kv, len(ids), CHUNK), CHUNK) for n, m in
                [("float32", fp32.model), ("bf16", bf16), *tested.items()]}  # fmt: skip
@@ -222,9 +156,6 @@ def main() -> None:
             print(f"{text:7s} {n:22s} vs float32: ppl {s['ppl_change']:+.2%}, top-1 {s['top1_agreement']:.2%}, "
                   f"KL {s['kl_mean']:.5f}{extra}", flush=True)  # fmt: skip
         del run
-    if args.explore:
-        ids = {t: fp32.tokenizer(f.read_text()).input_ids[: args.max_tokens] for t, f in TEXTS.items()}
-        result["explore"] = explore(path, ids)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 

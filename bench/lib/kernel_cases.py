@@ -58,13 +58,15 @@ CASES = {
     "b1-l16384": (1, 1, [16384]),
     "b64-l512": (64, 1, [512] * 64),  # short histories: launch and prologue cost dominate
 }
-# few-token steps, where `SdpaConfig.narrow` may pick another variant (bench/b1_sweep.py --narrow);
-# full geometry only, kept apart so that `bench/kernels.py` runs the cases above unchanged
-NARROW_CASES = {
+# cases run only when named (full geometry): `SdpaConfig.narrow`'s few-token steps, and the serving
+# benchmark's histories and prompt chunks (bench/kv_fp8.py's, before `--e4m3`); (lo, hi): kv_end U[lo, hi]
+EXTRA_CASES = {
     "b2-l4096": (2, 1, [4096] * 2),
     "b4-mixed": (4, 1, None),
     "b16-mixed": (16, 1, None),
     "b1-verify16": (1, 16, [4096]),  # one 16-token draft block verified
+    "b64-serve": (64, 1, (64, 3072)),  # prompt U[64, 2048] + output U[64, 1024]
+    "prefill-2x512": (2, 512, [2048, 1536]),  # two 512-token prompt chunks, as a serving step's
 }
 SMALL_CASES = {
     "b1-l200": (1, 1, [200]),
@@ -85,8 +87,11 @@ class Case:
 
     def __init__(self, name: str, batch: int, q_len: int, lengths, geo: Geometry, l2_bytes: int, gen) -> None:
         self.name, self.batch, self.q_len, self.geo = name, batch, q_len, geo
-        lo, hi = geo.mixed
-        self.lengths = lengths or torch.randint(lo, hi + 1, (batch,), generator=gen).tolist()
+        lo, hi = lengths if isinstance(lengths, tuple) else geo.mixed
+        if isinstance(lengths, list):
+            self.lengths = lengths
+        else:
+            self.lengths = torch.randint(lo, hi + 1, (batch,), generator=gen).tolist()
         self.bytes = geo.kv_bytes(sum(self.lengths))  # K and V of the valid prefixes
         # causal (query, key) pairs: query i of a segment attends kv_end - q_len + i + 1 keys
         pairs = sum(q_len * (n - q_len) + q_len * (q_len + 1) // 2 for n in self.lengths)
@@ -99,7 +104,7 @@ class Case:
         self.cols = [[perm[(j * batch + b) % seqs] for b in range(batch)] for j in range(self.rot)]
         self.tables = [self._table(cols) for cols in self.cols]
         self.q = torch.randn(batch * q_len, geo.hq, geo.d, generator=gen).to(geo.device, geo.dtype)
-        self._reference: torch.Tensor | None = None
+        self._reference: dict[torch.dtype, torch.Tensor] = {}
 
     def _table(self, cols: list[int]) -> torch.Tensor:
         info = torch.zeros(self.geo.segments, 4, dtype=torch.int32)
@@ -107,20 +112,21 @@ class Case:
             info[b] = torch.tensor([b * self.q_len, self.q_len, col, kv_end])
         return info.to(self.geo.device)
 
-    def reference(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The torch reference on rotation 0, fp32 [T, Hq, D] (computed once)."""
-        if self._reference is None:
-            self._reference = sdpa_varlen_reference(self.q, k, v, self.tables[0]).float()
-        return self._reference
+    def reference(self, k: torch.Tensor, v: torch.Tensor, **scales) -> torch.Tensor:
+        """The torch reference on rotation 0, fp32 [T, Hq, D] (computed once per store dtype; an e4m3
+        store passes its `k_scale` and `v_scale`)."""
+        if k.dtype not in self._reference:
+            self._reference[k.dtype] = sdpa_varlen_reference(self.q, k, v, self.tables[0], **scales).float()
+        return self._reference[k.dtype]
 
-    def error(self, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> float:
+    def error(self, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **scales) -> float:
         """Max abs difference of `out` (rotation 0, [T, Hq, D]) from the reference."""
-        return float((out.float() - self.reference(k, v)).abs().max())
+        return float((out.float() - self.reference(k, v, **scales)).abs().max())
 
 
 def build_cases(names: list[str], small: bool, l2_bytes: int) -> tuple[Geometry, dict[str, Case]]:
     """The geometry and the named cases (seed 0), in the order given."""
-    geo, table = (SMALL, SMALL_CASES) if small else (FULL, CASES | NARROW_CASES)
+    geo, table = (SMALL, SMALL_CASES) if small else (FULL, CASES | EXTRA_CASES)
     gen = torch.Generator().manual_seed(0)
     return geo, {n: Case(n, *table[n], geo, l2_bytes, gen) for n in names}
 
@@ -138,10 +144,11 @@ def e4m3_store(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 TOLERANCE = 3e-2  # max abs error against the reference (bf16 outputs of unit-variance values)
 
 
-def batchkv_calls(case: Case, k, v, config: SdpaConfig | None) -> list:
-    """sdpa_varlen on rotation j of `case` for each of its calls, into one output buffer."""
+def batchkv_calls(case: Case, k, v, config: SdpaConfig | None, **scales) -> list:
+    """sdpa_varlen on rotation j of `case` for each of its calls, into one output buffer (an e4m3
+    store passes its `k_scale` and `v_scale`)."""
     out = torch.empty_like(case.q)
     return [
-        lambda j=j: sdpa_varlen(case.q, k, v, case.tables[j % case.rot], out=out, config=config)
+        lambda j=j: sdpa_varlen(case.q, k, v, case.tables[j % case.rot], out=out, config=config, **scales)
         for j in range(case.calls)
     ]

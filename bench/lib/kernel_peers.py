@@ -1,18 +1,10 @@
 """SDPA and torch-varlen peers of sdpa_varlen for bench/kernels.py, each tried every way it runs.
 
 A peer is a generator of `Candidate`s over data it gathers once (outside timing): the bench times
-every candidate, checks it against the reference, and keeps the fastest that matches.
-
-- sdpa_exact: SDPA per sequence over its exact prefix (a loop of B calls);
-- sdpa_padded_mask: one SDPA over the batch padded to its longest (a multiple of 64) with a
-  boolean length mask;
-both in two layouts, "gqa" (q [B, Hq, q_len, D], `enable_gqa=True`, mask [B, 1, q_len, W]) and
-"folded" (the GQA group on the query axis: q [B, Hkv, G*q_len, D], mask [B, 1, G*q_len, W]), each
-under every backend `sdpa_kernel` can pin (flash, efficient, cudnn, math); a backend that refuses
-the call is recorded as refused.
-- varlen: `torch.nn.attention.varlen.varlen_attn` (flash attention over packed K/V with
-  cumulative lengths) where the installed torch ships it; its keyword for causal masking differs
-  between torch versions and is found from the signature.
+every candidate, checks it against the reference, and keeps the fastest that matches. The SDPA
+peers run in two layouts ("gqa": `enable_gqa=True`; "folded": the GQA group on the query axis)
+under every backend `sdpa_kernel` can pin (one that refuses is recorded as refused); `varlen` runs
+where the installed torch ships it, its causal keyword found from the signature.
 """
 
 from __future__ import annotations

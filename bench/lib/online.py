@@ -12,7 +12,6 @@ of one request. Greedy decoding, exactly `outputs[i]` tokens per request, no sto
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -26,30 +25,13 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
     return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n)).tolist()
 
 
-def latency_summary(first: Sequence[float], gaps: Sequence[float]) -> dict[str, float | None]:
-    """p50/p99 of times to first token and inter-token gaps (seconds in, milliseconds out)."""
-
-    def pct(values: Sequence[float], q: float) -> float | None:
-        return float(np.percentile(np.asarray(values) * 1e3, q)) if len(values) else None
-
-    return {
-        "ttft_p50_ms": pct(first, 50),
-        "ttft_p99_ms": pct(first, 99),
-        "itl_p50_ms": pct(gaps, 50),
-        "itl_p99_ms": pct(gaps, 99),
-    }
-
-
-def run_online(
-    engine, prompts: list[list[int]], outputs: list[int], arrivals: list[float], *, per_request: bool = False
-) -> dict:
+def run_online(engine, prompts: list[list[int]], outputs: list[int], arrivals: list[float]) -> dict:
     """Serve `prompts` (outputs[i] greedy tokens each) arriving at `arrivals` (s, ascending) on `engine`.
 
     Returns {"rate", "requests", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
     "itl_p99_ms", "wall_s", "tokens"}: rate is the arrivals' own (requests / last arrival), wall_s
     runs from the start to the last token, tokens/s is generated tokens over wall_s. The engine
     should be idle and warm (graphs captured) so that captures are not timed as latency.
-    per_request: also "ttft_ms_by_request", each prompt's time to first token (None: no token).
     """
     if not (len(prompts) == len(outputs) == len(arrivals)) or not prompts:
         raise ValueError("run_online needs one output length and one arrival time per prompt")
@@ -57,17 +39,15 @@ def run_online(
         raise ValueError("arrival times must be in ascending order")
     start = time.perf_counter()
     arrived: dict[int, float] = {}  # request id -> absolute arrival time
-    index: dict[int, int] = {}  # request id -> its prompt's index
     last: dict[int, float] = {}  # request id -> time of its latest token
     first, gaps = [], []
-    by_request: list[float | None] = [None] * len(prompts)
     tokens, nxt = 0, 0
     while nxt < len(prompts) or engine.has_work:
         now = time.perf_counter()
         while nxt < len(prompts) and start + arrivals[nxt] <= now:
             request = Request(prompts[nxt], SamplingParams(max_new_tokens=outputs[nxt]))
             rid = engine.submit(request)
-            arrived[rid], index[rid] = start + arrivals[nxt], nxt
+            arrived[rid] = start + arrivals[nxt]
             nxt += 1
         if not engine.has_work:
             time.sleep(max(0.0, start + arrivals[nxt] - time.perf_counter()))
@@ -83,15 +63,17 @@ def run_online(
                 gaps.append(now - last[rid])
             else:
                 first.append(now - arrived[rid])
-                by_request[index[rid]] = 1e3 * first[-1]
             last[rid] = now
     wall = max(last.values()) - start if last else 0.0
     return {
         "rate": len(arrivals) / arrivals[-1] if arrivals[-1] > 0 else float("inf"),
         "requests": len(prompts),
         "tokens_per_s": tokens / wall if wall else 0.0,
-        **latency_summary(first, gaps),
+        **{
+            f"{name}_p{q}_ms": float(np.percentile(np.asarray(values) * 1e3, q)) if len(values) else None
+            for name, values in (("ttft", first), ("itl", gaps))
+            for q in (50, 99)
+        },
         "wall_s": wall,
         "tokens": tokens,
-        **({"ttft_ms_by_request": by_request} if per_request else {}),
     }

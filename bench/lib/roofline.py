@@ -9,21 +9,19 @@ each segment, the K and V of its whole prefix (kv_end positions, every layer). I
 attended (query, key) pair per layer; norms, RoPE and softmax are left out (well under 0.1%).
 Bandwidth and peak are measured in the same run (bench/lib/ceilings.py).
 
-Bytes-only roofline (the earlier figure): weights once per step of `batch` decode tokens and each
-output token's KV prefix once, over a bandwidth; it ignores the prompts' compute.
-
 Workload limit (from the request list alone, not the engine's schedule): the FLOPs every request
 needs (its prompt and every generated token but the last through the body, every generated token
 through the LM head, each attended pair) at the matmul peak, and the bytes (each fed decode token
 reads its KV prefix once, with every request resident; the weights once per step over the steps the
 longest output needs) at the read bandwidth; tokens/s with the two times perfectly overlapped
-(their max) and not at all (their sum).
+(their max) and not at all (their sum). With FP8 projections (`fp8_weights`) the body's FLOPs run at
+the e4m3 GEMM rate (`body_tflops`, bench/lib/ceilings.py `matmul_peak(fp8=True)`) and its weights read one byte.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -88,41 +86,58 @@ def fair_seconds(steps: Sequence[Step], cost: ModelCost, read_gbps: float, matmu
     return sum(max(step_bytes(s, cost) / bandwidth, step_flops(s, cost) / peak) for s in steps)
 
 
-def bytes_only_tokens_per_s(
-    prompts: Sequence[Sequence[int]], outputs: Sequence[int], cost: ModelCost, gbps: float, batch: int
-) -> float:
-    """Output tokens/s reading weights once per `batch` output tokens and each output token's KV prefix once."""
-    tokens = sum(outputs)
-    kv = sum(cost.kv_bytes_per_pos * (len(p) * o + o * (o + 1) // 2) for p, o in zip(prompts, outputs, strict=True))
-    return tokens / ((tokens / batch * cost.weight_bytes + kv) / (gbps * 1e9))
-
-
 def workload_limit(
-    prompts: Sequence[Sequence[int]], outputs: Sequence[int], cost: ModelCost, read_gbps: float, matmul_tflops: float
+    prompts: Sequence[Sequence[int]],
+    outputs: Sequence[int],
+    cost: ModelCost,
+    read_gbps: float,
+    matmul_tflops: float,
+    body_tflops: float | None = None,
 ) -> dict:
-    """The workload's own limit (module docstring): {"overlap", "no_overlap"} tokens/s and the terms."""
-    flops = kv_bytes = 0
+    """The workload's own limit (module docstring): {"overlap", "no_overlap"} tokens/s and the terms;
+    the body's FLOPs at `body_tflops` (default `matmul_tflops`)."""
+    body_flops = flops = kv_bytes = 0
     for prompt, out in zip(prompts, outputs, strict=True):
         p, fed = len(prompt), out - 1  # the last generated token is never fed back
-        flops += 2 * cost.body_params * (p + fed) + 2 * cost.head_params * out
+        body_flops += 2 * cost.body_params * (p + fed)
+        flops += 2 * cost.head_params * out
         flops += cost.attn_flops_per_pair * (causal_pairs(p, p) + fed * p + fed * (fed + 1) // 2 + fed)
         kv_bytes += cost.kv_bytes_per_pos * (fed * (p + 1) + fed * (fed + 1) // 2)  # decode token i reads p + i + 1
     steps = max(outputs)  # the longest output's decode steps, one weight read each
-    flop_s = flops / (matmul_tflops * 1e12)
+    flop_s = body_flops / ((body_tflops or matmul_tflops) * 1e12) + flops / (matmul_tflops * 1e12)
+    flops += body_flops
     byte_s = (kv_bytes + steps * cost.weight_bytes) / (read_gbps * 1e9)
     tokens = sum(outputs)
     return {"overlap": tokens / max(flop_s, byte_s), "no_overlap": tokens / (flop_s + byte_s), "flops": flops,
-            "flop_s": flop_s, "kv_read_bytes": kv_bytes, "weight_steps": steps, "byte_s": byte_s,
-            "output_tokens": tokens}  # fmt: skip
+            "body_flops": body_flops, "flop_s": flop_s, "kv_read_bytes": kv_bytes, "weight_steps": steps,
+            "byte_s": byte_s, "output_tokens": tokens}  # fmt: skip
+
+
+def fp8_weights(cost: ModelCost) -> ModelCost:
+    """`cost` with the body's weights in e4m3 (one byte each) and the LM head in bf16."""
+    return replace(cost, weight_bytes=cost.body_params + 2 * cost.head_params)
+
+
+def shape_cost(config: dict, kv_bytes_per_pos: int) -> ModelCost:
+    """ModelCost of a Llama-like decoder from its transformers config keys, bf16 weights."""
+    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    hq, hkv = config["num_attention_heads"], config["num_key_value_heads"]
+    d = h // hq
+    body = layers * (h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * i)
+    head = config["vocab_size"] * h
+    return ModelCost(body, head, 2 * (body + head), kv_bytes_per_pos, 4 * d * hq * layers)
 
 
 def model_cost(model, q_heads: int) -> ModelCost:
-    """ModelCost of a batchkv model (parameters `embed_tokens` and `lm_head`, `cache_spec()`)."""
-    params = dict(model.named_parameters())
-    head = params["lm_head"]
-    matrices = {name: p for name, p in params.items() if p.dim() >= 2 and "norm" not in name}  # norms scale
-    body = sum(p.numel() for name, p in matrices.items() if name not in ("embed_tokens", "lm_head"))
-    weights = sum(p.numel() * p.element_size() for name, p in params.items() if name != "embed_tokens")
+    """ModelCost of a batchkv model (parameters `embed_tokens` and `lm_head`) or of an `HFModel` (its
+    transformers model's input and output embeddings; a tied head read once), from `cache_spec()`."""
+    hf = getattr(model, "hf", None)
+    params = dict((hf or model).named_parameters())  # a tied head appears once, as the embedding
+    embed = hf.get_input_embeddings().weight if hf else params["embed_tokens"]
+    head = hf.get_output_embeddings().weight if hf else params["lm_head"]
+    matrices = [p for n, p in params.items() if p.dim() >= 2 and "norm" not in n and p is not embed and p is not head]
+    body = sum(p.numel() for p in matrices)
+    weights = sum(p.numel() * p.element_size() for p in params.values() if p is not embed or p is head)
     spec = model.cache_spec()
     widths = spec["head_dim"] + spec.get("value_dim", spec["head_dim"])  # K and V (multi-head latent attention: apart)
     kv = spec["num_layers"] * spec["kv_heads"] * widths * spec["dtype"].itemsize

@@ -15,8 +15,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 
-def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of `fn`, warmed up twice on a side stream first (cuBLAS handles, allocations)."""
+def capture(fn: Callable[[], object], error_mode: str = "global") -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `fn`, warmed up twice on a side stream first (cuBLAS handles, allocations);
+    `error_mode` "thread_local" for NCCL collectives."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -24,7 +25,7 @@ def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=error_mode):
         fn()
     return graph
 
@@ -78,13 +79,10 @@ def time_calls(calls: Sequence[Callable[[], object]], replays: int = 100, budget
 
 
 class Deadline:
-    """Seconds left of a budget that started at construction; `part(limit)` caps one part's share."""
+    """Seconds left of a budget that started at construction."""
 
     def __init__(self, budget_s: float) -> None:
         self.end = time.perf_counter() + budget_s
 
     def left(self) -> float:
         return max(0.0, self.end - time.perf_counter())
-
-    def part(self, limit_s: float) -> float:
-        return min(limit_s, self.left())
