@@ -3,7 +3,9 @@ stop strings) and the loop takes merged deltas. A reader that fell behind gets o
 carrying several tokens, whose text is what the tokens' text would have been one at a time (stop
 strings included, even one split over tokens inside the merged chunk); with many streams the worker
 wakes at most `WAKES_PER_STEP` of them a step, beside first tokens and finishes; the Rust decode it
-uses is the tokenizer's own decode. No timings: assertions are about text, order and counts."""
+uses is the tokenizer's own decode, and its incremental form (the Rust stream) gives the same
+pieces; the inter-token latencies a step observes at once count as observed one by one. No timings:
+assertions are about text, order and counts."""
 
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ pytest.importorskip("msgspec")
 
 from batchkv.executor import Event, Request, SamplingParams
 from batchkv.serve import worker as worker_module
-from batchkv.serve.detok import IncrementalDetokenizer, StopStrings, fast_decoder
+from batchkv.serve.detok import IncrementalDetokenizer, StopStrings, StreamDetokenizer, detokenizers, fast_decoder
 from batchkv.serve.jobs import Job
-from batchkv.serve.metrics import ServerMetrics
+from batchkv.serve.metrics import ServerMetrics, observe_many
 from batchkv.serve.outputs import IDLE, PENDING, URGENT, Tracker
 from batchkv.serve.worker import EngineWorker
 
@@ -238,3 +240,63 @@ def test_the_rust_decode_the_server_uses_is_the_tokenizers_own_decode(tokenizer,
     slow = IncrementalDetokenizer(lambda x: tokenizer.decode(x, **options), ids[:2])
     fast = IncrementalDetokenizer(decode, ids[:2])
     assert [fast.add(t) for t in ids[2:]] + [fast.flush()] == [slow.add(t) for t in ids[2:]] + [slow.flush()]
+
+
+RANDOM_TEXTS = ["naïve 日本語のテキスト 🙂🚀✨ brûlée", "<|im_start|>END<|im_end|> über", "Hello", "Café", ""]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_rust_stream_detokenizer_gives_the_incremental_detokenizers_pieces(tokenizer, skip):
+    import random
+
+    pytest.importorskip("tokenizers.decoders", minversion=None).DecodeStream  # noqa: B018
+    options = {"skip_special_tokens": skip, "clean_up_tokenization_spaces": False}
+    decode = lambda ids: tokenizer.decode(ids, **options)  # noqa: E731
+    make = detokenizers(tokenizer, skip, decode)
+    rng = random.Random(0)
+    for case in range(60):  # random ids (broken characters, special tokens) and real text
+        prompt = tokenizer.encode(rng.choice(RANDOM_TEXTS), add_special_tokens=False)
+        if case % 2:
+            ids = tokenizer.encode(rng.choice(RANDOM_TEXTS[:2]), add_special_tokens=False)
+        else:
+            ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 40))]
+        slow, fast = IncrementalDetokenizer(decode, prompt), make(prompt)
+        assert isinstance(fast, StreamDetokenizer)
+        assert [fast.add(t) for t in ids] + [fast.flush()] == [slow.add(t) for t in ids] + [slow.flush()]
+
+
+def test_a_stream_detokenizer_whose_rust_stream_fails_goes_on_with_the_two_decode_window(tokenizer):
+    class Refuses:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def step(self, backend, token):
+            self.calls += 1
+            if self.calls > 8:  # after the prompt's context and a few tokens
+                raise RuntimeError("refused")
+            return inner.step(backend, token)
+
+    from tokenizers.decoders import DecodeStream
+
+    inner = DecodeStream(skip_special_tokens=True)
+    decode = fast_decoder(tokenizer, True)
+    ids = tokenizer.encode(RANDOM_TEXTS[0] * 3, add_special_tokens=False)
+    prompt = tokenizer.encode("Hello", add_special_tokens=False)
+    fast = StreamDetokenizer(tokenizer.backend_tokenizer, Refuses(), decode, prompt)
+    slow = IncrementalDetokenizer(decode, prompt)
+    assert "".join([fast.add(t) for t in ids] + [fast.flush()]) == "".join([slow.add(t) for t in ids] + [slow.flush()])
+    assert fast.stream is None
+
+
+def test_inter_token_gaps_observed_at_once_count_as_observed_one_by_one():
+    one, many = ServerMetrics(4), ServerMetrics(4)
+    gaps = [(2**-10, 3), (3 * 2**-10, 5), (0.015625, 1), (0.25, 4), (7.5, 2)]  # dyadic (exact sums); a bound; past all
+    for gap, count in gaps:
+        for _ in range(count):
+            one.itl.observe(gap)
+        observe_many(many.itl, gap, count)
+
+    def series(metrics):
+        return [line for line in metrics.exposition().decode().splitlines() if "inter_token" in line]
+
+    assert series(many) == series(one) and any("_count 15.0" in line for line in series(one))

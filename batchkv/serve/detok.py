@@ -17,7 +17,10 @@ where a stop string first completes (the longest of those completing there), the
 the deltas' boundaries.
 
 The server's windows are decoded by the Rust tokenizer directly where that is the same as the
-tokenizer's `decode` (`fast_decoder`): two calls of about a microsecond per token.
+tokenizer's `decode` (`fast_decoder`): two calls of about a microsecond per token. Where the
+tokenizers library has its own incremental decoder (`DecodeStream`, tokenizers 0.21 and later; the
+same windows, kept in Rust), `StreamDetokenizer` takes one call per token instead, and the Python
+around it is a list append (`detokenizer` picks it).
 """
 
 from __future__ import annotations
@@ -161,3 +164,77 @@ def fast_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[in
         return None
     decode = backend.decode
     return lambda ids: decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class StreamDetokenizer:
+    """`IncrementalDetokenizer`'s deltas from the Rust tokenizer's own incremental decoder
+    (`tokenizers.decoders.DecodeStream`: the same two-window algorithm, one call per token). The
+    ids since the last released text are kept here too, for `flush` (the stream never releases an
+    unfinished character) and for a step the stream refuses (then the two-decode window is used)."""
+
+    def __init__(
+        self, backend: Any, stream: Any, decode: Callable[[list[int]], str], prompt_ids: Sequence[int]
+    ) -> None:
+        self.backend, self.stream, self.decode = backend, stream, decode
+        context = list(prompt_ids[-CONTEXT:])
+        if context and decode(context).endswith(REPLACEMENT):
+            context = []
+        self.ids = context  # ids[prefix:read] decode to text already released, ids[read:] are held
+        self.prefix, self.read = 0, len(context)
+        for token in context:  # the stream's window starts after the context too (one id a call: any version)
+            stream.step(backend, token)
+
+    def add(self, token: int) -> str:
+        """Append one token; returns the text it completes (possibly empty)."""
+        ids = self.ids
+        ids.append(token)
+        if self.stream is None:
+            return self._window(final=False)
+        try:
+            text = self.stream.step(self.backend, token)
+        except Exception:  # a window the Rust stream refuses: the two decodes from here on
+            self.stream = None
+            return self._window(final=False)
+        if text is None:
+            return ""
+        if self.prefix > 64:  # keep the list short: only the window is ever decoded again
+            del ids[: self.read]
+            self.read = 0
+        self.prefix, self.read = self.read, len(ids)
+        return text
+
+    def flush(self) -> str:
+        """Text still held at the end of generation (an unfinished character decodes as U+FFFD)."""
+        return self._window(final=True)
+
+    def _window(self, *, final: bool) -> str:
+        if self.stream is not None and not final:
+            return ""
+        if self.read == len(self.ids):
+            return ""
+        before = self.decode(self.ids[self.prefix : self.read])
+        text = self.decode(self.ids[self.prefix :])
+        if not final and (len(text) <= len(before) or text.endswith(REPLACEMENT)):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before) :]
+
+
+def detokenizers(
+    tokenizer: Any, skip_special_tokens: bool, decode: Callable[[list[int]], str]
+) -> Callable[[Sequence[int]], IncrementalDetokenizer | StreamDetokenizer]:
+    """prompt ids -> a detokenizer whose text is `decode`'s (`tokenizer.decode` with the job's
+    options): `StreamDetokenizer` where the Rust decode is the same as `decode` (`fast_decoder`)
+    and tokenizers has `DecodeStream`, `IncrementalDetokenizer` over the Rust decode where only
+    that holds, else `IncrementalDetokenizer` over `decode`."""
+    fast = fast_decoder(tokenizer, skip_special_tokens)
+    if fast is None:
+        return lambda prompt: IncrementalDetokenizer(decode, prompt)
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:  # tokenizers before 0.21
+        return lambda prompt: IncrementalDetokenizer(fast, prompt)
+    backend = tokenizer.backend_tokenizer
+    return lambda prompt: StreamDetokenizer(
+        backend, DecodeStream(skip_special_tokens=skip_special_tokens), fast, prompt
+    )

@@ -95,3 +95,19 @@ class ServerMetrics:
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""
         return generate_latest(self.registry)
+
+
+def observe_many(histogram: Histogram, value: float, count: int) -> None:
+    """`histogram.observe(value)` `count` times, in one update: the bucket `observe` would count
+    `value` in gains `count`, the sum `value * count` (prometheus_client's own fields, which
+    `observe` writes; a histogram without them is observed `count` times)."""
+    bounds, buckets, total = (getattr(histogram, name, None) for name in ("_upper_bounds", "_buckets", "_sum"))
+    if bounds is None or buckets is None or total is None:
+        for _ in range(count):
+            histogram.observe(value)
+        return
+    total.inc(value * count)
+    for i, bound in enumerate(bounds):
+        if value <= bound:
+            buckets[i].inc(count)
+            break

@@ -29,7 +29,7 @@ from typing import Any
 from batchkv.executor import Event
 from batchkv.executor.request import Logprobs
 from batchkv.serve import tools
-from batchkv.serve.detok import IncrementalDetokenizer, StopMatcher, fast_decoder
+from batchkv.serve.detok import IncrementalDetokenizer, StopMatcher, StreamDetokenizer, detokenizers
 from batchkv.serve.jobs import Job
 from batchkv.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from batchkv.serve.stream import Stream
@@ -51,20 +51,13 @@ class Delta:
     finish: str | None
     logprobs: list[Logprobs] = field(default_factory=list)  # of token_ids, when the job asks
 
-    def absorb(self, later: Delta) -> None:
-        """Append a later delta of the same choice (in place: a delta is never shared)."""
-        self.text += later.text
-        self.token_ids += later.token_ids
-        self.logprobs += later.logprobs
-        self.finish = later.finish
-
 
 @dataclass(eq=False)
 class Choice:
     """One sample of one prompt: its text so far (released pieces), token ids and finish reason."""
 
     index: int
-    detok: IncrementalDetokenizer | None
+    detok: IncrementalDetokenizer | StreamDetokenizer | None
     stops: StopMatcher
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -72,30 +65,45 @@ class Choice:
     engine_done: bool = False
     logprobs: list[Logprobs] = field(default_factory=list)
 
-    def add(self, event: Event) -> Delta | None:
-        """Apply one event; None when it changes nothing visible (tokens after a stop string)."""
-        if event.finish_reason is not None:
+    def add(self, event: Event, pending: dict[int, Delta]) -> bool:
+        """Apply one event, merged into this choice's delta in `pending` (made if absent); False
+        when it changes nothing visible (tokens after a stop string)."""
+        reason, token = event.finish_reason, event.token
+        if reason is not None:
             self.engine_done = True
         if self.finish is not None:
-            return None
-        new, text, lps = [], "", []
-        if event.token is not None:
-            new = [event.token]
-            self.token_ids.append(event.token)
+            return False
+        text, stops = "", self.stops
+        if token is not None:
+            self.token_ids.append(token)
             if event.logprobs is not None:
-                lps = [event.logprobs]
                 self.logprobs.append(event.logprobs)
-            if self.detok is not None and event.finish_reason != "stop":  # a stop id's text is not output (vLLM)
-                text = self.stops.feed(self.detok.add(event.token))
-        if self.stops.stopped:
+            if self.detok is not None and reason != "stop":  # a stop id's text is not output (vLLM)
+                text = self.detok.add(token)
+                if stops.active:
+                    text = stops.feed(text)
+        if stops.stopped:
             self.finish = "stop"
-        elif event.finish_reason is not None:
+        elif reason is not None:
             if self.detok is not None:
-                text += self.stops.feed(self.detok.flush())
-                text += self.stops.flush()
-            self.finish = "stop" if self.stops.stopped else FINISH[event.finish_reason]
-        self.text.append(text)
-        return Delta(self.index, text, new, self.finish, lps)
+                text += stops.feed(self.detok.flush())
+                text += stops.flush()
+            self.finish = "stop" if stops.stopped else FINISH[reason]
+        if text:
+            self.text.append(text)
+        delta = pending.get(self.index)
+        if delta is None:
+            pending[self.index] = Delta(self.index, text, [] if token is None else [token], self.finish,
+                                        [] if event.logprobs is None else [event.logprobs])  # fmt: skip
+            return True
+        if text:
+            delta.text += text
+        if token is not None:
+            delta.token_ids.append(token)
+            if event.logprobs is not None:
+                delta.logprobs.append(event.logprobs)
+        delta.finish = self.finish
+        return True
 
 
 class Tracker:
@@ -113,14 +121,14 @@ class Tracker:
     def __init__(self, job: Job, tokenizer: Any | None, on_finish: Callable[[str], None] | None = None) -> None:
         self.job = job
         self.on_finish = on_finish or (lambda reason: None)  # each choice's finish reason, as the client sees it
-        decode = None
+        make = None
         if tokenizer is not None:
             options = {"skip_special_tokens": job.skip_special_tokens, "clean_up_tokenization_spaces": False}
             if not job.spaces_between_special_tokens:  # passed only when asked: the default is the tokenizer's
                 options["spaces_between_special_tokens"] = False
-            decode = fast_decoder(tokenizer, job.skip_special_tokens) or (lambda ids: tokenizer.decode(ids, **options))
+            make = detokenizers(tokenizer, job.skip_special_tokens, lambda ids: tokenizer.decode(ids, **options))
         self.choices = [
-            Choice(p * job.n + s, IncrementalDetokenizer(decode, prompt) if decode else None, StopMatcher(job.stops))
+            Choice(p * job.n + s, make(prompt) if make else None, StopMatcher(job.stops))
             for p, prompt in enumerate(job.prompts)
             for s in range(job.n)
         ]
@@ -151,8 +159,8 @@ class Tracker:
         with self.lock:
             if self.closed:
                 return IDLE
-            self._pend(self._apply(items, cancel))
-            self.finished = self.done
+            self._apply(items, cancel)
+            self.finished = self.left == 0
             if self.woken or not (self.pending or self.finished):
                 return IDLE
             if self.finished or (self.job.stream and not self.started):
@@ -169,22 +177,15 @@ class Tracker:
             self.woken = True
             return True
 
-    def _apply(self, items: list[tuple[int, Event]], cancel: Callable[[int], None]) -> dict[int, Delta]:
-        n, out = self.job.n, {}
+    def _apply(self, items: list[tuple[int, Event]], cancel: Callable[[int], None]) -> None:
+        """The events' deltas merged into `pending` (under `lock`)."""
+        n, choices, pending = self.job.n, self.choices, self.pending
         for prompt, event in items:
-            delta = self.choices[prompt * n + event.sample].add(event)
-            if delta is None:
-                continue
-            held = out.get(delta.index)
-            if held is None:
-                out[delta.index] = delta
-            else:
-                held.absorb(delta)
-            if delta.finish is not None:
+            choice = choices[prompt * n + event.sample]
+            if choice.add(event, pending) and choice.finish is not None:
                 self.left -= 1
-                self.on_finish(delta.finish)
+                self.on_finish(choice.finish)
                 self._release(cancel, prompt)
-        return out
 
     def take(self) -> tuple[list[Delta], bool]:
         """The pending deltas (by choice) and whether every choice had finished with them (loop)."""
@@ -201,7 +202,7 @@ class Tracker:
                 self.cached.update(stream.cached)  # written by the engine thread before these events
                 if items:  # raw events: fed here, on the loop
                     with self.lock:
-                        self._pend(self._apply(items, stream.cancel))
+                        self._apply(items, stream.cancel)
                         self.finished = self.done
                 out, finished = self.take()
                 if out:
@@ -217,14 +218,6 @@ class Tracker:
                 stream.cancel()
             for _ in unfinished:  # the client left, or the stream failed: ended by the server
                 self.on_finish(FINISH["cancelled"])
-
-    def _pend(self, out: dict[int, Delta]) -> None:
-        for index, delta in out.items():
-            held = self.pending.get(index)
-            if held is None:
-                self.pending[index] = delta
-            else:
-                held.absorb(delta)
 
     def _release(self, cancel: Callable[[int], None], prompt: int) -> None:
         group = self.choices[prompt * self.job.n : (prompt + 1) * self.job.n]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from batchkv.executor import Event
-from batchkv.serve.metrics import ServerMetrics
+from batchkv.serve.metrics import ServerMetrics, observe_many
 
 PRUNE_AT = 1024  # deadline entries kept before finished requests' are dropped
 
@@ -65,46 +65,51 @@ class Route:
     finished: int = 0
     timed_out: bool = False  # cancelled for running past the request time limit
 
-    def note(self, event: Event, now: float, metrics: ServerMetrics) -> bool:
-        """Time a token of this request in `metrics` (TTFT or inter-token latency; `route_events`
-        counts the tokens); True when it is a sample's first token."""
-        if event.token is None:
-            return False
-        last = self.last.get(event.sample)
-        if last is None:
-            metrics.ttft.observe(now - self.arrival)
-        elif last != now:  # tokens accepted in one verify step arrive together: one gap, not zeros
-            metrics.itl.observe(now - last)
-        self.last[event.sample] = now
-        return last is None
-
 
 def route_events(
     routes: dict[int, Route], events: list[Event], metrics: ServerMetrics, now: float
 ) -> dict[Stream, list[tuple[int, Event]]]:
-    """One engine step's events by the stream they go to, counted in `metrics`; routes whose
-    samples all finished are removed. Streams that got a sample's first token come first (the
-    loop runs their readers first: those clients still wait out their time to first token). A
-    timed-out route's "cancelled" events become "timeout"."""
+    """One engine step's events by the stream they go to, counted and timed in `metrics` (time to
+    first token per sample; the inter-token gaps observed once per distinct gap, as a step's
+    tokens mostly share one); routes whose samples all finished are removed. Streams that got a
+    sample's first token come first (the loop runs their readers first: those clients still wait
+    out their time to first token). A timed-out route's "cancelled" events become "timeout"."""
     deliveries: dict[Stream, list] = {}
     firsts: dict[Stream, None] = {}  # streams with a sample's first token, in event order
+    gaps: dict[float, int] = {}  # inter-token gap -> tokens that had it
     tokens = 0
+    get = routes.get
     for event in events:
-        route = routes.get(event.request_id)
-        if route is not None and route.timed_out and event.finish_reason == "cancelled":
-            event = replace(event, finish_reason="timeout")
+        route = get(event.request_id)
         if route is None:
             continue
-        tokens += event.token is not None
-        if route.note(event, now, metrics):
-            firsts[route.stream] = None
+        if event.token is not None:
+            tokens += 1
+            last = route.last.get(event.sample)
+            if last is None:
+                metrics.ttft.observe(now - route.arrival)
+                firsts[route.stream] = None
+            elif last != now:  # tokens accepted in one verify step arrive together: one gap, not zeros
+                gap = now - last
+                gaps[gap] = gaps.get(gap, 0) + 1
+            route.last[event.sample] = now
         if event.finish_reason is not None:
+            if route.timed_out and event.finish_reason == "cancelled":
+                event = replace(event, finish_reason="timeout")
             route.finished += 1
             if route.finished == route.samples:
                 del routes[event.request_id]
-        deliveries.setdefault(route.stream, []).append((route.prompt_index, event))
+        items = deliveries.get(route.stream)
+        if items is None:
+            deliveries[route.stream] = [(route.prompt_index, event)]
+        else:
+            items.append((route.prompt_index, event))
     if tokens:
         metrics.generated.inc(tokens)
+    for gap, count in gaps.items():
+        observe_many(metrics.itl, gap, count)
+    if not firsts:
+        return deliveries
     return {stream: deliveries[stream] for stream in firsts} | deliveries
 
 

@@ -309,11 +309,12 @@ class EngineWorker:
                     route.stream.cached[route.prompt_index] = cached
                     self.metrics.cached.inc(cached)
         deliveries = self._feed(route_events(self._routes, events, self.metrics, time.perf_counter()))
-        if deliveries:
+        if deliveries and self._handoff:
             written = threading.Event()
             self._call(self._dispatch, deliveries, written)
-            if self._handoff:
-                written.wait(HANDOFF_S)  # GIL released: the loop writes while the device runs the next step
+            written.wait(HANDOFF_S)  # GIL released: the loop writes while the device runs the next step
+        elif deliveries:
+            self._call(self._dispatch, deliveries)
 
     def _feed(self, deliveries: dict[Stream, list]) -> dict[Stream, list | BaseException]:
         """Feed the step's events to the streams' trackers; what goes to the loop: raw events for

@@ -14,6 +14,9 @@ parsing does not share this process's GIL). Output tokens per second of each and
 the CPU time this process spent per token in each (getrusage: every thread, not the clients), whose
 difference is the server's own cost per token (steadier than rates on a shared machine).
 With `--profile`, py-spy samples the server process during the HTTP run (top functions by own time).
+`feed_us_per_token`: the engine thread's own share alone, the CPU time per token of routing a
+step's events and feeding the streams' trackers (`EngineWorker._feed`: detokenising, deltas,
+wakes) for the same streams, without an engine or a loop (steadier than rates on a shared machine).
 """
 
 from __future__ import annotations
@@ -182,6 +185,44 @@ def over_http(model, tokenizer, text_ids, streams: int, tokens: int, profile: Pa
             "incomplete": sum(r["incomplete"] for r in records)}  # fmt: skip
 
 
+def feed_cost(tokenizer, text_ids, streams: int, tokens: int) -> float:
+    """CPU microseconds per token the engine thread spends routing `streams` x `tokens` events
+    (one a stream a step, the last a finish) and feeding them to streamed completions' trackers."""
+    from types import SimpleNamespace
+
+    from batchkv.executor.request import events
+    from batchkv.serve import jobs, outputs
+    from batchkv.serve.metrics import ServerMetrics
+    from batchkv.serve.protocol import CompletionRequest
+    from batchkv.serve.stream import Route, Stream, route_events
+    from batchkv.serve.worker import EngineWorker
+
+    metrics = ServerMetrics(streams)
+    worker = EngineWorker(SimpleNamespace(overlap=False), metrics, max_waiting=streams)  # type: ignore[arg-type]
+    info = jobs.ModelInfo("recite", tokenizer, capacity=8 + tokens + 8, vocab_size=len(tokenizer))
+    trackers = []
+    for rid, prompt in enumerate(_prompts(text_ids, streams)):
+        body = CompletionRequest(prompt=prompt, max_tokens=tokens, stream=True, ignore_eos=True, return_token_ids=True)
+        tracker = outputs.Tracker(jobs.make_job(body, [prompt], info), tokenizer)
+        stream = Stream(worker)
+        stream.tracker = tracker
+        worker._routes[rid] = Route(stream, 0, 1, time.perf_counter())
+        trackers.append(tracker)
+    rids, samples, lps = list(range(streams)), [0] * streams, [None] * streams
+    spent = 0.0
+    for step in range(tokens):
+        ids = [text_ids[(13 * i + 8 + step) % len(text_ids)] for i in range(streams)]
+        reasons = [None if step < tokens - 1 else "length"] * streams
+        step_events = events(rids, ids, reasons, samples, lps)  # the engine's work: not timed
+        start = time.thread_time()
+        worker._feed(route_events(worker._routes, step_events, metrics, time.perf_counter()))
+        spent += time.thread_time() - start
+        for tracker in trackers:  # the readers' takes (the loop's share, not timed)
+            if tracker.woken:
+                tracker.take()
+    return 1e6 * spent / (streams * tokens)
+
+
 def top_functions(raw: Path, n: int = 25) -> list[tuple[str, float]]:
     """py-spy's raw (collapsed) stacks -> the `n` frames with the most own samples, as shares."""
     own: dict[str, int] = {}
@@ -208,13 +249,15 @@ def run(configs: list[tuple[int, int, float]], profile_dir: Path | None, gguf: P
         http = over_http(model, tokenizer, text_ids, streams, tokens, raw)
         cell = {"streams": streams, "tokens_each": tokens, "model_ms": model_ms, "in_process": alone, "http": http,
                 "http_over_in_process": http["tokens_per_s"] / alone["tokens_per_s"],
-                "server_cpu_us_per_token": http["cpu_us_per_token"] - alone["cpu_us_per_token"]}  # fmt: skip
+                "server_cpu_us_per_token": http["cpu_us_per_token"] - alone["cpu_us_per_token"],
+                "feed_us_per_token": feed_cost(tokenizer, text_ids, streams, tokens)}  # fmt: skip
         if raw is not None and raw.exists():
             cell["profile_top_own"] = top_functions(raw)
         cells.append(cell)
         print(f"{streams:4d} streams x {tokens} tokens, model {model_ms:g} ms: in process "
               f"{alone['tokens_per_s']:.0f} tok/s, HTTP {http['tokens_per_s']:.0f} tok/s "
               f"({cell['http_over_in_process']:.2f}x); CPU per token {alone['cpu_us_per_token']:.1f} us alone, "
-              f"{http['cpu_us_per_token']:.1f} us served, {http['tokens_per_chunk']:.2f} tokens a chunk",
+              f"{http['cpu_us_per_token']:.1f} us served ({cell['feed_us_per_token']:.1f} of it feeding the trackers), "
+              f"{http['tokens_per_chunk']:.2f} tokens a chunk",
               flush=True)  # fmt: skip
     return cells
