@@ -86,8 +86,8 @@ def test_transformers_fp8_block_checkpoint_loads_and_decodes_as_quantise_at_load
     path, tensors = _transformers_fp8_checkpoint(tmp_path, float_model)
     assert tensors["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (1, 2)  # [128/128, 256/128]
     loaded = HFModel.from_pretrained(path, dtype=torch.float32)
-    layer = loaded.hf.model.layers[1].mlp.gate_proj
-    assert isinstance(layer, Fp8Linear) and not isinstance(loaded.hf.lm_head, Fp8Linear)
+    layer = loaded.hf.model.layers[1].mlp.gate_proj  # the gate rows of the fused gate|up (batchkv.models.hf_fuse)
+    assert isinstance(layer.fused.layer, Fp8Linear) and not isinstance(loaded.hf.lm_head, Fp8Linear)
     # The same weights (the checkpoint's, dequantised block by block), quantised at load:
     same = _float_model()
     with torch.no_grad():
