@@ -155,3 +155,50 @@ def test_from_pretrained_fuses_unless_told_not_to(tmp_path):
     assert isinstance(fused.hf.model.layers[0].self_attn.fused_qkv, FusedProjection)
     assert isinstance(plain.hf.model.layers[0].self_attn.q_proj, nn.Linear)
     assert torch.equal(step_logits(fused.hf), step_logits(plain.hf))
+
+
+def test_a_fused_model_runs_on_meta_tensors_with_static_shapes():
+    from tests.test_models_graph_safety import RecordingCache, _inputs, _tiny_qwen3
+
+    hf = _tiny_qwen3().to("meta")
+    assert fuse_projections(hf) == {"fused_qkv": 2, "fused_gate_up": 2}
+    cache = RecordingCache()
+    ids, idx, rows = _inputs(12, 3, 256, "meta")
+    out = HFModel(hf)(ids, idx, cache, rows)
+    assert (out.shape, out.device.type) == ((3, 256), "meta")
+    assert [c[:4] for c in cache.calls] == [(layer, (12, 4, 16), (12, 2, 16), (12, 2, 16)) for layer in range(2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_a_fused_model_captures_in_a_cuda_graph_and_replays_what_the_unfused_model_computes(quantization):
+    from tests.test_models_graph_safety import _capture_and_replay, _tiny_qwen3
+
+    plain = _tiny_qwen3().to("cuda", torch.bfloat16)
+    if quantization:
+        quantize_decoder(plain)
+    fused = copy.deepcopy(plain)
+    fuse_projections(fused)
+    replayed, eager = _capture_and_replay(HFModel(fused), width=16, rows=4)
+    torch.testing.assert_close(replayed, eager)
+    _, unfused = _capture_and_replay(HFModel(plain), width=16, rows=4)
+    torch.testing.assert_close(eager, unfused, rtol=2e-2, atol=2e-2)  # bf16 GEMMs of other widths: other tilings
+
+
+def test_model_step_fusion_ab_smoke_times_bf16_and_fp8_fused_and_unfused(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "fusion.json"
+    args = ["bench/model_step.py", "--fusion-ab", "--fusion-small", "--device", "cpu", "--iters", "1", "--rows", "1",
+            "4", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run([sys.executable, *args], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {row["rows"]: row for row in json.loads(out.read_text())["fusion_ab"]}
+    assert set(rows) == {1, 4}
+    for row in rows.values():
+        for key in ("bf16_unfused", "bf16_fused", "fp8_unfused", "fp8_fused"):
+            assert row[f"{key}_ms"] > 0 and row[f"{key}_timed"] == "wall"
