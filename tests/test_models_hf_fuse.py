@@ -22,9 +22,11 @@ from batchkv.models.quant import Fp8Linear  # noqa: E402
 from tests.model_loop import make_cache, run_step, text_idx  # noqa: E402
 from tests.test_model_coverage import ARCHS, NEW_TOKENS, PROMPTS, build, hf_greedy, served  # noqa: E402
 
-# (model_type, layers with q|k|v fused, layers with gate|up fused) of the 2-layer models of the matrix
-FUSED = {"llama": (2, 2), "qwen2": (2, 2), "qwen3": (2, 2), "mistral": (2, 2), "gemma2": (2, 2), "olmo2": (2, 2),
-         "gpt_oss": (2, 0), "phi": (2, 0), "deepseek_v3": (0, 1), "phi3": (0, 0), "gpt2": (0, 0)}  # fmt: skip
+# model_type: layers of the 2-layer models of the matrix with q|k|v fused, gate|up fused, and the gated
+# SiLU MLP run as one SiLU-mul (Gemma's GELU MLP keeps transformers' forward over its fused gate|up)
+FUSED = {"llama": (2, 2, 2), "qwen2": (2, 2, 2), "qwen3": (2, 2, 2), "mistral": (2, 2, 2), "gemma2": (2, 2, 0),
+         "olmo2": (2, 2, 2), "gpt_oss": (2, 0, 0), "phi": (2, 0, 0), "deepseek_v3": (0, 1, 1), "phi3": (0, 0, 0),
+         "gpt2": (0, 0, 0)}  # fmt: skip
 SERVED = ("llama", "qwen2", "gemma2", "gpt_oss", "deepseek_v3")  # biases, soft-capping and sinks, MLA's dense MLP
 PROMPT = [5, 17, 33, 101, 7, 7, 250, 3, 88, 41]
 
@@ -61,13 +63,13 @@ def test_fusion_applies_where_the_modules_allow_it_and_changes_no_logit(model_ty
     want = step_logits(hf)
     state = {k: v.clone() for k, v in hf.state_dict().items()}
     done = fuse_projections(hf)
-    assert (done["fused_qkv"], done["fused_gate_up"]) == FUSED[model_type]
+    assert (done["fused_qkv"], done["fused_gate_up"], done["silu_mul"]) == FUSED[model_type]
     assert torch.equal(step_logits(hf), want)  # float32 on the CPU: the fused GEMM's columns are the same sums
     calls = gemm_calls(hf)
     assert calls == {"fused_qkv": FUSED[model_type][0], "fused_gate_up": FUSED[model_type][1]}  # one GEMM a group
     after = hf.state_dict()  # the unfused names and values
     assert set(after) == set(state) and all(torch.equal(after[k], state[k]) for k in state)
-    assert fuse_projections(hf) == {"fused_qkv": 0, "fused_gate_up": 0}  # idempotent
+    assert fuse_projections(hf) == {"fused_qkv": 0, "fused_gate_up": 0, "silu_mul": 0}  # idempotent
 
 
 @pytest.mark.parametrize("model_type", SERVED)
@@ -122,11 +124,11 @@ def test_hooked_wrapped_or_mismatched_projections_stay_unfused():
     hooked = build(_arch("llama"))
     hooked.model.layers[0].self_attn.k_proj.register_forward_hook(lambda *_: None)
     hooked.model.layers[1].mlp.up_proj = nn.Sequential(hooked.model.layers[1].mlp.up_proj)  # an adapter's wrapper
-    assert fuse_projections(hooked) == {"fused_qkv": 1, "fused_gate_up": 1}
+    assert fuse_projections(hooked) == {"fused_qkv": 1, "fused_gate_up": 1, "silu_mul": 1}
     assert isinstance(hooked.model.layers[0].self_attn.q_proj, nn.Linear)
     mixed = build(_arch("llama"))
     quantize_decoder(mixed, keep=lambda i, name: name == "v_proj")  # q, k fp8 and v float: not one layer
-    assert fuse_projections(mixed) == {"fused_qkv": 0, "fused_gate_up": 2}
+    assert fuse_projections(mixed) == {"fused_qkv": 0, "fused_gate_up": 2, "silu_mul": 2}
 
 
 def test_quantising_a_fused_group_in_part_is_refused():
@@ -161,7 +163,7 @@ def test_a_fused_model_runs_on_meta_tensors_with_static_shapes():
     from tests.test_models_graph_safety import RecordingCache, _inputs, _tiny_qwen3
 
     hf = _tiny_qwen3().to("meta")
-    assert fuse_projections(hf) == {"fused_qkv": 2, "fused_gate_up": 2}
+    assert fuse_projections(hf) == {"fused_qkv": 2, "fused_gate_up": 2, "silu_mul": 2}
     cache = RecordingCache()
     ids, idx, rows = _inputs(12, 3, 256, "meta")
     out = HFModel(hf)(ids, idx, cache, rows)

@@ -16,7 +16,11 @@ projections by `ProjectionSlice`s of it:
   state decides what is recorded during capture; a replay runs the recorded kernels).
 
 The model's own forward runs unchanged (the batchkv attention interface included); it sees column
-views of the fused output, which every `view`/`transpose` of the head split accepts. The fused layer
+views of the fused output, which every `view`/`transpose` of the head split accepts. One module is
+replaced: an MLP whose forward is transformers' gated SiLU MLP (`down_proj(act_fn(gate_proj(x)) *
+up_proj(x))`, read from its source, `act_fn` a SiLU) becomes a `SiluGatedMLP` over the same modules,
+which runs one SiLU-mul over the fused [gate | up] output (and in FP8 on the GPU quantises for the
+down projection in the same kernels, `batchkv.models.quant.producers.silu_mul_linear`). The fused layer
 is an `nn.Linear` (the float model) or an `batchkv.models.quant.Fp8Linear` (per-output-channel scales,
 so concatenating the layers' codes and scales is exactly the quantisation of the concatenated
 weight); `quantize_decoder` on a fused model quantises the fused layers. Under tensor parallelism the
@@ -37,6 +41,9 @@ an adapter or hooked (LoRA layers keep their own arithmetic).
 """
 
 from __future__ import annotations
+
+import inspect
+import re
 
 import torch
 from torch import nn
@@ -137,6 +144,53 @@ class ProjectionSlice(nn.Module):
         return f"{names[self.index]} of the fused {' | '.join(names)}, out_features={self.out_features}"
 
 
+class SiluGatedMLP(nn.Module):
+    """A transformers gated MLP `down_proj(silu(gate_proj(x)) * up_proj(x))` whose gate|up is fused, run as
+    one GEMM, one SiLU-mul over its [gate | up] output (`batchkv.models.fused.silu_mul`: one launch on CUDA
+    where silu then mul were two) and the down projection; with an `Fp8Linear` down on a GPU that runs
+    it, the SiLU-mul also quantises its output for it (`batchkv.models.quant.producers.silu_mul_linear`),
+    in place of the layer's separate quantiser. It holds the MLP's own modules under their names (the
+    slices, `down_proj`, `act_fn`, `fused_gate_up`), so state dicts are the MLP's."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        for name, child in mlp.named_children():
+            setattr(self, name, child)
+        self.register_state_dict_post_hook(_state_dict_hook)
+        self.register_load_state_dict_pre_hook(_load_pre_hook)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from batchkv.models.fused import silu_mul
+        from batchkv.models.quant.producers import silu_mul_linear
+
+        lead = x.shape[:-1]
+        gate_up = self.fused_gate_up(x.reshape(-1, x.shape[-1]))  # [M, 2I], contiguous
+        if isinstance(self.down_proj, Fp8Linear):
+            y = silu_mul_linear(gate_up, self.down_proj)
+        else:  # nn.Linear, or a row-parallel one (its all-reduce included)
+            y = self.down_proj(silu_mul(gate_up))
+        return y.reshape(*lead, y.shape[-1])
+
+
+# The body of transformers' gated MLP forward (Llama, Mistral, Qwen2/3, OLMo2, ...), whitespace removed.
+_GATED_MLP_BODY = "down_proj=self.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))returndown_proj"
+
+
+def _silu_gated(mlp: nn.Module) -> bool:
+    """Whether `mlp`'s forward is transformers' gated MLP with a SiLU (read from its source) and nothing hooked."""
+    act = getattr(mlp, "act_fn", None)
+    silu = isinstance(act, nn.SiLU) or (type(act).__name__ == "SiLUActivation" and
+                                         type(act).__module__ == "transformers.activations")  # fmt: skip
+    if not silu or _hooked(mlp) or _hooked(act):
+        return False
+    try:
+        source = inspect.getsource(type(mlp).forward)
+    except (OSError, TypeError):
+        return False
+    head, _, body = source.partition("):")
+    return re.sub(r"\s+", "", head) == "defforward(self,x" and re.sub(r"\s+", "", body) == _GATED_MLP_BODY
+
+
 def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
 
@@ -191,11 +245,12 @@ def _fused_attrs(module: nn.Module) -> list[str]:
 
 def fuse_projections(hf_model: nn.Module) -> dict[str, int]:
     """Fuse each decoder layer's q/k/v and gate/up of a transformers causal LM where the modules allow
-    it (module docstring), in place; the float weights of the fused layers are freed. Returns how many
-    layers had each group fused, e.g. {"fused_qkv": 32, "fused_gate_up": 32} (0: that group nowhere).
-    Idempotent: fused groups are left alone."""
+    it (module docstring), in place; the float weights of the fused layers are freed. A fused gate|up
+    whose MLP is transformers' gated SiLU MLP runs as a `SiluGatedMLP`. Returns how many layers had
+    each done, e.g. {"fused_qkv": 32, "fused_gate_up": 32, "silu_mul": 32} (0: nowhere). Idempotent:
+    fused groups are left alone."""
     decoder = getattr(hf_model, hf_model.base_model_prefix, hf_model)
-    done = {attr: 0 for _, attr, _ in GROUPS}
+    done = {attr: 0 for _, attr, _ in GROUPS} | {"silu_mul": 0}
     for layer in getattr(decoder, "layers", ()):
         for part, attr, names in GROUPS:
             parent = getattr(layer, part, None)
@@ -213,6 +268,10 @@ def fuse_projections(hf_model: nn.Module) -> dict[str, int]:
                 parent.register_load_state_dict_pre_hook(_load_pre_hook)
             setattr(parent, attr, fused)
             done[attr] += 1
+        mlp = getattr(layer, "mlp", None)
+        if isinstance(getattr(mlp, "fused_gate_up", None), FusedProjection) and _silu_gated(mlp):
+            layer.mlp = SiluGatedMLP(mlp)
+            done["silu_mul"] += 1
     return done
 
 
