@@ -167,7 +167,7 @@ def fusion_llama(config: dict, device: torch.device, fused: bool, quantization: 
     projections in fp8 when `quantization`, q/k/v and gate/up fused when `fused`."""
     import transformers
 
-    from batchkv.models.hf import HFModel, fuse_projections, quantize_decoder
+    from batchkv.models.hf import HFModel, quantize_decoder
 
     cfg = transformers.LlamaConfig(**config, attn_implementation="sdpa")
     torch.manual_seed(0)
@@ -175,9 +175,7 @@ def fusion_llama(config: dict, device: torch.device, fused: bool, quantization: 
         hf = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16 if device.type == "cuda" else None)
     if quantization is not None:
         quantize_decoder(hf)
-    if fused:
-        fuse_projections(hf)
-    return HFModel(hf.eval())
+    return HFModel(hf.eval(), fuse=fused)
 
 
 def fusion_step_ms(model, rows: int, iters: int) -> tuple[float, str]:

@@ -36,8 +36,9 @@ def _arch(model_type: str):
 
 
 def step_logits(hf: nn.Module) -> torch.Tensor:
-    """float32 [len(PROMPT), vocab]: one packed prefill step of PROMPT through HFModel and a cache."""
-    model = HFModel(hf)
+    """float32 [len(PROMPT), vocab]: one packed prefill step of PROMPT through HFModel and a cache (the
+    model fused or not as it is: `fuse=False`)."""
+    model = HFModel(hf, fuse=False)
     cache = make_cache(model, max_seqs=1, max_write=len(PROMPT))
     return run_step(model, cache, [(cache.seq_new(), PROMPT, text_idx(0, len(PROMPT)))], len(PROMPT))
 
@@ -149,6 +150,20 @@ def test_an_unfused_state_dict_loads_into_a_fused_model():
     assert torch.equal(step_logits(target), step_logits(source))
 
 
+def test_hfmodel_fuses_by_default_after_its_refusals_and_not_with_fuse_false():
+    hf = build(_arch("llama"))
+    HFModel(hf, fuse=False)
+    assert isinstance(hf.model.layers[0].self_attn.q_proj, nn.Linear)
+    HFModel(hf)
+    assert isinstance(hf.model.layers[0].self_attn.fused_qkv, FusedProjection)
+    falcon = next(a for a in ARCHS if a.refusal is not None)
+    refused = build(falcon)
+    before = {name: type(m) for name, m in refused.named_modules()}
+    with pytest.raises(falcon.refusal[0]):
+        HFModel(refused)
+    assert {name: type(m) for name, m in refused.named_modules()} == before
+
+
 def test_from_pretrained_fuses_unless_told_not_to(tmp_path):
     hf = build(_arch("qwen3"))
     hf.save_pretrained(tmp_path)
@@ -183,7 +198,7 @@ def test_a_fused_model_captures_in_a_cuda_graph_and_replays_what_the_unfused_mod
     fuse_projections(fused)
     replayed, eager = _capture_and_replay(HFModel(fused), width=16, rows=4)
     torch.testing.assert_close(replayed, eager)
-    _, unfused = _capture_and_replay(HFModel(plain), width=16, rows=4)
+    _, unfused = _capture_and_replay(HFModel(plain, fuse=False), width=16, rows=4)
     torch.testing.assert_close(eager, unfused, rtol=2e-2, atol=2e-2)  # bf16 GEMMs of other widths: other tilings
 
 

@@ -195,7 +195,10 @@ class HFModel:
     """A transformers causal LM behind the batchkv model interface (see `batchkv.models`).
 
     The wrapped model stays usable on its own: the attention implementation is switched only
-    inside `__call__`. Parameters are not copied. `kv_dtype` (e.g. `torch.float8_e4m3fn`) goes
+    inside `__call__`. Parameters are not copied, but with `fuse` (the default) each decoder layer's
+    q/k/v and gate/up are fused in place where the modules allow it (`fuse_projections`: one GEMM a
+    group; transformers' own forward and the state dict's names stay as they were); `fuse=False`
+    leaves the modules untouched. `kv_dtype` (e.g. `torch.float8_e4m3fn`) goes
     into `cache_spec()`, so an engine or cache built from it stores K/V that way. `shard`: the
     tensor-parallel rank whose share `hf_model` holds (`batchkv.models.loading.load_hf_shard` builds one):
     its cache then holds that rank's KV heads, and the vocabulary is the config's.
@@ -248,20 +251,22 @@ class HFModel:
             hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or "auto").to(device)
             if quantization is not None:
                 quantize_decoder(hf)
-        if fuse:
-            fuse_projections(hf)
-        model = cls(hf, kv_dtype=kv_dtype)
+        model = cls(hf, kv_dtype=kv_dtype, fuse=fuse)
         model.directory = directory
         return model
 
-    def __init__(self, hf_model: torch.nn.Module, *, kv_dtype: torch.dtype | None = None, shard=None) -> None:
+    def __init__(
+        self, hf_model: torch.nn.Module, *, kv_dtype: torch.dtype | None = None, shard=None, fuse: bool = True
+    ) -> None:
         if not isinstance(hf_model, torch.nn.Module) or not hasattr(hf_model, "get_output_embeddings"):
             raise ConfigError(f"HFModel wraps a transformers causal LM (an nn.Module), not {type(hf_model).__name__}")
+        refuse_unsupported(hf_model.config)
+        refuse_unrouted_attention(hf_model)
         self.hf = hf_model.eval()
         self.kv_dtype = kv_dtype
         self.config = hf_model.config
-        refuse_unsupported(self.config)
-        refuse_unrouted_attention(hf_model)
+        if fuse:  # after the refusals: a refused model is left as it was
+            fuse_projections(hf_model)
         self._head = hf_model.get_output_embeddings()
         self.shard = shard  # a batchkv.models.parallel.Shard, or None: the whole model
         self.directory: Path | None = None  # set by from_pretrained

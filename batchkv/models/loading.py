@@ -141,7 +141,7 @@ def load_whole(source: str | os.PathLike, device: str | torch.device, *, dtype: 
     need_transformers(f"the transformers model {path}")
     from transformers import AutoModelForCausalLM
 
-    from batchkv.models.hf import HFModel, fuse_projections, quantize_decoder
+    from batchkv.models.hf import HFModel, quantize_decoder
     from batchkv.models.quant.checkpoints import load_quantized_hf
 
     if config.get("quantization_config") is not None:  # an FP8 checkpoint, as published
@@ -150,8 +150,7 @@ def load_whole(source: str | os.PathLike, device: str | torch.device, *, dtype: 
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or "auto").to(device)
         if quantization is not None:
             quantize_decoder(hf)
-    fuse_projections(hf)  # q/k/v and gate/up as one GEMM each (batchkv.models.hf_fuse)
-    return HFModel(hf)
+    return HFModel(hf)  # q/k/v and gate/up fused (batchkv.models.hf_fuse)
 
 
 def load(source: str | os.PathLike | SenseNovaConfig, shard: Shard, *, dtype: torch.dtype | None = None,
@@ -260,11 +259,11 @@ def load_hf_shard(
             param[part.shape[0] :].zero_()  # the last ranks' vocabulary padding
     if (path / "generation_config.json").is_file():
         hf.generation_config = GenerationConfig.from_pretrained(str(path))
-    from batchkv.models.hf import fuse_projections, quantize_decoder
-
     if quantization is not None:
+        from batchkv.models.hf import quantize_decoder
+
         quantize_decoder(hf)
-    fuse_projections(hf)  # this rank's q, k, v (and gate, up) slices, concatenated: [q_r | k_r | v_r]
+    # HFModel fuses this rank's q, k, v (and gate, up) slices: [q_r | k_r | v_r] (batchkv.models.hf_fuse)
     model = HFModel(hf.eval(), kv_dtype=kv_dtype, shard=shard)
     model.directory = path
     return model
