@@ -23,6 +23,12 @@ through the unscaled GEMM and `apply_scales`: fp8's TENSORWISE rule off), at few
 matmul instead of the e4m3 few-row kernel) and `bf16_cublas`, and up to 128 rows `fp8_triton` (the
 few-row kernel with every row in one tile).
     python bench/model_step.py --fp8-matmuls --rows 1 64 256 1024 --json out.json      # on the GPU
+
+`--fusion-ab` times the step of a transformers Llama of the Llama-3.1-8B shape (random weights, through
+`HFModel`, attention stood in for as above, logits of every row) with q/k/v and gate/up as the model
+has them (three and two GEMMs a layer) against fused (`batchkv.models.hf_fuse`: one each), in bf16 and
+in fp8, at each of `--rows`; `--fusion-small` is a tiny Llama (the CPU smoke run).
+    python bench/model_step.py --fusion-ab --rows 1 64 256 1024 --json out.json          # on the GPU
 """
 
 from __future__ import annotations
@@ -148,6 +154,68 @@ def fp8_matmuls(preset: str, device: torch.device, rows_list: list[int], iters: 
     return out
 
 
+# ---- fused against unfused q/k/v and gate/up projections of a transformers Llama (--fusion-ab) ----------------------
+FUSION_LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                   "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+                   "rope_theta": 500000.0}  # fmt: skip
+FUSION_TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512}  # fmt: skip
+
+
+def fusion_llama(config: dict, device: torch.device, fused: bool, quantization: str | None):
+    """An `HFModel` of a random-weight transformers Llama of `config` (bf16 on CUDA, fp32 on the CPU), its
+    projections in fp8 when `quantization`, q/k/v and gate/up fused when `fused`."""
+    import transformers
+
+    from batchkv.models.hf import HFModel, quantize_decoder
+
+    cfg = transformers.LlamaConfig(**config, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = transformers.LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16 if device.type == "cuda" else None)
+    if quantization is not None:
+        quantize_decoder(hf)
+    return HFModel(hf.eval(), fuse=fused)
+
+
+def fusion_step_ms(model, rows: int, iters: int) -> tuple[float, str]:
+    """`step_ms`, and how it was timed ("graph" on CUDA unless the step could not be captured; "wall" on the CPU)."""
+    dev = model.device
+    ids = torch.randint(0, model.vocab_size, (rows,), device=dev)
+    idx = torch.zeros(3, rows, dtype=torch.int64, device=dev)
+    idx[0] = torch.arange(rows, device=dev) + 100
+    sel = torch.arange(rows, device=dev)
+    cache = NullAttention()
+    us, how = time_calls([lambda: model(ids, idx, cache, sel)], replays=iters, budget_s=float("inf"))
+    return us / 1e3, how
+
+
+def fusion_ab(config: dict, device: torch.device, rows_list: list[int], iters: int) -> list[dict]:
+    """Step ms of the unfused and the fused model, bf16 and fp8, at each row count (module docstring);
+    one model at a time on the device, each row count timed unfused then fused."""
+    out = {rows: {"rows": rows} for rows in rows_list}
+    for quantization in (None, "fp8"):
+        fmt = quantization or "bf16"
+        for fused in (False, True):
+            model = fusion_llama(config, device, fused, quantization)
+            key = f"{fmt}_{'fused' if fused else 'unfused'}"
+            for rows in rows_list:
+                out[rows][f"{key}_ms"], out[rows][f"{key}_timed"] = fusion_step_ms(model, rows, iters)
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        for row in out.values():
+            row[f"{fmt}_saved_ms"] = row[f"{fmt}_unfused_ms"] - row[f"{fmt}_fused_ms"]
+            row[f"{fmt}_speedup"] = row[f"{fmt}_unfused_ms"] / row[f"{fmt}_fused_ms"]
+    for row in out.values():
+        print("  " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+              flush=True)  # fmt: skip
+    return list(out.values())
+
+
+# ---- end of --fusion-ab ---------------------------------------------------------------------------------------------
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="sensenova-u1-8b")
@@ -157,8 +225,22 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--quantization", choices=["fp8"], default=None, help="e4m3 projections (batchkv.models.quant)")
     parser.add_argument("--fp8-matmuls", action="store_true", help="the decoder's matmuls alone, bf16 against fp8")
+    parser.add_argument("--fusion-ab", action="store_true", help="a Llama-3.1-8B-shape HFModel step, q/k/v and "
+                        "gate/up fused against unfused, bf16 and fp8")  # fmt: skip
+    parser.add_argument("--fusion-small", action="store_true", help="--fusion-ab on a tiny Llama (CPU smoke run)")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.fusion_ab:
+        config = FUSION_TINY if args.fusion_small else FUSION_LLAMA_8B
+        print(f"Llama step on {device} ({'tiny' if args.fusion_small else '8B shape'}), unfused against fused (ms)")
+        with torch.inference_mode():
+            steps = fusion_ab(config, device, args.rows, args.iters)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": "transformers LlamaConfig, random weights", "config": config, "device": str(device),
+                           "command": "python bench/model_step.py " + " ".join(sys.argv[1:]),
+                           "fusion_ab": steps}, f, indent=1)  # fmt: skip
+        return
     if args.fp8_matmuls:
         print(f"{args.preset} decoder matmuls per step on {device}, bf16 against fp8 (ms)")
         with torch.inference_mode():

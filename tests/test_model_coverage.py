@@ -3,9 +3,11 @@
 Every architecture is a tiny random model (2 layers, GQA where the config has it, float32, peaky
 weights so greedy decoding has clear winners). "match": the Engine serving three prompts together
 gives, token for token, what transformers' own greedy `generate` gives each prompt alone (eager
-attention, 12 new tokens). A refusal: `HFModel(model)` raises exactly that error type, its message
-matching the pattern, before anything runs. The README's list of served and refused architectures
-is rendered from the same table (`readme_section`; `python -m tests.test_model_coverage` prints it).
+attention, 12 new tokens), with q/k/v and gate/up fused where `HFModel` fuses them by default
+(`batchkv.models.hf_fuse`; `tests/test_models_hf_fuse.py` has which). A refusal: `HFModel(model)`
+raises exactly that error type, its message matching the pattern, before anything runs. The
+README's list of served and refused architectures is rendered from the same table
+(`readme_section`; `python -m tests.test_model_coverage` prints it).
 """
 
 from __future__ import annotations

@@ -86,8 +86,8 @@ def test_transformers_fp8_block_checkpoint_loads_and_decodes_as_quantise_at_load
     path, tensors = _transformers_fp8_checkpoint(tmp_path, float_model)
     assert tensors["model.layers.0.mlp.down_proj.weight_scale_inv"].shape == (1, 2)  # [128/128, 256/128]
     loaded = HFModel.from_pretrained(path, dtype=torch.float32)
-    layer = loaded.hf.model.layers[1].mlp.gate_proj
-    assert isinstance(layer, Fp8Linear) and not isinstance(loaded.hf.lm_head, Fp8Linear)
+    layer = loaded.hf.model.layers[1].mlp.gate_proj  # the gate rows of the fused gate|up (batchkv.models.hf_fuse)
+    assert isinstance(layer.fused.layer, Fp8Linear) and not isinstance(loaded.hf.lm_head, Fp8Linear)
     # The same weights (the checkpoint's, dequantised block by block), quantised at load:
     same = _float_model()
     with torch.no_grad():
@@ -101,6 +101,17 @@ def test_transformers_fp8_block_checkpoint_loads_and_decodes_as_quantise_at_load
     assert torch.equal(layer.weight_scale, want.weight_scale)
     assert torch.equal(_logits(loaded), _logits(HFModel(same)))
     assert greedy_through_cache(loaded, [PROMPT], [6]) == greedy_through_cache(HFModel(same), [PROMPT], [6])
+
+
+def test_a_block_checkpoint_decodes_the_same_with_q_k_v_and_gate_up_fused_and_not(tmp_path):
+    # block scales are requantised per output channel at load, so a fused group's codes and scales are
+    # its projections' own, concatenated (batchkv.models.hf_fuse), and the emulated logits are the same
+    path, _ = _transformers_fp8_checkpoint(tmp_path, _float_model())
+    fused = HFModel.from_pretrained(path, dtype=torch.float32)
+    plain = HFModel.from_pretrained(path, dtype=torch.float32, fuse=False)
+    assert isinstance(fused.hf.model.layers[0].self_attn.fused_qkv.layer, Fp8Linear)
+    assert isinstance(plain.hf.model.layers[0].self_attn.q_proj, Fp8Linear)
+    assert torch.equal(_logits(fused), _logits(plain))
 
 
 def test_block_requantisation_stays_within_one_e4m3_step_of_the_block_weights(tmp_path):

@@ -163,6 +163,11 @@ def test_two_ranks_serve_a_tied_llama_with_biases_and_a_replicated_kv_head_as_tr
         part = engine.runner.model.hf  # rank 0's share: half the query heads, the one KV head, a tied head
         assert engine.cache.config.kv_heads == 1 and part.lm_head.weight is part.model.embed_tokens.weight
         assert part.model.layers[0].self_attn.o_proj.bias.shape == (96,)  # a row-parallel bias, held whole
+        fused, whole = part.model.layers[0].self_attn.fused_qkv.layer, hf.model.layers[0].self_attn
+        for tensor in ("weight", "bias"):  # q, k and v sliced for rank 0 (2 of 4 query heads of 24), then joined
+            rows = [getattr(getattr(whole, f"{name}_proj"), tensor) for name in "qkv"]
+            assert torch.equal(getattr(fused, tensor), torch.cat([rows[0][:48], rows[1], rows[2]]))
+        assert part.model.layers[0].mlp.fused_gate_up.layer.weight.shape == (192, 96)  # gate's 96 rows, up's 96
         assert outputs(engine, plan) == expected
         tokens = greedy(engine, prompts, 8)
         got = first_logits(engine, prompts[0])

@@ -147,12 +147,22 @@ def quantize_decoder(hf_model: torch.nn.Module, keep: Callable[[int, str], bool]
     """Replace the decoder layers' q/k/v/o and gate/up/down `nn.Linear`s of a transformers causal LM
     by `batchkv.models.quant.Fp8Linear`s (a row-parallel one keeps its all-reduce); the embedding
     and the LM head are left alone, and so is every projection for which `keep(layer index, name)`
-    is true (e.g. sensitive layers kept in the model dtype). Returns the number replaced (ConfigError
-    if none)."""
+    is true (e.g. sensitive layers kept in the model dtype). A fused q|k|v or gate|up
+    (`batchkv.models.hf_fuse`) is quantised as one layer (ConfigError if `keep` splits it).
+    Returns the number replaced (ConfigError if none)."""
+    from batchkv.models.hf_fuse import fused_groups
     from batchkv.models.quant import quantize_layers
 
     decoder = getattr(hf_model, hf_model.base_model_prefix)
-    done = 0
+    fused = []  # a fused q|k|v or gate|up (`fuse_projections`) is one layer: quantised whole or not at all
+    for i, _, _, group in fused_groups(hf_model):
+        kept = {keep is not None and keep(i, name) for name in group.names}
+        if kept == {True, False}:
+            raise ConfigError(f"layer {i}: {' | '.join(group.names)} are fused, so they are quantised together or "
+                              "not at all; keep all of them or none (or load with fuse=False)")  # fmt: skip
+        if kept == {False}:
+            fused.append(group)
+    done = sum(quantize_layers(group, ["layer"]) for group in fused)
     for i, layer in enumerate(decoder.layers):
         for part, names in PROJECTIONS:
             if getattr(layer, part, None) is not None:
@@ -161,6 +171,14 @@ def quantize_decoder(hf_model: torch.nn.Module, keep: Callable[[int, str], bool]
     if not done:
         raise ConfigError(f"{hf_model.config.model_type}: no q/k/v/o or gate/up/down projections to quantise")
     return done
+
+
+def fuse_projections(hf_model: torch.nn.Module) -> dict[str, int]:
+    """`batchkv.models.hf_fuse.fuse_projections`: each decoder layer's q/k/v and gate/up as one GEMM
+    each, in place, where the modules allow it. Returns the layers fused per group."""
+    from batchkv.models.hf_fuse import fuse_projections as fuse
+
+    return fuse(hf_model)
 
 
 def _tap_hook(taps, layer: int):
@@ -177,7 +195,10 @@ class HFModel:
     """A transformers causal LM behind the batchkv model interface (see `batchkv.models`).
 
     The wrapped model stays usable on its own: the attention implementation is switched only
-    inside `__call__`. Parameters are not copied. `kv_dtype` (e.g. `torch.float8_e4m3fn`) goes
+    inside `__call__`. Parameters are not copied, but with `fuse` (the default) each decoder layer's
+    q/k/v and gate/up are fused in place where the modules allow it (`fuse_projections`: one GEMM a
+    group; transformers' own forward and the state dict's names stay as they were); `fuse=False`
+    leaves the modules untouched. `kv_dtype` (e.g. `torch.float8_e4m3fn`) goes
     into `cache_spec()`, so an engine or cache built from it stores K/V that way. `shard`: the
     tensor-parallel rank whose share `hf_model` holds (`batchkv.models.loading.load_hf_shard` builds one):
     its cache then holds that rank's KV heads, and the vocabulary is the config's.
@@ -196,6 +217,7 @@ class HFModel:
         dtype: torch.dtype | None = None,
         kv_dtype: torch.dtype | None = None,
         quantization: str | None = None,
+        fuse: bool = True,
     ) -> HFModel:
         """Load a transformers model directory, or a GGUF file (converted once and cached by
         `batchkv.models.gguf.transformers_dir`), onto `device`. `dtype` None: the config's.
@@ -205,7 +227,8 @@ class HFModel:
         `batchkv.models.quant.Fp8Linear`s (per-channel scales computed at load); the embedding and
         the LM head keep `dtype`. A directory whose config.json carries a `quantization_config`
         (an FP8 checkpoint) loads as published (`batchkv.models.quant.checkpoints`), whatever
-        `quantization` says.
+        `quantization` says. `fuse` (default): each decoder layer's q/k/v and gate/up become one
+        GEMM each where the architecture allows it (`batchkv.models.hf_fuse.fuse_projections`).
 
         >>> model = HFModel.from_pretrained("SmolLM2-135M-Instruct.Q4_1.gguf")
         >>> model.eos_token_ids, model.max_positions   # ((2,), 8192)
@@ -228,18 +251,22 @@ class HFModel:
             hf = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype or "auto").to(device)
             if quantization is not None:
                 quantize_decoder(hf)
-        model = cls(hf, kv_dtype=kv_dtype)
+        model = cls(hf, kv_dtype=kv_dtype, fuse=fuse)
         model.directory = directory
         return model
 
-    def __init__(self, hf_model: torch.nn.Module, *, kv_dtype: torch.dtype | None = None, shard=None) -> None:
+    def __init__(
+        self, hf_model: torch.nn.Module, *, kv_dtype: torch.dtype | None = None, shard=None, fuse: bool = True
+    ) -> None:
         if not isinstance(hf_model, torch.nn.Module) or not hasattr(hf_model, "get_output_embeddings"):
             raise ConfigError(f"HFModel wraps a transformers causal LM (an nn.Module), not {type(hf_model).__name__}")
+        refuse_unsupported(hf_model.config)
+        refuse_unrouted_attention(hf_model)
         self.hf = hf_model.eval()
         self.kv_dtype = kv_dtype
         self.config = hf_model.config
-        refuse_unsupported(self.config)
-        refuse_unrouted_attention(hf_model)
+        if fuse:  # after the refusals: a refused model is left as it was
+            fuse_projections(hf_model)
         self._head = hf_model.get_output_embeddings()
         self.shard = shard  # a batchkv.models.parallel.Shard, or None: the whole model
         self.directory: Path | None = None  # set by from_pretrained

@@ -150,7 +150,7 @@ def load_whole(source: str | os.PathLike, device: str | torch.device, *, dtype: 
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or "auto").to(device)
         if quantization is not None:
             quantize_decoder(hf)
-    return HFModel(hf)
+    return HFModel(hf)  # q/k/v and gate/up fused (batchkv.models.hf_fuse)
 
 
 def load(source: str | os.PathLike | SenseNovaConfig, shard: Shard, *, dtype: torch.dtype | None = None,
@@ -263,6 +263,7 @@ def load_hf_shard(
         from batchkv.models.hf import quantize_decoder
 
         quantize_decoder(hf)
+    # HFModel fuses this rank's q, k, v (and gate, up) slices: [q_r | k_r | v_r] (batchkv.models.hf_fuse)
     model = HFModel(hf.eval(), kv_dtype=kv_dtype, shard=shard)
     model.directory = path
     return model
