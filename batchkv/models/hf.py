@@ -51,6 +51,7 @@ import torch
 
 from batchkv.cache.config import LayerSpec
 from batchkv.errors import ConfigError, ContractError, DependencyError
+from batchkv.models.hf_fuse import fuse_projections, fused_groups
 from batchkv.models.hf_refusals import refuse_unrouted_attention, refuse_unsupported
 
 TRANSFORMERS_RANGE = ">=5.17,<6"  # as pyproject's `hf` extra; tested with 5.17 through 5.24
@@ -150,7 +151,6 @@ def quantize_decoder(hf_model: torch.nn.Module, keep: Callable[[int, str], bool]
     is true (e.g. sensitive layers kept in the model dtype). A fused q|k|v or gate|up
     (`batchkv.models.hf_fuse`) is quantised as one layer (ConfigError if `keep` splits it).
     Returns the number replaced (ConfigError if none)."""
-    from batchkv.models.hf_fuse import fused_groups
     from batchkv.models.quant import quantize_layers
 
     decoder = getattr(hf_model, hf_model.base_model_prefix)
@@ -173,14 +173,6 @@ def quantize_decoder(hf_model: torch.nn.Module, keep: Callable[[int, str], bool]
     return done
 
 
-def fuse_projections(hf_model: torch.nn.Module) -> dict[str, int]:
-    """`batchkv.models.hf_fuse.fuse_projections`: each decoder layer's q/k/v and gate/up as one GEMM
-    each, in place, where the modules allow it. Returns the layers fused per group."""
-    from batchkv.models.hf_fuse import fuse_projections as fuse
-
-    return fuse(hf_model)
-
-
 def _tap_hook(taps, layer: int):
     """A forward hook recording a decoder layer's output ([1, W, H], or a tuple starting with it)."""
 
@@ -196,7 +188,7 @@ class HFModel:
 
     The wrapped model stays usable on its own: the attention implementation is switched only
     inside `__call__`. Parameters are not copied, but with `fuse` (the default) each decoder layer's
-    q/k/v and gate/up are fused in place where the modules allow it (`fuse_projections`: one GEMM a
+    q/k/v and gate/up are fused in place where the modules allow it (`hf_fuse.fuse_projections`: one GEMM a
     group; transformers' own forward and the state dict's names stay as they were); `fuse=False`
     leaves the modules untouched. `kv_dtype` (e.g. `torch.float8_e4m3fn`) goes
     into `cache_spec()`, so an engine or cache built from it stores K/V that way. `shard`: the
