@@ -4,7 +4,9 @@ Decode is weight-read bound, and at one to 64 rows every extra launch between th
 few microseconds even inside a CUDA graph; a 42-layer step would spend milliseconds in them. Three
 Triton kernels cover everything between the matmuls (attention aside):
 
-- `add_rms_norm(h, delta, weight, eps) -> (h + delta, RMSNorm(h + delta) * weight)`  [W, H]
+- `add_rms_norm(h, delta, weight, eps) -> (h + delta, RMSNorm(h + delta) * weight)`  [W, H]; the same
+  kernel without the add is `rms_norm(x, weight, eps)` over the last dim of any x, in each of
+  transformers' roundings (`batchkv.models.hf_norms` puts it in place of their RMSNorm modules)
 - `qk_norm_rope(qkv, q_norm, k_norm, cos, sin, q_heads, kv_heads) -> (q, k)`: the split QK-norm
   (one RMSNorm over each half of head_dim, its own [2, D/2] weight for q and for k) and the
   rotate-half RoPE with per-dim tables: one head per program at few rows, a block of heads at many.
@@ -45,6 +47,14 @@ def add_rms_norm_torch(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tenso
     return h, F.rms_norm(h, (h.shape[-1],), eps=eps) * weight
 
 
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, round_first: bool = True):
+    xf = x.to(torch.float32)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if round_first:  # transformers' Llama: the weight times the normed row in x's dtype
+        return weight * normed.to(x.dtype)
+    return (normed * (offset + weight.float() if offset else weight.float())).to(x.dtype)  # Gemma, Olmo2
+
+
 def qk_norm_rope_torch(qkv, q_norm, k_norm, cos, sin, partner, q_heads: int, kv_heads: int, eps: float):
     w, d = qkv.shape[0], q_norm.shape[-1] * 2
     qk = F.rms_norm(qkv[:, : (q_heads + kv_heads) * d].view(w, q_heads + kv_heads, 2, d // 2), (d // 2,), eps=eps)
@@ -61,19 +71,29 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, h_out, x_out, n, eps, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    def _rms_norm_kernel(h_ptr, d_ptr, w_ptr, h_out, x_out, rows, n, eps, HAS_DELTA: tl.constexpr,
+                         OFFSET: tl.constexpr, ROUND_FIRST: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                         GDC: tl.constexpr):  # fmt: skip
+        # ROWS rows of n per program. HAS_DELTA: h + delta first (stored to h_out, rounded to h's dtype).
+        # ROUND_FIRST (Llama): normed rounded to h's dtype, then * weight, rounded to x_out's dtype;
+        # else (Gemma, Olmo2): normed * (weight + OFFSET) in float32, rounded once.
         pdl_enter(GDC)
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+        cols = tl.arange(0, BLOCK)[None, :]
+        mask = (row < rows) & (cols < n)
         h = tl.load(h_ptr + row * n + cols, mask=mask, other=0.0)
-        h = (h.to(tl.float32) + tl.load(d_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
-        tl.store(h_out + row * n + cols, h, mask=mask)
+        if HAS_DELTA:
+            h = (h.to(tl.float32) + tl.load(d_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
+            tl.store(h_out + row * n + cols, h, mask=mask)
         hf = h.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / n + eps)
-        normed = (hf * rstd).to(h.dtype)
-        weight = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        tl.store(x_out + row * n + cols, (normed.to(tl.float32) * weight.to(tl.float32)).to(h.dtype), mask=mask)
+        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=1) / n + eps)
+        weight = tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
+        if OFFSET != 0.0:
+            weight = weight + OFFSET
+        normed = hf * rstd[:, None]
+        if ROUND_FIRST:
+            normed = normed.to(h.dtype).to(tl.float32)
+        tl.store(x_out + row * n + cols, (normed * weight).to(x_out.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rope_partner(offs, D: tl.constexpr):
@@ -182,19 +202,50 @@ def add_rms_norm(
         return add_rms_norm_torch(h, delta, weight, eps)
     w, n = h.shape
     h_out, x_out = torch.empty_like(h), torch.empty_like(h)
-    _add_rms_norm_kernel[(w,)](
-        h,
-        delta.contiguous(),
-        weight,
-        h_out,
-        x_out,
-        n,
-        eps,
-        BLOCK=triton.next_power_of_2(n),
-        num_warps=8,
-        **pdl_kwargs(h.device),
-    )
+    _rms_norm_kernel[(w,)](h, delta.contiguous(), weight, h_out, x_out, w, n, eps, HAS_DELTA=True, OFFSET=0.0,
+                           ROUND_FIRST=True, ROWS=1, BLOCK=triton.next_power_of_2(n), num_warps=8,
+                           **pdl_kwargs(h.device))  # fmt: skip
     return h_out, x_out
+
+
+RMS_NORM_MAX = 16384  # the widest row `rms_norm` runs in one program; wider ones take the torch path
+RMS_NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    offset: float = 0.0,
+    round_first: bool = True,
+    triton_kernel: bool | None = None,
+) -> torch.Tensor:
+    """RMSNorm of x [..., n] over its last dim, scaled by weight [n], in one launch on CUDA.
+
+    round_first (transformers' Llama and its copies): `weight * normed.to(x.dtype)`, whose dtype is
+    weight's and x's promoted; else (Gemma with offset 1, Olmo2 with 0): `(normed * (offset + weight))`
+    in float32, cast to x's dtype. normed = x / sqrt(mean(x^2) + eps) in float32. The torch path
+    (CPU, autograd, other dtypes, rows over RMS_NORM_MAX) is transformers' own op sequence.
+    """
+    n = x.shape[-1]
+    use = _use_triton(x, triton_kernel) and n <= RMS_NORM_MAX and {x.dtype, weight.dtype} <= set(RMS_NORM_DTYPES)
+    if not use or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return rms_norm_torch(x, weight, eps, offset, round_first)
+    out_dtype = torch.promote_types(weight.dtype, x.dtype) if round_first else x.dtype
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    x2 = x.reshape(-1, n)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    rows, block = x2.shape[0], triton.next_power_of_2(n)
+    if rows:
+        per = max(1, min(16, 1024 // block))  # several short rows per program (a Qwen3 head's q/k-norm)
+        _rms_norm_kernel[(triton.cdiv(rows, per),)](
+            x2, x2, weight.contiguous(), x2, out, rows, n, eps, HAS_DELTA=False, OFFSET=float(offset),
+            ROUND_FIRST=round_first, ROWS=per, BLOCK=block, num_warps=max(1, min(8, per * block // 256)),
+            **pdl_kwargs(x.device),
+        )  # fmt: skip
+    return out
 
 
 def qk_norm_rope(
