@@ -81,22 +81,26 @@ def run(label: str, fuse: bool, fp8: bool, rows: int, steps: int) -> dict:
     for i in range(rows):
         ids.append(engine.submit(Request([(i * 131 + j * 7) % 49000 + 10 for j in range(PROMPT)], params)))
     tokens: dict[int, list[int]] = collections.defaultdict(list)
+    started: set[int] = set()
 
-    def step() -> None:
-        for event in engine.step():
-            if event.token is not None and event.request_id in ids[:8]:
-                tokens[event.request_id].append(event.token)
+    def step() -> int:
+        events = engine.step()
+        for event in events:
+            if event.token is not None:
+                started.add(event.request_id)
+                if event.request_id in ids[:8]:
+                    tokens[event.request_id].append(event.token)
+        return len(events)
 
-    for _ in range(400):  # admission and prefill (bounded), then a few decode steps
+    for _ in range(400):  # admission and prefill (bounded): until every request has its first token
         step()
-        if engine.num_waiting == 0 and all(len(tokens[i]) >= 4 for i in ids[:8]):
+        if len(started) == rows:
             break
     for _ in range(steps):  # warm: every width this run takes captured
         step()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(steps):
-        step()
+    decoded = sum(step() for _ in range(steps))
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - start) / steps * 1e3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -112,6 +116,7 @@ def run(label: str, fuse: bool, fp8: bool, rows: int, steps: int) -> dict:
         "label": label,
         "norm_modules_swapped": norms,
         "running": engine.num_running,
+        "tokens_per_step": decoded / steps,
         "wall_ms_per_step": round(wall_ms, 3),
         "kernels_per_step": round(len(events) / steps, 1),
         "gpu_kernel_ms_per_step": round(sum(sum(v) for v in by_name.values()) / steps / 1e3, 3),
