@@ -22,9 +22,10 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
 
-from batchkv.models import fused, hf_norms  # noqa: E402
+from batchkv.models import fused, hf_norms, hf_rope  # noqa: E402
 from batchkv.models.hf import HFModel  # noqa: E402
 from batchkv.models.hf_norms import FusedRMSNorm, fuse_norms, norm_form  # noqa: E402
+from batchkv.models.hf_rope import fuse_rope  # noqa: E402
 
 GEOMETRY = {
     "vocab_size": 256,
@@ -254,7 +255,8 @@ class _CountedLaunch:
 
 def _kernels_of_layer_zero(hf: nn.Module, monkeypatch) -> int:
     mode = _Kernels()
-    monkeypatch.setattr(fused, "_rms_norm_kernel", _CountedLaunch(fused._rms_norm_kernel, mode))
+    for kernel in ("_rms_norm_kernel", "_rope_qk_kernel"):
+        monkeypatch.setattr(fused, kernel, _CountedLaunch(getattr(fused, kernel), mode))
     layer = hf.model.layers[0]
     layer.register_forward_pre_hook(lambda m, a: setattr(mode, "on", True))
     layer.register_forward_hook(lambda m, a, o: setattr(mode, "on", False))
@@ -264,10 +266,13 @@ def _kernels_of_layer_zero(hf: nn.Module, monkeypatch) -> int:
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_a_decoder_layer_launches_seven_fewer_kernels_per_norm(name, monkeypatch):
+def test_a_decoder_layer_launches_seven_fewer_kernels_per_norm_and_nine_fewer_for_llamas_rope(name, monkeypatch):
     hf = MODELS[name]().to(torch.bfloat16).eval()  # bf16, as served: both casts are kernels
     before = _kernels_of_layer_zero(copy.deepcopy(hf), monkeypatch)
     fuse_norms(hf)
+    rope = fuse_rope(hf)
+    assert rope == (GEOMETRY["num_hidden_layers"] if name == "llama" else 0)  # Qwen3's q/k norms: not Llama's forward
     monkeypatch.setattr(hf_norms, "rms_norm", functools.partial(fused.rms_norm, triton_kernel=True))
+    monkeypatch.setattr(hf_rope, "rope_qk", functools.partial(fused.rope_qk, triton_kernel=True))
     after = _kernels_of_layer_zero(hf, monkeypatch)
-    assert before - after == 7 * NORMS_PER_LAYER[name], (before, after)
+    assert before - after == 7 * NORMS_PER_LAYER[name] + 9 * (rope > 0), (before, after)

@@ -55,6 +55,15 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: fl
     return (normed * (offset + weight.float() if offset else weight.float())).to(x.dtype)  # Gemma, Olmo2
 
 
+def rope_qk_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # transformers' apply_rotary_pos_emb, op for op
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
+
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
 def qk_norm_rope_torch(qkv, q_norm, k_norm, cos, sin, partner, q_heads: int, kv_heads: int, eps: float):
     w, d = qkv.shape[0], q_norm.shape[-1] * 2
     qk = F.rms_norm(qkv[:, : (q_heads + kv_heads) * d].view(w, q_heads + kv_heads, 2, d // 2), (d // 2,), eps=eps)
@@ -182,6 +191,37 @@ if triton is not None:
         tl.store(k_at, out, mask=live & ~is_q)
 
     @triton.jit
+    def _rope_qk_kernel(
+        q_ptr, k_ptr, cos_ptr, sin_ptr, q_out, k_out, q_sh, q_sw, k_sh, k_sw, qo_sh, qo_sw, ko_sh, ko_sw, cos_sw,
+        Q_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, GDC: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (row, HB heads of q then k): x * cos + rotate_half(x) * sin, each product and
+        # the sum rounded to the output dtype as torch's three ops are (rotate_half's negation is exact).
+        pdl_enter(GDC)
+        row = tl.program_id(0).to(tl.int64)
+        heads = tl.program_id(1) * HB + tl.arange(0, HB)[:, None]  # [HB, 1]
+        offs = tl.arange(0, D)[None, :]
+        partner = (offs + D // 2) % D
+        sign = tl.where(offs < D // 2, -1.0, 1.0)
+        is_q = heads < Q_HEADS
+        live_q = is_q & (offs < D)
+        live_k = (~is_q) & (heads < HEADS) & (offs < D)
+        kh = heads - Q_HEADS
+        q_at = q_ptr + row * q_sw + heads * q_sh
+        k_at = k_ptr + row * k_sw + kh * k_sh
+        x = tl.where(is_q, tl.load(q_at + offs, mask=live_q, other=0.0), tl.load(k_at + offs, mask=live_k, other=0.0))
+        xp = tl.where(is_q, tl.load(q_at + partner, mask=live_q, other=0.0),
+                      tl.load(k_at + partner, mask=live_k, other=0.0))  # fmt: skip
+        dtype = q_out.dtype.element_ty
+        cos = tl.load(cos_ptr + row * cos_sw + offs).to(tl.float32)
+        sin = tl.load(sin_ptr + row * cos_sw + offs).to(tl.float32)
+        a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
+        b = (sign * xp.to(tl.float32) * sin).to(dtype).to(tl.float32)
+        out = (a + b).to(dtype)
+        tl.store(q_out + row * qo_sw + heads * qo_sh + offs, out, mask=live_q)
+        tl.store(k_out + row * ko_sw + kh * ko_sh + offs, out, mask=live_k)
+
+    @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, n, BLOCK: tl.constexpr, GDC: tl.constexpr):
         pdl_enter(GDC)
         row = tl.program_id(0).to(tl.int64)
@@ -246,6 +286,34 @@ def rms_norm(
             **pdl_kwargs(x.device),
         )  # fmt: skip
     return out
+
+
+def rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, triton_kernel: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' rotate-half RoPE (`apply_rotary_pos_emb`) of q [1, Hq, W, D] and k [1, Hkv, W, D]
+    (any strides with the last dim contiguous, e.g. a projection's [1, W, H, D] transposed) with cos,
+    sin [1, W, D]: one launch on CUDA for both, rounded as torch's ops are. The outputs are laid out
+    [1, W, H, D] in memory (as transformers' are), so the attention's [W, H, D] view needs no copy."""
+    shapes_ok = q.dim() == k.dim() == 4 and q.shape[0] == 1 and cos.shape == sin.shape == (1, q.shape[2], q.shape[3])
+    d = q.shape[-1]
+    use = _use_triton(q, triton_kernel) and shapes_ok and q.dtype == k.dtype == cos.dtype == sin.dtype
+    use = use and d >= 16 and d & (d - 1) == 0 and q.dtype in RMS_NORM_DTYPES  # a power-of-2 head
+    if use:
+        use = q.stride(-1) == k.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1 and cos.stride() == sin.stride()
+    if not use or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        return rope_qk_torch(q, k, cos, sin)
+    hq, w, hkv = q.shape[1], q.shape[2], k.shape[1]
+    q_out = torch.empty(1, w, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
+    k_out = torch.empty(1, w, hkv, d, dtype=k.dtype, device=k.device).transpose(1, 2)
+    if w:
+        hb = min(triton.next_power_of_2(hq + hkv), max(1, QK_BLOCK // d))
+        _rope_qk_kernel[(w, triton.cdiv(hq + hkv, hb))](
+            q, k, cos, sin, q_out, k_out, q.stride(1), q.stride(2), k.stride(1), k.stride(2), q_out.stride(1),
+            q_out.stride(2), k_out.stride(1), k_out.stride(2), cos.stride(1), Q_HEADS=hq, HEADS=hq + hkv, D=d,
+            HB=hb, num_warps=4, **pdl_kwargs(q.device),
+        )  # fmt: skip
+    return q_out, k_out
 
 
 def qk_norm_rope(

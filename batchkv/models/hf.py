@@ -53,6 +53,7 @@ from batchkv.cache.config import LayerSpec
 from batchkv.errors import ConfigError, ContractError, DependencyError
 from batchkv.models.hf_norms import fuse_norms
 from batchkv.models.hf_refusals import refuse_unrouted_attention, refuse_unsupported
+from batchkv.models.hf_rope import fuse_rope
 
 TRANSFORMERS_RANGE = ">=5.17,<6"  # as pyproject's `hf` extra; tested with 5.17 through 5.24
 _INSTALL = "pip install 'batchkv[hf]'"
@@ -242,6 +243,7 @@ class HFModel:
         refuse_unsupported(self.config)
         refuse_unrouted_attention(hf_model)
         fuse_norms(hf_model)  # RMSNorm modules as one kernel each on CUDA (batchkv.models.hf_norms)
+        fuse_rope(hf_model)  # Llama attention's RoPE as one kernel on CUDA (batchkv.models.hf_rope)
         self._head = hf_model.get_output_embeddings()
         self.shard = shard  # a batchkv.models.parallel.Shard, or None: the whole model
         self.directory: Path | None = None  # set by from_pretrained

@@ -74,24 +74,29 @@ def forward(self, x):
 _MOSHI = _GEMMA.replace("(1.0 + self.weight.float())", "self.weight.float()")
 
 
-def _canonical(source: str) -> str:
-    """A function's source with its docstring, annotations and comments dropped and its argument and
-    local names numbered by first appearance (`self`, globals and attributes kept)."""
+def _canonical(source: str, rename_args: bool = True) -> str:
+    """A function's source with its docstring, annotations, decorators and comments dropped and its
+    local names (and, with `rename_args`, its argument names but `self`) numbered by first appearance."""
     fn = ast.parse(textwrap.dedent(source)).body[0]
     if not isinstance(fn, ast.FunctionDef):
         return ""
     body = fn.body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]
-    args = fn.args
-    if args.vararg or args.kwarg or args.kwonlyargs or args.posonlyargs or args.defaults or len(args.args) < 1:
-        return ""
-    names = {a.arg: f"v{i}" for i, a in enumerate(args.args[1:])}
+    a = fn.args
+    params = [
+        *a.posonlyargs,
+        *a.args,
+        *([a.vararg] if a.vararg else []),
+        *a.kwonlyargs,
+        *([a.kwarg] if a.kwarg else []),
+    ]
+    names = {p.arg: f"v{i}" if rename_args else p.arg for i, p in enumerate(p for p in params if p.arg != "self")}
     for node in (n for stmt in body for n in ast.walk(stmt)):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id not in names:
             names[node.id] = f"v{len(names)}"
-    for a in args.args:
-        a.arg, a.annotation = names.get(a.arg, a.arg), None
+    for p in params:
+        p.arg, p.annotation = names.get(p.arg, p.arg), None
 
     class Rename(ast.NodeTransformer):
         def visit_Name(self, node: ast.Name) -> ast.Name:

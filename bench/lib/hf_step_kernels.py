@@ -1,5 +1,6 @@
 """Kernels launched and GPU time per decode step of a transformers model served through HFModel,
-with transformers' RMSNorm modules as they are against swapped for one kernel (`batchkv.models.hf_norms`).
+with transformers' RMSNorm modules and RoPE as they are against one kernel each (`batchkv.models.hf_norms`,
+`batchkv.models.hf_rope`).
 
 A random-weight Llama of SmolLM2-135M's shape (hidden 576, 30 layers, 9 / 3 heads of 64,
 intermediate 1536, vocabulary 49152, tied head; bf16) runs in an `Engine` with CUDA graphs: `--rows`
@@ -27,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout: batchkv
 from batchkv.executor import Engine, Request, SamplingParams
-from batchkv.models import fused, hf_norms
+from batchkv.models import fused, hf_norms, hf_rope
 from batchkv.models.hf import HFModel, quantize_decoder
 
 SMOLLM2 = {
@@ -47,7 +48,7 @@ PROMPT = 64
 
 
 def build(fuse: bool, fp8: bool) -> HFModel:
-    """The SmolLM2-shaped Llama (seed 0) on the GPU through HFModel, its norms swapped when `fuse`."""
+    """The SmolLM2-shaped Llama (seed 0) on the GPU through HFModel, its norms and RoPE fused when `fuse`."""
     import transformers
 
     torch.manual_seed(0)
@@ -59,11 +60,11 @@ def build(fuse: bool, fp8: bool) -> HFModel:
     hf = hf.cuda().eval()
     if fp8:
         quantize_decoder(hf)
-    hf_norms.FUSE = fuse
+    hf_norms.FUSE = hf_rope.FUSE = fuse
     try:
         return HFModel(hf)
     finally:
-        hf_norms.FUSE = True
+        hf_norms.FUSE = hf_rope.FUSE = True
 
 
 def kernel_events(prof) -> list:
@@ -75,6 +76,7 @@ def run(label: str, fuse: bool, fp8: bool, rows: int, steps: int) -> dict:
 
     model = build(fuse, fp8)
     norms = sum(isinstance(m, hf_norms.FusedRMSNorm) for m in model.hf.modules())
+    ropes = sum("forward" in m.__dict__ for m in model.hf.modules())
     engine = Engine(model, max_seqs=rows, capacity=PROMPT + 64 + 4 * steps + 64, use_graphs=True)
     params = SamplingParams(max_new_tokens=64 + 4 * steps, ignore_eos=True)
     ids = []
@@ -115,6 +117,7 @@ def run(label: str, fuse: bool, fp8: bool, rows: int, steps: int) -> dict:
     out = {
         "label": label,
         "norm_modules_swapped": norms,
+        "attention_modules_with_fused_rope": ropes,
         "running": engine.num_running,
         "tokens_per_step": decoded / steps,
         "wall_ms_per_step": round(wall_ms, 3),
@@ -131,17 +134,27 @@ def run(label: str, fuse: bool, fp8: bool, rows: int, steps: int) -> dict:
 
 
 def kernel_error() -> dict:
-    """max |kernel - transformers' op sequence| on the device at the served shapes (bf16)."""
+    """The norm and RoPE kernels against transformers' op sequences on the device at the served
+    shapes (bf16): max |difference| and how many elements differ."""
     g = torch.Generator(device="cuda").manual_seed(0)
     out = {}
+
+    def record(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        diff = (got.float() - want.float()).abs()
+        out[name] = {"max_abs": diff.max().item(), "differ": int((diff > 0).sum()), "of": diff.numel()}
+
     for name, shape in (("hidden_256x576", (1, 256, 576)), ("head_256x9x64", (1, 256, 9, 64))):
         x = torch.randn(shape, generator=g, device="cuda").to(torch.bfloat16) * 3
         w = (1 + 0.2 * torch.randn(shape[-1], generator=g, device="cuda")).to(torch.bfloat16)
         for form, (offset, first) in {"llama": (0.0, True), "gemma": (1.0, False)}.items():
             got = fused.rms_norm(x, w, 1e-5, offset=offset, round_first=first)
-            want = fused.rms_norm_torch(x, w, 1e-5, offset, first)
-            diff = (got.float() - want.float()).abs()
-            out[f"{name}_{form}"] = {"max_abs": diff.max().item(), "differ": int((diff > 0).sum()), "of": diff.numel()}
+            record(f"norm_{name}_{form}", got, fused.rms_norm_torch(x, w, 1e-5, offset, first))
+    q = torch.randn(1, 256, 9, 64, generator=g, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    k = torch.randn(1, 256, 3, 64, generator=g, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    angle = torch.rand(1, 256, 64, generator=g, device="cuda") * 6.3
+    cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
+    for part, got, want in zip("qk", fused.rope_qk(q, k, cos, sin), fused.rope_qk_torch(q, k, cos, sin), strict=True):
+        record(f"rope_{part}_256x64", got, want)
     return out
 
 
@@ -154,9 +167,9 @@ def main() -> None:
     args = parser.parse_args()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kernel_error": kernel_error()}
     print(json.dumps(result["kernel_error"]), flush=True)
-    runs = [("transformers_norms", False, False), ("fused_norms", True, False)]
+    runs = [("transformers_ops", False, False), ("fused_norms_rope", True, False)]
     if args.fp8:
-        runs.append(("fused_norms_fp8", True, True))
+        runs.append(("fused_norms_rope_fp8", True, True))
     result["runs"] = []
     for label, fuse, fp8 in runs:
         r = run(label, fuse, fp8, args.rows, args.steps)
