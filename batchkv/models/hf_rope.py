@@ -1,8 +1,9 @@
-"""transformers' Llama attention with its rotary embedding as one kernel (`batchkv.models.fused.rope_qk`).
+"""transformers' Llama-style attention with its rotary embedding as one kernel (`batchkv.models.fused.rope_qk`).
 
 `apply_rotary_pos_emb` runs ten eager ops per layer on the GPU (for q and for k: x * cos, the
 negation and the cat of `rotate_half`, * sin, the sum). `fuse_rope(hf_model)` (run by `HFModel` at
-construction while `FUSE` is on) gives each attention module whose class forward is Llama's, in
+construction while `FUSE` is on) gives each attention module whose class forward is Llama's, or
+Qwen2's or Mistral's (Llama's passing the sliding window on from the module or the config), in
 source (`hf_norms`' rule: transformers 5.17's or 5.24's text, local names aside, with the module's
 `apply_rotary_pos_emb` and `rotate_half` Llama's too), a forward of its own: the same steps, with the
 rotation of q and k one launch. Only the module's `forward` attribute is set: transformers' functions
@@ -26,7 +27,7 @@ from batchkv.models.hf_norms import _canonical
 FUSE = True  # HFModel adapts the attention modules at construction while this is on
 
 _FORWARD = """
-def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+def forward(self, hidden_states, {signature}, **kwargs):
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
@@ -34,25 +35,25 @@ def forward(self, hidden_states, position_embeddings=None, attention_mask=None, 
     value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
     query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
-    if cache is not None:
-        key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+    if {cache} is not None:
+        key_states, value_states = {cache}.update(key_states, value_states, self.layer_idx{update})
     attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
         self.config._attn_implementation, eager_attention_forward
     )
     attn_output, attn_weights = attention_interface(
         self, query_states, key_states, value_states, attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs,
+        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, {sliding}**kwargs,
     )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     attn_output = self.o_proj(attn_output)
     return attn_output, attn_weights
 """
-_UPDATE = "key_states, value_states = {}.update(key_states, value_states, self.layer_idx{})"
-_FORWARD_517 = (
-    _FORWARD.replace("cache=None", "past_key_values=None")
-    .replace("if cache is not None", "if past_key_values is not None")
-    .replace(_UPDATE.format("cache", ", kwargs=kwargs"), _UPDATE.format("past_key_values", ""))
-)
+# Llama's (no window), Qwen2's and Mistral's (the window passed on, from the module or the config), in
+# transformers 5.24's words (the cache argument `cache`) and 5.17's (`past_key_values`).
+_WINDOWS = {"": None, "sliding_window=self.sliding_window, ": "module",
+            'sliding_window=getattr(self.config, "sliding_window", None), ': "config"}  # fmt: skip
+_CACHES = {"cache": ", kwargs=kwargs", "past_key_values": ""}
+_SIGNATURES = ("position_embeddings=None, attention_mask=None", "position_embeddings, attention_mask")
 _APPLY = """
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     cos = cos.unsqueeze(unsqueeze_dim)
@@ -67,9 +68,15 @@ def rotate_half(x):
     x2 = x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)
 """
-_FORMS = {_canonical(_FORWARD, False): "cache", _canonical(_FORWARD_517, False): "past_key_values"}
+_FORMS = {
+    _canonical(_FORWARD.format(signature=f"{signature}, {cache}=None", cache=cache, update=update, sliding=sliding),
+               False): (cache, window)
+    for signature in _SIGNATURES
+    for cache, update in _CACHES.items()
+    for sliding, window in _WINDOWS.items()
+}  # fmt: skip
 _HELPERS = {"apply_rotary_pos_emb": _canonical(_APPLY), "rotate_half": _canonical(_ROTATE)}
-_by_class: dict[type, str | None] = {}
+_by_class: dict[type, tuple[str, str | None] | None] = {}
 
 
 def _source(fn: object, rename_args: bool = True) -> str:
@@ -79,8 +86,9 @@ def _source(fn: object, rename_args: bool = True) -> str:
         return ""
 
 
-def _cache_arg(cls: type) -> str | None:
-    """The name of the transformers-cache argument of `cls`'s forward if it is Llama's (module docstring), else None."""
+def _class_form(cls: type) -> tuple[str, str | None] | None:
+    """(the name of its transformers-cache argument, where its sliding window comes from: None, "module"
+    or "config") if `cls`'s forward is Llama's, Qwen2's or Mistral's (module docstring), else None."""
     if cls not in _by_class:
         forward = getattr(cls, "forward", None)
         scope = getattr(inspect.unwrap(forward), "__globals__", {}) if forward is not None else {}
@@ -92,15 +100,16 @@ def _cache_arg(cls: type) -> str | None:
     return _by_class[cls]
 
 
-def rope_form(module: nn.Module) -> str | None:
-    """The cache argument's name if `fuse_rope` would adapt `module`, else None."""
+def rope_form(module: nn.Module) -> tuple[str, str | None] | None:
+    """`module`'s (cache argument, window source) if `fuse_rope` would adapt it, else None."""
     if "forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks:
         return None
-    return _cache_arg(type(module))
+    return _class_form(type(module))
 
 
-def _adapted_forward(cache_arg: str, original, scope: dict):
+def _adapted_forward(form: tuple[str, str | None], original, scope: dict):
     interfaces, eager = scope["ALL_ATTENTION_FUNCTIONS"], scope["eager_attention_forward"]
+    cache_arg, window = form
 
     def forward(
         self: nn.Module, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs
@@ -118,6 +127,10 @@ def _adapted_forward(cache_arg: str, original, scope: dict):
         q, k = rope_qk(q, k, cos, sin)
         attend = interfaces.get_interface(self.config._attn_implementation, eager)
         dropout = 0.0 if not self.training else self.attention_dropout
+        if window == "module":
+            kwargs["sliding_window"] = self.sliding_window
+        elif window == "config":
+            kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
         out, weights = attend(self, q, k, v, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs)
         return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
@@ -131,10 +144,10 @@ def fuse_rope(model: nn.Module) -> int:
         return 0
     done = 0
     for module in model.modules():
-        cache_arg = rope_form(module)
-        if cache_arg is not None:
+        form = rope_form(module)
+        if form is not None:
             original = type(module).forward
-            forward = _adapted_forward(cache_arg, original, inspect.unwrap(original).__globals__)
+            forward = _adapted_forward(form, original, inspect.unwrap(original).__globals__)
             module.forward = types.MethodType(forward, module)
             done += 1
     return done
