@@ -266,13 +266,13 @@ def _kernels_of_layer_zero(hf: nn.Module, monkeypatch) -> int:
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_a_decoder_layer_launches_seven_fewer_kernels_per_norm_and_nine_fewer_for_llamas_rope(name, monkeypatch):
+def test_a_decoder_layer_launches_seven_fewer_kernels_per_norm_and_nine_fewer_for_the_rope(name, monkeypatch):
     hf = MODELS[name]().to(torch.bfloat16).eval()  # bf16, as served: both casts are kernels
     before = _kernels_of_layer_zero(copy.deepcopy(hf), monkeypatch)
     fuse_norms(hf)
     rope = fuse_rope(hf)
-    assert rope == (GEOMETRY["num_hidden_layers"] if name == "llama" else 0)  # Qwen3's q/k norms: not Llama's forward
+    assert rope == GEOMETRY["num_hidden_layers"]
     monkeypatch.setattr(hf_norms, "rms_norm", functools.partial(fused.rms_norm, triton_kernel=True))
     monkeypatch.setattr(hf_rope, "rope_qk", functools.partial(fused.rope_qk, triton_kernel=True))
     after = _kernels_of_layer_zero(hf, monkeypatch)
-    assert before - after == 7 * NORMS_PER_LAYER[name] + 9 * (rope > 0), (before, after)
+    assert before - after == 7 * NORMS_PER_LAYER[name] + 9, (before, after)

@@ -47,25 +47,29 @@ def test_the_rope_kernel_gives_transformers_apply_rotary_pos_emb(dtype, q_heads,
             torch.testing.assert_close(a, b, rtol=2**-7, atol=2**-7 * b.abs().max().item())
 
 
-def test_the_rule_adapts_llamas_qwen2s_and_mistrals_attention_and_not_qwen3s():
+def test_the_rule_adapts_llamas_qwen2s_mistrals_and_qwen3s_attention_and_not_olmo2s():
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**GEOMETRY))
     qwen2 = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**GEOMETRY))
     mistral = transformers.MistralForCausalLM(transformers.MistralConfig(**GEOMETRY))
     qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**GEOMETRY))
     cache = rope_form(llama.model.layers[0].self_attn)[0]
     assert cache in ("cache", "past_key_values")  # transformers 5.24's name, 5.17's
-    assert rope_form(llama.model.layers[0].self_attn) == (cache, None)
-    assert rope_form(qwen2.model.layers[0].self_attn) == (cache, "module")  # the window passed on
-    assert rope_form(mistral.model.layers[0].self_attn) == (cache, "config")
-    assert rope_form(qwen3.model.layers[0].self_attn) is None  # its q/k norms come between: not Llama's forward
+    olmo2 = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**GEOMETRY))
+    assert rope_form(llama.model.layers[0].self_attn) == (cache, None, False)
+    assert rope_form(qwen2.model.layers[0].self_attn) == (cache, "module", False)  # the window passed on
+    assert rope_form(mistral.model.layers[0].self_attn) == (cache, "config", False)
+    assert rope_form(qwen3.model.layers[0].self_attn) == (cache, "module", True)  # q/k normed per head first
+    assert rope_form(olmo2.model.layers[0].self_attn) is None  # q/k normed over all heads: another forward
     assert fuse_rope(llama) == GEOMETRY["num_hidden_layers"]
     assert fuse_rope(llama) == 0  # adapted modules have a forward of their own: left alone
 
 
-@pytest.mark.parametrize("name", ["qwen2", "mistral"])
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "qwen3"])
 def test_the_adapted_forward_gives_the_class_forwards_logits_with_a_sliding_window(name):
-    make = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {"use_sliding_window": True}),
-            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {})}[name]  # fmt: skip
+    window = {"use_sliding_window": True}
+    make = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, window),
+            "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {}),
+            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, window)}[name]  # fmt: skip
     config = make[0](**GEOMETRY, sliding_window=3, max_window_layers=0, attn_implementation="eager", **make[2])
     hf = _peaky(make[1](config), seed=5)
     ids = torch.tensor([[5, 17, 33, 101, 7, 250, 3, 88]])  # past the window of 3
@@ -76,11 +80,12 @@ def test_the_adapted_forward_gives_the_class_forwards_logits_with_a_sliding_wind
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("name", ["llama", "granite", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "granite", "qwen2", "qwen3"])
 def test_greedy_tokens_with_the_rope_and_norm_kernels_equal_transformers_generate(name, monkeypatch):
     make = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
             "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
-            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[name]  # fmt: skip
+            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+            "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[name]  # fmt: skip
     hf = _peaky(make[1](make[0](**GEOMETRY)), seed=3)
     want = [_hf_greedy(hf, prompt, n) for prompt, n in zip(PROMPTS, MAX_NEW, strict=True)]
     model = HFModel(hf)

@@ -3,7 +3,8 @@
 `apply_rotary_pos_emb` runs ten eager ops per layer on the GPU (for q and for k: x * cos, the
 negation and the cat of `rotate_half`, * sin, the sum). `fuse_rope(hf_model)` (run by `HFModel` at
 construction while `FUSE` is on) gives each attention module whose class forward is Llama's, or
-Qwen2's or Mistral's (Llama's passing the sliding window on from the module or the config), in
+Qwen2's or Mistral's (Llama's passing the sliding window on from the module or the config), or Qwen3's
+(Qwen2's with q and k RMS-normed per head first: `hf_norms`' kernel), in
 source (`hf_norms`' rule: transformers 5.17's or 5.24's text, local names aside, with the module's
 `apply_rotary_pos_emb` and `rotate_half` Llama's too), a forward of its own: the same steps, with the
 rotation of q and k one launch. Only the module's `forward` attribute is set: transformers' functions
@@ -30,8 +31,7 @@ _FORWARD = """
 def forward(self, hidden_states, {signature}, **kwargs):
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+{qk}
     value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
     query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
@@ -54,6 +54,12 @@ _WINDOWS = {"": None, "sliding_window=self.sliding_window, ": "module",
             'sliding_window=getattr(self.config, "sliding_window", None), ': "config"}  # fmt: skip
 _CACHES = {"cache": ", kwargs=kwargs", "past_key_values": ""}
 _SIGNATURES = ("position_embeddings=None, attention_mask=None", "position_embeddings, attention_mask")
+_QK = {  # the q and k heads as they are (Llama) or each RMS-normed first (Qwen3's q_norm and k_norm)
+    False: "    query_states = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)\n"
+    "    key_states = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)",
+    True: "    query_states = self.q_norm(self.q_proj(hidden_states).view(hidden_shape)).transpose(1, 2)\n"
+    "    key_states = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)",
+}
 _APPLY = """
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     cos = cos.unsqueeze(unsqueeze_dim)
@@ -69,14 +75,16 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 """
 _FORMS = {
-    _canonical(_FORWARD.format(signature=f"{signature}, {cache}=None", cache=cache, update=update, sliding=sliding),
-               False): (cache, window)
+    _canonical(_FORWARD.format(signature=f"{signature}, {cache}=None", cache=cache, update=update, sliding=sliding,
+                               qk=qk), False): (cache, window, normed)
     for signature in _SIGNATURES
     for cache, update in _CACHES.items()
     for sliding, window in _WINDOWS.items()
+    for normed, qk in _QK.items()
 }  # fmt: skip
 _HELPERS = {"apply_rotary_pos_emb": _canonical(_APPLY), "rotate_half": _canonical(_ROTATE)}
-_by_class: dict[type, tuple[str, str | None] | None] = {}
+_Form = tuple[str, str | None, bool]  # (cache argument, where the window comes from, q/k normed)
+_by_class: dict[type, _Form | None] = {}
 
 
 def _source(fn: object, rename_args: bool = True) -> str:
@@ -86,9 +94,10 @@ def _source(fn: object, rename_args: bool = True) -> str:
         return ""
 
 
-def _class_form(cls: type) -> tuple[str, str | None] | None:
+def _class_form(cls: type) -> _Form | None:
     """(the name of its transformers-cache argument, where its sliding window comes from: None, "module"
-    or "config") if `cls`'s forward is Llama's, Qwen2's or Mistral's (module docstring), else None."""
+    or "config", whether q and k are RMS-normed first) if `cls`'s forward is Llama's, Qwen2's, Mistral's
+    or Qwen3's (module docstring), else None."""
     if cls not in _by_class:
         forward = getattr(cls, "forward", None)
         scope = getattr(inspect.unwrap(forward), "__globals__", {}) if forward is not None else {}
@@ -100,16 +109,16 @@ def _class_form(cls: type) -> tuple[str, str | None] | None:
     return _by_class[cls]
 
 
-def rope_form(module: nn.Module) -> tuple[str, str | None] | None:
-    """`module`'s (cache argument, window source) if `fuse_rope` would adapt it, else None."""
+def rope_form(module: nn.Module) -> _Form | None:
+    """`module`'s (cache argument, window source, q/k normed) if `fuse_rope` would adapt it, else None."""
     if "forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks:
         return None
     return _class_form(type(module))
 
 
-def _adapted_forward(form: tuple[str, str | None], original, scope: dict):
+def _adapted_forward(form: _Form, original, scope: dict):
     interfaces, eager = scope["ALL_ATTENTION_FUNCTIONS"], scope["eager_attention_forward"]
-    cache_arg, window = form
+    cache_arg, window, normed = form
 
     def forward(
         self: nn.Module, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs
@@ -120,8 +129,11 @@ def _adapted_forward(form: tuple[str, str | None], original, scope: dict):
             return original(self, hidden_states, position_embeddings, attention_mask, **kwargs)
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        q = self.q_proj(hidden_states).view(hidden_shape)
+        k = self.k_proj(hidden_states).view(hidden_shape)
+        if normed:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         q, k = rope_qk(q, k, cos, sin)
