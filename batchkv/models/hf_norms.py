@@ -74,7 +74,7 @@ def forward(self, x):
 _MOSHI = _GEMMA.replace("(1.0 + self.weight.float())", "self.weight.float()")
 
 
-def _canonical(source: str, rename_args: bool = True) -> str:
+def canonical_source(source: str, rename_args: bool = True) -> str:
     """A function's source with its docstring, annotations, decorators and comments dropped and its
     local names (and, with `rename_args`, its argument names but `self`) numbered by first appearance."""
     fn = ast.parse(textwrap.dedent(source)).body[0]
@@ -107,11 +107,11 @@ def _canonical(source: str, rename_args: bool = True) -> str:
 
 
 _FORMS = {
-    _canonical(_LLAMA): NormForm("variance_epsilon", 0.0, True),
-    _canonical(_OLMO2): NormForm("variance_epsilon", 0.0, False),
-    _canonical(_HELIUM): NormForm("variance_epsilon", 0.0, False),
-    _canonical(_GEMMA) + "\n" + _canonical(_NORM): NormForm("eps", 1.0, False),
-    _canonical(_MOSHI) + "\n" + _canonical(_NORM): NormForm("eps", 0.0, False),
+    canonical_source(_LLAMA): NormForm("variance_epsilon", 0.0, True),
+    canonical_source(_OLMO2): NormForm("variance_epsilon", 0.0, False),
+    canonical_source(_HELIUM): NormForm("variance_epsilon", 0.0, False),
+    canonical_source(_GEMMA) + "\n" + canonical_source(_NORM): NormForm("eps", 1.0, False),
+    canonical_source(_MOSHI) + "\n" + canonical_source(_NORM): NormForm("eps", 0.0, False),
 }
 _by_class: dict[type, NormForm | None] = {}
 
@@ -128,10 +128,10 @@ def _class_form(cls: type) -> NormForm | None:
             and forward.__globals__.get("torch") is torch
         ):
             try:
-                key = _canonical(inspect.getsource(forward))
+                key = canonical_source(inspect.getsource(forward))
                 norm = getattr(cls, "_norm", None)
                 if "self._norm(" in key and inspect.isfunction(norm) and norm.__globals__.get("torch") is torch:
-                    key += "\n" + _canonical(inspect.getsource(norm))
+                    key += "\n" + canonical_source(inspect.getsource(norm))
             except (OSError, TypeError, SyntaxError):  # no source (built at run time): not known
                 key = ""
             _by_class[cls] = _FORMS.get(key)

@@ -2,16 +2,16 @@
 
 `apply_rotary_pos_emb` runs ten eager ops per layer on the GPU (for q and for k: x * cos, the
 negation and the cat of `rotate_half`, * sin, the sum). `fuse_rope(hf_model)` (run by `HFModel` at
-construction while `FUSE` is on) gives each attention module whose class forward is Llama's, or
-Qwen2's or Mistral's (Llama's passing the sliding window on from the module or the config), or Qwen3's
-(Qwen2's with q and k RMS-normed per head first: `hf_norms`' kernel), in
-source (`hf_norms`' rule: transformers 5.17's or 5.24's text, local names aside, with the module's
-`apply_rotary_pos_emb` and `rotate_half` Llama's too), a forward of its own: the same steps, with the
-rotation of q and k one launch. Only the module's `forward` attribute is set: transformers' functions
-and classes are untouched, and a module that already has a forward of its own (another adapter) is
-left alone. With a transformers cache passed (`generate`), the class's forward runs, unchanged.
-Off CUDA (and for batches of more than one row, or heads that are not a power of two) `rope_qk` runs
-transformers' op sequence, so the CPU results are the class's to the bit.
+construction while `FUSE` is on) gives each attention module whose class forward is, in source,
+Llama's, Qwen2's or Mistral's (Llama's passing the sliding window on from the module or the config)
+or Qwen3's (Qwen2's with q and k RMS-normed per head first, by `hf_norms`' kernel) a forward of its
+own: the same steps, with the rotation of q and k one launch. The rule is `hf_norms`': transformers
+5.17's or 5.24's text, local names aside, with the module's `apply_rotary_pos_emb` and `rotate_half`
+Llama's too. Only the module's `forward` attribute is set: transformers' functions and classes are
+untouched, and a module that already has a forward of its own (another adapter) is left alone. With
+a transformers cache passed (`generate`), the class's forward runs, unchanged. Off CUDA (and for
+batches of more than one row, or heads that are not a power of two) `rope_qk` runs transformers'
+op sequence, so the CPU results are the class's to the bit.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from batchkv.models.fused import rope_qk
-from batchkv.models.hf_norms import _canonical
+from batchkv.models.hf_norms import canonical_source
 
 FUSE = True  # HFModel adapts the attention modules at construction while this is on
 
@@ -75,21 +75,21 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 """
 _FORMS = {
-    _canonical(_FORWARD.format(signature=f"{signature}, {cache}=None", cache=cache, update=update, sliding=sliding,
-                               qk=qk), False): (cache, window, normed)
+    canonical_source(_FORWARD.format(signature=f"{signature}, {cache}=None", cache=cache, update=update,
+                                     sliding=sliding, qk=qk), False): (cache, window, normed)
     for signature in _SIGNATURES
     for cache, update in _CACHES.items()
     for sliding, window in _WINDOWS.items()
     for normed, qk in _QK.items()
 }  # fmt: skip
-_HELPERS = {"apply_rotary_pos_emb": _canonical(_APPLY), "rotate_half": _canonical(_ROTATE)}
+_HELPERS = {"apply_rotary_pos_emb": canonical_source(_APPLY), "rotate_half": canonical_source(_ROTATE)}
 _Form = tuple[str, str | None, bool]  # (cache argument, where the window comes from, q/k normed)
 _by_class: dict[type, _Form | None] = {}
 
 
 def _source(fn: object, rename_args: bool = True) -> str:
     try:
-        return _canonical(inspect.getsource(fn), rename_args) if inspect.isfunction(fn) else ""
+        return canonical_source(inspect.getsource(fn), rename_args) if inspect.isfunction(fn) else ""
     except (OSError, TypeError, SyntaxError):  # no source (built at run time): not known
         return ""
 
