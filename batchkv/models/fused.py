@@ -4,7 +4,9 @@ Decode is weight-read bound, and at one to 64 rows every extra launch between th
 few microseconds even inside a CUDA graph; a 42-layer step would spend milliseconds in them. Three
 Triton kernels cover everything between the matmuls (attention aside):
 
-- `add_rms_norm(h, delta, weight, eps) -> (h + delta, RMSNorm(h + delta) * weight)`  [W, H]
+- `add_rms_norm(h, delta, weight, eps) -> (h + delta, RMSNorm(h + delta) * weight)`  [W, H]; the same
+  kernel without the add is `rms_norm(x, weight, eps)` over the last dim of any x, in each of
+  transformers' roundings (`batchkv.models.hf_norms` puts it in place of their RMSNorm modules)
 - `qk_norm_rope(qkv, q_norm, k_norm, cos, sin, q_heads, kv_heads) -> (q, k)`: the split QK-norm
   (one RMSNorm over each half of head_dim, its own [2, D/2] weight for q and for k) and the
   rotate-half RoPE with per-dim tables: one head per program at few rows, a block of heads at many.
@@ -45,6 +47,23 @@ def add_rms_norm_torch(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tenso
     return h, F.rms_norm(h, (h.shape[-1],), eps=eps) * weight
 
 
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, round_first: bool = True):
+    xf = x.to(torch.float32)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if round_first:  # transformers' Llama: the weight times the normed row in x's dtype
+        return weight * normed.to(x.dtype)
+    return (normed * (offset + weight.float() if offset else weight.float())).to(x.dtype)  # Gemma, Olmo2
+
+
+def rope_qk_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # transformers' apply_rotary_pos_emb, op for op
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
+
+    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+
+
 def qk_norm_rope_torch(qkv, q_norm, k_norm, cos, sin, partner, q_heads: int, kv_heads: int, eps: float):
     w, d = qkv.shape[0], q_norm.shape[-1] * 2
     qk = F.rms_norm(qkv[:, : (q_heads + kv_heads) * d].view(w, q_heads + kv_heads, 2, d // 2), (d // 2,), eps=eps)
@@ -61,19 +80,29 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, h_out, x_out, n, eps, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    def _rms_norm_kernel(h_ptr, d_ptr, w_ptr, h_out, x_out, rows, n, eps, HAS_DELTA: tl.constexpr,
+                         OFFSET: tl.constexpr, ROUND_FIRST: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                         GDC: tl.constexpr):  # fmt: skip
+        # ROWS rows of n per program. HAS_DELTA: h + delta first (stored to h_out, rounded to h's dtype).
+        # ROUND_FIRST (Llama): normed rounded to h's dtype, then * weight, rounded to x_out's dtype;
+        # else (Gemma, Olmo2): normed * (weight + OFFSET) in float32, rounded once.
         pdl_enter(GDC)
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n
+        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
+        cols = tl.arange(0, BLOCK)[None, :]
+        mask = (row < rows) & (cols < n)
         h = tl.load(h_ptr + row * n + cols, mask=mask, other=0.0)
-        h = (h.to(tl.float32) + tl.load(d_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
-        tl.store(h_out + row * n + cols, h, mask=mask)
+        if HAS_DELTA:
+            h = (h.to(tl.float32) + tl.load(d_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
+            tl.store(h_out + row * n + cols, h, mask=mask)
         hf = h.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / n + eps)
-        normed = (hf * rstd).to(h.dtype)
-        weight = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        tl.store(x_out + row * n + cols, (normed.to(tl.float32) * weight.to(tl.float32)).to(h.dtype), mask=mask)
+        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=1) / n + eps)
+        weight = tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
+        if OFFSET != 0.0:
+            weight = weight + OFFSET
+        normed = hf * rstd[:, None]
+        if ROUND_FIRST:
+            normed = normed.to(h.dtype).to(tl.float32)
+        tl.store(x_out + row * n + cols, (normed * weight).to(x_out.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rope_partner(offs, D: tl.constexpr):
@@ -162,6 +191,37 @@ if triton is not None:
         tl.store(k_at, out, mask=live & ~is_q)
 
     @triton.jit
+    def _rope_qk_kernel(
+        q_ptr, k_ptr, cos_ptr, sin_ptr, q_out, k_out, q_sh, q_sw, k_sh, k_sw, qo_sh, qo_sw, ko_sh, ko_sw, cos_sw,
+        Q_HEADS: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, HB: tl.constexpr, GDC: tl.constexpr,
+    ):  # fmt: skip
+        # One program per (row, HB heads of q then k): x * cos + rotate_half(x) * sin, each product and
+        # the sum rounded to the output dtype as torch's three ops are (rotate_half's negation is exact).
+        pdl_enter(GDC)
+        row = tl.program_id(0).to(tl.int64)
+        heads = tl.program_id(1) * HB + tl.arange(0, HB)[:, None]  # [HB, 1]
+        offs = tl.arange(0, D)[None, :]
+        partner = (offs + D // 2) % D
+        sign = tl.where(offs < D // 2, -1.0, 1.0)
+        is_q = heads < Q_HEADS
+        live_q = is_q & (offs < D)
+        live_k = (~is_q) & (heads < HEADS) & (offs < D)
+        kh = heads - Q_HEADS
+        q_at = q_ptr + row * q_sw + heads * q_sh
+        k_at = k_ptr + row * k_sw + kh * k_sh
+        x = tl.where(is_q, tl.load(q_at + offs, mask=live_q, other=0.0), tl.load(k_at + offs, mask=live_k, other=0.0))
+        xp = tl.where(is_q, tl.load(q_at + partner, mask=live_q, other=0.0),
+                      tl.load(k_at + partner, mask=live_k, other=0.0))  # fmt: skip
+        dtype = q_out.dtype.element_ty
+        cos = tl.load(cos_ptr + row * cos_sw + offs).to(tl.float32)
+        sin = tl.load(sin_ptr + row * cos_sw + offs).to(tl.float32)
+        a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
+        b = (sign * xp.to(tl.float32) * sin).to(dtype).to(tl.float32)
+        out = (a + b).to(dtype)
+        tl.store(q_out + row * qo_sw + heads * qo_sh + offs, out, mask=live_q)
+        tl.store(k_out + row * ko_sw + kh * ko_sh + offs, out, mask=live_k)
+
+    @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, n, BLOCK: tl.constexpr, GDC: tl.constexpr):
         pdl_enter(GDC)
         row = tl.program_id(0).to(tl.int64)
@@ -182,19 +242,78 @@ def add_rms_norm(
         return add_rms_norm_torch(h, delta, weight, eps)
     w, n = h.shape
     h_out, x_out = torch.empty_like(h), torch.empty_like(h)
-    _add_rms_norm_kernel[(w,)](
-        h,
-        delta.contiguous(),
-        weight,
-        h_out,
-        x_out,
-        n,
-        eps,
-        BLOCK=triton.next_power_of_2(n),
-        num_warps=8,
-        **pdl_kwargs(h.device),
-    )
+    _rms_norm_kernel[(w,)](h, delta.contiguous(), weight, h_out, x_out, w, n, eps, HAS_DELTA=True, OFFSET=0.0,
+                           ROUND_FIRST=True, ROWS=1, BLOCK=triton.next_power_of_2(n), num_warps=8,
+                           **pdl_kwargs(h.device))  # fmt: skip
     return h_out, x_out
+
+
+RMS_NORM_MAX = 16384  # the widest row `rms_norm` runs in one program; wider ones take the torch path
+RMS_NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    offset: float = 0.0,
+    round_first: bool = True,
+    triton_kernel: bool | None = None,
+) -> torch.Tensor:
+    """RMSNorm of x [..., n] over its last dim, scaled by weight [n], in one launch on CUDA.
+
+    round_first (transformers' Llama and its copies): `weight * normed.to(x.dtype)`, whose dtype is
+    weight's and x's promoted; else (Gemma with offset 1, Olmo2 with 0): `(normed * (offset + weight))`
+    in float32, cast to x's dtype. normed = x / sqrt(mean(x^2) + eps) in float32. The torch path
+    (CPU, autograd, other dtypes, rows over RMS_NORM_MAX) is transformers' own op sequence.
+    """
+    n = x.shape[-1]
+    use = _use_triton(x, triton_kernel) and n <= RMS_NORM_MAX and {x.dtype, weight.dtype} <= set(RMS_NORM_DTYPES)
+    if not use or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        return rms_norm_torch(x, weight, eps, offset, round_first)
+    out_dtype = torch.promote_types(weight.dtype, x.dtype) if round_first else x.dtype
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    x2 = x.reshape(-1, n)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    rows, block = x2.shape[0], triton.next_power_of_2(n)
+    if rows:
+        per = max(1, min(16, 1024 // block))  # several short rows per program (a Qwen3 head's q/k-norm)
+        _rms_norm_kernel[(triton.cdiv(rows, per),)](
+            x2, x2, weight.contiguous(), x2, out, rows, n, eps, HAS_DELTA=False, OFFSET=float(offset),
+            ROUND_FIRST=round_first, ROWS=per, BLOCK=block, num_warps=max(1, min(8, per * block // 256)),
+            **pdl_kwargs(x.device),
+        )  # fmt: skip
+    return out
+
+
+def rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, triton_kernel: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' rotate-half RoPE (`apply_rotary_pos_emb`) of q [1, Hq, W, D] and k [1, Hkv, W, D]
+    (any strides with the last dim contiguous, e.g. a projection's [1, W, H, D] transposed) with cos,
+    sin [1, W, D]: one launch on CUDA for both, rounded as torch's ops are. The outputs are laid out
+    [1, W, H, D] in memory (as transformers' are), so the attention's [W, H, D] view needs no copy."""
+    shapes_ok = q.dim() == k.dim() == 4 and q.shape[0] == 1 and cos.shape == sin.shape == (1, q.shape[2], q.shape[3])
+    d = q.shape[-1]
+    use = _use_triton(q, triton_kernel) and shapes_ok and q.dtype == k.dtype == cos.dtype == sin.dtype
+    use = use and d >= 16 and d & (d - 1) == 0 and q.dtype in RMS_NORM_DTYPES  # a power-of-2 head
+    if use:
+        use = q.stride(-1) == k.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1 and cos.stride() == sin.stride()
+    if not use or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        return rope_qk_torch(q, k, cos, sin)
+    hq, w, hkv = q.shape[1], q.shape[2], k.shape[1]
+    q_out = torch.empty(1, w, hq, d, dtype=q.dtype, device=q.device).transpose(1, 2)
+    k_out = torch.empty(1, w, hkv, d, dtype=k.dtype, device=k.device).transpose(1, 2)
+    if w:
+        hb = min(triton.next_power_of_2(hq + hkv), max(1, QK_BLOCK // d))
+        _rope_qk_kernel[(w, triton.cdiv(hq + hkv, hb))](
+            q, k, cos, sin, q_out, k_out, q.stride(1), q.stride(2), k.stride(1), k.stride(2), q_out.stride(1),
+            q_out.stride(2), k_out.stride(1), k_out.stride(2), cos.stride(1), Q_HEADS=hq, HEADS=hq + hkv, D=d,
+            HB=hb, num_warps=4, **pdl_kwargs(q.device),
+        )  # fmt: skip
+    return q_out, k_out
 
 
 def qk_norm_rope(

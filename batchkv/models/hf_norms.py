@@ -1,0 +1,203 @@
+"""transformers' RMSNorm modules as one kernel each (`batchkv.models.fused.rms_norm`).
+
+transformers' `LlamaRMSNorm` runs eight eager ops (cast to float32, pow, mean, + eps, rsqrt, mul,
+cast back, * weight), each a kernel on the GPU, twice per decoder layer and once more at the end: at
+a small model's decode step, whose time is its kernel count, that is a third of the launches.
+`fuse_norms(hf_model)` (run by `HFModel` at construction while `FUSE` is on) puts a `FusedRMSNorm`
+in place of every RMSNorm module whose computation is known to be one of these, exactly:
+
+- Llama's (LlamaRMSNorm, Qwen2/Qwen3RMSNorm, MistralRMSNorm and ~140 copies in transformers):
+  `weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)`;
+- Gemma's (Gemma/Gemma2/Gemma3RMSNorm, Qwen3-Next): `(normed * (1 + weight.float())).type_as(x)`;
+- Olmo2's (and gpt-oss's, Helium's, Moshi's): `(normed * weight.float()).to(x.dtype)`.
+
+"Known" is decided on the class's source, not its name: the `forward` (with the `_norm` it calls)
+is parsed and compared, local names aside, with those forms as transformers writes them; and the
+module has exactly one parameter, `weight` [n], no buffers, children or hooks, and the epsilon the
+form reads. Any other class (Gemma3n's optional scale, grouped norms, unweighted ones) is left as
+it is. The `FusedRMSNorm` keeps the same `weight` Parameter (nothing copied; the state dict and a
+tensor-parallel rank's replicated norms are unchanged) and the epsilon under the same name; off
+CUDA, and wherever autograd records, it runs transformers' op sequence, so CPU results are the
+module's to the bit. On CUDA it is one Triton launch writing only its output (capturable). FP8
+models are unaffected: `Fp8Linear` quantises the normed rows it reads, whichever module made them.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from batchkv.models.fused import rms_norm
+
+FUSE = True  # HFModel swaps the norms at construction while this is on (an A/B switch for benchmarks)
+
+
+@dataclass(frozen=True)
+class NormForm:
+    """One RMSNorm computation: the attribute holding its epsilon and `fused.rms_norm`'s rounding."""
+
+    eps_attr: str
+    offset: float
+    round_first: bool
+
+
+_LLAMA = """
+def forward(self, hidden_states):
+    input_dtype = hidden_states.dtype
+    hidden_states = hidden_states.to(torch.float32)
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+    return self.weight * hidden_states.to(input_dtype)
+"""
+_OLMO2 = _LLAMA.replace(
+    "return self.weight * hidden_states.to(input_dtype)", "return (self.weight * hidden_states).to(input_dtype)"
+)
+_HELIUM = _LLAMA.replace(
+    "return self.weight * hidden_states.to(input_dtype)",
+    "return (self.weight.to(torch.float32) * hidden_states).to(input_dtype)",
+)
+_NORM = """
+def _norm(self, x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+"""
+_GEMMA = """
+def forward(self, x):
+    output = self._norm(x.float())
+    output = output * (1.0 + self.weight.float())
+    return output.type_as(x)
+"""
+_MOSHI = _GEMMA.replace("(1.0 + self.weight.float())", "self.weight.float()")
+
+
+def canonical_source(source: str, rename_args: bool = True) -> str:
+    """A function's source with its docstring, annotations, decorators and comments dropped and its
+    local names (and, with `rename_args`, its argument names but `self`) numbered by first appearance."""
+    fn = ast.parse(textwrap.dedent(source)).body[0]
+    if not isinstance(fn, ast.FunctionDef):
+        return ""
+    body = fn.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    a = fn.args
+    params = [
+        *a.posonlyargs,
+        *a.args,
+        *([a.vararg] if a.vararg else []),
+        *a.kwonlyargs,
+        *([a.kwarg] if a.kwarg else []),
+    ]
+    names = {p.arg: f"v{i}" if rename_args else p.arg for i, p in enumerate(p for p in params if p.arg != "self")}
+    for node in (n for stmt in body for n in ast.walk(stmt)):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) and node.id not in names:
+            names[node.id] = f"v{len(names)}"
+    for p in params:
+        p.arg, p.annotation = names.get(p.arg, p.arg), None
+
+    class Rename(ast.NodeTransformer):
+        def visit_Name(self, node: ast.Name) -> ast.Name:
+            return ast.Name(id=names.get(node.id, node.id), ctx=node.ctx)
+
+    fn.body, fn.returns, fn.decorator_list = [Rename().visit(stmt) for stmt in body], None, []
+    return ast.unparse(ast.fix_missing_locations(fn))
+
+
+_FORMS = {
+    canonical_source(_LLAMA): NormForm("variance_epsilon", 0.0, True),
+    canonical_source(_OLMO2): NormForm("variance_epsilon", 0.0, False),
+    canonical_source(_HELIUM): NormForm("variance_epsilon", 0.0, False),
+    canonical_source(_GEMMA) + "\n" + canonical_source(_NORM): NormForm("eps", 1.0, False),
+    canonical_source(_MOSHI) + "\n" + canonical_source(_NORM): NormForm("eps", 0.0, False),
+}
+_by_class: dict[type, NormForm | None] = {}
+
+
+def _class_form(cls: type) -> NormForm | None:
+    """The form of `cls`'s computation, or None: its forward (and `_norm`, if it calls one) in source
+    matching a known form, with `torch` its module's torch and `__call__` nn.Module's."""
+    if cls not in _by_class:
+        _by_class[cls] = None
+        forward = getattr(cls, "forward", None)
+        if (
+            cls.__call__ is nn.Module.__call__
+            and inspect.isfunction(forward)
+            and forward.__globals__.get("torch") is torch
+        ):
+            try:
+                key = canonical_source(inspect.getsource(forward))
+                norm = getattr(cls, "_norm", None)
+                if "self._norm(" in key and inspect.isfunction(norm) and norm.__globals__.get("torch") is torch:
+                    key += "\n" + canonical_source(inspect.getsource(norm))
+            except (OSError, TypeError, SyntaxError):  # no source (built at run time): not known
+                key = ""
+            _by_class[cls] = _FORMS.get(key)
+    return _by_class[cls]
+
+
+def norm_form(module: nn.Module) -> NormForm | None:
+    """The form of `module` if `fuse_norms` would replace it, else None (see the module docstring)."""
+    form = _class_form(type(module))
+    if form is None or isinstance(module, FusedRMSNorm):
+        return None
+    weight = module._parameters.get("weight")
+    eps = module.__dict__.get(form.eps_attr)
+    if (
+        list(module._parameters) != ["weight"]
+        or weight is None
+        or weight.dim() != 1
+        or module._buffers
+        or module._modules
+        or module._forward_hooks
+        or module._forward_pre_hooks
+        or isinstance(eps, bool)
+        or not isinstance(eps, (int, float))
+    ):
+        return None
+    return form
+
+
+class FusedRMSNorm(nn.Module):
+    """An RMSNorm of one of `hf_norms`' forms: `batchkv.models.fused.rms_norm` over the last dim with
+    the replaced module's `weight` and epsilon (kept under its attribute name)."""
+
+    def __init__(self, weight: nn.Parameter, eps: float, form: NormForm, replaces: str) -> None:
+        super().__init__()
+        self.weight = weight
+        self.eps_value = float(eps)
+        self.form = form
+        self.replaces = replaces
+        setattr(self, form.eps_attr, eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The replaced module's output for x [..., n]: one kernel on CUDA, its own ops elsewhere."""
+        return rms_norm(x, self.weight, self.eps_value, offset=self.form.offset, round_first=self.form.round_first)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps_value}, replaces={self.replaces}"
+
+
+def fuse_norms(model: nn.Module) -> int:
+    """Put a `FusedRMSNorm` in place of every RMSNorm module under `model` of a known form (shared
+    modules stay shared). Returns how many modules were replaced; does nothing when `FUSE` is off."""
+    if not FUSE:
+        return 0
+    made: dict[int, FusedRMSNorm] = {}
+    swaps = []
+    for parent in model.modules():
+        for name, child in parent._modules.items():
+            if child is None:
+                continue
+            if id(child) not in made:
+                form = norm_form(child)
+                if form is None:
+                    continue
+                eps = child.__dict__[form.eps_attr]
+                made[id(child)] = FusedRMSNorm(child._parameters["weight"], eps, form, type(child).__name__)
+            swaps.append((parent, name, made[id(child)]))
+    for parent, name, fused in swaps:
+        setattr(parent, name, fused)
+    return len(made)
