@@ -1,7 +1,8 @@
 """BatchedSequenceCache: BatchControl over a column store.
 
 Host planning (between forwards, never inside a captured region):
-    seq_new, seq_clone, seq_rm, rewind, pos, can_admit, declare_step, prepare_step, commit_step.
+    seq_new, seq_clone, seq_rm, rewind, pos, can_admit, begin_step (= declare_step + prepare_step),
+    commit_step.
 Device work (per layer, inside the forward, capturable):
     update_and_attend(layer, q, k, v) -- write the step's K/V at its slots, then sdpa_varlen.
 
@@ -248,13 +249,34 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
         return True
 
     # ---- step protocol (host) -----------------------------------------------------------------
+    def begin_step(self, seq_ids: Sequence[int], width: int) -> None:
+        """Declare the next forward and stage it at `width`, in one verb: what `declare_step(seq_ids)`
+        then `prepare_step(width)` do, with each check of both made once and before anything
+        changes, so a refusal (an id, the width, capacity, rows) leaves the previous declaration
+        standing and the cache as it was. The engine's verb; `commit_step` ends the step.
+        """
+        width = int_arg("begin_step: width", width, error=StepError)
+        decl, growth = self._checked(seq_ids)
+        if not decl.num_tokens <= width <= self.config.max_width:
+            raise StepError(
+                f"begin_step: width {width} must cover the {decl.num_tokens} declared tokens "
+                f"and be at most max_width={self.config.max_width}"
+            )
+        self._declare(decl)
+        self._stage(decl, growth, width)
+
     def declare_step(self, seq_ids: Sequence[int]) -> None:
         """Declare the next forward: one sequence id per packed token, in packed order.
 
         Runs of equal ids become segments; a sequence may appear in several runs. A refusal leaves
         the previous declaration standing. O(1) Python: every check is one array operation over
-        the step's tokens, segments or sequences.
+        the step's tokens, segments or sequences. (`begin_step` declares and prepares in one call.)
         """
+        self._declare(self._checked(seq_ids)[0])
+
+    def _checked(self, seq_ids: Sequence[int]) -> tuple[Declaration, dict[int, int]]:
+        """The declaration of `seq_ids` and the extent heights its sequences must grow to, after
+        every check `declare_step` makes (nothing changes here)."""
         decl = Declaration.from_ids(seq_ids)
         cfg = self.config
         if decl.num_tokens == 0:
@@ -280,8 +302,12 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
                     f"declare_step: the sequences {sorted(growth)} need {more} more rows and the store can give "
                     f"{self.free_rows}; finish or remove sequences, or give the store more rows (pool_rows)"
                 )
+        return decl, growth
+
+    def _declare(self, decl: Declaration) -> None:
+        """Make `decl` the standing declaration (checked by `_checked`)."""
         self._drop_declaration()
-        self._declared[members] = True
+        self._declared[decl.members] = True
         self._declaration = decl
 
     def _growth(self, decl: Declaration) -> dict[int, int]:
@@ -309,7 +335,10 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
                 f"prepare_step: width {width} must cover the {decl.num_tokens} declared tokens "
                 f"and be at most max_width={self.config.max_width}"
             )
-        growth = self._growth(decl)
+        self._stage(decl, self._growth(decl), width)
+
+    def _stage(self, decl: Declaration, growth: dict[int, int], width: int) -> None:
+        """Grow the extents in `growth`, then stage the declared step's device buffers at `width`."""
         if growth:
             self._resize(growth)  # grow before staging, so a refusal leaves the cache as it was
         self._buffers.fill(decl, decl.kv_end(self._len), self._placements(), width)

@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from batchkv.cache import BatchedSequenceCache
@@ -52,8 +53,16 @@ from batchkv.executor.pipeline import SampledTokens
 from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.roles import LOCAL, Role
 from batchkv.executor.rows import HEAD_CHUNK, Adjust, adjuster, chunkable, head_chunks
-from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform
+from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform, uniforms
 from batchkv.executor.scheduler import Batch
+
+
+def _adjusts(batch: Batch) -> bool:
+    """True when a sampling row of `batch` adjusts its logits or is constrained (`adjusts_sampling`):
+    one array read of the scheduler's `SlotTable`, or row by row for a plan without one."""
+    if batch.table is not None:
+        return bool(batch.table.adjusts[batch.slots].any())
+    return any(sample.owner.request.params.adjusts_sampling for sample in batch.samples)
 
 
 class StepModel(Protocol):
@@ -188,16 +197,34 @@ class ModelRunner:
         params = staged[torch.float32].reshape(3, R)
         params[:] = ((0.0,), (1.0,), (0.0,))  # greedy rows: temperature 0, top_p 1, draw 0
         top_k[:] = 0
-        sampling = False
-        for i, sample in enumerate(batch.samples):
-            p = sample.owner.request.params
-            if p.greedy:
-                continue
-            sampling = True
-            params[:, i] = (p.temperature, p.top_p, uniform(sample.owner.seed, sample.index, sample.count))
-            top_k[i] = p.top_k
-        self._staging.upload()
+        sampling = self._stage_sampling(batch, params, top_k)
+        i64 = [(0, width), (w, w + 3 * width), (4 * w, 4 * w + 2 * R + width)]  # ids, indexes, selector..src
+        self._staging.upload({torch.int64: i64, torch.float32: [(0, 3 * R)]})
         return sampling
+
+    @staticmethod
+    def _stage_sampling(batch: Batch, params: np.ndarray, top_k: np.ndarray) -> bool:
+        """Each sampling row's temperature, top_p and draw (`params` [3, R]) and top_k, for rows
+        that sample (greedy rows keep 0, 1, 0 and 0); True when one does. Array work over the
+        scheduler's `SlotTable` columns (`batch.table`); row by row for a plan without one."""
+        table = batch.table
+        if table is None:
+            sampling = False
+            for i, sample in enumerate(batch.samples):
+                p = sample.owner.request.params
+                if not p.greedy:
+                    sampling = True
+                    params[:, i] = (p.temperature, p.top_p, uniform(sample.owner.seed, sample.index, sample.count))
+                    top_k[i] = p.top_k
+            return sampling
+        slots = batch.slots
+        rows = np.flatnonzero(~table.greedy[slots])
+        if not len(rows):
+            return False
+        at = slots[rows]
+        params[0, rows], params[1, rows], top_k[rows] = table.temperature[at], table.top_p[at], table.top_k[at]
+        params[2, rows] = uniforms(table.seed[at], table.index[at], table.read[at] + table.pending[at])
+        return True
 
     def _ids(self, width: int) -> torch.Tensor:
         """The step's token ids: staged, or gathered from the previous launch's sampled tokens."""
@@ -232,7 +259,8 @@ class ModelRunner:
         """Queue the declared-and-prepared step at `width`: forward, sampling into a slot of
         `sampled`, and the copy of its tokens to the host. Returns the handle that reads them.
 
-        The cache must have been given `declare_step(batch.seq_ids)` and `prepare_step(width)`.
+        The cache must have been given `begin_step(batch.seq_ids, width)` (or `declare_step` and
+        `prepare_step`).
         `previous`: the launch whose tokens `batch.token_src` rows feed (it must not have been
         followed by another launch); this one takes the other slot, so a launch that raises
         leaves `previous`'s tokens in place for a retry. No host synchronisation on CUDA.
@@ -242,7 +270,7 @@ class ModelRunner:
         plan = self.logprob_slots.stage(batch) if batch.logprob_k else None
         rows = min(self.rows, width) if self.pad_rows else batch.logits_rows
         real = len(batch.rows)
-        adjusts = any(sample.owner.request.params.adjusts_sampling for sample in batch.samples)
+        adjusts = _adjusts(batch)
         # the host side of an adjusted step is rank 0's (its scheduler holds the matchers and histories)
         self._adjusting = (batch, previous) if adjusts else None
         try:
@@ -371,8 +399,7 @@ class ModelRunner:
                 for i, seq in enumerate(seqs):
                     n = min(share, width - i * share)
                     batch.add(seq, [0] * n, list(range(n)))
-                self.cache.declare_step(batch.seq_ids)
-                self.cache.prepare_step(width)
+                self.cache.begin_step(batch.seq_ids, width)
                 self.tp.read(self.launch(batch, width))  # bounded under tensor parallelism
             finally:
                 for seq in seqs:
