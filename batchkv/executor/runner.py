@@ -2,11 +2,12 @@
 and sampling, queued without waiting for the device.
 
 Every per-step input lives in fixed-address device tensors sized at the largest width bucket:
-token ids int64 [W], RoPE indexes int64 [3, W] (contiguous per width), the logits selector int64
-[R], the sampling parameters [R], the token sources int64 [W], and the logits out float32 [R,
-vocab] ([HEAD_CHUNK, vocab] when the head runs in chunks), R the engine's logits rows per step
-(min(max_seqs, MAX_SAMPLE_ROWS)). The host writes them through `Staging` (one pinned buffer per
-dtype, copied over asynchronously); nothing else crosses. With a `GraphSet` the forward is captured
+the logits selector int64 [R], the sampling parameters [R], token ids, RoPE indexes and token
+sources as one int64 [5, W] block per width (contiguous, so a step of width W reads a prefix of
+the buffer), and the logits out float32 [R, vocab] ([HEAD_CHUNK, vocab] when the head runs in
+chunks), R the engine's logits rows per step (min(max_seqs, MAX_SAMPLE_ROWS)). The host writes
+them through `Staging` (one pinned buffer per dtype, copied over asynchronously, the int64 one up
+to the step's width); nothing else crosses. With a `GraphSet` the forward is captured
 once per (width bucket, cache generation, module fingerprint) and replayed afterwards; a new mix of
 lengths only changes the contents of the cache's buffers.
 
@@ -108,13 +109,13 @@ class ModelRunner:
         self.pad_rows = pad_rows or graphs is not None
         self.rows = R = rows
         w, device = max_width, cache.device
-        # int64: [input_ids w | indexes 3w | logits_rows R | top_k R | token_src w];
-        # float32: [temperature | top_p | draws]
+        # int64: [logits_rows R | top_k R | a step of width W: [5, W] = input_ids, indexes (3 rows),
+        # token_src]; float32: [temperature | top_p | draws]. What a step of width W reads is the
+        # prefix [0, 2R + 5W) of the int64 buffer: one copy per dtype, its bytes following the width.
         self._staging = Staging(self.sizes(w, R), device)
         self._dev_i64 = self._staging.device_buffers[torch.int64]
-        self.logits_rows = self._dev_i64[4 * w : 4 * w + R]
-        self.top_k = self._dev_i64[4 * w + R : 4 * w + 2 * R]
-        self.token_src = self._dev_i64[4 * w + 2 * R :]  # -1: the staged id; else a row of `sampled`
+        self.logits_rows = self._dev_i64[:R]
+        self.top_k = self._dev_i64[R : 2 * R]
         self.temperature, self.top_p, self.draws = self._staging.device_buffers[torch.float32].view(3, R).unbind(0)
         self.chunked = R > HEAD_CHUNK and chunkable(model)  # steps past HEAD_CHUNK rows run the head in chunks
         buffer_rows = self.logit_rows(R, self.chunked)
@@ -139,7 +140,7 @@ class ModelRunner:
     @staticmethod
     def sizes(max_width: int, rows: int) -> dict[torch.dtype, int]:
         """Elements per dtype of the staged step inputs."""
-        return {torch.int64: 5 * max_width + 2 * rows, torch.float32: 3 * rows}
+        return {torch.int64: 2 * rows + 5 * max_width, torch.float32: 3 * rows}
 
     @staticmethod
     def nbytes(max_width: int, vocab_size: int, rows: int = MAX_SAMPLE_ROWS, chunked: bool = False) -> int:
@@ -158,11 +159,19 @@ class ModelRunner:
         self.adapters = AdapterGuard(fingerprint, lambda: [m for _, m in fingerprint.modules()])
         self._bound: tuple[int, int] | None = None  # (generation, fingerprint) the kept graphs bind
 
+    def _inputs(self, width: int) -> torch.Tensor:
+        """The device inputs of a step of `width`: int64 [5, width] (ids, indexes t/h/w, token_src)."""
+        return self._dev_i64[2 * self.rows : 2 * self.rows + 5 * width].view(5, width)
+
     def input_ids(self, width: int) -> torch.Tensor:
-        return self._dev_i64[:width]
+        return self._inputs(width)[0]
 
     def indexes(self, width: int) -> torch.Tensor:
-        return self._dev_i64[self.max_width : self.max_width + 3 * width].view(3, width)
+        return self._inputs(width)[1:4]
+
+    def token_src(self, width: int) -> torch.Tensor:
+        """Per packed row: -1 (the staged id), else the row of `sampled` (both slots, flat) it takes."""
+        return self._inputs(width)[4]
 
     @property
     def captures(self) -> int:
@@ -175,21 +184,20 @@ class ModelRunner:
     def _stage(self, batch: Batch, width: int, previous: SampledTokens | None) -> bool:
         """Write the step's inputs to the device buffers; True when some row samples (not greedy)."""
         staged = self._staging.begin()  # waits for the previous upload (queued before the last forward)
-        w, n, rows, R = self.max_width, len(batch.input_ids), len(batch.rows), self.rows
+        n, rows, R = len(batch.input_ids), len(batch.rows), self.rows
         host = staged[torch.int64]
-        host[:width] = 0  # padding feeds token 0; its K/V go to the scratch column
-        host[:n] = batch.input_ids
-        index = host[w : w + 3 * width].reshape(3, width)
-        index[:] = 0  # text tokens: (t, 0, 0)
-        index[0, :n] = batch.t_index
-        src = host[4 * w + 2 * R : 4 * w + 2 * R + width]
+        inputs = host[2 * R : 2 * R + 5 * width].reshape(5, width)
+        inputs[:4] = 0  # padding feeds token 0 (its K/V go to the scratch column); text tokens: (t, 0, 0)
+        inputs[0, :n] = batch.input_ids
+        inputs[1, :n] = batch.t_index
+        src = inputs[4]
         src[:] = -1
         if batch.token_src:
             if previous is None:
                 raise StepError("a planned row feeds a pending token, but no launched step holds it")
             src[:n] = batch.token_src
             src[:n][src[:n] >= 0] += previous.slot * R  # rows of the previous launch's slot
-        selector, top_k = host[4 * w : 4 * w + R], host[4 * w + R : 4 * w + 2 * R]
+        selector, top_k = host[:R], host[R : 2 * R]
         selector[:] = 0
         selector[:rows] = batch.rows
         if batch.score_rows:  # prompt_logprobs: after the sampling rows
@@ -198,8 +206,7 @@ class ModelRunner:
         params[:] = ((0.0,), (1.0,), (0.0,))  # greedy rows: temperature 0, top_p 1, draw 0
         top_k[:] = 0
         sampling = self._stage_sampling(batch, params, top_k)
-        i64 = [(0, width), (w, w + 3 * width), (4 * w, 4 * w + 2 * R + width)]  # ids, indexes, selector..src
-        self._staging.upload({torch.int64: i64, torch.float32: [(0, 3 * R)]})
+        self._staging.upload({torch.int64: [(0, 2 * R + 5 * width)], torch.float32: [(0, 3 * R)]})
         return sampling
 
     @staticmethod
@@ -228,7 +235,7 @@ class ModelRunner:
 
     def _ids(self, width: int) -> torch.Tensor:
         """The step's token ids: staged, or gathered from the previous launch's sampled tokens."""
-        src = self.token_src[:width]
+        src = self.token_src(width)
         return torch.where(src >= 0, self.sampled.view(-1).index_select(0, src.clamp(min=0)), self.input_ids(width))
 
     def _forward(self, width: int, rows: int) -> torch.Tensor:
