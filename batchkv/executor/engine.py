@@ -348,7 +348,7 @@ class Engine:
         read, emit = table.read[batch.slots], table.emit[batch.slots]  # before the step's tokens
         events = self.scheduler.complete(batch, runs, now, step.tokens.logprobs())
         self.speculator.release()
-        self.metrics.observe_finish(now, table, batch.slots, read, emit, events)
+        self.metrics.observe_finish(now, table, batch.slots, read, emit, self.scheduler.finishes)
         return events
 
     def stream(self) -> Iterator[Event]:

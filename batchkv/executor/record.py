@@ -39,13 +39,17 @@ def record_plain(
     stop = (table.stops[slots] == token[:, None]).any(axis=1)
     length = read >= table.max_new[slots]
     full = table.prompt[slots] + read > capacity  # no position left to write it
-    code = np.where(stop, 1, np.where(length, 2, np.where(full, 3, 0)))
-    reasons, values = REASONS[code].tolist(), token.tolist()
+    values = token.tolist()
     deque(map(list.append, table.tokens[slots].tolist(), values), maxlen=0)  # each its token
-    ended = np.flatnonzero(code)
-    finished = table.samples[slots[ended]].tolist()
-    for sample, reason in zip(finished, REASONS[code[ended]].tolist(), strict=True):
-        sample.finish = reason
+    ends = stop | length | full
+    finished: list[SampleState] = []
+    reasons: list[str | None] = [None] * len(values)
+    if ends.any():  # some sample finished (most steps: none)
+        code = np.where(stop, 1, np.where(length, 2, 3))[ends]
+        ended = np.flatnonzero(ends)
+        finished = table.samples[slots[ended]].tolist()
+        for i, sample, reason in zip(ended.tolist(), finished, REASONS[code].tolist(), strict=True):
+            sample.finish = reasons[i] = reason
     out = events(table.request[slots].tolist(), values, reasons, table.index[slots].tolist(), sampled)
     return out, finished
 

@@ -192,6 +192,8 @@ class ModelRunner:
         inputs[1, :n] = batch.t_index
         src = inputs[4]
         src[:] = -1
+        # Eager steps whose ids are all staged skip the gather; a graph holds it whatever the step.
+        self._gather = bool(batch.token_src) or self.graphs is not None
         if batch.token_src:
             if previous is None:
                 raise StepError("a planned row feeds a pending token, but no launched step holds it")
@@ -233,8 +235,12 @@ class ModelRunner:
         params[2, rows] = uniforms(table.seed[at], table.index[at], table.read[at] + table.pending[at])
         return True
 
+    _gather = True  # the next step's ids may come from `sampled` (set by `_stage`; other ranks: always)
+
     def _ids(self, width: int) -> torch.Tensor:
         """The step's token ids: staged, or gathered from the previous launch's sampled tokens."""
+        if not self._gather:
+            return self.input_ids(width)
         src = self.token_src(width)
         return torch.where(src >= 0, self.sampled.view(-1).index_select(0, src.clamp(min=0)), self.input_ids(width))
 

@@ -107,6 +107,7 @@ class Scheduler(Admission):
         self.cancelled: list[Event] = []
         self.scoring = 0  # live requests that ask for logprobs or prompt_logprobs
         self._retired: list[SampleState] = []  # samples of retired requests whose slots a launched step may name
+        self.finishes: list[str] = []  # the finish reasons of the samples the last `complete` finished
 
     @property
     def running(self) -> list[SampleState]:
@@ -317,6 +318,7 @@ class Scheduler(Admission):
             events, finished = record_plain(self.table, batch, flat, now, sampled, self.cache.capacity)
         else:
             events, finished = record_runs(self.table, batch, tokens, now, sampled, self.cache.capacity)
+        self.finishes = [sample.finish for sample in finished]  # one event each carries its reason
         for sample in finished:
             if sample.seq >= 0:
                 self._release(sample)
