@@ -58,6 +58,11 @@ from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform, uni
 from batchkv.executor.scheduler import Batch
 
 
+def _ints(values: list[int]) -> np.ndarray:
+    """A plan's list of ints as int64 (`np.fromiter`: about twice as fast as assigning the list)."""
+    return np.fromiter(values, dtype=np.int64, count=len(values))
+
+
 def _adjusts(batch: Batch) -> bool:
     """True when a sampling row of `batch` adjusts its logits or is constrained (`adjusts_sampling`):
     one array read of the scheduler's `SlotTable`, or row by row for a plan without one."""
@@ -188,8 +193,8 @@ class ModelRunner:
         host = staged[torch.int64]
         inputs = host[2 * R : 2 * R + 5 * width].reshape(5, width)
         inputs[:4] = 0  # padding feeds token 0 (its K/V go to the scratch column); text tokens: (t, 0, 0)
-        inputs[0, :n] = batch.input_ids
-        inputs[1, :n] = batch.t_index
+        inputs[0, :n] = _ints(batch.input_ids)
+        inputs[1, :n] = _ints(batch.t_index)
         src = inputs[4]
         src[:] = -1
         # Eager steps whose ids are all staged skip the gather; a graph holds it whatever the step.
@@ -197,11 +202,11 @@ class ModelRunner:
         if batch.token_src:
             if previous is None:
                 raise StepError("a planned row feeds a pending token, but no launched step holds it")
-            src[:n] = batch.token_src
+            src[:n] = _ints(batch.token_src)
             src[:n][src[:n] >= 0] += previous.slot * R  # rows of the previous launch's slot
         selector, top_k = host[:R], host[R : 2 * R]
         selector[:] = 0
-        selector[:rows] = batch.rows
+        selector[:rows] = _ints(batch.rows)
         if batch.score_rows:  # prompt_logprobs: after the sampling rows
             selector[rows : rows + len(batch.score_rows)] = batch.score_rows
         params = staged[torch.float32].reshape(3, R)
