@@ -3,9 +3,9 @@
 - A steady `Engine.step()` enters the same Python functions whatever the rows it decodes (sampled
   and greedy rows alike): nothing is called once per row (on 3e02462 the runner asked each row's
   request whether it adjusts sampling and hashed each sampled row's draw in Python).
-- The runner stages sampling parameters and draws from the scheduler's slot table; the row-by-row
-  staging it replaced is kept for plans without a table and is the oracle here, on every step of a
-  mixed workload.
+- The runner stages sampling parameters and draws from the scheduler's slot table
+  (`rows.stage_sampling`); the row-by-row staging it replaced is kept for plans without a table and
+  is the oracle here, on every step of a mixed workload.
 - `uniforms` (the draws as arrays) against `uniform` (the scalar splitmix64 hash).
 - `begin_step` (the cache's one verb for a step) against `declare_step` + `prepare_step`: the
   same staged buffers, and a refusal that changes nothing.
@@ -25,9 +25,9 @@ import torch
 from batchkv import BatchedSequenceCache, CacheConfig
 from batchkv.cache import LayerSpec
 from batchkv.errors import StepError, UnknownSequenceError
-from batchkv.executor import Engine, Request, SamplingParams
+from batchkv.executor import Engine, Request, SamplingParams, runner
 from batchkv.executor.pipeline import OneEach
-from batchkv.executor.runner import ModelRunner
+from batchkv.executor.rows import stage_sampling
 from batchkv.executor.sampling import uniform, uniforms
 from tests.toy_model import ToyModel
 
@@ -90,9 +90,9 @@ def test_a_steady_engine_step_enters_the_same_python_functions_at_4_and_at_64_ro
     assert _steady_step_calls(4, prefix_cache) == _steady_step_calls(64, prefix_cache)
 
 
-def test_sampling_staged_from_the_slot_table_equals_staging_row_by_row_on_every_step():
+def test_sampling_staged_from_the_slot_table_equals_staging_row_by_row_on_every_step(monkeypatch):
     staged = []
-    real = ModelRunner._stage_sampling
+    real = stage_sampling
 
     def both(batch, params, top_k):  # the table's arrays, then the row-by-row oracle on copies
         sampling = real(batch, params, top_k)
@@ -107,7 +107,7 @@ def test_sampling_staged_from_the_slot_table_equals_staging_row_by_row_on_every_
     rng = random.Random(3)
     engine = Engine(ToyModel(seed=0), max_seqs=6, capacity=96, max_step_tokens=32, prefill_chunk=8, device="cpu",
                     use_graphs=False, overlap=True)  # fmt: skip
-    engine.runner._stage_sampling = both
+    monkeypatch.setattr(runner, "stage_sampling", both)
     for i in range(10):  # prompts of several chunks, n > 1 forks, greedy and sampled, queued behind full columns
         params = replace(_params(i, rng.randint(2, 12)), n=1 + (i % 4 == 1))
         engine.submit(Request([rng.randrange(97) for _ in range(rng.randint(3, 20))], params))

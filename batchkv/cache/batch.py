@@ -1,8 +1,7 @@
 """BatchedSequenceCache: BatchControl over a column store.
 
 Host planning (between forwards, never inside a captured region):
-    seq_new, seq_clone, seq_rm, rewind, pos, can_admit, begin_step (= declare_step + prepare_step),
-    commit_step.
+    seq_new, seq_clone, seq_rm, rewind, pos, can_admit, begin_step (declare + prepare), commit_step.
 Device work (per layer, inside the forward, capturable):
     update_and_attend(layer, q, k, v) -- write the step's K/V at its slots, then sdpa_varlen.
 
@@ -250,18 +249,11 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
 
     # ---- step protocol (host) -----------------------------------------------------------------
     def begin_step(self, seq_ids: Sequence[int], width: int) -> None:
-        """Declare the next forward and stage it at `width`, in one verb: what `declare_step(seq_ids)`
-        then `prepare_step(width)` do, with each check of both made once and before anything
-        changes, so a refusal (an id, the width, capacity, rows) leaves the previous declaration
-        standing and the cache as it was. The engine's verb; `commit_step` ends the step.
-        """
+        """`declare_step(seq_ids)` then `prepare_step(width)` in one verb (the engine's), each check
+        made once and before anything changes: a refusal leaves the previous declaration standing."""
         width = int_arg("begin_step: width", width, error=StepError)
         decl, growth = self._checked(seq_ids)
-        if not decl.num_tokens <= width <= self.config.max_width:
-            raise StepError(
-                f"begin_step: width {width} must cover the {decl.num_tokens} declared tokens "
-                f"and be at most max_width={self.config.max_width}"
-            )
+        decl.refuse_width("begin_step", width, self.config.max_width)
         self._declare(decl)
         self._stage(decl, growth, width)
 
@@ -270,13 +262,12 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
 
         Runs of equal ids become segments; a sequence may appear in several runs. A refusal leaves
         the previous declaration standing. O(1) Python: every check is one array operation over
-        the step's tokens, segments or sequences. (`begin_step` declares and prepares in one call.)
+        the step's tokens, segments or sequences.
         """
         self._declare(self._checked(seq_ids)[0])
 
     def _checked(self, seq_ids: Sequence[int]) -> tuple[Declaration, dict[int, int]]:
-        """The declaration of `seq_ids` and the extent heights its sequences must grow to, after
-        every check `declare_step` makes (nothing changes here)."""
+        """`seq_ids`' declaration and the heights its sequences grow to, after declare_step's checks."""
         decl = Declaration.from_ids(seq_ids)
         cfg = self.config
         if decl.num_tokens == 0:
@@ -304,8 +295,7 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
                 )
         return decl, growth
 
-    def _declare(self, decl: Declaration) -> None:
-        """Make `decl` the standing declaration (checked by `_checked`)."""
+    def _declare(self, decl: Declaration) -> None:  # `decl` checked by `_checked`
         self._drop_declaration()
         self._declared[decl.members] = True
         self._declaration = decl
@@ -330,15 +320,10 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
         decl = self._declaration
         if decl is None:
             raise StepError("prepare_step: no step is declared; call declare_step(seq_ids) first")
-        if not decl.num_tokens <= width <= self.config.max_width:
-            raise StepError(
-                f"prepare_step: width {width} must cover the {decl.num_tokens} declared tokens "
-                f"and be at most max_width={self.config.max_width}"
-            )
+        decl.refuse_width("prepare_step", width, self.config.max_width)
         self._stage(decl, self._growth(decl), width)
 
-    def _stage(self, decl: Declaration, growth: dict[int, int], width: int) -> None:
-        """Grow the extents in `growth`, then stage the declared step's device buffers at `width`."""
+    def _stage(self, decl: Declaration, growth: dict[int, int], width: int) -> None:  # grow, then stage
         if growth:
             self._resize(growth)  # grow before staging, so a refusal leaves the cache as it was
         self._buffers.fill(decl, decl.kv_end(self._len), self._placements(), width)

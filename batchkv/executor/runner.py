@@ -41,7 +41,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from batchkv.cache import BatchedSequenceCache
@@ -53,22 +52,18 @@ from batchkv.executor.logprobs import LogprobPlan, LogprobSlots, StepLogprobs
 from batchkv.executor.pipeline import SampledTokens
 from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.roles import LOCAL, Role
-from batchkv.executor.rows import HEAD_CHUNK, Adjust, adjuster, chunkable, head_chunks
-from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform, uniforms
+from batchkv.executor.rows import (
+    HEAD_CHUNK,
+    Adjust,
+    adjuster,
+    any_adjusts,
+    chunkable,
+    head_chunks,
+    ints,
+    stage_sampling,
+)
+from batchkv.executor.sampling import greedy_tokens, sample_tokens
 from batchkv.executor.scheduler import Batch
-
-
-def _ints(values: list[int]) -> np.ndarray:
-    """A plan's list of ints as int64 (`np.fromiter`: about twice as fast as assigning the list)."""
-    return np.fromiter(values, dtype=np.int64, count=len(values))
-
-
-def _adjusts(batch: Batch) -> bool:
-    """True when a sampling row of `batch` adjusts its logits or is constrained (`adjusts_sampling`):
-    one array read of the scheduler's `SlotTable`, or row by row for a plan without one."""
-    if batch.table is not None:
-        return bool(batch.table.adjusts[batch.slots].any())
-    return any(sample.owner.request.params.adjusts_sampling for sample in batch.samples)
 
 
 class StepModel(Protocol):
@@ -193,8 +188,8 @@ class ModelRunner:
         host = staged[torch.int64]
         inputs = host[2 * R : 2 * R + 5 * width].reshape(5, width)
         inputs[:4] = 0  # padding feeds token 0 (its K/V go to the scratch column); text tokens: (t, 0, 0)
-        inputs[0, :n] = _ints(batch.input_ids)
-        inputs[1, :n] = _ints(batch.t_index)
+        inputs[0, :n] = ints(batch.input_ids)
+        inputs[1, :n] = ints(batch.t_index)
         src = inputs[4]
         src[:] = -1
         # Eager steps whose ids are all staged skip the gather; a graph holds it whatever the step.
@@ -202,43 +197,19 @@ class ModelRunner:
         if batch.token_src:
             if previous is None:
                 raise StepError("a planned row feeds a pending token, but no launched step holds it")
-            src[:n] = _ints(batch.token_src)
+            src[:n] = ints(batch.token_src)
             src[:n][src[:n] >= 0] += previous.slot * R  # rows of the previous launch's slot
         selector, top_k = host[:R], host[R : 2 * R]
         selector[:] = 0
-        selector[:rows] = _ints(batch.rows)
+        selector[:rows] = ints(batch.rows)
         if batch.score_rows:  # prompt_logprobs: after the sampling rows
             selector[rows : rows + len(batch.score_rows)] = batch.score_rows
         params = staged[torch.float32].reshape(3, R)
         params[:] = ((0.0,), (1.0,), (0.0,))  # greedy rows: temperature 0, top_p 1, draw 0
         top_k[:] = 0
-        sampling = self._stage_sampling(batch, params, top_k)
+        sampling = stage_sampling(batch, params, top_k)
         self._staging.upload({torch.int64: [(0, 2 * R + 5 * width)], torch.float32: [(0, 3 * R)]})
         return sampling
-
-    @staticmethod
-    def _stage_sampling(batch: Batch, params: np.ndarray, top_k: np.ndarray) -> bool:
-        """Each sampling row's temperature, top_p and draw (`params` [3, R]) and top_k, for rows
-        that sample (greedy rows keep 0, 1, 0 and 0); True when one does. Array work over the
-        scheduler's `SlotTable` columns (`batch.table`); row by row for a plan without one."""
-        table = batch.table
-        if table is None:
-            sampling = False
-            for i, sample in enumerate(batch.samples):
-                p = sample.owner.request.params
-                if not p.greedy:
-                    sampling = True
-                    params[:, i] = (p.temperature, p.top_p, uniform(sample.owner.seed, sample.index, sample.count))
-                    top_k[i] = p.top_k
-            return sampling
-        slots = batch.slots
-        rows = np.flatnonzero(~table.greedy[slots])
-        if not len(rows):
-            return False
-        at = slots[rows]
-        params[0, rows], params[1, rows], top_k[rows] = table.temperature[at], table.top_p[at], table.top_k[at]
-        params[2, rows] = uniforms(table.seed[at], table.index[at], table.read[at] + table.pending[at])
-        return True
 
     _gather = True  # the next step's ids may come from `sampled` (set by `_stage`; other ranks: always)
 
@@ -288,7 +259,7 @@ class ModelRunner:
         plan = self.logprob_slots.stage(batch) if batch.logprob_k else None
         rows = min(self.rows, width) if self.pad_rows else batch.logits_rows
         real = len(batch.rows)
-        adjusts = _adjusts(batch)
+        adjusts = any_adjusts(batch)
         # the host side of an adjusted step is rank 0's (its scheduler holds the matchers and histories)
         self._adjusting = (batch, previous) if adjusts else None
         try:
