@@ -8,8 +8,9 @@ step decodes min(N, MAX_SAMPLE_ROWS) rows, are timed. Each phase is timed by wra
 engine already makes (nothing inside the library is instrumented):
 
     plan      Scheduler.admit + Scheduler.plan
-    declare   BatchedSequenceCache.declare_step
-    prepare   BatchedSequenceCache.prepare_step
+    declare   BatchedSequenceCache.declare_step  (an engine that begins steps in one verb: 0)
+    prepare   BatchedSequenceCache.prepare_step  (likewise)
+    begin     BatchedSequenceCache.begin_step (declare and prepare in one verb; 0 on older trees)
     stage     ModelRunner._stage (the step's inputs into the staging buffers and their upload)
     sample    ModelRunner._device_step (the no-op forward and sampling)
     commit    BatchedSequenceCache.commit_step
@@ -53,7 +54,7 @@ from batchkv.executor import Engine, Request, SamplingParams
 from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.runner import SampledTokens
 
-PHASES = ("plan", "declare", "prepare", "stage", "sample", "commit", "launched", "read", "complete", "events")
+PHASES = ("plan", "declare", "prepare", "begin", "stage", "sample", "commit", "launched", "read", "complete", "events")
 VOCAB = 64
 PROMPT = 8  # tokens per prompt: one prefill step admits them all
 CURRENT: PhaseTimer | None = None  # the timer SampledTokens.read reports to
@@ -110,6 +111,8 @@ def instrument(engine: Engine, timer: PhaseTimer) -> None:
     cache.declare_step = timer.wrap("declare", cache.declare_step)
     cache.prepare_step = timer.wrap("prepare", cache.prepare_step)
     cache.commit_step = timer.wrap("commit", cache.commit_step)
+    if hasattr(cache, "begin_step"):  # (older trees declare and prepare in two calls)
+        cache.begin_step = timer.wrap("begin", cache.begin_step)
     runner._stage = timer.wrap("stage", runner._stage)
     runner._device_step = timer.wrap("sample", runner._device_step)
     finish = "observe_finish" if hasattr(metrics, "observe_finish") else "record_finished"  # (older trees)

@@ -23,9 +23,10 @@ def test_host_bench_smoke_reports_every_phase_of_steady_decode_steps(tmp_path):
     for cell in cells:
         assert cell["rows_decoded_per_step"] == cell["sequences"] == 4  # every step is a steady decode step
         phases = cell["phase_ms"]
-        assert set(phases) == {"plan", "declare", "prepare", "stage", "sample", "commit", "launched", "read",
+        assert set(phases) == {"plan", "declare", "prepare", "begin", "stage", "sample", "commit", "launched", "read",
                                "complete", "events", "other"}  # fmt: skip
-        assert all(phases[name] > 0 for name in ("plan", "declare", "prepare", "stage", "complete"))
+        assert all(phases[name] > 0 for name in ("plan", "begin", "stage", "complete"))
+        assert phases["declare"] == phases["prepare"] == 0  # the engine begins a step in one verb
 
 
 def test_host_bench_serve_smoke_streams_every_token_over_http_and_in_process(tmp_path):

@@ -1,7 +1,7 @@
 """BatchedSequenceCache: BatchControl over a column store.
 
 Host planning (between forwards, never inside a captured region):
-    seq_new, seq_clone, seq_rm, rewind, pos, can_admit, declare_step, prepare_step, commit_step.
+    seq_new, seq_clone, seq_rm, rewind, pos, can_admit, begin_step (declare + prepare), commit_step.
 Device work (per layer, inside the forward, capturable):
     update_and_attend(layer, q, k, v) -- write the step's K/V at its slots, then sdpa_varlen.
 
@@ -248,6 +248,15 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
         return True
 
     # ---- step protocol (host) -----------------------------------------------------------------
+    def begin_step(self, seq_ids: Sequence[int], width: int) -> None:
+        """`declare_step(seq_ids)` then `prepare_step(width)` in one verb (the engine's), each check
+        made once and before anything changes: a refusal leaves the previous declaration standing."""
+        width = int_arg("begin_step: width", width, error=StepError)
+        decl, growth = self._checked(seq_ids)
+        decl.refuse_width("begin_step", width, self.config.max_width)
+        self._declare(decl)
+        self._stage(decl, growth, width)
+
     def declare_step(self, seq_ids: Sequence[int]) -> None:
         """Declare the next forward: one sequence id per packed token, in packed order.
 
@@ -255,6 +264,10 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
         the previous declaration standing. O(1) Python: every check is one array operation over
         the step's tokens, segments or sequences.
         """
+        self._declare(self._checked(seq_ids)[0])
+
+    def _checked(self, seq_ids: Sequence[int]) -> tuple[Declaration, dict[int, int]]:
+        """`seq_ids`' declaration and the heights its sequences grow to, after declare_step's checks."""
         decl = Declaration.from_ids(seq_ids)
         cfg = self.config
         if decl.num_tokens == 0:
@@ -280,8 +293,11 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
                     f"declare_step: the sequences {sorted(growth)} need {more} more rows and the store can give "
                     f"{self.free_rows}; finish or remove sequences, or give the store more rows (pool_rows)"
                 )
+        return decl, growth
+
+    def _declare(self, decl: Declaration) -> None:  # `decl` checked by `_checked`
         self._drop_declaration()
-        self._declared[members] = True
+        self._declared[decl.members] = True
         self._declaration = decl
 
     def _growth(self, decl: Declaration) -> dict[int, int]:
@@ -304,12 +320,10 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
         decl = self._declaration
         if decl is None:
             raise StepError("prepare_step: no step is declared; call declare_step(seq_ids) first")
-        if not decl.num_tokens <= width <= self.config.max_width:
-            raise StepError(
-                f"prepare_step: width {width} must cover the {decl.num_tokens} declared tokens "
-                f"and be at most max_width={self.config.max_width}"
-            )
-        growth = self._growth(decl)
+        decl.refuse_width("prepare_step", width, self.config.max_width)
+        self._stage(decl, self._growth(decl), width)
+
+    def _stage(self, decl: Declaration, growth: dict[int, int], width: int) -> None:  # grow, then stage
         if growth:
             self._resize(growth)  # grow before staging, so a refusal leaves the cache as it was
         self._buffers.fill(decl, decl.kv_end(self._len), self._placements(), width)

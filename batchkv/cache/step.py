@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from batchkv.cache.staging import Staging
-from batchkv.errors import CapacityError, UnknownSequenceError
+from batchkv.errors import CapacityError, StepError, UnknownSequenceError
 
 
 @dataclass(frozen=True, eq=False)
@@ -90,6 +90,14 @@ class Declaration:
             raise CapacityError(
                 f"sequence {seq} needs {ends[i]} positions; capacity is {capacity} "
                 "(raise capacity or finish the sequence)"
+            )
+
+    def refuse_width(self, verb: str, width: int, max_width: int) -> None:
+        """StepError unless `width` covers the declared tokens and is at most `max_width`."""
+        if not self.num_tokens <= width <= max_width:
+            raise StepError(
+                f"{verb}: width {width} must cover the {self.num_tokens} declared tokens "
+                f"and be at most max_width={max_width}"
             )
 
     @property

@@ -1,7 +1,7 @@
 """The engine: requests in, tokens streamed out, many sequences decoding together.
 
 One `step()` launches a step and finishes one. Launching: admit waiting requests while columns are
-free, pack a step (decode tokens first, then prompt chunks), declare and prepare it on the cache,
+free, pack a step (decode tokens first, then prompt chunks), begin it on the cache (`begin_step`),
 queue the forward and sampling on the device (eager, or a replayed CUDA graph), commit, fork n > 1
 requests after their prompt. Finishing: read the step's tokens, record them, and free the columns of
 finished samples. With overlap (`batchkv.executor.pipeline`) a call finishes the step the previous
@@ -17,6 +17,7 @@ from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from batchkv.cache import BatchedSequenceCache
@@ -322,8 +323,8 @@ class Engine:
         return cancelled + events
 
     def _launch(self) -> InFlight | None:
-        """Admit and plan (the scheduler), draft (the speculator), declare and prepare it on the
-        cache, queue it on the device (the runner), commit. None: no step."""
+        """Admit and plan (the scheduler), draft (the speculator), begin it on the cache (declared
+        and staged in one verb), queue it on the device (the runner), commit. None: no step."""
         self.scheduler.admit()
         batch = self.scheduler.plan()
         if batch is None:
@@ -331,8 +332,7 @@ class Engine:
         self.speculator.extend(batch)  # decode rows become verify segments [anchor, drafts...]
         # At least as wide as its logits rows: the LM head runs on min(width, sample rows) rows.
         width = self._bucket(max(len(batch.seq_ids), batch.logits_rows))
-        self.cache.declare_step(batch.seq_ids)
-        self.cache.prepare_step(width)
+        self.cache.begin_step(np.fromiter(batch.seq_ids, np.int64, len(batch.seq_ids)), width)  # (faster than a list)
         previous = self.pipeline.in_flight
         tokens = self.runner.launch(batch, width, previous.tokens if previous is not None else None)
         self.cache.commit_step()
@@ -349,7 +349,7 @@ class Engine:
         read, emit = table.read[batch.slots], table.emit[batch.slots]  # before the step's tokens
         events = self.scheduler.complete(batch, runs, now, step.tokens.logprobs())
         self.speculator.release()
-        self.metrics.observe_finish(now, table, batch.slots, read, emit, events)
+        self.metrics.observe_finish(now, table, batch.slots, read, emit, self.scheduler.finishes)
         return events
 
     def stream(self) -> Iterator[Event]:

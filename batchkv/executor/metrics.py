@@ -99,13 +99,13 @@ class Metrics:
                          decode=batch.decode_tokens, held_columns=launched.held)  # fmt: skip
 
     def observe_finish(
-        self, now: float, table: Any, slots: np.ndarray, read: np.ndarray, emit: np.ndarray, events: list
+        self, now: float, table: Any, slots: np.ndarray, read: np.ndarray, emit: np.ndarray, finishes: list[str]
     ) -> None:
         """A finished step, read at `now`: its sampling rows' slots of the scheduler's `SlotTable`,
         each one's tokens read and newest token time before the step (`read`, `emit`), and the
-        step's events (their finish reasons). Array work over the rows: one inter-token gap per
-        sample that got tokens after an earlier one, one time to first token per request (its
-        sample 0's first)."""
+        finish reasons of the samples it finished (`Scheduler.finishes`). Array work over the rows:
+        one inter-token gap per sample that got tokens after an earlier one, one time to first token
+        per request (its sample 0's first)."""
         got = table.read[slots] - read
         arrived = got > 0
         self.generated_tokens += int(got.sum())
@@ -115,9 +115,7 @@ class Metrics:
         first = arrived & (read == 0) & (table.index[slots] == 0)
         if first.any():
             self.first_token += (now - table.submitted[slots][first]).tolist()
-        for event in events:
-            if event.finish_reason is not None:
-                self.finished[event.finish_reason] += 1
+        self.finished.update(finishes)
 
     def record_step(
         self, start: float, end: float, *, width: int, prefill: int, decode: int, held_columns: int

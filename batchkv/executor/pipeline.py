@@ -42,9 +42,11 @@ blocks (at admission, rarely).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from batchkv.errors import ConfigError
@@ -57,7 +59,7 @@ class StepTokens(Protocol):
 
     slot: int
 
-    def read(self) -> list[list[int]]:
+    def read(self) -> Sequence[list[int]]:
         """Per sampling row (or verify segment), the tokens it emitted; waits for the device."""
         ...
 
@@ -115,12 +117,46 @@ class SampledTokens:
     ) -> None:
         self.host, self.slot, self.event, self._logprobs = host, slot, event, logprobs
 
-    def read(self) -> list[list[int]]:
-        """Each sampling row's token as a one-token list; waits for the step on CUDA."""
+    def read(self) -> OneEach:
+        """Each sampling row's token as a one-token list (`OneEach`); waits for the step on CUDA."""
         if self.event is not None:
             self.event.synchronize()
-        return [[token] for token in self.host.tolist()]
+        return OneEach(self.host.numpy().copy())  # a copy: the pinned slot is reused two launches on
 
     def logprobs(self) -> tuple[list, list] | None:
         """`StepLogprobs.read()` of the step, or None when no row asked; call after `read`."""
         return self._logprobs.read() if self._logprobs is not None else None
+
+
+class OneEach(Sequence[list[int]]):
+    """The runs of a step whose every sampling row emitted one token, kept as one array: `flat`
+    int64 [rows]. As a sequence it is each row's one-token list (what a verify step's accepted
+    runs look like), made only when asked, so a plain step's tokens cross to the scheduler
+    (`Scheduler.complete` reads `flat`) without a Python list per row. Equal to a list of lists
+    with the same tokens."""
+
+    __slots__ = ("flat",)
+
+    def __init__(self, flat: np.ndarray) -> None:
+        self.flat = flat
+
+    def __len__(self) -> int:
+        return len(self.flat)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [[token] for token in self.flat[i].tolist()]
+        return [int(self.flat[i])]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter([[token] for token in self.flat.tolist()])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, OneEach):
+            return bool(np.array_equal(self.flat, other.flat))
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(list(self))

@@ -28,24 +28,28 @@ def record_plain(
     no prompt_logprobs: `SlotTable.plain`), as array work over the rows: tokens recorded, stop
     ids, max_new_tokens and capacity checked together. `token`: each row's, int64. Returns the
     events and the samples that finished."""
-    slots, samples = batch.slots, batch.samples
+    slots = batch.slots
     table.pending[slots] -= 1
     keep = ~table.done[slots]  # finished or cancelled since launch: the token is discarded
     if not keep.all():
-        samples = [samples[i] for i in np.flatnonzero(keep).tolist()]
-        slots, token, sampled = slots[keep], token[keep], [sampled[i] for i in np.flatnonzero(keep).tolist()]
+        slots, token = slots[keep], token[keep]
+        sampled = [sampled[i] for i in np.flatnonzero(keep).tolist()]
     read = table.read[slots] + 1
     table.read[slots], table.last[slots], table.emit[slots] = read, token, now
     stop = (table.stops[slots] == token[:, None]).any(axis=1)
     length = read >= table.max_new[slots]
     full = table.prompt[slots] + read > capacity  # no position left to write it
-    code = np.where(stop, 1, np.where(length, 2, np.where(full, 3, 0)))
-    reasons, values = REASONS[code].tolist(), token.tolist()
-    deque(map(list.append, [sample.tokens for sample in samples], values), maxlen=0)  # each its token
-    finished = []
-    for i in np.flatnonzero(code).tolist():
-        samples[i].finish = reasons[i]
-        finished.append(samples[i])
+    values = token.tolist()
+    deque(map(list.append, table.tokens[slots].tolist(), values), maxlen=0)  # each its token
+    ends = stop | length | full
+    finished: list[SampleState] = []
+    reasons: list[str | None] = [None] * len(values)
+    if ends.any():  # some sample finished (most steps: none)
+        code = np.where(stop, 1, np.where(length, 2, 3))[ends]
+        ended = np.flatnonzero(ends)
+        finished = table.samples[slots[ended]].tolist()
+        for i, sample, reason in zip(ended.tolist(), finished, REASONS[code].tolist(), strict=True):
+            sample.finish = reasons[i] = reason
     out = events(table.request[slots].tolist(), values, reasons, table.index[slots].tolist(), sampled)
     return out, finished
 

@@ -2,11 +2,12 @@
 and sampling, queued without waiting for the device.
 
 Every per-step input lives in fixed-address device tensors sized at the largest width bucket:
-token ids int64 [W], RoPE indexes int64 [3, W] (contiguous per width), the logits selector int64
-[R], the sampling parameters [R], the token sources int64 [W], and the logits out float32 [R,
-vocab] ([HEAD_CHUNK, vocab] when the head runs in chunks), R the engine's logits rows per step
-(min(max_seqs, MAX_SAMPLE_ROWS)). The host writes them through `Staging` (one pinned buffer per
-dtype, copied over asynchronously); nothing else crosses. With a `GraphSet` the forward is captured
+the logits selector int64 [R], the sampling parameters [R], token ids, RoPE indexes and token
+sources as one int64 [5, W] block per width (contiguous, so a step of width W reads a prefix of
+the buffer), and the logits out float32 [R, vocab] ([HEAD_CHUNK, vocab] when the head runs in
+chunks), R the engine's logits rows per step (min(max_seqs, MAX_SAMPLE_ROWS)). The host writes
+them through `Staging` (one pinned buffer per dtype, copied over asynchronously, the int64 one up
+to the step's width); nothing else crosses. With a `GraphSet` the forward is captured
 once per (width bucket, cache generation, module fingerprint) and replayed afterwards; a new mix of
 lengths only changes the contents of the cache's buffers.
 
@@ -51,8 +52,17 @@ from batchkv.executor.logprobs import LogprobPlan, LogprobSlots, StepLogprobs
 from batchkv.executor.pipeline import SampledTokens
 from batchkv.executor.request import MAX_SAMPLE_ROWS
 from batchkv.executor.roles import LOCAL, Role
-from batchkv.executor.rows import HEAD_CHUNK, Adjust, adjuster, chunkable, head_chunks
-from batchkv.executor.sampling import greedy_tokens, sample_tokens, uniform
+from batchkv.executor.rows import (
+    HEAD_CHUNK,
+    Adjust,
+    adjuster,
+    any_adjusts,
+    chunkable,
+    head_chunks,
+    ints,
+    stage_sampling,
+)
+from batchkv.executor.sampling import greedy_tokens, sample_tokens
 from batchkv.executor.scheduler import Batch
 
 
@@ -99,13 +109,13 @@ class ModelRunner:
         self.pad_rows = pad_rows or graphs is not None
         self.rows = R = rows
         w, device = max_width, cache.device
-        # int64: [input_ids w | indexes 3w | logits_rows R | top_k R | token_src w];
-        # float32: [temperature | top_p | draws]
+        # int64: [logits_rows R | top_k R | a step of width W: [5, W] = input_ids, indexes (3 rows),
+        # token_src]; float32: [temperature | top_p | draws]. What a step of width W reads is the
+        # prefix [0, 2R + 5W) of the int64 buffer: one copy per dtype, its bytes following the width.
         self._staging = Staging(self.sizes(w, R), device)
         self._dev_i64 = self._staging.device_buffers[torch.int64]
-        self.logits_rows = self._dev_i64[4 * w : 4 * w + R]
-        self.top_k = self._dev_i64[4 * w + R : 4 * w + 2 * R]
-        self.token_src = self._dev_i64[4 * w + 2 * R :]  # -1: the staged id; else a row of `sampled`
+        self.logits_rows = self._dev_i64[:R]
+        self.top_k = self._dev_i64[R : 2 * R]
         self.temperature, self.top_p, self.draws = self._staging.device_buffers[torch.float32].view(3, R).unbind(0)
         self.chunked = R > HEAD_CHUNK and chunkable(model)  # steps past HEAD_CHUNK rows run the head in chunks
         buffer_rows = self.logit_rows(R, self.chunked)
@@ -130,7 +140,7 @@ class ModelRunner:
     @staticmethod
     def sizes(max_width: int, rows: int) -> dict[torch.dtype, int]:
         """Elements per dtype of the staged step inputs."""
-        return {torch.int64: 5 * max_width + 2 * rows, torch.float32: 3 * rows}
+        return {torch.int64: 2 * rows + 5 * max_width, torch.float32: 3 * rows}
 
     @staticmethod
     def nbytes(max_width: int, vocab_size: int, rows: int = MAX_SAMPLE_ROWS, chunked: bool = False) -> int:
@@ -149,11 +159,19 @@ class ModelRunner:
         self.adapters = AdapterGuard(fingerprint, lambda: [m for _, m in fingerprint.modules()])
         self._bound: tuple[int, int] | None = None  # (generation, fingerprint) the kept graphs bind
 
+    def _inputs(self, width: int) -> torch.Tensor:
+        """The device inputs of a step of `width`: int64 [5, width] (ids, indexes t/h/w, token_src)."""
+        return self._dev_i64[2 * self.rows : 2 * self.rows + 5 * width].view(5, width)
+
     def input_ids(self, width: int) -> torch.Tensor:
-        return self._dev_i64[:width]
+        return self._inputs(width)[0]
 
     def indexes(self, width: int) -> torch.Tensor:
-        return self._dev_i64[self.max_width : self.max_width + 3 * width].view(3, width)
+        return self._inputs(width)[1:4]
+
+    def token_src(self, width: int) -> torch.Tensor:
+        """Per packed row: -1 (the staged id), else the row of `sampled` (both slots, flat) it takes."""
+        return self._inputs(width)[4]
 
     @property
     def captures(self) -> int:
@@ -166,42 +184,40 @@ class ModelRunner:
     def _stage(self, batch: Batch, width: int, previous: SampledTokens | None) -> bool:
         """Write the step's inputs to the device buffers; True when some row samples (not greedy)."""
         staged = self._staging.begin()  # waits for the previous upload (queued before the last forward)
-        w, n, rows, R = self.max_width, len(batch.input_ids), len(batch.rows), self.rows
+        n, rows, R = len(batch.input_ids), len(batch.rows), self.rows
         host = staged[torch.int64]
-        host[:width] = 0  # padding feeds token 0; its K/V go to the scratch column
-        host[:n] = batch.input_ids
-        index = host[w : w + 3 * width].reshape(3, width)
-        index[:] = 0  # text tokens: (t, 0, 0)
-        index[0, :n] = batch.t_index
-        src = host[4 * w + 2 * R : 4 * w + 2 * R + width]
+        inputs = host[2 * R : 2 * R + 5 * width].reshape(5, width)
+        inputs[:4] = 0  # padding feeds token 0 (its K/V go to the scratch column); text tokens: (t, 0, 0)
+        inputs[0, :n] = ints(batch.input_ids)
+        inputs[1, :n] = ints(batch.t_index)
+        src = inputs[4]
         src[:] = -1
+        # Eager steps whose ids are all staged skip the gather; a graph holds it whatever the step.
+        self._gather = bool(batch.token_src) or self.graphs is not None
         if batch.token_src:
             if previous is None:
                 raise StepError("a planned row feeds a pending token, but no launched step holds it")
-            src[:n] = batch.token_src
+            src[:n] = ints(batch.token_src)
             src[:n][src[:n] >= 0] += previous.slot * R  # rows of the previous launch's slot
-        selector, top_k = host[4 * w : 4 * w + R], host[4 * w + R : 4 * w + 2 * R]
+        selector, top_k = host[:R], host[R : 2 * R]
         selector[:] = 0
-        selector[:rows] = batch.rows
+        selector[:rows] = ints(batch.rows)
         if batch.score_rows:  # prompt_logprobs: after the sampling rows
             selector[rows : rows + len(batch.score_rows)] = batch.score_rows
         params = staged[torch.float32].reshape(3, R)
         params[:] = ((0.0,), (1.0,), (0.0,))  # greedy rows: temperature 0, top_p 1, draw 0
         top_k[:] = 0
-        sampling = False
-        for i, sample in enumerate(batch.samples):
-            p = sample.owner.request.params
-            if p.greedy:
-                continue
-            sampling = True
-            params[:, i] = (p.temperature, p.top_p, uniform(sample.owner.seed, sample.index, sample.count))
-            top_k[i] = p.top_k
-        self._staging.upload()
+        sampling = stage_sampling(batch, params, top_k)
+        self._staging.upload({torch.int64: [(0, 2 * R + 5 * width)], torch.float32: [(0, 3 * R)]})
         return sampling
+
+    _gather = True  # the next step's ids may come from `sampled` (set by `_stage`; other ranks: always)
 
     def _ids(self, width: int) -> torch.Tensor:
         """The step's token ids: staged, or gathered from the previous launch's sampled tokens."""
-        src = self.token_src[:width]
+        if not self._gather:
+            return self.input_ids(width)
+        src = self.token_src(width)
         return torch.where(src >= 0, self.sampled.view(-1).index_select(0, src.clamp(min=0)), self.input_ids(width))
 
     def _forward(self, width: int, rows: int) -> torch.Tensor:
@@ -232,7 +248,8 @@ class ModelRunner:
         """Queue the declared-and-prepared step at `width`: forward, sampling into a slot of
         `sampled`, and the copy of its tokens to the host. Returns the handle that reads them.
 
-        The cache must have been given `declare_step(batch.seq_ids)` and `prepare_step(width)`.
+        The cache must have been given `begin_step(batch.seq_ids, width)` (or `declare_step` and
+        `prepare_step`).
         `previous`: the launch whose tokens `batch.token_src` rows feed (it must not have been
         followed by another launch); this one takes the other slot, so a launch that raises
         leaves `previous`'s tokens in place for a retry. No host synchronisation on CUDA.
@@ -242,7 +259,7 @@ class ModelRunner:
         plan = self.logprob_slots.stage(batch) if batch.logprob_k else None
         rows = min(self.rows, width) if self.pad_rows else batch.logits_rows
         real = len(batch.rows)
-        adjusts = any(sample.owner.request.params.adjusts_sampling for sample in batch.samples)
+        adjusts = any_adjusts(batch)
         # the host side of an adjusted step is rank 0's (its scheduler holds the matchers and histories)
         self._adjusting = (batch, previous) if adjusts else None
         try:
@@ -371,8 +388,7 @@ class ModelRunner:
                 for i, seq in enumerate(seqs):
                     n = min(share, width - i * share)
                     batch.add(seq, [0] * n, list(range(n)))
-                self.cache.declare_step(batch.seq_ids)
-                self.cache.prepare_step(width)
+                self.cache.begin_step(batch.seq_ids, width)
                 self.tp.read(self.launch(batch, width))  # bounded under tensor parallelism
             finally:
                 for seq in seqs:

@@ -16,6 +16,7 @@ inside a captured graph; it does not need to.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -40,6 +41,23 @@ def uniform(seed: int, sample: int, index: int, stream: int = 0) -> float:
     if stream:
         h = _splitmix64(h ^ stream)
     return (h >> 40) / float(1 << 24)
+
+
+def _splitmix64_array(x: np.ndarray) -> np.ndarray:
+    """`_splitmix64` of each element of uint64 `x` (NumPy's uint64 arithmetic wraps mod 2**64)."""
+    z = x + np.uint64(_GOLDEN)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def uniforms(seed: np.ndarray, sample: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """`uniform(seed[i], sample[i], index[i])` for every i (stream 0), as array work: float64,
+    each value exact in float32. seed: uint64; sample, index: non-negative integers."""
+    with np.errstate(over="ignore"):
+        h = _splitmix64_array(_splitmix64_array(seed) ^ sample.astype(np.uint64))
+        h = _splitmix64_array(h ^ index.astype(np.uint64))
+    return (h >> np.uint64(40)).astype(np.float64) / float(1 << 24)
 
 
 def sample_tokens(

@@ -107,12 +107,12 @@ class Scheduler(Admission):
         self.cancelled: list[Event] = []
         self.scoring = 0  # live requests that ask for logprobs or prompt_logprobs
         self._retired: list[SampleState] = []  # samples of retired requests whose slots a launched step may name
+        self.finishes: list[str] = []  # the finish reasons of the samples the last `complete` finished
 
     @property
     def running(self) -> list[SampleState]:
         """The running samples (prompt written, not finished), in round-robin order."""
-        samples = self.table.samples
-        return [samples[slot] for slot in self._running.tolist()]
+        return self.table.samples[self._running].tolist()
 
     # ---- admission -----------------------------------------------------------------------------
     def add(self, state: RequestState) -> None:
@@ -125,7 +125,7 @@ class Scheduler(Admission):
                 sample, t0=request.rope_offset + prompt - 1, max_new=params.max_new_tokens, prompt=prompt,
                 limit=min(params.max_new_tokens, self.cache.capacity - prompt + 1), priority=request.priority,
                 request=state.id, submitted=state.submitted, stops=params.stop_token_ids,
-                plain=state.grammar is None and params.prompt_logprobs is None,
+                plain=state.grammar is None and params.prompt_logprobs is None, params=params, seed=state.seed,
             )  # fmt: skip
         self.queue(state)
         self.live[state.id] = state
@@ -226,9 +226,8 @@ class Scheduler(Admission):
         batch.input_ids = np.where(waits, 0, table.last[taken]).tolist()
         batch.t_index = (table.t0[taken] + table.read[taken] + pending).tolist()
         batch.rows = list(range(take))
-        samples = table.samples
-        batch.samples = [samples[slot] for slot in taken.tolist()]
-        batch.slots = taken
+        batch.samples = table.samples[taken].tolist()
+        batch.slots, batch.table = taken, table
         batch.decode_tokens = take
         return np.where(waits, table.src[taken], -1).tolist() if waits.any() else None
 
@@ -312,11 +311,14 @@ class Scheduler(Admission):
             state.prompt_logprobs += scored[at : at + count]
             at += count
         slots = batch.slots
-        flat = np.fromiter(chain.from_iterable(tokens), dtype=np.int64)
+        flat = getattr(tokens, "flat", None)  # `OneEach`: one token a row, as an array already
+        if flat is None:
+            flat = np.fromiter(chain.from_iterable(tokens), dtype=np.int64)
         if len(flat) == len(tokens) and self.table.plain[slots].all():  # one token a row (a run has >= 1)
             events, finished = record_plain(self.table, batch, flat, now, sampled, self.cache.capacity)
         else:
             events, finished = record_runs(self.table, batch, tokens, now, sampled, self.cache.capacity)
+        self.finishes = [sample.finish for sample in finished]  # one event each carries its reason
         for sample in finished:
             if sample.seq >= 0:
                 self._release(sample)

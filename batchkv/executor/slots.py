@@ -21,6 +21,12 @@ walking objects (vLLM v1's input batch keeps the same kind of state by request s
     plain    bool   nothing but plain decode: no constraint and no prompt_logprobs (`complete`'s
                     array path takes its rows)
     stops    int64 [slots, K]  its stop ids, padded with -1 (K grows to the most any sample has)
+    temperature, top_p  float64; top_k int64; greedy bool; seed uint64: its request's sampling
+                    parameters and seed, which the runner stages for its row (the draw of token i
+                    is `sampling.uniforms(seed, index, read + pending)`)
+    adjusts  bool   its request adjusts sampling (penalties, logit_bias, min_tokens, min_p, a
+                    constraint): a step with such a row runs the runner's adjusted path
+    samples, tokens object  its `SampleState` (None when free) and that sample's token list
 
 A slot changes when its sample changes (added, admitted, forked, sampled, read, finished,
 cancelled), never by a per-step walk. `SampleState` (the sample's identity: its tokens, its
@@ -36,9 +42,13 @@ import numpy as np
 
 INT_COLUMNS = (
     "seq", "read", "pending", "last", "t0", "limit", "max_new", "prompt", "src", "priority", "request", "index",
+    "top_k",
 )  # fmt: skip
-FLOAT_COLUMNS = ("emit", "submitted")
-BOOL_COLUMNS = ("done", "plain")
+FLOAT_COLUMNS = ("emit", "submitted", "temperature", "top_p")
+BOOL_COLUMNS = ("done", "plain", "greedy", "adjusts")
+UINT_COLUMNS = ("seed",)
+OBJECT_COLUMNS = ("samples", "tokens")  # not in `row`: a freed sample keeps its own
+NUMBER_COLUMNS = (*INT_COLUMNS, *FLOAT_COLUMNS, *BOOL_COLUMNS, *UINT_COLUMNS)
 
 
 class SlotTable:
@@ -46,29 +56,25 @@ class SlotTable:
 
     def __init__(self, size: int = 64) -> None:
         self.size = 0
-        self.samples: list[Any] = []  # the SampleState of each slot (None when free)
         self._free: list[int] = []
         self.stops = np.full((0, 1), -1, dtype=np.int64)
-        for name in INT_COLUMNS:
-            setattr(self, name, np.zeros(0, dtype=np.int64))
-        for name in FLOAT_COLUMNS:
-            setattr(self, name, np.zeros(0, dtype=np.float64))
-        for name in BOOL_COLUMNS:
-            setattr(self, name, np.zeros(0, dtype=bool))
+        for names, dtype in ((INT_COLUMNS, np.int64), (FLOAT_COLUMNS, np.float64), (BOOL_COLUMNS, bool),
+                             (UINT_COLUMNS, np.uint64), (OBJECT_COLUMNS, object)):  # fmt: skip
+            for name in names:
+                setattr(self, name, np.zeros(0, dtype=dtype))
         self._grow(size)
 
     def _grow(self, size: int) -> None:
         old = self.size
-        for name in (*INT_COLUMNS, *FLOAT_COLUMNS, *BOOL_COLUMNS):
+        for name in (*NUMBER_COLUMNS, *OBJECT_COLUMNS):
             column = getattr(self, name)
-            grown = np.zeros(size, dtype=column.dtype)
+            grown = np.zeros(size, dtype=column.dtype)  # object columns: None
             grown[:old] = column
             setattr(self, name, grown)
         stops = np.full((size, self.stops.shape[1]), -1, dtype=np.int64)
         stops[:old] = self.stops
         self.stops = stops
         self.seq[old:] = -1
-        self.samples += [None] * (size - old)
         self._free += range(size - 1, old - 1, -1)  # popped lowest first
         self.size = size
 
@@ -78,12 +84,21 @@ class SlotTable:
         return self.size - len(self._free)
 
     def take(self, sample: Any, *, t0: int, limit: int, max_new: int, prompt: int, priority: int, request: int,
-             submitted: float, stops: tuple[int, ...], plain: bool) -> int:  # fmt: skip
-        """A slot for `sample` (a new sample of a request just added), its columns set."""
+             submitted: float, stops: tuple[int, ...], plain: bool, params: Any = None,
+             seed: int = 0) -> int:  # fmt: skip
+        """A slot for `sample` (a new sample of a request just added), its columns set. `params`:
+        its request's `SamplingParams` (None: greedy, adjusting nothing), `seed` its request's."""
         if not self._free:
             self._grow(max(2 * self.size, 1))
         slot = self._free.pop()
-        self.samples[slot] = sample
+        self.samples[slot], self.tokens[slot] = sample, sample.tokens
+        if params is None:
+            self.temperature[slot], self.top_p[slot], self.top_k[slot] = 0.0, 1.0, 0
+            self.greedy[slot], self.adjusts[slot] = True, False
+        else:
+            self.temperature[slot], self.top_p[slot], self.top_k[slot] = params.temperature, params.top_p, params.top_k
+            self.greedy[slot], self.adjusts[slot] = params.greedy, params.adjusts_sampling
+        self.seed[slot] = seed
         sample.table, sample.slot, sample.detached = self, slot, {}
         for name in ("read", "pending", "last", "src"):
             getattr(self, name)[slot] = 0
@@ -102,12 +117,14 @@ class SlotTable:
 
     def give(self, slot: int) -> None:
         """Free `slot` (its sample keeps its last values, read through `SampleState`)."""
-        self.samples[slot] = None
+        self.samples[slot] = self.tokens[slot] = None
         self._free.append(slot)
 
     def row(self, slot: int) -> dict[str, Any]:
         """The slot's values by column name, as Python numbers (what a freed sample keeps)."""
-        out: dict[str, Any] = {name: getattr(self, name)[slot].item() for name in (*INT_COLUMNS, *FLOAT_COLUMNS)}
+        out: dict[str, Any] = {
+            name: getattr(self, name)[slot].item() for name in (*INT_COLUMNS, *FLOAT_COLUMNS, *UINT_COLUMNS)
+        }
         out.update((name, bool(getattr(self, name)[slot])) for name in BOOL_COLUMNS)
         return out
 

@@ -127,8 +127,10 @@ class Batch:
     t_index: list[int] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)  # packed row whose logits each sample row reads
     samples: list[SampleState] = field(default_factory=list)  # who samples at each row (segment)
-    # Per sampling row: its sample's slot in the scheduler's `SlotTable` (int64, as `samples`).
+    # Per sampling row: its sample's slot in the scheduler's `SlotTable` (int64, as `samples`), and
+    # that table (None for a step no scheduler planned: the runner then reads `samples` one by one).
     slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    table: SlotTable | None = None
     # Logits rows of each sample's segment, in `rows` order: 1 for plain decode and prompt rows,
     # 1 + drafts for a verify segment [anchor, d1 .. dk] (set by the speculator).
     spans: list[int] = field(default_factory=list)

@@ -34,8 +34,8 @@ from batchkv.cache.staging import Staging
 from batchkv.errors import ConfigError, TensorParallelError
 from batchkv.tp.channel import PlanChannel
 
-MIRRORED = ("seq_new", "seq_clone", "seq_rm", "rewind", "reserve", "declare_step", "prepare_step", "commit_step",
-            "_set_length")  # fmt: skip  # every BatchedSequenceCache method that changes its state
+MIRRORED = ("seq_new", "seq_clone", "seq_rm", "rewind", "reserve", "begin_step", "declare_step", "prepare_step",
+            "commit_step", "_set_length")  # fmt: skip  # every BatchedSequenceCache method that changes its state
 CHECKED = ("seq_new", "seq_clone")  # their results (ids) must agree on every rank
 
 

@@ -175,8 +175,7 @@ class DFlashProposer:
         h["t"][n:width] = 0
         h["rows"][r:rows] = 0
         self._staging.upload()
-        self.cache.declare_step(seq_ids)
-        self.cache.prepare_step(width)
+        self.cache.begin_step(seq_ids, width)
         self.tp.run(self._device_step, width, rows if r else 0)
         self.cache.commit_step()
         for _, st, k in segments:

@@ -1,0 +1,179 @@
+"""The engine's host step as array work: what changed to make it so, each against what it replaced.
+
+- A steady `Engine.step()` enters the same Python functions whatever the rows it decodes (sampled
+  and greedy rows alike): nothing is called once per row (on 3e02462 the runner asked each row's
+  request whether it adjusts sampling and hashed each sampled row's draw in Python).
+- The runner stages sampling parameters and draws from the scheduler's slot table
+  (`rows.stage_sampling`); the row-by-row staging it replaced is kept for plans without a table and
+  is the oracle here, on every step of a mixed workload.
+- `uniforms` (the draws as arrays) against `uniform` (the scalar splitmix64 hash).
+- `begin_step` (the cache's one verb for a step) against `declare_step` + `prepare_step`: the
+  same staged buffers, and a refusal that changes nothing.
+- `OneEach` (a plain step's tokens as one array) reads as the list of one-token lists it replaced.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from batchkv import BatchedSequenceCache, CacheConfig
+from batchkv.cache import LayerSpec
+from batchkv.errors import StepError, UnknownSequenceError
+from batchkv.executor import Engine, Request, SamplingParams, runner
+from batchkv.executor.pipeline import OneEach
+from batchkv.executor.rows import stage_sampling
+from batchkv.executor.sampling import uniform, uniforms
+from tests.toy_model import ToyModel
+
+VOCAB = 32
+
+
+class NoOpModel:
+    """A `StepModel` whose forward costs nothing: fixed logits [rows, vocab], the cache untouched."""
+
+    vocab_size = VOCAB
+    max_positions = 4096
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self._logits = torch.linspace(0.0, 1.0, VOCAB).repeat(1024, 1)
+
+    def cache_spec(self) -> dict:
+        return {"num_layers": 1, "kv_heads": 1, "head_dim": 16, "dtype": torch.float32}
+
+    def __call__(self, input_ids, indexes, cache, logits_rows) -> torch.Tensor:
+        return self._logits[: logits_rows.shape[0]]
+
+
+def _params(i: int, max_new: int) -> SamplingParams:
+    """Every third row greedy, the others sampled with their own seed, temperature, top-k and top-p."""
+    if i % 3 == 0:
+        return SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    return SamplingParams(max_new_tokens=max_new, ignore_eos=True, temperature=0.5 + 0.1 * (i % 5),
+                          top_k=i % 7, top_p=0.8 if i % 2 else 1.0, seed=1000 + i)  # fmt: skip
+
+
+def _steady_step_calls(rows: int, prefix_cache: bool) -> int:
+    """Python functions of the package entered by one steady decode step of `rows` samples."""
+    engine = Engine(NoOpModel(), max_seqs=rows, capacity=64, max_step_tokens=max(64, 4 * rows), prefill_chunk=4,
+                    use_graphs=False, overlap=False, prefix_cache=prefix_cache, device="cpu")  # fmt: skip
+    for i in range(rows):
+        engine.submit(Request([(5 * i + j) % VOCAB for j in range(3)] + [i % VOCAB], _params(i, 40)))
+    for _ in range(4):  # admission, the prompts, the first decode steps
+        engine.step()
+    assert engine.num_running == rows and engine.num_waiting == 0
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        if event == "call" and "batchkv" in frame.f_code.co_filename:
+            calls += 1
+
+    sys.setprofile(count)
+    try:
+        events = engine.step()
+    finally:
+        sys.setprofile(None)
+    assert len(events) == rows  # a steady step: one token for every sample
+    engine.close()
+    return calls
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_a_steady_engine_step_enters_the_same_python_functions_at_4_and_at_64_rows(prefix_cache):
+    assert _steady_step_calls(4, prefix_cache) == _steady_step_calls(64, prefix_cache)
+
+
+def test_sampling_staged_from_the_slot_table_equals_staging_row_by_row_on_every_step(monkeypatch):
+    staged = []
+    real = stage_sampling
+
+    def both(batch, params, top_k):  # the table's arrays, then the row-by-row oracle on copies
+        sampling = real(batch, params, top_k)
+        assert batch.table is not None
+        want_params, want_top_k = np.full_like(params, 0.0), np.zeros_like(top_k)
+        want_params[1] = 1.0
+        assert real(replace(batch, table=None), want_params, want_top_k) == sampling
+        assert np.array_equal(params, want_params) and np.array_equal(top_k, want_top_k)
+        staged.append(len(batch.rows))
+        return sampling
+
+    rng = random.Random(3)
+    engine = Engine(ToyModel(seed=0), max_seqs=6, capacity=96, max_step_tokens=32, prefill_chunk=8, device="cpu",
+                    use_graphs=False, overlap=True)  # fmt: skip
+    monkeypatch.setattr(runner, "stage_sampling", both)
+    for i in range(10):  # prompts of several chunks, n > 1 forks, greedy and sampled, queued behind full columns
+        params = replace(_params(i, rng.randint(2, 12)), n=1 + (i % 4 == 1))
+        engine.submit(Request([rng.randrange(97) for _ in range(rng.randint(3, 20))], params))
+    events = engine.run_until_done()
+    engine.assert_idle()
+    assert len(staged) > 10 and max(staged) > 1 and sum(e.finish_reason == "length" for e in events) == 13  # 3 of n=2
+
+
+def test_uniforms_equal_the_scalar_hash_for_every_seed_sample_and_index():
+    rng = random.Random(7)
+    seeds = [0, 1, 2**63 - 1, 2**64 - 1] + [rng.getrandbits(64) for _ in range(500)]
+    samples = [rng.randrange(8) for _ in seeds]
+    indexes = [rng.randrange(1 << 20) for _ in seeds]
+    got = uniforms(np.array(seeds, dtype=np.uint64), np.array(samples), np.array(indexes))
+    assert got.tolist() == [uniform(*row) for row in zip(seeds, samples, indexes, strict=True)]
+
+
+def _cache() -> BatchedSequenceCache:
+    layers = (LayerSpec("flat"), LayerSpec("ring", window=6))
+    cfg = CacheConfig(num_layers=2, kv_heads=1, head_dim=8, max_seqs=4, capacity=64, max_write=8,
+                      dtype=torch.float32, max_width=16, layers=layers)  # fmt: skip
+    return BatchedSequenceCache(cfg, "cpu", attention="reference")
+
+
+def _staged(cache: BatchedSequenceCache) -> list:
+    buffers = cache._buffers
+    return [buffers.positions.clone(), buffers.slots.clone(), buffers.seq_info.clone(), cache.prepared]
+
+
+def test_begin_step_stages_what_declare_then_prepare_stage():
+    one, two = _cache(), _cache()
+    for cache in (one, two):
+        a, b = cache.seq_new(), cache.seq_new(reach=40)
+    for ids, width in (([a, a, a, b], 4), ([b, a], 8), ([a] * 8 + [b] * 3, 16), ([b, a, b], 4)):
+        one.begin_step(ids, width)
+        two.declare_step(ids)
+        two.prepare_step(width)
+        for x, y in zip(_staged(one), _staged(two), strict=True):
+            assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        one.commit_step()
+        two.commit_step()
+        assert one._lengths == two._lengths and one.reach(a) == two.reach(a)
+
+
+@pytest.mark.parametrize(
+    ("ids", "width", "error"),
+    [([0, 0], 1, StepError), ([0, 0], 17, StepError), ([0, 3], 2, UnknownSequenceError), ([], 1, StepError)],
+)
+def test_a_refused_begin_step_leaves_the_previous_step_standing(ids, width, error):
+    cache = _cache()
+    a = cache.seq_new()
+    cache.seq_new()
+    cache.begin_step([a, a, 1], 4)
+    before = _staged(cache)
+    with pytest.raises(error):
+        cache.begin_step(ids, width)
+    for x, y in zip(before, _staged(cache), strict=True):
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+    cache.commit_step()  # the standing step commits as it was declared
+    assert cache._lengths == {a: 2, 1: 1}
+
+
+def test_one_each_reads_as_the_list_of_one_token_lists_it_replaced():
+    runs = OneEach(np.array([5, 0, 31], dtype=np.int64))
+    lists = [[5], [0], [31]]
+    assert runs == lists and lists == list(runs) and len(runs) == 3
+    assert runs[1] == [0] and runs[-1] == [31] and runs[1:] == [[0], [31]]
+    assert all(type(token) is int for run in runs for token in run)
+    assert runs != [[5], [0], [30]] and runs == OneEach(np.array([5, 0, 31]))
