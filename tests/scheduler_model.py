@@ -16,7 +16,7 @@ from batchkv.executor.logprobs import row_ks
 from batchkv.executor.prefix import NO_MATCH, NoPrefixCache, PrefixCache
 from batchkv.executor.request import MAX_SAMPLE_ROWS, Event, Logprobs, Request
 from batchkv.executor.scheduler import HEAD_SHARE, default_prefill_budget
-from batchkv.executor.state import Batch
+from batchkv.executor.state import StepPlan
 
 
 @dataclass(eq=False)
@@ -220,9 +220,9 @@ class ModelScheduler:
         prefilling = [state for state in self.prefilling if state.request.priority == level]
         return prefilling, deque(sample for sample in self.running if sample.owner.request.priority == level)
 
-    def plan(self) -> Batch | None:
+    def plan(self) -> StepPlan | None:
         """Pack the next step, or None when nothing is admitted."""
-        batch = Batch()
+        batch = StepPlan()
         prefilling, urgent = self._urgent()
         running = self.running if urgent is None else urgent
         # A step's sampling rows fit its width (the LM head runs on min(width, sample_rows) rows).
@@ -309,7 +309,7 @@ class ModelScheduler:
         return chunks
 
     # ---- completion ----------------------------------------------------------------------------
-    def launched(self, batch: Batch) -> None:
+    def launched(self, batch: StepPlan) -> None:
         """Apply what a queued and committed step changes before its tokens are read: prompt
         progress, one pending token per sampling row, forks after a finished prompt, and the
         columns of samples that cannot be fed again (max_new_tokens or capacity reached: their
@@ -330,7 +330,7 @@ class ModelScheduler:
         self.running = deque(s for s in self.running if s.seq >= 0)
 
     def complete(
-        self, batch: Batch, tokens: list[list[int]], now: float, logprobs: tuple[list, list] | None = None
+        self, batch: StepPlan, tokens: list[list[int]], now: float, logprobs: tuple[list, list] | None = None
     ) -> list[Event]:
         """Apply a launched step's tokens, read on the host: record each sample's new tokens (one,
         or a verify segment's accepted run), finish, free. A finish truncates the run; a sample that

@@ -211,7 +211,7 @@ def test_two_ranks_sample_and_score_258_rows_a_step_as_one_process_does(tmp_path
     expected = run(Engine(HFModel(hf), **opts), requests)
     rows: list[int] = []
     with Engine(str(tmp_path), tensor_parallel=2, **opts) as engine:
-        assert engine.tp.world == 2 and engine.runner.chunked
+        assert engine.role.world == 2 and engine.runner.chunked
         got = run(engine, requests, rows, poison=True)
     assert max(rows) == 258  # two chunks of 129
     for i, (a, b) in enumerate(zip(expected, got, strict=True)):

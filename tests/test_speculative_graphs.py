@@ -63,6 +63,6 @@ def test_the_drafter_gets_its_own_graph_set_whenever_the_engine_has_one(monkeypa
         metrics=engine.metrics,
         buckets=engine.buckets,
         prefill_chunk=8,
-        role=engine.tp,
+        role=engine.role,
     )  # empty graphs: falsy
     assert speculator.proposer.runner.graphs is not None and speculator.runner.graphs is not None

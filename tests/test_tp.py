@@ -65,7 +65,7 @@ def greedy(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 def tp_engine(source, world: int, **options) -> Engine:
     engine = Engine(source, tensor_parallel=world, **ENGINE, **options)
-    assert engine.tp.world == world and dist.get_world_size() == world
+    assert engine.role.world == world and dist.get_world_size() == world
     return engine
 
 
@@ -104,7 +104,7 @@ def test_two_ranks_replicate_a_single_kv_head_and_agree_with_one_process_to_fp32
     want = first_logits(reference, prompt)
     with tp_engine(one_kv_head, 2) as engine:
         assert engine.cache.config.kv_heads == 1 and model.config.kv_heads == 1  # one head, held by both ranks
-        environ = Path(f"/proc/{engine.tp.group.procs[0].pid}/environ").read_bytes().split(b"\0")
+        environ = Path(f"/proc/{engine.role.group.procs[0].pid}/environ").read_bytes().split(b"\0")
         assert {b"NCCL_NVLS_ENABLE=0", b"TORCH_SYMM_MEM_DISABLE_MULTICAST=1", b"NVSHMEM_DISABLE_NVLS=1"} <= set(environ)
         assert outputs(engine, plan) == expected
         assert engine.metrics.prefix_hits >= 2 and engine.metrics.prefix_hits == reference.metrics.prefix_hits

@@ -57,7 +57,7 @@ def step_until_it_fails(engine: Engine, limit: int = 40) -> None:
 def test_a_rank_that_raises_mid_step_stops_every_rank_and_rank_0_says_which_and_why():
     before = children()
     engine = Engine(functools.partial(faulty, after=3), tensor_parallel=2, **ENGINE)
-    procs = list(engine.tp.group.procs)
+    procs = list(engine.role.group.procs)
     assert children() - before == {p.pid for p in procs}
     start = time.monotonic()
     with pytest.raises(TensorParallelError, match="rank 1 raised RuntimeError: an injected fault in the forward"):
@@ -75,7 +75,7 @@ def test_a_rank_killed_between_steps_ends_the_engine_with_its_exit_code_and_no_p
     engine.submit(Request(list(range(1, 20)), SamplingParams(max_new_tokens=30, ignore_eos=True)))
     for _ in range(3):
         engine.step()
-    rank = engine.tp.group.procs[0]
+    rank = engine.role.group.procs[0]
     os.kill(rank.pid, signal.SIGKILL)
     rank.join(10.0)
     start = time.monotonic()

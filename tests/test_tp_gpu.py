@@ -53,7 +53,7 @@ def test_a_rank_killed_on_the_gpu_ends_the_engine_within_seconds():
         engine.submit(Request(list(range(1, 20)), SamplingParams(max_new_tokens=60, ignore_eos=True)))
         for _ in range(4):
             engine.step()
-        os.kill(engine.tp.group.procs[0].pid, signal.SIGKILL)
+        os.kill(engine.role.group.procs[0].pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(TensorParallelError, match="rank 1"):
             for _ in range(100):

@@ -2,7 +2,7 @@
 
 `Declaration` is pure bookkeeping (NumPy arrays, no tensors): what `declare_step` was given, one
 sequence id per packed token, run-length encoded into segments with array operations (the cache's
-word; the executor's plan of a step, `batchkv.executor.state.Batch`, is the layer above it).
+word; the executor's plan of a step, `batchkv.executor.state.StepPlan`, is the layer above it).
 `StepBuffers` owns the fixed-address device tensors a captured graph reads (positions, write slots,
 `seq_info` per layer group) and fills them through `Staging`: one host-to-device copy per live span,
 from pinned memory on CUDA. A fill writes and uploads only what

@@ -210,7 +210,7 @@ def build_runner(
     with allocating("the step inputs and logits", nbytes, "lower max_step_tokens, or free device memory"):
         if speculative is None:
             pad_rows = cache.device.type == "cuda"
-            runner = ModelRunner(model, cache, buckets[-1], graphs=graphs, pad_rows=pad_rows, rows=rows, tp=role)
+            runner = ModelRunner(model, cache, buckets[-1], graphs=graphs, pad_rows=pad_rows, rows=rows, role=role)
             return runner, NoSpeculation()
         speculator = build_speculator(
             speculative,

@@ -133,7 +133,7 @@ class Engine:
         options = {k: v for k, v in locals().items() if k not in ("self", "model", "tensor_parallel", "_role")}
         if _role is None:  # a model or a source; more ranks started by batchkv.tp (executor.launch)
             _role, model = start(model, tensor_parallel, options)
-        self.tp: Role = _role
+        self.role: Role = _role
         self._stop = weakref.finalize(self, _role.close)  # stops the other ranks if construction fails
         shape = build.check_shape(model, max_seqs=max_seqs, capacity=capacity, max_step_tokens=max_step_tokens,
                                   prefill_chunk=prefill_chunk, width_buckets=width_buckets, use_graphs=use_graphs,
@@ -141,22 +141,22 @@ class Engine:
                                   speculative=speculative, kv_positions=kv_positions)  # fmt: skip
         self.device = build.engine_device(model, device)
         self.pipeline = Pipeline.for_engine(overlap, speculating=speculative is not None, device=self.device)
-        config, self.sizing = build.size_store(model, shape, memory_fraction, self.tp)
-        self.cache: BatchedSequenceCache = self.tp.cache(config, self.device, attention=attention)
-        graphs = build.graph_set(self.cache, use_graphs, self.tp)
+        config, self.sizing = build.size_store(model, shape, memory_fraction, self.role)
+        self.cache: BatchedSequenceCache = self.role.cache(config, self.device, attention=attention)
+        graphs = build.graph_set(self.cache, use_graphs, self.role)
         self.buckets = shape.buckets
         self.vocab_size = int(model.vocab_size)
         self.eos_token_ids = tuple(getattr(model, "eos_token_ids", None) or ())  # merged into requests' stops
         self.scheduler = build.build_scheduler(self.cache, shape, prefill_budget, prefix_cache, speculative)
         self.metrics = Metrics(config.max_seqs, generation=self.cache.generation)
         self.runner, self.speculator = build.build_runner(
-            model, self.cache, shape, graphs, speculative, self.metrics, self.tp
+            model, self.cache, shape, graphs, speculative, self.metrics, self.role
         )
         self._seeds = random.Random(shape.seed)
         self.grammars: Grammars | None = None  # use_tokenizer: constrained decoding
         self._next_id = 0
         self._idle = False
-        self.tp.ready()  # every rank has built its engine
+        self.role.ready()  # every rank has built its engine
 
     closed = False  # set by close(); the instance then holds nothing else
 
@@ -343,7 +343,7 @@ class Engine:
         """Read a launched step's tokens (the wait for the device), accept drafts, record tokens,
         finish and free."""
         batch, table = step.batch, self.scheduler.table
-        runs = self.tp.read(step.tokens)
+        runs = self.role.read(step.tokens)
         self.speculator.accept(batch, runs)  # rewind verify segments to their accepted end
         now = time.perf_counter()
         read, emit = table.read[batch.slots], table.emit[batch.slots]  # before the step's tokens

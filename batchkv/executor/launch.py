@@ -59,7 +59,7 @@ def stops_ranks_on_failure(init):
         try:
             init(self, *args, **kwargs)
         except BaseException:
-            role = self.__dict__.get("tp")
+            role = self.__dict__.get("role")
             if role is not None:
                 role.close()
             raise

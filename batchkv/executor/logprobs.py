@@ -1,6 +1,6 @@
 """Log-probabilities of a step's tokens, from the logits the step already makes.
 
-Two kinds of logits rows ask for them (`Batch.logprob_k`, planned by the scheduler): sampling rows
+Two kinds of logits rows ask for them (`StepPlan.logprob_k`, planned by the scheduler): sampling rows
 of requests with `SamplingParams.logprobs` (the token is the one this step samples, still on the
 device) and prompt scoring rows of requests with `prompt_logprobs` (the token is the next prompt
 token, known on the host). For the m rows that ask, k the most alternatives any of them wants:
@@ -28,7 +28,7 @@ import torch
 
 from batchkv.cache.staging import Staging
 from batchkv.executor.request import MAX_LOGPROBS, Logprobs
-from batchkv.executor.state import Batch
+from batchkv.executor.state import StepPlan
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +73,7 @@ class LogprobSlots:
         """Bytes construction allocates (staged plan, host and device; two host slots)."""
         return Staging.nbytes({torch.int64: 2 * rows}) + 2 * rows * (1 + MAX_LOGPROBS) * (4 + 8)
 
-    def stage(self, batch: Batch) -> LogprobPlan:
+    def stage(self, batch: StepPlan) -> LogprobPlan:
         """Host planning, before the forward: upload the rows of `batch` that ask and their tokens
         (a sampling row's is -1: the sampled one). `batch.logprob_k` must not be empty."""
         ks, sampling = batch.logprob_k, len(batch.rows)
@@ -148,8 +148,8 @@ class StepLogprobs:
         return sampled, scored
 
 
-def row_ks(batch: Batch) -> list[int]:
-    """`Batch.logprob_k` of a planned step: per sampling row its request's `logprobs` (-1: none),
+def row_ks(batch: StepPlan) -> list[int]:
+    """`StepPlan.logprob_k` of a planned step: per sampling row its request's `logprobs` (-1: none),
     then per scoring row its request's `prompt_logprobs`; empty when no row asks."""
     ks = [-1 if (k := s.owner.request.params.logprobs) is None else k for s in batch.samples]
     for state, count in batch.scores:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from batchkv.executor.request import SamplingParams
-from batchkv.executor.state import Batch
+from batchkv.executor.state import StepPlan
 
 
 @dataclass
@@ -81,7 +81,7 @@ class RowHistory:
     pending: int | None = None
 
 
-def stage_penalties(batch: Batch, device: torch.device) -> Penalties | None:
+def stage_penalties(batch: StepPlan, device: torch.device) -> Penalties | None:
     """The adjustments of `batch`'s sampling rows that ask (`SamplingParams.adjusts_logits`), staged
     to `device`; None when no row asks (the step then runs none of this)."""
     rows = [
@@ -92,7 +92,7 @@ def stage_penalties(batch: Batch, device: torch.device) -> Penalties | None:
     return stage_rows(rows, device) if rows else None
 
 
-def stage_verify_penalties(batch: Batch, chunk: int, device: torch.device) -> dict[int, Penalties]:
+def stage_verify_penalties(batch: StepPlan, chunk: int, device: torch.device) -> dict[int, Penalties]:
     """The adjustments of a verify step's logits rows, per LM-head chunk of `chunk` rows (keyed by
     the chunk's first row; rows relative to it). Row j of an asking sample's segment decides output
     token len(tokens) + j, so it counts the accepted tokens plus the segment's first j drafts: what

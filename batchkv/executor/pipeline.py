@@ -9,7 +9,7 @@ launched. Everything else is the same code, so both modes emit the same tokens.
 
 Why overlap changes no token:
 - Inputs. A decode row whose newest token is still pending gathers it on the device from the
-  previous launch's sampled tokens (`Batch.token_src`). Everything else a plan needs is known at
+  previous launch's sampled tokens (`StepPlan.token_src`). Everything else a plan needs is known at
   launch: prompt progress, each sample's output index (`SampleState.count`: the sampling draw and
   the RoPE t), forks.
 - Finishes known in advance (max_new_tokens, capacity) are never scheduled past: the sample leaves
@@ -51,7 +51,7 @@ import torch
 
 from batchkv.errors import ConfigError
 from batchkv.executor.logprobs import StepLogprobs
-from batchkv.executor.scheduler import Batch
+from batchkv.executor.scheduler import StepPlan
 
 
 class StepTokens(Protocol):
@@ -73,7 +73,7 @@ class StepTokens(Protocol):
 class InFlight:
     """A launched, committed step whose tokens the host has not read yet."""
 
-    batch: Batch
+    batch: StepPlan
     tokens: StepTokens
     width: int
     held: int  # columns held when it was planned (occupancy)

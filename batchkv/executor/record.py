@@ -16,13 +16,13 @@ import numpy as np
 from batchkv.executor.constraints import accept
 from batchkv.executor.request import Event, events
 from batchkv.executor.slots import SlotTable
-from batchkv.executor.state import Batch, SampleState
+from batchkv.executor.state import SampleState, StepPlan
 
 REASONS = np.array([None, "stop", "length", "capacity"], dtype=object)  # `record_plain`'s finish codes
 
 
 def record_plain(
-    table: SlotTable, batch: Batch, token: np.ndarray, now: float, sampled: list, capacity: int
+    table: SlotTable, batch: StepPlan, token: np.ndarray, now: float, sampled: list, capacity: int
 ) -> tuple[list[Event], list[SampleState]]:
     """`Scheduler.complete` for a step whose every row read one token and is plain decode (no constraint,
     no prompt_logprobs: `SlotTable.plain`), as array work over the rows: tokens recorded, stop
@@ -55,7 +55,7 @@ def record_plain(
 
 
 def record_runs(
-    table: SlotTable, batch: Batch, tokens: list[list[int]], now: float, sampled: list, capacity: int
+    table: SlotTable, batch: StepPlan, tokens: list[list[int]], now: float, sampled: list, capacity: int
 ) -> tuple[list[Event], list[SampleState]]:
     """`Scheduler.complete` row by row, for a step with a verify segment's run, a constrained row (its
     matcher accepts each token) or a prompt's logprobs to hand out. Returns the events and the

@@ -26,7 +26,7 @@ from batchkv.cache.staging import Staging
 
 
 class Role(Protocol):
-    """What the engine and its runners hold (`Engine.tp`): this process's part in the step."""
+    """What the engine and its runners hold (`Engine.role`): this process's part in the step."""
 
     rank: int
     world: int

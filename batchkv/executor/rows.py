@@ -22,7 +22,7 @@ import torch
 from batchkv.executor.constraints import Grammars, MaskRows, allowed, fill_step
 from batchkv.executor.penalties import stage_penalties
 from batchkv.executor.sampling import uniform, uniforms
-from batchkv.executor.state import Batch
+from batchkv.executor.state import StepPlan
 
 HEAD_CHUNK = 256  # most logits rows one LM-head call makes: past it a step's head runs in chunks
 
@@ -46,7 +46,7 @@ def ints(values: list[int]) -> np.ndarray:
     return np.fromiter(values, dtype=np.int64, count=len(values))
 
 
-def any_adjusts(batch: Batch) -> bool:
+def any_adjusts(batch: StepPlan) -> bool:
     """True when a sampling row of `batch` adjusts its logits or is constrained (`adjusts_sampling`):
     one array read of the scheduler's `SlotTable`, or row by row for a plan without one."""
     if batch.table is not None:
@@ -54,7 +54,7 @@ def any_adjusts(batch: Batch) -> bool:
     return any(sample.owner.request.params.adjusts_sampling for sample in batch.samples)
 
 
-def stage_sampling(batch: Batch, params: np.ndarray, top_k: np.ndarray) -> bool:
+def stage_sampling(batch: StepPlan, params: np.ndarray, top_k: np.ndarray) -> bool:
     """Each sampling row's temperature, top_p and draw (`params` [3, R]) and top_k, for rows
     that sample (greedy rows keep 0, 1, 0 and 0); True when one does. Array work over the
     scheduler's `SlotTable` columns (`batch.table`); row by row for a plan without one."""
@@ -82,7 +82,7 @@ Adjust = Callable[[torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor | N
 
 
 def adjuster(
-    batch: Batch,
+    batch: StepPlan,
     real: int,
     sampling: bool,
     slot: int,
@@ -131,6 +131,6 @@ def adjuster(
     return adjust
 
 
-def _rows_of(batch: Batch, lo: int, end: int) -> SimpleNamespace:
+def _rows_of(batch: StepPlan, lo: int, end: int) -> SimpleNamespace:
     """Sampling rows [lo, end) of `batch` as `stage_penalties` reads a batch (samples, token_src)."""
     return SimpleNamespace(samples=batch.samples[lo:end], token_src=batch.token_src[lo:end] if batch.token_src else [])

@@ -63,7 +63,7 @@ from batchkv.executor.rows import (
     stage_sampling,
 )
 from batchkv.executor.sampling import greedy_tokens, sample_tokens
-from batchkv.executor.scheduler import Batch
+from batchkv.executor.scheduler import StepPlan
 
 
 class StepModel(Protocol):
@@ -90,8 +90,8 @@ class ModelRunner:
     shape per width: needed for graphs, and used by eager CUDA runs too so both give identical
     numbers. A one-token decode step runs the head on one row, not R. The engine picks a width
     of at least the step's sampling rows.
-    tp: the engine's tensor-parallel role (`batchkv.executor.roles`); its device step
-    (`_device_step`) runs through `tp.run`, so every rank runs it from the same staged inputs.
+    role: the engine's tensor-parallel role (`batchkv.executor.roles`); its device step
+    (`_device_step`) runs through `role.run`, so every rank runs it from the same staged inputs.
     """
 
     def __init__(
@@ -103,7 +103,7 @@ class ModelRunner:
         graphs: GraphSet | None = None,
         pad_rows: bool = False,
         rows: int = MAX_SAMPLE_ROWS,
-        tp: Role = LOCAL,
+        role: Role = LOCAL,
     ) -> None:
         self._bind(model, cache, max_width, graphs)
         self.pad_rows = pad_rows or graphs is not None
@@ -129,8 +129,8 @@ class ModelRunner:
         self._masks: MaskRows | None = None  # its bitmask buffers, made at the first constrained step
         self._scoring: LogprobPlan | None = None  # a chunked step's logprob plan (rank 0's; None elsewhere)
         self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # its logprobs, chunk by chunk
-        self.tp = tp
-        tp.bind(self, self._staging)
+        self.role = role
+        role.bind(self, self._staging)
 
     @staticmethod
     def logit_rows(rows: int, chunked: bool) -> int:
@@ -181,7 +181,7 @@ class ModelRunner:
     def replays(self) -> int:
         return self.graphs.replays if self.graphs is not None else 0
 
-    def _stage(self, batch: Batch, width: int, previous: SampledTokens | None) -> bool:
+    def _stage(self, batch: StepPlan, width: int, previous: SampledTokens | None) -> bool:
         """Write the step's inputs to the device buffers; True when some row samples (not greedy)."""
         staged = self._staging.begin()  # waits for the previous upload (queued before the last forward)
         n, rows, R = len(batch.input_ids), len(batch.rows), self.rows
@@ -244,7 +244,7 @@ class ModelRunner:
             self._bound = bound
         return self.graphs.run((head, *bound), fn)  # type: ignore[return-value]
 
-    def launch(self, batch: Batch, width: int, previous: SampledTokens | None = None) -> SampledTokens:
+    def launch(self, batch: StepPlan, width: int, previous: SampledTokens | None = None) -> SampledTokens:
         """Queue the declared-and-prepared step at `width`: forward, sampling into a slot of
         `sampled`, and the copy of its tokens to the host. Returns the handle that reads them.
 
@@ -266,7 +266,7 @@ class ModelRunner:
             if self.chunked and rows > HEAD_CHUNK:
                 logprobs = self._chunked_launch(width, rows, real, sampling, slot, plan, adjusts)
             else:
-                logits = self.tp.run(
+                logits = self.role.run(
                     self._adjusted_step if adjusts else self._device_step, width, rows, real, sampling, slot
                 )
                 logprobs = None
@@ -289,7 +289,7 @@ class ModelRunner:
         self.sampled[slot, :real].copy_(self._pick(logits[:real], 0, real, sampling))
         return logits
 
-    _adjusting: tuple[Batch, SampledTokens | None] | None = None  # rank 0, during an adjusted step
+    _adjusting: tuple[StepPlan, SampledTokens | None] | None = None  # rank 0, during an adjusted step
 
     def _adjusted_step(self, width: int, rows: int, real: int, sampling: bool, slot: int) -> torch.Tensor:
         """`_device_step` for a step whose rows may adjust their logits (penalties, logit_bias,
@@ -299,13 +299,13 @@ class ModelRunner:
         the previous step's tokens only when a constrained row's newest token is among them). A step
         with none of them samples exactly as `_device_step`. Under tensor parallelism every rank
         runs the forward, rank 0 alone (`_adjusting`: its batch and previous launch) adjusts and
-        samples, and the other ranks take its tokens (`tp.share`), which later steps gather."""
+        samples, and the other ranks take its tokens (`role.share`), which later steps gather."""
         logits = self.execute(width, lambda: self._forward(width, rows))
         adjust = self._rank_adjuster(real, sampling, slot, logits.device)
         if adjust is not None:
             chosen, min_p = adjust(logits[:real], 0, real)
             self.sampled[slot, :real].copy_(self._pick(chosen, 0, real, sampling, min_p))
-        self.tp.share(self.sampled[slot, :real])
+        self.role.share(self.sampled[slot, :real])
         return logits
 
     def _rank_adjuster(self, real: int, sampling: bool, slot: int, device: torch.device) -> Adjust | None:
@@ -317,17 +317,17 @@ class ModelRunner:
         return self._adjuster(batch, real, sampling, slot, previous, device)
 
     def _adjuster(
-        self, batch: Batch, real: int, sampling: bool, slot: int, previous: SampledTokens | None, device: torch.device
+        self, plan: StepPlan, real: int, sampling: bool, slot: int, previous: SampledTokens | None, device: torch.device
     ) -> Adjust:
         """`batchkv.executor.rows.adjuster` with this runner's bitmask buffers (made at the first
         constrained step) and the previous launch's tokens."""
         masks = None
-        if self.grammars is not None and constrained(batch.samples):
+        if self.grammars is not None and constrained(plan.samples):
             if self._masks is None:
                 self._masks = MaskRows(self.rows, self.grammars.words, device)
             masks = self._masks
         last = self.sampled[previous.slot] if previous is not None else None
-        return adjuster(batch, real, sampling, slot, previous, device, grammars=self.grammars, masks=masks, last=last)
+        return adjuster(plan, real, sampling, slot, previous, device, grammars=self.grammars, masks=masks, last=last)
 
     def _pick(
         self, chosen: torch.Tensor, lo: int, end: int, sampling: bool, min_p: torch.Tensor | None = None
@@ -345,7 +345,7 @@ class ModelRunner:
         head, sampling and logprobs chunk by chunk. Returns the step's logprobs handle, if asked."""
         self._scoring, self._parts = plan, []  # rank 0's logprob plan; followers keep None
         try:
-            self.tp.run(self._chunked_step, width, rows, real, sampling, slot, adjusts)
+            self.role.run(self._chunked_step, width, rows, real, sampling, slot, adjusts)
             return None if plan is None else self.logprob_slots.finish(plan, self._parts, slot)
         finally:
             self._scoring, self._parts = None, []
@@ -355,7 +355,7 @@ class ModelRunner:
         or a graph), then per chunk of `head_chunks(rows)` its float32 logits in `self.logits`, its
         sampling rows' tokens into `sampled[slot]` and, on rank 0, the logprobs of its rows that ask.
         A step that `adjusts` is adjusted and sampled by rank 0 alone (`_adjusting`, as
-        `_adjusted_step`), whose tokens the other ranks then take (`tp.share`). No host wait."""
+        `_adjusted_step`), whose tokens the other ranks then take (`role.share`). No host wait."""
         h = self.execute(width, lambda: self._trunk(width, rows))
         adjust = self._rank_adjuster(real, sampling, slot, h.device)
         with torch.no_grad():
@@ -373,7 +373,7 @@ class ModelRunner:
                     if part is not None:
                         self._parts.append(part)
         if adjusts:
-            self.tp.share(self.sampled[slot, :real])
+            self.role.share(self.sampled[slot, :real])
 
     def warm(self, widths: Sequence[int]) -> None:
         """One all-padding step at each width (graphs captured, kernels compiled), its positions in
@@ -384,17 +384,17 @@ class ModelRunner:
             try:
                 for start in range(0, width, share):
                     seqs.append(self.cache.seq_new(reach=min(share, width - start)))
-                batch = Batch(rows=[width - 1])
+                batch = StepPlan(rows=[width - 1])
                 for i, seq in enumerate(seqs):
                     n = min(share, width - i * share)
                     batch.add(seq, [0] * n, list(range(n)))
                 self.cache.begin_step(batch.seq_ids, width)
-                self.tp.read(self.launch(batch, width))  # bounded under tensor parallelism
+                self.role.read(self.launch(batch, width))  # bounded under tensor parallelism
             finally:
                 for seq in seqs:
                     self.cache.seq_rm(seq)
 
-    def run(self, batch: Batch, width: int) -> list[list[int]]:
+    def run(self, batch: StepPlan, width: int) -> list[list[int]]:
         """`launch` and read at once: each row's token as a one-token list (the shape a verify
         step's accepted runs take)."""
         return self.launch(batch, width).read()

@@ -15,11 +15,11 @@ sampled their last possible token under max_new_tokens or capacity), and `comple
 once its tokens are on the host (tokens, stop finishes, events; a constrained sample's matcher
 advances on each recorded token, `batchkv.executor.constraints`). A sample whose newest token is
 still pending decodes from the device: its row's id is gathered from the launched step's sampled
-tokens (`Batch.token_src`).
+tokens (`StepPlan.token_src`).
 
 A prompt chunk with `prompt_logprobs` sends each row through the LM head (the row scores the next
 prompt token), trimmed to the logits rows left; at the head of the queue it keeps up to half of them
-against decode. `Batch.logprob_k` is planned only while a live request asks for logprobs.
+against decode. `StepPlan.logprob_k` is planned only while a live request asks for logprobs.
 
 Admission (columns, reach, rows held back for forks, eviction) is `batchkv.executor.admission`.
 """
@@ -39,12 +39,12 @@ from batchkv.executor.prefix import NoPrefixCache, PrefixCache
 from batchkv.executor.record import record_plain, record_runs
 from batchkv.executor.request import MAX_SAMPLE_ROWS, Event
 from batchkv.executor.slots import SlotTable
-from batchkv.executor.state import Batch, RequestState, SampleState
+from batchkv.executor.state import RequestState, SampleState, StepPlan
 
 HEAD_SHARE = 4  # a long oldest prompt takes a chunk / 4 first while others wait (bench/long_context.py)
 NO_SLOTS = np.zeros(0, dtype=np.int64)
 
-__all__ = ["Batch", "RequestState", "SampleState", "Scheduler", "default_prefill_budget"]
+__all__ = ["RequestState", "SampleState", "Scheduler", "StepPlan", "default_prefill_budget"]
 
 
 def default_prefill_budget(max_step_tokens: int, prefill_chunk: int) -> int:
@@ -170,9 +170,9 @@ class Scheduler(Admission):
         prefilling = [state for state in self.prefilling if state.request.priority == level]
         return prefilling, running[levels == level]
 
-    def plan(self) -> Batch | None:
+    def plan(self) -> StepPlan | None:
         """Pack the next step, or None when nothing is admitted."""
-        batch = Batch()
+        batch = StepPlan()
         prefilling, urgent = self._urgent()
         running = self._running if urgent is None else urgent
         # A step's sampling rows fit its width (the LM head runs on min(width, sample_rows) rows).
@@ -214,7 +214,7 @@ class Scheduler(Admission):
             batch.logprob_k = row_ks(batch)
         return batch if batch.seq_ids else None
 
-    def _decode_rows(self, batch: Batch, taken: np.ndarray) -> list[int] | None:
+    def _decode_rows(self, batch: StepPlan, taken: np.ndarray) -> list[int] | None:
         """One decode row per sample of `taken` (slots), from the table's columns: its column, its
         newest token (0 when still pending: the row gathers it on the device from the launched
         step's sampling row, returned as the rows' token sources; None when none is pending) and
@@ -231,7 +231,7 @@ class Scheduler(Admission):
         batch.decode_tokens = take
         return np.where(waits, table.src[taken], -1).tolist() if waits.any() else None
 
-    def _prompt_rows(self, batch: Batch, chunks: list[tuple[RequestState, int]]) -> None:
+    def _prompt_rows(self, batch: StepPlan, chunks: list[tuple[RequestState, int]]) -> None:
         """The prompt chunks' rows after the decode rows; a prompt's last chunk samples its n rows."""
         for state, chunk in chunks:
             n = state.request.params.n
@@ -275,7 +275,7 @@ class Scheduler(Admission):
         return chunks
 
     # ---- completion ----------------------------------------------------------------------------
-    def launched(self, batch: Batch) -> None:
+    def launched(self, batch: StepPlan) -> None:
         """Apply what a queued and committed step changes before its tokens are read: prompt
         progress, one pending token per sampling row, forks after a finished prompt, and the
         columns of samples that cannot be fed again (max_new_tokens or capacity reached: their
@@ -298,7 +298,7 @@ class Scheduler(Admission):
             self._running = self._running[table.seq[self._running] >= 0]
 
     def complete(
-        self, batch: Batch, tokens: list[list[int]], now: float, logprobs: tuple[list, list] | None = None
+        self, batch: StepPlan, tokens: list[list[int]], now: float, logprobs: tuple[list, list] | None = None
     ) -> list[Event]:
         """Apply a launched step's tokens, read on the host: record each sample's new tokens (one,
         or a verify segment's accepted run), finish, free. A finish truncates the run; a sample that

@@ -119,7 +119,7 @@ class RequestState:
 
 
 @dataclass
-class Batch:
+class StepPlan:
     """One planned step: per packed token its sequence, token id and RoPE t; the sampling rows."""
 
     seq_ids: list[int] = field(default_factory=list)

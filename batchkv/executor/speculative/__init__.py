@@ -60,7 +60,7 @@ def build_speculator(
                                   role=role)  # fmt: skip
         drafts, taps = proposer.drafts, proposer.taps
     speculator = Speculator(config, cache, proposer, metrics)
-    runner = VerifyRunner(model, cache, buckets, config.block_size, graphs=graphs, drafts=drafts, taps=taps, tp=role)  # type: ignore[arg-type]
+    runner = VerifyRunner(model, cache, buckets, config.block_size, graphs=graphs, drafts=drafts, taps=taps, role=role)  # type: ignore[arg-type]
     speculator.runner = runner
     return speculator
 

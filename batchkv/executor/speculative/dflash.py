@@ -8,7 +8,7 @@ step reads). The context rows are the positions the target committed since the o
 are the target's hidden states after the drafter's `target_layer_ids`, tapped by the previous
 target step (`HiddenTaps`, rows selected inside the forward) and gathered on the device. The
 drafts (argmax of the target's LM head over the block's mask rows) stay on the device: the verify
-runner reads them through `Batch.draft_src`. After the step every owner is rewound to its committed
+runner reads them through `StepPlan.draft_src`. After the step every owner is rewound to its committed
 length, so only context K/V stay. After the target's step (`observe`) each owner's accepted rows
 (anchor + accepted drafts, or a prompt chunk) become its next context rows.
 
@@ -36,7 +36,7 @@ from batchkv.cache.staging import NamedStaging
 from batchkv.errors import ConfigError, StepError
 from batchkv.executor.graphs import GraphSet
 from batchkv.executor.runner import ModelFingerprint, ModelRunner
-from batchkv.executor.scheduler import Batch, SampleState
+from batchkv.executor.scheduler import SampleState, StepPlan
 from batchkv.executor.sizing import default_buckets
 from batchkv.executor.speculative.config import MAX_SPECULATIVE_ROWS, SpeculativeConfig
 from batchkv.executor.speculative.speculator import Drafts
@@ -105,8 +105,8 @@ class DFlashProposer:
         width = self.buckets[-1]
         max_write = min(cache.capacity, max(prefill_chunk, block) + block)
         spec = drafter.cache_spec()  # type: ignore[attr-defined]
-        self.tp = role
-        self.cache = self.tp.cache(
+        self.role = role
+        self.cache = self.role.cache(
             CacheConfig(**spec, max_seqs=cache.max_seqs, capacity=cache.capacity, max_write=max_write, max_width=width),
             cache.device,
             attention=cache.attention,
@@ -119,17 +119,17 @@ class DFlashProposer:
         self.buf = self._staging.buf
         self.drafts = torch.zeros(width, dtype=torch.int64, device=device)  # device draft buffer
         # keyed by the drafter's widths; the role says how a capture treats other threads' CUDA calls
-        own_graphs = GraphSet(device, capture_error_mode=self.tp.capture_error_mode) if graphs is not None else None
+        own_graphs = GraphSet(device, capture_error_mode=self.role.capture_error_mode) if graphs is not None else None
         self.runner = DraftRunner(_Modules(drafter, target), self.cache, width, own_graphs)  # type: ignore[arg-type]
         self.states: dict[SampleState, DraftState] = {}
         self.fork_from: dict[SampleState, SampleState] = {}  # fork -> sample 0 whose column it clones
-        self.tp.bind(self, self._staging)
+        self.role.bind(self, self._staging)
 
     def sequences(self) -> list[int]:
         return self.cache.sequences
 
     # ---- before the target's step ---------------------------------------------------------------
-    def propose(self, batch: Batch, samples: list[SampleState], counts: list[int]) -> Drafts:
+    def propose(self, batch: StepPlan, samples: list[SampleState], counts: list[int]) -> Drafts:
         """Run the drafter step: flush every owner's context rows and draft the decode samples' blocks."""
         want = {s: k for s, k in zip(samples, counts, strict=True) if k > 0 and s in self.states}
         segments = [(s, st, want.get(s, 0)) for s, st in self.states.items() if st.pending or s in want]
@@ -176,7 +176,7 @@ class DFlashProposer:
         h["rows"][r:rows] = 0
         self._staging.upload()
         self.cache.begin_step(seq_ids, width)
-        self.tp.run(self._device_step, width, rows if r else 0)
+        self.role.run(self._device_step, width, rows if r else 0)
         self.cache.commit_step()
         for _, st, k in segments:
             if k:
@@ -220,7 +220,7 @@ class DFlashProposer:
                 del self.fork_from[fork]
 
     # ---- after the target's step ----------------------------------------------------------------
-    def observe(self, batch: Batch, runs: list[list[int]]) -> None:
+    def observe(self, batch: StepPlan, runs: list[list[int]]) -> None:
         """Accepted rows (and prompt chunks) of the committed step become context to write next."""
         r = end = 0
         for sample, span, run in zip(batch.samples, batch.spans, runs, strict=True):

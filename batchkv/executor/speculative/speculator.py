@@ -24,7 +24,7 @@ import numpy as np
 
 from batchkv.cache import BatchedSequenceCache
 from batchkv.executor.metrics import Metrics
-from batchkv.executor.scheduler import Batch, SampleState
+from batchkv.executor.scheduler import SampleState, StepPlan
 from batchkv.executor.speculative.config import SpeculativeConfig
 from batchkv.executor.speculative.ngram import ngram_propose
 from batchkv.executor.speculative.policy import DraftLengths
@@ -33,10 +33,10 @@ from batchkv.executor.speculative.policy import DraftLengths
 class NoSpeculation:
     """The engine's speculator when speculation is off: both fixed points do nothing."""
 
-    def extend(self, batch: Batch) -> None:
+    def extend(self, batch: StepPlan) -> None:
         """Leave the batch as planned."""
 
-    def accept(self, batch: Batch, runs: list[list[int]]) -> None:
+    def accept(self, batch: StepPlan, runs: list[list[int]]) -> None:
         """Nothing to rewind."""
 
     def release(self) -> None:
@@ -59,11 +59,11 @@ class Drafts:
 class Proposer(Protocol):
     """Drafts for the decode samples of a step (host planning, before the step is declared)."""
 
-    def propose(self, batch: Batch, samples: list[SampleState], counts: list[int]) -> Drafts:
+    def propose(self, batch: StepPlan, samples: list[SampleState], counts: list[int]) -> Drafts:
         """At most counts[i] drafts for samples[i]."""
         ...
 
-    def observe(self, batch: Batch, runs: list[list[int]]) -> None:
+    def observe(self, batch: StepPlan, runs: list[list[int]]) -> None:
         """The step committed with these accepted runs (before the target's columns are rewound)."""
         ...
 
@@ -82,7 +82,7 @@ class NgramProposer:
     def __init__(self, ngram_max: int) -> None:
         self.ngram_max = ngram_max
 
-    def propose(self, batch: Batch, samples: list[SampleState], counts: list[int]) -> Drafts:
+    def propose(self, batch: StepPlan, samples: list[SampleState], counts: list[int]) -> Drafts:
         out = []
         for sample, count in zip(samples, counts, strict=True):
             if count <= 0:
@@ -92,7 +92,7 @@ class NgramProposer:
             out.append(ngram_propose(history, count, self.ngram_max))
         return Drafts(out)
 
-    def observe(self, batch: Batch, runs: list[list[int]]) -> None:
+    def observe(self, batch: StepPlan, runs: list[list[int]]) -> None:
         return None
 
     def release(self) -> None:
@@ -122,7 +122,7 @@ class Speculator:
         left = sample.owner.request.params.max_new_tokens - emitted - 1
         return max(0, min(self.lengths.next(sample), room, left))
 
-    def extend(self, batch: Batch) -> None:
+    def extend(self, batch: StepPlan) -> None:
         """Turn each decode row of `batch` into a verify segment (host planning)."""
         decode = batch.decode_tokens  # decode rows come first, one per sample, row i for sample i
         samples = batch.samples[:decode]
@@ -147,7 +147,7 @@ class Speculator:
         batch.spans = spans + batch.spans[decode:]
         batch.decode_tokens += shift
 
-    def accept(self, batch: Batch, runs: list[list[int]]) -> None:
+    def accept(self, batch: StepPlan, runs: list[list[int]]) -> None:
         """Rewind every verify segment's column to its accepted end; count proposals and acceptances."""
         self.proposer.observe(batch, runs)
         m = self.metrics

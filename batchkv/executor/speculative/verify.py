@@ -37,7 +37,7 @@ from batchkv.executor.penalties import Penalties, stage_verify_penalties
 from batchkv.executor.roles import LOCAL, Role
 from batchkv.executor.runner import ModelRunner, StepModel
 from batchkv.executor.sampling import uniform
-from batchkv.executor.scheduler import Batch
+from batchkv.executor.scheduler import StepPlan
 from batchkv.executor.speculative.acceptance import combine, greedy_rows, sampled_rows
 
 HEAD_CHUNK = 64  # logits rows per LM-head call of a sampling step: bounds the float32 [rows, vocab] it holds
@@ -51,7 +51,7 @@ _F32 = ("temperature", "top_p", "u_accept", "u_draw")
 
 
 class VerifyRunner(ModelRunner):
-    """Runs planned steps whose sampling rows form segments (`Batch.spans`) and returns, per
+    """Runs planned steps whose sampling rows form segments (`StepPlan.spans`) and returns, per
     segment, the tokens it emits: accepted drafts then the correction or bonus token.
 
     model: the engine's model, with `hidden_states(input_ids, indexes, cache, rows, taps=None)
@@ -72,7 +72,7 @@ class VerifyRunner(ModelRunner):
         graphs: GraphSet | None = None,
         drafts: torch.Tensor | None = None,
         taps: object | None = None,
-        tp: Role = LOCAL,
+        role: Role = LOCAL,
     ) -> None:
         w = buckets[-1]
         self._bind(model, cache, w, graphs)
@@ -84,8 +84,8 @@ class VerifyRunner(ModelRunner):
         self.result = torch.zeros(w, block_size + 1, dtype=torch.int64, device=cache.device)
         self.grammars = None  # `Engine.use_tokenizer`: constrained decoding
         self._masks: MaskRows | None = None  # its bitmask rows, made at the first constrained step
-        self.tp = tp
-        tp.bind(self, self._staging)
+        self.role = role
+        role.bind(self, self._staging)
 
     def input_ids(self, width: int) -> torch.Tensor:
         return self.buf["ids"][:width]
@@ -96,7 +96,7 @@ class VerifyRunner(ModelRunner):
     def _rows_bucket(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)
 
-    def _stage(self, batch: Batch, width: int, rows: int) -> bool:  # type: ignore[override]
+    def _stage(self, batch: StepPlan, width: int, rows: int) -> bool:  # type: ignore[override]
         """Write the step's inputs to the device buffers; True when some row samples (not greedy)."""
         host = self._staging.begin_named()
         n = len(batch.input_ids)
@@ -173,7 +173,7 @@ class VerifyRunner(ModelRunner):
         self.result[:rows].copy_(out)
         return self.result
 
-    def launch(self, batch: Batch, width: int, previous: object | None = None) -> AcceptedRuns:  # type: ignore[override]
+    def launch(self, batch: StepPlan, width: int, previous: object | None = None) -> AcceptedRuns:  # type: ignore[override]
         """Queue the declared-and-prepared step at `width` with acceptance on the device; the
         returned handle reads each segment's emitted tokens. The cache must be declared and
         prepared. Speculating engines plan from accepted counts, so they never overlap steps:
@@ -188,18 +188,18 @@ class VerifyRunner(ModelRunner):
         if any(s.owner.request.params.adjusts_logits or s.owner.request.params.min_p > 0 for s in batch.samples):
             self._adjusting = self._stage_adjustments(batch, rows, sampling)
             try:
-                result = self.tp.run(self._adjusted_step, width, rows, sampling, masked)
+                result = self.role.run(self._adjusted_step, width, rows, sampling, masked)
             finally:
                 self._adjusting = None
         elif masked:
-            result = self.tp.run(self._device_step, width, rows, sampling, True)
+            result = self.role.run(self._device_step, width, rows, sampling, True)
         else:
-            result = self.tp.run(self._device_step, width, rows, sampling)
+            result = self.role.run(self._device_step, width, rows, sampling)
         return AcceptedRuns(result[: len(batch.samples)])
 
     _adjusting: Adjustments | None = None  # rank 0, during an adjusted verify step
 
-    def _stage_adjustments(self, batch: Batch, rows: int, sampling: bool) -> Adjustments:
+    def _stage_adjustments(self, batch: StepPlan, rows: int, sampling: bool) -> Adjustments:
         """Penalties of each LM-head chunk (row j of a segment counting the first j drafts as
         output, `stage_verify_penalties`) and, when a sampled row asks, min_p per logits row."""
         device = self.cache.device
@@ -220,7 +220,7 @@ class VerifyRunner(ModelRunner):
         acceptance is never read, rank 0 plans from its own."""
         return self._forward(width, rows, sampling, masked, self._adjusting)
 
-    def _stage_masks(self, batch: Batch, rows: int) -> None:
+    def _stage_masks(self, batch: StepPlan, rows: int) -> None:
         """Fill and upload the bitmask of every logits row: row j of a constrained sample's segment
         allows what its matcher allows after the segment's first j drafts (looked at and rolled
         back: the matcher only advances on accepted tokens); every other row allows everything."""
