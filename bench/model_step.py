@@ -9,13 +9,8 @@ kernel); `kernels` counts the kernels one eager step launches (= the nodes of it
     python bench/model_step.py --preset sensenova-u1-8b --rows 1 8 32 64          # on the GPU
     python bench/model_step.py --preset sensenova-u1-tiny --device cpu --iters 3   # smoke test
 
-`--quantization fp8` times the model with e4m3 projections (`batchkv.models.quant`). `--fp8-matmuls` times the
-decoder's matmuls of one step alone (every layer's q/k/v, o, gate/up and down, each with its own weights, so every
-weight is read from HBM), bf16 (as the model runs them) against fp8 (the activation quantiser and the e4m3 product,
-as `Fp8Linear` runs them), each in one CUDA graph, at each of `--rows`; with the variants `fp8_exact_accum` (no
-fast accumulation), `fp8_rowwise_only` (fp8's TENSORWISE rule off), at few rows `fp8_scaled_mm` (the scaled matmul
-instead of the e4m3 few-row kernel) and `bf16_cublas`, and up to 128 rows `fp8_triton` (all rows in one tile).
-    python bench/model_step.py --fp8-matmuls --rows 1 64 256 1024 --json out.json      # on the GPU
+`--quantization fp8` times the model with e4m3 projections (`batchkv.models.quant`) and, on CUDA, with the
+activation quantiser as a separate pass (`unfused_quant_ms`).
 
 `--fusion-ab` times the step of a random-weight transformers Llama of the Llama-3.1-8B shape through `HFModel`
 (attention stood in for as above, logits of every row) with q/k/v and gate/up as the model has them against fused
@@ -47,10 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout: bench.lib and batchkv
 import batchkv.models.gemv as gemv_module
-import batchkv.models.quant.fp8 as fp8_module
 import batchkv.models.quant.producers as producers
-from batchkv.models import build_model, preset_config
-from batchkv.models.quant import Fp8Linear
+from batchkv.models import build_model
 from bench.lib.ceilings import copy_ceiling
 from bench.lib.timing import time_calls
 
@@ -100,70 +93,6 @@ def kernels_per_step(model, rows: int) -> int:
 
 def show(row: dict) -> None:
     print("  " + "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
-
-
-def fp8_matmuls(preset: str, device: torch.device, rows_list: list[int], iters: int) -> list[dict]:
-    """The decoder matmuls of one step, bf16 against fp8 (module docstring), per row count."""
-    cfg = preset_config(preset)
-    h, i = cfg.hidden, cfg.intermediate
-    shapes = [((cfg.q_heads + 2 * cfg.kv_heads) * cfg.head_dim, h), (h, cfg.q_heads * cfg.head_dim), (2 * i, h), (h, i)]
-    gen = torch.Generator(device=device).manual_seed(0)
-    layers = []
-    for _ in range(cfg.num_layers):
-        ws = [(torch.randn(n, k, generator=gen, device=device) / k**0.5).to(torch.bfloat16) for n, k in shapes]
-        layers.append((ws, [Fp8Linear.from_weight(w) for w in ws]))
-    flops = 2 * sum(n * k for n, k in shapes) * cfg.num_layers  # and bf16 bytes: two per weight element
-    out = []
-    if device.type == "cuda":  # clocks up before the first timing
-        a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < 2.0:
-            a @ a
-        torch.cuda.synchronize()
-        del a
-    for rows in rows_list:
-        xs = [torch.randn(rows, k, generator=gen, device=device).to(torch.bfloat16) for _, k in shapes]
-
-        def bf16_step(xs=xs):
-            for ws, _ in layers:
-                for x, w in zip(xs, ws, strict=True):
-                    gemv_module.linear(x, w)
-
-        def fp8_step(xs=xs):
-            for _, fs in layers:
-                for x, f in zip(xs, fs, strict=True):
-                    f(x)
-
-        def ms(fn=fp8_step) -> float:
-            return timed_ms(fn, iters)[0]
-
-        row = {"rows": rows, "bf16_ms": ms(bf16_step), "fp8_ms": ms()}
-        limit = fp8_module.FP8_GEMV_MAX_ROWS
-        if rows <= limit:
-            fp8_module.FP8_GEMV_MAX_ROWS = 0
-            row["fp8_scaled_mm_ms"] = ms()
-        elif rows <= 128:  # the few-row e4m3 kernel past its limit, all rows in one tile
-            fp8_module.FP8_GEMV_MAX_ROWS = rows
-            row["fp8_triton_ms"] = ms()
-        fp8_module.FP8_GEMV_MAX_ROWS = limit
-        fp8_module.FAST_ACCUM = False
-        row["fp8_exact_accum_ms"] = ms()
-        fp8_module.FAST_ACCUM = True
-        if fp8_module.TENSORWISE:  # every product with row-wise scales (no unscaled GEMM + apply_scales)
-            rule, fp8_module.TENSORWISE = fp8_module.TENSORWISE, False
-            row["fp8_rowwise_only_ms"] = ms()
-            fp8_module.TENSORWISE = rule
-        if rows <= max(gemv_module.GEMV_MAX_ROWS, fp8_module.FP8_GEMV_MAX_ROWS):
-            limit, gemv_module.GEMV_MAX_ROWS = gemv_module.GEMV_MAX_ROWS, 0
-            row["bf16_cublas_ms"] = ms(bf16_step)
-            gemv_module.GEMV_MAX_ROWS = limit
-        row["speedup"] = row["bf16_ms"] / row["fp8_ms"]
-        for fmt, per in (("bf16", 1), ("fp8", 2)):
-            row[f"{fmt}_tflops"] = flops * rows / (row[f"{fmt}_ms"] / 1e3) / 1e12
-            row[f"{fmt}_weight_gbs"] = flops / per / (row[f"{fmt}_ms"] / 1e3) / 1e9
-        out.append(row)
-        show(row)
-    return out
 
 
 # ---- transformers Llamas through HFModel (--fusion-ab, --hf-kernels) ----------------------------------------------
@@ -347,7 +276,6 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50, help="replays per timing (--hf-kernels: steps)")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--quantization", choices=["fp8"], default=None, help="e4m3 projections (batchkv.models.quant)")
-    parser.add_argument("--fp8-matmuls", action="store_true", help="the decoder's matmuls alone, bf16 against fp8")
     parser.add_argument("--fusion-ab", action="store_true", help="a Llama-3.1-8B-shape HFModel step, q/k/v and "
                         "gate/up fused against unfused, bf16 and fp8")  # fmt: skip
     parser.add_argument("--fusion-small", action="store_true", help="--fusion-ab on a tiny Llama (CPU smoke run)")
@@ -366,10 +294,6 @@ def main() -> None:
             print(f"Llama step on {device} ({'tiny' if args.fusion_small else '8B shape'}), unfused against fused (ms)")
             report = {"model": "transformers LlamaConfig, random weights", "config": config, "device": str(device),
                       "command": command, "fusion_ab": fusion_ab(config, device, args.rows, args.iters)}  # fmt: skip
-        elif args.fp8_matmuls:
-            print(f"{args.preset} decoder matmuls per step on {device}, bf16 against fp8 (ms)")
-            steps = fp8_matmuls(args.preset, device, args.rows, args.iters)
-            report = {"preset": args.preset, "device": str(device), "fp8_matmuls": steps}
         else:
             report = preset_steps(args, device)
     if args.json:
