@@ -13,7 +13,6 @@ flex_attention last, compiled per case (flex_peer.py: defaults first, then other
 
     python3 bench/kernels.py [--check] [--out bench/results/kernels-h200.json] [--budget-s 215]
     python bench/kernels.py --small --check --out /tmp/k.json     # CPU smoke run (Triton interpreter)
-    python3 bench/kernels.py --softcap-sinks-ab --base .base --out bench/results/softcap-sinks-ab-h200.json
     python3 bench/kernels.py --e4m3 --out bench/results/kv-fp8-h200.json     # e4m3 K/V storage, no peers
 
 --e4m3 times batchkv on the cases' store and on its e4m3 codes with fp32 scales (the cache's layout), instead of
@@ -206,22 +205,12 @@ def header(geo, cfg: SdpaConfig | None, device: torch.device) -> dict:
 
 
 def main() -> None:
-    if "--softcap-sinks-ab" in sys.argv[1:]:  # a bench of its own, with its own options
-        from bench.lib import softcap_sinks_ab
-
-        sys.argv.remove("--softcap-sinks-ab")
-        softcap_sinks_ab.main()
-        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels-h200.json"))
     parser.add_argument("--check", action="store_true", help="compare with the reference first")
     parser.add_argument("--compile-sm90", metavar="LABEL", default=None, help="compile the kernels for sm_90 without a "
                         "GPU and print registers, spills and the hot loop of each variant whose label contains LABEL "
                         "('' for all): bench/lib/compile_sm90.py")  # fmt: skip
-    parser.add_argument("--softcap-sinks-ab", action="store_true",
-                        help="instead: what soft-capping and attention sinks cost, against a tree before them "
-                        "(bench/lib/softcap_sinks_ab.py; its options --base, --rounds, --small, --variants, "
-                        "--out)")  # fmt: skip
     parser.add_argument("--e4m3", action="store_true", help="batchkv on bf16 and e4m3 stores, no peers (docstring)")
     parser.add_argument("--config", default="{}", help="SdpaConfig overrides as JSON, e.g. '{\"occupancy\": 4}'")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
