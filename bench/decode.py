@@ -42,13 +42,7 @@ from batchkv.executor import Engine
 from batchkv.models import build_model, preset_config
 from bench.lib.ceilings import copy_ceiling, matmul_peak, read_ceiling
 from bench.lib.online import poisson_arrivals, run_online
-from bench.lib.roofline import (
-    StepLog,
-    fair_seconds,
-    fp8_weights,
-    model_cost,
-    workload_limit,
-)
+from bench.lib.roofline import StepLog, fair_seconds, fp8_weights, model_cost, workload_limit
 from bench.lib.serving import (
     WARM_UP,
     Parts,

@@ -6,27 +6,20 @@ over CUDA-graph replays of a graph holding K back-to-back calls, divided by K (b
 Ceilings (bench/lib/ceilings.py): device copy and read-only streaming; attention only reads K/V, so
 `pct_of_read` is the honest figure, `pct_of_copy` is kept for comparison with earlier runs.
 
-Peers, each tried every way it runs and the fastest that matches the reference kept (every try in
-`peer_candidates`; bench/results/README.md "Method"): FlashInfer first, when importable, its kernels
-compiled before the budget starts (bench/lib/flashinfer_peer.py, flashinfer_jit.py); SDPA over exact
-prefixes and padded + mask, and torch's varlen attention (bench/lib/kernel_peers.py); flex_attention
-last, compiled per case (bench/lib/flex_peer.py: defaults for every case first, then the other
-knobs while the budget lasts; recompiles logged).
+Peers, each tried every way it runs and the fastest that matches the reference kept (every try in `peer_candidates`;
+bench/results/README.md "Method"): FlashInfer first, compiled before the budget starts (bench/lib/flashinfer_peer.py,
+flashinfer_jit.py); SDPA over exact prefixes and padded + mask, and torch's varlen attention (kernel_peers.py);
+flex_attention last, compiled per case (flex_peer.py: defaults first, then other knobs while the budget lasts).
 
     python3 bench/kernels.py [--check] [--out bench/results/kernels-h200.json] [--budget-s 215]
     python bench/kernels.py --small --check --out /tmp/k.json     # CPU smoke run (Triton interpreter)
-    python3 bench/kernels.py --softcap-sinks-ab --base .base --out bench/results/softcap-sinks-ab-h200.json
     python3 bench/kernels.py --e4m3 --out bench/results/kv-fp8-h200.json     # e4m3 K/V storage, no peers
 
---e4m3 times batchkv on the cases' store and on its e4m3 codes with fp32 scales (the cache's layout),
-instead of the peers: `batchkv_fp8_us`, `gbps_fp8` (scales counted), `fp8_ratio` and each store's
-max abs error against the reference on the same stored values.
-
---check first compares batchkv with the torch reference on every case (a mismatch is recorded and
-printed, not fatal); --compile-sm90 LABEL compiles the kernels for sm_90 without a GPU and prints
-what decides their speed (bench/lib/compile_sm90.py).
-Results are written after every case and every peer; --resume FILE completes a run that stopped
-early (only the parts it lacks run).
+--e4m3 times batchkv on the cases' store and on its e4m3 codes with fp32 scales (the cache's layout), instead of
+the peers: `batchkv_fp8_us`, `gbps_fp8` (scales counted), `fp8_ratio`, each store's max abs error. --check first
+compares batchkv with the reference on every case (recorded, not fatal); --compile-sm90 LABEL compiles the kernels
+for sm_90 without a GPU (bench/lib/compile_sm90.py). Results are written after every case and peer; --resume FILE
+completes a run that stopped early.
 """
 
 from __future__ import annotations
@@ -77,13 +70,9 @@ def check(cases: dict, k, v, report: dict) -> None:
 def rates(case: Case, us: float, report: dict) -> dict:
     """GB/s of the valid prefixes, % of the copy and read ceilings, TFLOP/s."""
     gbps = case.bytes / us / 1e3
-    return {
-        "us": round(us, 2),
-        "gbps": round(gbps, 1),
-        "pct_of_copy": round(100 * gbps / report["copy_gbps"], 1),
-        "pct_of_read": round(100 * gbps / report["read_gbps"], 1),
-        "tflops": round(case.flops / us / 1e6, 1),
-    }
+    return {"us": round(us, 2), "gbps": round(gbps, 1), "pct_of_copy": round(100 * gbps / report["copy_gbps"], 1),
+            "pct_of_read": round(100 * gbps / report["read_gbps"], 1),
+            "tflops": round(case.flops / us / 1e6, 1)}  # fmt: skip
 
 
 def run_peer(entry: dict, peer: str, candidates, case: Case, k, v, deadline: Deadline, report: dict) -> None:
@@ -122,17 +111,10 @@ def run_peer(entry: dict, peer: str, candidates, case: Case, k, v, deadline: Dea
 
 def new_entry(case: Case, cfg: SdpaConfig | None) -> dict:
     geo = case.geo
-    return {
-        "name": case.name,
-        "lengths": case.lengths if len(case.lengths) <= 8 else None,
-        "bytes": case.bytes,
-        "flops": case.flops,
-        "rotations": case.rot,
-        "calls_per_graph": case.calls,
-        "peers": {},
-        "peer_candidates": {},
-        "config": resolve_config(cfg, geo.d, geo.dtype, geo.hkv, torch.device(geo.device)).__dict__,
-    }
+    return {"name": case.name, "lengths": case.lengths if len(case.lengths) <= 8 else None, "bytes": case.bytes,
+            "flops": case.flops, "rotations": case.rot, "calls_per_graph": case.calls, "peers": {},
+            "peer_candidates": {},
+            "config": resolve_config(cfg, geo.d, geo.dtype, geo.hkv, torch.device(geo.device)).__dict__}  # fmt: skip
 
 
 def time_e4m3(entry: dict, case: Case, store: dict, cfg: SdpaConfig | None) -> None:
@@ -213,43 +195,22 @@ def header(geo, cfg: SdpaConfig | None, device: torch.device) -> dict:
     read, read_variants = read_ceiling(device)
     shapes = {"Hq": geo.hq, "Hkv": geo.hkv, "D": geo.d, "dtype": str(geo.dtype).removeprefix("torch."),
               "columns": geo.columns, "rows": geo.rows, "seq_info_rows": geo.segments}  # fmt: skip
-    return {
-        "copy_gbps": copy,
-        "copy_variants_gbps": copy_variants,
-        "read_gbps": read,
-        "read_variants_gbps": read_variants,
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "config": resolve_config(cfg, geo.d, geo.dtype, geo.hkv, device).__dict__,
-        "shapes": shapes,
-        "method": "median of CUDA-graph replays / calls per graph; calls rotate over `rotations` data copies; "
-        f"peers: the fastest candidate within max abs error {TOLERANCE} of the torch reference",
-        "varlen": varlen_api()[1],
-    }
+    return {"copy_gbps": copy, "copy_variants_gbps": copy_variants, "read_gbps": read,
+            "read_variants_gbps": read_variants, "torch": torch.__version__, "triton": triton.__version__,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "config": resolve_config(cfg, geo.d, geo.dtype, geo.hkv, device).__dict__, "shapes": shapes,
+            "method": "median of CUDA-graph replays / calls per graph; calls rotate over `rotations` data copies; "
+            f"peers: the fastest candidate within max abs error {TOLERANCE} of the torch reference",
+            "varlen": varlen_api()[1]}  # fmt: skip
 
 
 def main() -> None:
-    if "--softcap-sinks-ab" in sys.argv[1:]:  # a bench of its own, with its own options
-        from bench.lib import softcap_sinks_ab
-
-        sys.argv.remove("--softcap-sinks-ab")
-        softcap_sinks_ab.main()
-        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels-h200.json"))
     parser.add_argument("--check", action="store_true", help="compare with the reference first")
-    parser.add_argument(
-        "--compile-sm90",
-        metavar="LABEL",
-        default=None,
-        help="compile the kernels for sm_90 without a GPU and print registers, spills and the hot "
-        "loop of each variant whose label contains LABEL ('' for all): bench/lib/compile_sm90.py",
-    )
-    parser.add_argument("--softcap-sinks-ab", action="store_true",
-                        help="instead: what soft-capping and attention sinks cost, against a tree before them "
-                        "(bench/lib/softcap_sinks_ab.py; its options --base, --rounds, --small, --variants, "
-                        "--out)")  # fmt: skip
+    parser.add_argument("--compile-sm90", metavar="LABEL", default=None, help="compile the kernels for sm_90 without a "
+                        "GPU and print registers, spills and the hot loop of each variant whose label contains LABEL "
+                        "('' for all): bench/lib/compile_sm90.py")  # fmt: skip
     parser.add_argument("--e4m3", action="store_true", help="batchkv on bf16 and e4m3 stores, no peers (docstring)")
     parser.add_argument("--config", default="{}", help="SdpaConfig overrides as JSON, e.g. '{\"occupancy\": 4}'")
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")

@@ -31,15 +31,6 @@ def test_anchors_smoke_reports_each_configuration_beside_its_limit(tmp_path):
     assert report["workloads"]["16/8"]["fp8_e4m3"]["kv_dtype"] == "torch.float8_e4m3fn"
 
 
-def test_model_step_fp8_matmuls_smoke_times_both_formats(tmp_path):
-    args = ["bench/model_step.py", "--preset", "sensenova-u1-tiny", "--device", "cpu", "--iters", "1",
-            "--fp8-matmuls", "--rows", "1", "8"]  # fmt: skip
-    report = _run(args, tmp_path / "m.json", flag="--json")
-    rows = {row["rows"]: row for row in report["fp8_matmuls"]}
-    assert set(rows) == {1, 8} and all(row["bf16_ms"] > 0 and row["fp8_ms"] > 0 for row in rows.values())
-    assert "fp8_scaled_mm_ms" in rows[1] and "bf16_cublas_ms" in rows[8]  # the few-row paths and their peers
-
-
 def test_decode_fp8_parts_record_tokens_per_s_and_their_limit(tmp_path):
     skip = "b1_batchkv,serve_batchkv,online_batchkv,budgets_batchkv,serve_e4m3_batchkv,serve_max64_batchkv"
     report = _run(["bench/decode.py", "--small", "--skip-hf", "--device", "cpu", "--skip-parts", skip],

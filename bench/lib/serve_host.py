@@ -1,26 +1,20 @@
 """The server's share of the host, measured with a model that costs nothing (`bench/host.py --serve`).
 
-A no-op `StepModel` that recites a text: its logits are one-hot at the successor of each row's
-input token in a fixed token sequence (the prose fixture through the served tokenizer), so the
-streams carry ordinary words, spaces and punctuation and the detokenizer does real work (the
-text's tokens below `VOCAB`, so the engine samples over 4,096 ids: bytes and common words).
-`--model-ms` sleeps that long in each forward (the GIL released, as while a GPU computes), so the
-loop has the time a device step would give it.
-
-Per configuration (streams x tokens each x model ms): the engine alone (`Engine.run_until_done`,
-no detokenising) and the same requests over HTTP to the server in this process (`build_app` over
-an `EngineWorker`, uvicorn), with streaming clients in a subprocess (bench/lib/serve_client.py: its
-parsing does not share this process's GIL). Output tokens per second of each and their ratio, and
-the CPU time this process spent per token in each (getrusage: every thread, not the clients), whose
-difference is the server's own cost per token (steadier than rates on a shared machine).
-With `--profile`, py-spy samples the server process during the HTTP run (top functions by own time).
-`feed_us_per_token`: the engine thread's own share alone, the CPU time per token of routing a
-step's events and feeding the streams' trackers (`EngineWorker._feed`: detokenising, deltas,
-wakes) for the same streams, without an engine or a loop (steadier than rates on a shared machine).
+A no-op `StepModel` that recites a text: its logits are one-hot at the successor of each row's input token in a
+fixed token sequence (the prose fixture through the served tokenizer, its tokens below `VOCAB`), so the streams
+carry ordinary words and the detokenizer does real work. `--model-ms` sleeps that long in each forward (the GIL
+released, as while a GPU computes). Per configuration (streams x tokens each x model ms): the engine alone
+(`Engine.run_until_done`) and the same requests streamed over HTTP to the server in this process (`build_app` over
+an `EngineWorker`, uvicorn; clients in a subprocess, bench/lib/serve_client.py): output tokens per second of each,
+their ratio, and the CPU time this process spent per token in each (getrusage, every thread), whose difference is
+the server's own cost per token. `feed_us_per_token`: the engine thread's share alone (`EngineWorker._feed`:
+routing a step's events, detokenising, deltas, wakes), without an engine or a loop. `--profile`: py-spy samples
+the server process during the HTTP run (top functions by own time).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import resource
@@ -101,12 +95,8 @@ def in_process(model, text_ids, streams: int, tokens: int) -> dict:
     wall, cpu = time.perf_counter() - start, _cpu() - cpu
     generated = sum(e.token is not None for e in events)
     engine.close()
-    return {
-        "tokens": generated,
-        "wall_s": wall,
-        "tokens_per_s": generated / wall,
-        "cpu_us_per_token": 1e6 * cpu / generated,
-    }
+    rates = {"tokens_per_s": generated / wall, "cpu_us_per_token": 1e6 * cpu / generated}
+    return {"tokens": generated, "wall_s": wall, **rates}
 
 
 def _cpu() -> float:
@@ -225,17 +215,12 @@ def feed_cost(tokenizer, text_ids, streams: int, tokens: int) -> float:
 
 def top_functions(raw: Path, n: int = 25) -> list[tuple[str, float]]:
     """py-spy's raw (collapsed) stacks -> the `n` frames with the most own samples, as shares."""
-    own: dict[str, int] = {}
-    total = 0
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack:
-            continue
-        total += int(count)
-        leaf = stack.split(";")[-1]
-        own[leaf] = own.get(leaf, 0) + int(count)
-    ranked = sorted(own.items(), key=lambda kv: -kv[1])[:n]
-    return [(name, round(c / max(total, 1), 4)) for name, c in ranked]
+    own: collections.Counter = collections.Counter()
+    for stack, _, count in (line.rpartition(" ") for line in raw.read_text().splitlines()):
+        if stack:
+            own[stack.split(";")[-1]] += int(count)
+    total = max(sum(own.values()), 1)
+    return [(name, round(c / total, 4)) for name, c in own.most_common(n)]
 
 
 def run(configs: list[tuple[int, int, float]], profile_dir: Path | None, gguf: Path | None = None) -> list[dict]:
