@@ -4,7 +4,8 @@ compute what each request must produce by decoding it alone with the toy model's
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from functools import cache
 
 import pytest
@@ -76,3 +77,20 @@ def random_prompt(rng: random.Random, lo: int, hi: int, vocab: int = 97) -> list
 
 def greedy(max_new_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new_tokens, **kwargs)
+
+
+def package_calls(fn: Callable[[], object]) -> tuple[object, int]:
+    """`fn()` and how many of the package's Python functions it entered (counted by `sys.setprofile`)."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        if event == "call" and "batchkv" in frame.f_code.co_filename:
+            calls += 1
+
+    sys.setprofile(count)
+    try:
+        result = fn()
+    finally:
+        sys.setprofile(None)
+    return result, calls

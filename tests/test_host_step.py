@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import random
-import sys
 from dataclasses import replace
 
 import numpy as np
@@ -29,6 +28,7 @@ from batchkv.executor import Engine, Request, SamplingParams, runner
 from batchkv.executor.pipeline import OneEach
 from batchkv.executor.rows import stage_sampling
 from batchkv.executor.sampling import uniform, uniforms
+from tests.executor_helpers import package_calls
 from tests.toy_model import ToyModel
 
 VOCAB = 32
@@ -68,18 +68,7 @@ def _steady_step_calls(rows: int, prefix_cache: bool) -> int:
     for _ in range(4):  # admission, the prompts, the first decode steps
         engine.step()
     assert engine.num_running == rows and engine.num_waiting == 0
-    calls = 0
-
-    def count(frame, event, arg):
-        nonlocal calls
-        if event == "call" and "batchkv" in frame.f_code.co_filename:
-            calls += 1
-
-    sys.setprofile(count)
-    try:
-        events = engine.step()
-    finally:
-        sys.setprofile(None)
+    events, calls = package_calls(engine.step)
     assert len(events) == rows  # a steady step: one token for every sample
     engine.close()
     return calls

@@ -12,8 +12,6 @@ it decodes, with `max_seqs` or with requests waiting.
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,6 +21,7 @@ from batchkv.executor.admission import PRIORITY
 from batchkv.executor.request import Request, SamplingParams
 from batchkv.executor.scheduler import Scheduler
 from batchkv.executor.state import RequestState
+from tests.executor_helpers import package_calls
 from tests.scheduler_model import ModelRequest, ModelScheduler
 
 VOCAB = 12
@@ -205,19 +204,7 @@ def _steady_step_calls(decoding: int, max_seqs: int, waiting: int) -> int:
     for _ in range(12):  # prefill (trimmed to buckets), then decode steps
         one_step()
     assert len(sched.running) == decoding and len(sched.waiting) == waiting
-    calls = 0
-
-    def count(frame, event, arg):
-        nonlocal calls
-        if event == "call" and "batchkv" in frame.f_code.co_filename:
-            calls += 1
-
-    sys.setprofile(count)
-    try:
-        one_step()
-    finally:
-        sys.setprofile(None)
-    return calls
+    return package_calls(one_step)[1]
 
 
 def test_a_steady_decode_step_makes_the_same_python_calls_whatever_the_rows_max_seqs_or_waiting():
