@@ -195,7 +195,8 @@ def object_call(text: str, at: int, value: dict[str, Any]) -> dict[str, Any] | N
 
 
 def json_spans(text: str) -> list[tuple[int, Any]]:
-    """(start, value) of the JSON values written one after another in `text` (as `_json_values`)."""
+    """(start, value) of the JSON values written one after another in `text` (stops at the first that
+    does not parse)."""
     decoder, out, at = json.JSONDecoder(), [], 0
     for _ in range(MAX_TOOLS):
         while at < len(text) and text[at] in " \t\r\n;,":
@@ -222,22 +223,6 @@ def _array_calls(text: str, at: int, values: list[Any]) -> list[dict[str, Any] |
         if isinstance(value, dict):
             calls.append(object_call(text, start, value))
     return calls
-
-
-def _json_values(text: str) -> list[Any]:
-    """The JSON values written one after another in `text` (stops at the first that does not parse)."""
-    decoder, out, at = json.JSONDecoder(), [], 0
-    for _ in range(MAX_TOOLS):
-        while at < len(text) and text[at] in " \t\r\n;,":
-            at += 1
-        if at >= len(text):
-            break
-        try:
-            value, at = decoder.raw_decode(text, at)
-        except ValueError:
-            break
-        out.append(value)
-    return out
 
 
 def parse(text: str, tool_plan: ToolPlan) -> tuple[str | None, list[dict[str, Any]]]:
