@@ -116,6 +116,15 @@ _FORMS = {
 _by_class: dict[type, NormForm | None] = {}
 
 
+def function_source(fn: object, rename_args: bool = True) -> str:
+    """`canonical_source` of the function `fn`; "" when `fn` is not a function or has no source (built at
+    run time): not a known form."""
+    try:
+        return canonical_source(inspect.getsource(fn), rename_args) if inspect.isfunction(fn) else ""
+    except (OSError, TypeError, SyntaxError):
+        return ""
+
+
 def _class_form(cls: type) -> NormForm | None:
     """The form of `cls`'s computation, or None: its forward (and `_norm`, if it calls one) in source
     matching a known form, with `torch` its module's torch and `__call__` nn.Module's."""
@@ -127,13 +136,10 @@ def _class_form(cls: type) -> NormForm | None:
             and inspect.isfunction(forward)
             and forward.__globals__.get("torch") is torch
         ):
-            try:
-                key = canonical_source(inspect.getsource(forward))
-                norm = getattr(cls, "_norm", None)
-                if "self._norm(" in key and inspect.isfunction(norm) and norm.__globals__.get("torch") is torch:
-                    key += "\n" + canonical_source(inspect.getsource(norm))
-            except (OSError, TypeError, SyntaxError):  # no source (built at run time): not known
-                key = ""
+            key = function_source(forward)
+            norm = getattr(cls, "_norm", None)
+            if "self._norm(" in key and inspect.isfunction(norm) and norm.__globals__.get("torch") is torch:
+                key += "\n" + function_source(norm)
             _by_class[cls] = _FORMS.get(key)
     return _by_class[cls]
 

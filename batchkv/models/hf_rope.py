@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from batchkv.models.fused import rope_qk
-from batchkv.models.hf_norms import canonical_source
+from batchkv.models.hf_norms import canonical_source, function_source
 
 FUSE = True  # HFModel adapts the attention modules at construction while this is on
 
@@ -87,13 +87,6 @@ _Form = tuple[str, str | None, bool]  # (cache argument, where the window comes 
 _by_class: dict[type, _Form | None] = {}
 
 
-def _source(fn: object, rename_args: bool = True) -> str:
-    try:
-        return canonical_source(inspect.getsource(fn), rename_args) if inspect.isfunction(fn) else ""
-    except (OSError, TypeError, SyntaxError):  # no source (built at run time): not known
-        return ""
-
-
 def _class_form(cls: type) -> _Form | None:
     """(the name of its transformers-cache argument, where its sliding window comes from: None, "module"
     or "config", whether q and k are RMS-normed first) if `cls`'s forward is Llama's, Qwen2's, Mistral's
@@ -104,8 +97,8 @@ def _class_form(cls: type) -> _Form | None:
         known = (
             cls.__call__ is nn.Module.__call__ and scope.get("torch") is torch and "ALL_ATTENTION_FUNCTIONS" in scope
         )
-        known = known and all(_source(scope.get(name)) == text for name, text in _HELPERS.items())
-        _by_class[cls] = _FORMS.get(_source(forward, False)) if known else None
+        known = known and all(function_source(scope.get(name)) == text for name, text in _HELPERS.items())
+        _by_class[cls] = _FORMS.get(function_source(forward, False)) if known else None
     return _by_class[cls]
 
 
