@@ -166,7 +166,7 @@ def fast_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[in
     return lambda ids: decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-class StreamDetokenizer:
+class StreamDetokenizer(IncrementalDetokenizer):
     """`IncrementalDetokenizer`'s deltas from the Rust tokenizer's own incremental decoder
     (`tokenizers.decoders.DecodeStream`: the same two-window algorithm, one call per token). The
     ids since the last released text are kept here too, for `flush` (the stream never releases an
@@ -175,13 +175,9 @@ class StreamDetokenizer:
     def __init__(
         self, backend: Any, stream: Any, decode: Callable[[list[int]], str], prompt_ids: Sequence[int]
     ) -> None:
-        self.backend, self.stream, self.decode = backend, stream, decode
-        context = list(prompt_ids[-CONTEXT:])
-        if context and decode(context).endswith(REPLACEMENT):
-            context = []
-        self.ids = context  # ids[prefix:read] decode to text already released, ids[read:] are held
-        self.prefix, self.read = 0, len(context)
-        for token in context:  # the stream's window starts after the context too (one id a call: any version)
+        super().__init__(decode, prompt_ids)  # ids[prefix:read] decode to text already released, ids[read:] held
+        self.backend, self.stream = backend, stream
+        for token in self.ids:  # the stream's window starts after the context too (one id a call: any version)
             stream.step(backend, token)
 
     def add(self, token: int) -> str:
@@ -189,12 +185,12 @@ class StreamDetokenizer:
         ids = self.ids
         ids.append(token)
         if self.stream is None:
-            return self._window(final=False)
+            return self._advance(final=False)
         try:
             text = self.stream.step(self.backend, token)
         except Exception:  # a window the Rust stream refuses: the two decodes from here on
             self.stream = None
-            return self._window(final=False)
+            return self._advance(final=False)
         if text is None:
             return ""
         if self.prefix > 64:  # keep the list short: only the window is ever decoded again
@@ -203,26 +199,10 @@ class StreamDetokenizer:
         self.prefix, self.read = self.read, len(ids)
         return text
 
-    def flush(self) -> str:
-        """Text still held at the end of generation (an unfinished character decodes as U+FFFD)."""
-        return self._window(final=True)
-
-    def _window(self, *, final: bool) -> str:
-        if self.stream is not None and not final:
-            return ""
-        if self.read == len(self.ids):
-            return ""
-        before = self.decode(self.ids[self.prefix : self.read])
-        text = self.decode(self.ids[self.prefix :])
-        if not final and (len(text) <= len(before) or text.endswith(REPLACEMENT)):
-            return ""
-        self.prefix, self.read = self.read, len(self.ids)
-        return text[len(before) :]
-
 
 def detokenizers(
     tokenizer: Any, skip_special_tokens: bool, decode: Callable[[list[int]], str]
-) -> Callable[[Sequence[int]], IncrementalDetokenizer | StreamDetokenizer]:
+) -> Callable[[Sequence[int]], IncrementalDetokenizer]:
     """prompt ids -> a detokenizer whose text is `decode`'s (`tokenizer.decode` with the job's
     options): `StreamDetokenizer` where the Rust decode is the same as `decode` (`fast_decoder`)
     and tokenizers has `DecodeStream`, `IncrementalDetokenizer` over the Rust decode where only

@@ -29,7 +29,7 @@ from typing import Any
 from batchkv.executor import Event
 from batchkv.executor.request import Logprobs
 from batchkv.serve import tools
-from batchkv.serve.detok import IncrementalDetokenizer, StopMatcher, StreamDetokenizer, detokenizers
+from batchkv.serve.detok import IncrementalDetokenizer, StopMatcher, detokenizers
 from batchkv.serve.jobs import Job
 from batchkv.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from batchkv.serve.stream import Stream
@@ -57,7 +57,7 @@ class Choice:
     """One sample of one prompt: its text so far (released pieces), token ids and finish reason."""
 
     index: int
-    detok: IncrementalDetokenizer | StreamDetokenizer | None
+    detok: IncrementalDetokenizer | None
     stops: StopMatcher
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
