@@ -178,7 +178,8 @@ def main() -> None:
                                  result["bf16_tflops"], result["fp8_tflops"] if fp8 else None)  # fmt: skip
             lim["serial"] = lim.pop("no_overlap")
             got["limit_tokens_per_s"] = lim
-            got.update(max_seqs=engine.cache.max_seqs, store=engine.sizing.describe() if engine.sizing else None,
+            got.update(max_seqs=engine.cache.max_seqs, max_step_tokens=engine.scheduler.max_step_tokens,
+                       store=engine.sizing.describe() if engine.sizing else None,
                        warm_up_s=warm_s, kv_dtype=str(engine.cache.config.kv_dtype))  # fmt: skip
             works[name][key] = got
             save()

@@ -41,9 +41,9 @@ from bench.lib.roofline import ModelCost, model_cost, workload_limit  # noqa: E4
 from bench.lib.serving import serve_offline, serving_engine, workload  # noqa: E402
 
 
-def in_process(directory: Path, device: torch.device, prompts, outputs) -> tuple[dict, ModelCost]:
+def in_process(directory: Path, device: torch.device, prompts, outputs, step_tokens: int) -> tuple[dict, ModelCost]:
     model = HFModel.from_pretrained(directory, device=device, dtype=torch.bfloat16)
-    engine = serving_engine(model, device, prompts, outputs, "auto")
+    engine = serving_engine(model, device, prompts, outputs, "auto", max_step_tokens=step_tokens)
     if device.type == "cuda":
         engine.warm_up()
     d = serve_offline(engine, device, prompts, outputs)
@@ -55,12 +55,12 @@ def in_process(directory: Path, device: torch.device, prompts, outputs) -> tuple
     return entry, c
 
 
-def over_http(directory: Path, device: torch.device, prompts, outputs, log: Path) -> dict:
+def over_http(directory: Path, device: torch.device, prompts, outputs, log: Path, step_tokens: int) -> dict:
     capacity = max(map(len, prompts)) + max(outputs) + 1
     command = [sys.executable, "-m", "batchkv", "serve", "--model", str(directory), "--device", device.type,
-               "--dtype", "bfloat16", "--max-seqs", "auto", "--capacity", str(capacity), "--max-step-tokens", "1024",
-               "--prefill-chunk", str(min(512, capacity)), "--max-waiting", "100000",
-               "--log-level", "warning"]  # fmt: skip
+               "--dtype", "bfloat16", "--max-seqs", "auto", "--capacity", str(capacity),
+               "--max-step-tokens", str(step_tokens), "--prefill-chunk", str(min(512, capacity)),
+               "--max-waiting", "100000", "--log-level", "warning"]  # fmt: skip
     proc, port = serve_client.start_server(lambda port: [*command, "--port", str(port)], log)
     try:
         bodies = [json.dumps({"prompt": p, "max_tokens": o, "temperature": 0, "stream": True, "ignore_eos": True,
@@ -187,6 +187,7 @@ def main() -> None:
                     "options --max-tokens, --variants, --device, --out)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/real-model-h200.json")
     ap.add_argument("--small", action="store_true", help="CPU smoke run: 8 short requests")
+    ap.add_argument("--max-step-tokens", type=int, default=1024, help="the serve part's step budget (README: 1024)")
     ap.add_argument("--parts", choices=("serve", "moe"), default="serve", help="serve, or moe (no GGUF needed)")
     ap.add_argument("--moe-layers", type=int, default=12, help="decoder layers of the moe part's models")
     ap.add_argument("--moe-requests", type=int, default=64, help="requests the moe part's models serve")
@@ -214,8 +215,9 @@ def main() -> None:
                   convert_s=time.perf_counter() - start)  # fmt: skip
     n, p_range, o_range = (8, (8, 64), (4, 32)) if args.small else (256, (64, 2048), (64, 1024))
     prompts, outputs = workload(n, p_range, o_range, vocab=49152)
-    serve = result["serve"] = {"requests": n, "prompts": list(p_range), "outputs": list(o_range)}
-    serve["in_process"], c = in_process(directory, device, prompts, outputs)
+    serve = result["serve"] = {"requests": n, "prompts": list(p_range), "outputs": list(o_range),
+                               "max_step_tokens": args.max_step_tokens}  # fmt: skip
+    serve["in_process"], c = in_process(directory, device, prompts, outputs, args.max_step_tokens)
     print(f"serve in process: {serve['in_process']['tokens_per_s']:.0f} tok/s", flush=True)
     save()
     if device.type == "cuda":
@@ -223,7 +225,8 @@ def main() -> None:
         flops, _ = matmul_peak(device)
         serve["read_gbps"], serve["matmul_tflops"] = read, flops
         serve["workload_limit"] = workload_limit(prompts, outputs, c, read, flops)
-    serve["http"] = over_http(directory, device, prompts, outputs, args.out.with_suffix(".server.log"))
+    serve["http"] = over_http(directory, device, prompts, outputs, args.out.with_suffix(".server.log"),
+                                args.max_step_tokens)  # fmt: skip
     print(f"serve over HTTP: {serve['http']['tokens_per_s']:.0f} tok/s", flush=True)
     save()
     print(f"done in {time.perf_counter() - start:.0f} s", flush=True)

@@ -46,14 +46,15 @@ def serving_engine(
     kv_dtype=None,
     tensor_parallel: int = 1,
     use_graphs: bool | None = None,
+    max_step_tokens: int = 1024,
 ) -> Engine:
-    """The serving configuration: 1024-token steps, 512-token prompt chunks, capacity the longest
+    """The serving configuration: 1024-token steps (or `max_step_tokens`), 512-token prompt chunks, capacity the longest
     request, the store allocated whole, graphs on CUDA. max_seqs "auto" (the README's): 256 sequences,
     the store sized to the device; an int: that many, each column at capacity (the configuration before)."""
     capacity = max(map(len, prompts)) + max(outputs) + 1
     kv_positions = "auto" if max_seqs == "auto" else max_seqs * capacity
     return Engine(model, tensor_parallel=tensor_parallel, max_seqs=max_seqs, capacity=capacity,
-                  max_step_tokens=1024, prefill_chunk=min(512, capacity),
+                  max_step_tokens=max_step_tokens, prefill_chunk=min(512, capacity),
                   use_graphs=device.type == "cuda" if use_graphs is None else use_graphs,
                   device=device, kv_positions=kv_positions, kv_dtype=kv_dtype)  # fmt: skip
 
