@@ -1,22 +1,14 @@
-"""TensorRT-LLM's published Llama-3.1-8B workloads on one H200, served by batchkv on the same shape.
-
-TensorRT-LLM's performance overview (`PUBLISHED`, `SOURCE`: trtllm-bench throughput, FP8, fixed
-input/output lengths, all requests at once) against the same workloads on the Llama-3.1-8B shape
-(transformers `LlamaConfig`, random bf16 weights) through `HFModel`, every request at once, EOS
-ignored, greedy, on the README's engine (`max_seqs="auto"`, graphs, overlap), in three
-configurations: bf16; fp8 (e4m3 projections, per-token activations); fp8 + e4m3 K/V. One engine per
-configuration, warmed once, serves the workloads in turn. Each records output tokens/s over the
-whole run (what trtllm-bench reports), the steady-state rate (`steady_tokens_per_s`: over the window
-in which requests still waited; None when none did) and the workload's own limit
-(`limit_tokens_per_s`: bench/lib/roofline.py's `workload_limit` at the rates measured in this run,
-`overlap` and `serial`).
+"""TensorRT-LLM's published Llama-3.1-8B H200 workloads (`PUBLISHED`, `SOURCE`: trtllm-bench, FP8, fixed
+lengths) served on the same shape (transformers `LlamaConfig`, random bf16 weights) through `HFModel`: all
+requests at once, EOS ignored, greedy, `max_seqs="auto"`, graphs, overlap; bf16, fp8 (e4m3 projections,
+per-token activations), fp8 + e4m3 K/V, one engine each, warmed once. Each run records output tokens/s, the
+steady rate while requests waited and the workload's own limit (`workload_limit` at this run's rates).
 
     python3 bench/anchors.py --out bench/results/anchors-h200.json --budget-s 500     # on the H200
     python bench/anchors.py --small --out /tmp/a.json                                  # CPU smoke run
 
-`--max-seqs N` serves with `Engine(max_seqs=N)` instead of "auto" (results keyed `bf16@N`; add runs
-to one JSON with `--resume`): #38's short-context comparison of 256 against 1,024 sampling rows is
-`--workloads 128/512 --configs bf16 --requests bf16=2048 --max-seqs 256`, then the same with 1024.
+`--max-seqs N`: `Engine(max_seqs=N)` (results keyed `bf16@N`; `--resume` adds to a JSON). #38's 256
+against 1,024 rows: `--workloads 128/512 --configs bf16 --requests bf16=4096 --max-seqs 256`, then 1024.
 """
 
 from __future__ import annotations
@@ -54,8 +46,29 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
         "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512}  # fmt: skip
 
 
-def serve(engine: Engine, prompts, outputs, device: torch.device) -> dict:
-    """Every request at once, EOS ignored, greedy; whole-run and steady-state output tokens/s."""
+KINDS = {"matmul": ("gemm", "nvjet", "cutlass", "xmma"), "attention": ("split_kernel", "long_kernel", "attn"),
+         "quantise": ("quant", "amax"), "norm_rope_silu": ("norm", "rope", "silu")}  # fmt: skip
+
+
+def profiled(engine: Engine, steps: int) -> tuple[list, dict]:
+    """`steps` engine steps under the torch profiler: their events, and ms per step of the GPU's kernels
+    by kind (KINDS, by name; the rest "other"), busy in all, and of the wall clock, with the rows running."""
+    from torch.profiler import ProfilerActivity, profile
+
+    running, start = engine.num_running, time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        events = [event for _ in range(steps) for event in engine.step()]
+        torch.cuda.synchronize()
+    by = {"wall": (time.perf_counter() - start) * 1e3, "busy": 0.0} | dict.fromkeys([*KINDS, "other"], 0.0)
+    for e in (e for e in prof.events() if e.device_type.name == "CUDA"):
+        by[next((k for k, names in KINDS.items() if any(n in e.name.lower() for n in names)), "other")] += e.device_time
+        by["busy"] += e.device_time
+    return events, {"running": running} | {k: round(v / steps / (1 if k == "wall" else 1e3), 3) for k, v in by.items()}
+
+
+def serve(engine: Engine, prompts, outputs, device: torch.device, profile_steps: int = 0) -> dict:
+    """Every request at once, EOS ignored, greedy; whole-run and steady-state output tokens/s. With
+    `profile_steps`, that many steps are profiled once half the output tokens are out (`profiled`)."""
     engine.clear_prefix_cache()
     engine.metrics = engine.metrics.fresh()
     params = [SamplingParams(max_new_tokens=o, ignore_eos=True) for o in outputs]
@@ -63,12 +76,17 @@ def serve(engine: Engine, prompts, outputs, device: torch.device) -> dict:
         engine.submit(Request(p, sp))
     sync(device)
     start = time.perf_counter()
-    finished, times, tokens = 0, [], 0  # times[j]: (seconds, tokens so far) when the j-th request finished
-    for event in engine.stream():
-        tokens += event.token is not None
-        if event.finish_reason is not None:
-            finished += 1
-            times.append((time.perf_counter() - start, tokens))
+    times, tokens = [], 0  # times[j]: (seconds, tokens so far) when the j-th request finished
+    profile = None
+    while engine.has_work:
+        if profile is None and profile_steps and 2 * tokens >= sum(outputs):
+            events, profile = profiled(engine, profile_steps)
+        else:
+            events = engine.step()
+        for event in events:
+            tokens += event.token is not None
+            if event.finish_reason is not None:
+                times.append((time.perf_counter() - start, tokens))
     wall = time.perf_counter() - start
     n, seqs = len(prompts), engine.cache.max_seqs
     waiting_until = n - seqs  # while fewer had finished, requests were still waiting for a column
@@ -78,7 +96,8 @@ def serve(engine: Engine, prompts, outputs, device: torch.device) -> dict:
         steady = (k1 - k0) / (t1 - t0) if t1 > t0 else None
     summary = engine.metrics.summary()
     return {"requests": n, "tokens_per_s": tokens / wall, "steady_tokens_per_s": steady, "wall_s": wall,
-            "output_tokens": tokens, "steps": summary.get("steps"), "ttft_p50_ms": summary.get("ttft_ms_p50"),
+            "output_tokens": tokens, "steps": summary.get("steps"), "profile_ms_per_step": profile,
+            "ttft_p50_ms": summary.get("ttft_ms_p50"),
             "p50_itl_ms": summary.get("itl_ms_p50"), "steady_window": [times[0][0], times[waiting_until - 1][0]]
             if steady else None}  # fmt: skip
 
@@ -102,9 +121,12 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=500.0, help="wall-clock budget; parts past it are skipped")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of bf16, fp8, fp8_e4m3 (run in order)")
     ap.add_argument("--workloads", default=",".join(PUBLISHED), help="comma list of ISL/OSL")
-    ap.add_argument("--requests", default="fp8_e4m3=2048:512:320:384,fp8=1024:256:160:192,bf16=1024:256:160:192",
-                    help="per configuration, the request count of each workload in --workloads order")  # fmt: skip
-    ap.add_argument("--max-step-tokens", type=int, default=None, help="the Engine's step budget (default its own)")
+    ap.add_argument("--requests", default="fp8_e4m3=30000:3000:1500:1500,fp8=10000:1000:500:500,bf16=10000:1000:500:"
+                    "500", help="per configuration, each workload's requests in --workloads order (default: the "
+                    "published counts for fp8_e4m3, a third for the others)")  # fmt: skip
+    ap.add_argument("--max-step-tokens", type=int, default=8192, help="the Engine's step budget (4,096 prompt tokens "
+                    "beside the decoding rows; the Engine's own default is 1,024, for latency)")  # fmt: skip
+    ap.add_argument("--profile-steps", type=int, default=0, help="steps profiled at half of each run's output")
     ap.add_argument("--resume", type=Path, default=None, help="a result JSON to add to")
     ap.add_argument("--max-seqs", default="auto", help="the Engine's max_seqs (auto, or a number: results keyed cfg@N)")
     args = ap.parse_args()
@@ -112,13 +134,9 @@ def main() -> None:
     deadline = Deadline(args.budget_s)
     device = torch.device(args.device)
     config = TINY if args.small else LLAMA_8B
-    names = [w for w in args.workloads.split(",") if w]
-    if args.small:
-        names = ["16/8"]
-    counts = {}
-    for part in args.requests.split(","):
-        key, _, values = part.partition("=")
-        counts[key] = [int(v) for v in values.split(":")]
+    names = ["16/8"] if args.small else [w for w in args.workloads.split(",") if w]
+    parts = (part.partition("=") for part in args.requests.split(","))
+    counts = {key: [int(v) for v in values.split(":")] for key, _, values in parts}
     result = json.loads(args.resume.read_text()) if args.resume else {}
     result.update(model="Llama-3.1-8B shape (transformers LlamaConfig, random weights)" if not args.small else
                   "tiny Llama (smoke)", device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
@@ -129,10 +147,8 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=1))
 
     if "read_gbps" not in result:
-        result["read_gbps"] = read_ceiling(device)[0]
-        result["bf16_tflops"] = matmul_peak(device)[0]
-        result["fp8_tflops"] = matmul_peak(device, fp8=True)[0]
-        save()
+        result.update(read_gbps=read_ceiling(device)[0], bf16_tflops=matmul_peak(device)[0],
+                      fp8_tflops=matmul_peak(device, fp8=True)[0])  # fmt: skip
     print(f"read {result['read_gbps']:.0f} GB/s, bf16 {result['bf16_tflops']:.0f} TFLOP/s, fp8 "
           f"{result['fp8_tflops']:.0f} TFLOP/s", flush=True)  # fmt: skip
     from batchkv.models.hf import HFModel, quantize_decoder
@@ -143,7 +159,7 @@ def main() -> None:
     for name in names:
         entry = works.setdefault(name, {})
         if name in PUBLISHED:
-            entry["published"] = {"source": SOURCE, "tokens_per_s": PUBLISHED[name][0], "requests": PUBLISHED[name][1]}
+            entry["published"] = dict(zip(("tokens_per_s", "requests"), PUBLISHED[name], strict=True), source=SOURCE)
     reach = max(sum(int(x) for x in name.split("/")) for name in names) + 1
     for cfg_name in [c for c in args.configs.split(",") if c]:
         if deadline.left() < 60:
@@ -159,11 +175,9 @@ def main() -> None:
         model = HFModel(hf, kv_dtype=kv_dtype)
         key = cfg_name if max_seqs == "auto" else f"{cfg_name}@{max_seqs}"
         engine = Engine(model, max_seqs=max_seqs, kv_positions="auto", capacity=reach, use_graphs=device.type == "cuda",
-                        device=device,
-                        **({"max_step_tokens": args.max_step_tokens} if args.max_step_tokens else {}))  # fmt: skip
+                        device=device, max_step_tokens=args.max_step_tokens)  # fmt: skip
         warm_s = engine.warm_up()
-        print(f"{key}: engine {engine.sizing.describe() if engine.sizing else ''}; warm-up {warm_s:.0f} s",
-              flush=True)  # fmt: skip
+        print(f"{key}: engine {engine.sizing.describe() if engine.sizing else ''}; warm-up {warm_s:.0f} s", flush=True)
         for j, name in enumerate(names):
             n = 4 if args.small else counts[cfg_name][j]
             if deadline.left() < 30:
@@ -171,22 +185,20 @@ def main() -> None:
                 continue
             isl, osl = (int(x) for x in name.split("/"))
             prompts, outputs = workload(n, (isl, isl), (osl, osl), config["vocab_size"])
-            got = serve(engine, prompts, outputs, device)
+            got = serve(engine, prompts, outputs, device, args.profile_steps)
             cost = shape_cost(config, engine.cache.config.bytes_per_position())
             fp8 = cfg_name != "bf16"
             lim = workload_limit(prompts, outputs, fp8_weights(cost) if fp8 else cost, result["read_gbps"],
                                  result["bf16_tflops"], result["fp8_tflops"] if fp8 else None)  # fmt: skip
             lim["serial"] = lim.pop("no_overlap")
-            got["limit_tokens_per_s"] = lim
-            got.update(max_seqs=engine.cache.max_seqs, max_step_tokens=engine.scheduler.max_step_tokens,
-                       store=engine.sizing.describe() if engine.sizing else None,
-                       warm_up_s=warm_s, kv_dtype=str(engine.cache.config.kv_dtype))  # fmt: skip
+            got.update(limit_tokens_per_s=lim, max_seqs=engine.cache.max_seqs, warm_up_s=warm_s,
+                       max_step_tokens=engine.scheduler.max_step_tokens, kv_dtype=str(engine.cache.config.kv_dtype),
+                       store=engine.sizing.describe() if engine.sizing else None)  # fmt: skip
             works[name][key] = got
             save()
-            published = PUBLISHED.get(name, (None,))[0]
             print(f"{name} {key}: {got['tokens_per_s']:.0f} tok/s (steady {got['steady_tokens_per_s'] or 0:.0f}) "
-                  f"from {n} requests; limit {lim['overlap']:.0f} / {lim['serial']:.0f}; published {published}",
-                  flush=True)  # fmt: skip
+                  f"from {n} requests; limit {lim['overlap']:.0f} / {lim['serial']:.0f}; published "
+                  f"{PUBLISHED.get(name, (None,))[0]}", flush=True)  # fmt: skip
         engine.close()
         del engine, model
         release(device)
