@@ -46,8 +46,9 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "nu
         "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512}  # fmt: skip
 
 
-KINDS = {"matmul": ("gemm", "nvjet", "cutlass", "xmma"), "attention": ("split_kernel", "long_kernel", "attn"),
-         "quantise": ("quant", "amax"), "norm_rope_silu": ("norm", "rope", "silu")}  # fmt: skip
+KINDS = {"matmul": ("gemm", "gemv", "nvjet", "cutlass", "xmma"), "attention_split": ("split_kernel",),
+         "attention_long": ("long_kernel",), "attention_other": ("attn", "merge", "sdpa"), "silu_mul": ("silu",),
+         "quantise": ("quant", "amax"), "norm_rope": ("norm", "rope"), "kv_write": ("write", "scatter")}  # fmt: skip
 
 
 def profiled(engine: Engine, steps: int) -> tuple[list, dict]:
