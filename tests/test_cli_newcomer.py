@@ -122,6 +122,8 @@ def test_run_serve_and_score_share_one_spelling_and_default_per_option():
     assert run["model"][0] == serve["model"][0] == score["model"][0] == ("-m", "--model")
     for argv in (["run", "--capacity", "auto"], ["serve", "m", "--capacity", "auto"]):
         assert parser.parse_args(argv).capacity == "auto"
+    assert parser.parse_args(["run"]).max_step_tokens == "auto"  # sized from the model (sizing.auto_step_tokens)
+    assert parser.parse_args(["serve", "m", "--max-num-batched-tokens", "2048"]).max_step_tokens == 2048
 
 
 def test_vllm_spellings_are_aliases_and_a_memory_fraction_sizes_a_numbered_store():

@@ -188,3 +188,43 @@ def test_capacity_none_is_the_models_max_positions_else_the_default():
     model.max_positions = 640
     assert Engine(model, max_step_tokens=16, prefill_chunk=8).cache.capacity == 640
     assert Engine(model, capacity=100, max_step_tokens=16, prefill_chunk=8).cache.capacity == 100
+
+
+class _Wrapped:
+    """A model as HFModel holds one: the transformers module under `hf`, on `device`."""
+
+    def __init__(self, weight_bytes: int, device: str, dtype: torch.dtype = torch.bfloat16) -> None:
+        elements = weight_bytes // torch.empty((), dtype=dtype).element_size()
+        self.hf = torch.nn.Linear(elements // 1024, 1024, bias=False, device="meta", dtype=dtype)
+        self.device = torch.device(device)
+
+
+def test_auto_step_tokens_keeps_1024_for_16_gb_of_weights_and_doubles_as_the_weights_shrink():
+    from batchkv.executor.sizing import DEFAULT_STEP_TOKENS, MOST_AUTO_STEP_TOKENS, auto_step_tokens
+
+    # a step of 2n tokens through w bytes at most as costly as 1,024 through 16 GB: 2n * w <= 1024 * 16e9
+    assert auto_step_tokens(_Wrapped(16_060_000_000, "cuda")) == DEFAULT_STEP_TOKENS == 1024  # Llama-3.1-8B, bf16
+    assert auto_step_tokens(_Wrapped(8 * 10**9, "cuda")) == 2048
+    assert auto_step_tokens(_Wrapped(3 * 10**9, "cuda")) == 4096  # 2 * 4096 * 3e9 > 1024 * 16e9: not 8,192
+    assert auto_step_tokens(_Wrapped(270_000_000, "cuda")) == MOST_AUTO_STEP_TOKENS == 8192  # SmolLM2-135M: capped
+    fp8 = _Wrapped(8 * 10**9, "cuda", torch.float8_e4m3fn)  # bytes, not elements: fp8 weights count half
+    assert auto_step_tokens(fp8) == 2048
+    assert auto_step_tokens(_Wrapped(270_000_000, "cpu")) == DEFAULT_STEP_TOKENS  # off CUDA: the default
+    assert auto_step_tokens(object()) == DEFAULT_STEP_TOKENS  # weights it cannot count: the default
+
+
+def test_weight_bytes_counts_a_modules_parameters_and_buffers():
+    from batchkv.executor.sizing import weight_bytes
+
+    module = torch.nn.Linear(8, 4, device="meta", dtype=torch.bfloat16)  # 32 + 4 elements of 2 bytes
+    module.register_buffer("weight_scale", torch.empty(4, dtype=torch.float32, device="meta"))
+    assert weight_bytes(module) == 36 * 2 + 4 * 4
+    assert weight_bytes(_Wrapped(1 << 20, "cpu")) == 1 << 20
+
+
+def test_engine_takes_auto_step_tokens_and_refuses_another_word():
+    from batchkv.executor import Engine
+
+    assert Engine(_toy(), max_step_tokens="auto", prefill_chunk=8).scheduler.max_step_tokens == 1024  # on the CPU
+    with pytest.raises(ConfigError, match="max_step_tokens"):
+        Engine(_toy(), max_step_tokens="many", prefill_chunk=8)

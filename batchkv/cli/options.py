@@ -123,10 +123,11 @@ def _add_sizing(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--max-step-tokens",
         "--max-num-batched-tokens",
-        type=bounded(int, 1, MAX_STEP_TOKENS),
-        default=DEFAULT_STEP_TOKENS,
-        metavar="N",
-        help="token budget of one step",
+        type=or_auto(bounded(int, 1, MAX_STEP_TOKENS)),
+        default="auto",
+        metavar="N|auto",
+        help=f"token budget of one step; auto: {DEFAULT_STEP_TOKENS} for an 8B model's 16 GB of bf16 weights and on "
+        "the CPU, more for smaller models on CUDA, up to 8192 (a step's matmuls cost about the same)",
     )
     group.add_argument(
         "--prefill-chunk",

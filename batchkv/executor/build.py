@@ -59,7 +59,7 @@ def check_shape(
     *,
     max_seqs: int | str,
     capacity: int | None,
-    max_step_tokens: int,
+    max_step_tokens: int | str,
     prefill_chunk: int | None,
     width_buckets: Sequence[int] | None,
     use_graphs: bool | str,
@@ -78,7 +78,8 @@ def check_shape(
         max_seqs, kv_positions = MAX_SAMPLE_ROWS, "auto" if kv_positions is None else kv_positions
     capacity = sizing.model_capacity(model) if capacity is None else capacity
     max_seqs = int_arg("Engine max_seqs", max_seqs, 1, MAX_POSITIONS, why=" (or 'auto')")
-    why = " (one step's tokens: static buffers are sized by it)"
+    why = " (one step's tokens: static buffers are sized by it; or 'auto')"
+    max_step_tokens = sizing.auto_step_tokens(model) if max_step_tokens == "auto" else max_step_tokens
     max_step_tokens = int_arg("Engine max_step_tokens", max_step_tokens, 1, MAX_STEP_TOKENS, why=why)
     why = " (a prompt and a generated token; positions are int32)"
     capacity = int_arg("Engine capacity", capacity, 2, MAX_POSITIONS, why=why)

@@ -60,7 +60,9 @@ class Engine:
     capacity: most positions (prompt + generated) one sequence may hold; None: the model's
         `max_positions` when it has one, else `DEFAULT_CAPACITY` (4096).
     max_step_tokens: token budget of one step (decode tokens + prompt chunks); default
-        `DEFAULT_STEP_TOKENS` (1,024), as `batchkv run` and `batchkv serve`.
+        `DEFAULT_STEP_TOKENS` (1,024). "auto" (`batchkv run` and `batchkv serve`'s default): 1,024 for
+        16 GB of weights, off CUDA and under tensor parallelism, more for smaller models, up to 8,192
+        (`sizing.auto_step_tokens`).
     prefill_chunk: most prompt tokens one sequence writes in one step (the cache's max_write);
         None: `DEFAULT_PREFILL_CHUNK` (512) within capacity and max_step_tokens.
     prefill_budget: most prompt tokens per step, all prompts together, while samples are running
@@ -111,7 +113,7 @@ class Engine:
         *,
         max_seqs: int | str = 8,
         capacity: int | None = None,
-        max_step_tokens: int = DEFAULT_STEP_TOKENS,
+        max_step_tokens: int | str = DEFAULT_STEP_TOKENS,
         prefill_chunk: int | None = None,
         width_buckets: Sequence[int] | None = None,
         device: torch.device | str | None = None,
@@ -130,6 +132,8 @@ class Engine:
         tensor_parallel: int = 1,
         _role: Role | None = None,  # batchkv.tp's: the role of a rank > 0
     ) -> None:
+        if max_step_tokens == "auto" and tensor_parallel > 1:  # every rank the same budget, whatever its shard
+            max_step_tokens = DEFAULT_STEP_TOKENS
         options = {k: v for k, v in locals().items() if k not in ("self", "model", "tensor_parallel", "_role")}
         if _role is None:  # a model or a source; more ranks started by batchkv.tp (executor.launch)
             _role, model = start(model, tensor_parallel, options)

@@ -42,6 +42,13 @@ DEFAULT_CAPACITY = 4096  # positions per sequence when neither the caller nor th
 # step packs only the tokens it has, so small CPU workloads take narrow steps all the same.
 DEFAULT_STEP_TOKENS = 1024
 DEFAULT_PREFILL_CHUNK = 512
+# max_step_tokens="auto" (the command line's default): a step whose matmuls take about as long as
+# DEFAULT_STEP_TOKENS tokens through the 8B shape's 16 GB of bf16 weights. Their time follows the
+# weights' bytes (the elements set the FLOPs, the element width the rate), so a model of fewer bytes
+# takes more tokens a step, in powers of two up to MOST_AUTO_STEP_TOKENS: fewer, larger prompt steps
+# where a step costs little (SmolLM2's 0.27 GB take 8,192).
+AUTO_STEP_WEIGHT_BYTES = 16 * 10**9
+MOST_AUTO_STEP_TOKENS = 8192
 # The reach (prompt + output positions) of a short request, which max_seqs="auto" sizes its row
 # count for: a store that cannot hold MAX_SAMPLE_ROWS requests of this many positions gets fewer rows.
 AUTO_REACH = 512
@@ -52,6 +59,28 @@ def auto_rows(positions: int, capacity: int, max_step_tokens: int) -> int:
     token budget (a step decodes no more) and as many requests of min(capacity, AUTO_REACH)
     positions as `positions` hold; at least one."""
     return max(1, min(MAX_SAMPLE_ROWS, max_step_tokens, positions // min(capacity, AUTO_REACH)))
+
+
+def auto_step_tokens(model: object) -> int:
+    """max_step_tokens="auto"'s budget for `model` (see AUTO_STEP_WEIGHT_BYTES): DEFAULT_STEP_TOKENS
+    off CUDA and for a model whose weights it cannot count, else doubled while a step of twice the
+    tokens through the model's weights costs at most what DEFAULT_STEP_TOKENS through 16 GB do."""
+    weights = weight_bytes(model)
+    if torch.device(getattr(model, "device", "cpu")).type != "cuda" or not weights:
+        return DEFAULT_STEP_TOKENS
+    tokens = DEFAULT_STEP_TOKENS
+    while tokens < MOST_AUTO_STEP_TOKENS and 2 * tokens * weights <= DEFAULT_STEP_TOKENS * AUTO_STEP_WEIGHT_BYTES:
+        tokens *= 2
+    return tokens
+
+
+def weight_bytes(model: object) -> int:
+    """Bytes of the model's parameters and buffers (fp8 weights are buffers): an nn.Module's own, or
+    those of the transformers module it wraps (`HFModel.hf`); 0 for a model that is neither."""
+    module = model if isinstance(model, torch.nn.Module) else getattr(model, "hf", None)
+    if not isinstance(module, torch.nn.Module):
+        return 0
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
 def default_prefill_chunk(capacity: int, max_step_tokens: int) -> int:
