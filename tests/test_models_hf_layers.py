@@ -185,3 +185,24 @@ def test_with_fuse_off_or_the_switch_off_the_layers_are_left_alone(monkeypatch):
     HFModel(hf)
     assert not any("forward" in layer.__dict__ for layer in hf.model.layers)
     assert isinstance(hf.model.layers[0].input_layernorm, FusedRMSNorm)  # the other fusions still made
+
+
+def test_a_tensor_parallel_ranks_norm_gives_its_own_fp8_slices_the_codes_they_would_make(tmp_path, monkeypatch):
+    from batchkv.models.loading import load_hf_shard
+    from batchkv.models.parallel import Shard
+    from tests.tp_helpers import save_qwen3
+
+    save_qwen3(tmp_path)
+    hf = load_hf_shard(tmp_path, Shard(1, 2), dtype=torch.bfloat16, quantization="fp8").hf
+    layer, cfg = hf.model.layers[1], hf.config
+    attn, norm = layer.self_attn, layer.input_layernorm
+    assert norm.reader is attn.fused_qkv and attn.q_proj.out_features == cfg.num_attention_heads // 2 * cfg.head_dim
+    x = torch.randn(1, 5, norm.weight.shape[0], generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    outs, claimed = [], []
+    for quant in (False, True):
+        monkeypatch.setattr(hf_norms, "QUANT", quant)
+        normed = norm(x)
+        claimed.append(attn.fused_qkv._given is not None)
+        outs.append([attn.q_proj(normed), attn.k_proj(normed), attn.v_proj(normed)])  # this rank's heads
+    assert claimed == [False, True]
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
