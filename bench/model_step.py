@@ -15,10 +15,9 @@ activation quantiser as a separate pass (`unfused_quant_ms`).
 `--fusion-ab` times the step of a random-weight transformers Llama of the Llama-3.1-8B shape through `HFModel`
 (attention stood in for as above, logits of every row) with q/k/v and gate/up as the model has them against fused
 (`batchkv.models.hf_fuse`), in bf16 and in fp8, at each of `--rows`; `--fusion-small`: a tiny Llama (CPU smoke).
-`--fusion-arms`: `unfused` (fuse=False), `fused` (every fusion but `hf_layers`': residual adds and FP8 quantisers
-apart from the norms), `layers` (all, the default; in fp8 also timed with the quantisers apart, `noquant`).
+`--fusion-arms`: `unfused` (fuse=False), `fused` (all but `hf_layers`' residual adds and FP8 codes in the norms),
+`layers` (all; in fp8 also with the layers quantising for themselves, `noquant`). Each is timed by default.
     python bench/model_step.py --fusion-ab --rows 1 64 256 1024 --json out.json          # on the GPU
-    python bench/model_step.py --fusion-ab --fusion-arms fused layers --rows 256 1024 --iters 30 --json out.json
 
 `--hf-kernels` (CUDA): kernels launched and GPU time per decode step of a random-weight Llama of SmolLM2-135M's
 shape (bf16, tied head) served by an `Engine` with CUDA graphs, transformers' RMSNorm modules and RoPE as they are
@@ -127,9 +126,8 @@ def hf_llama(config: dict, device: torch.device, fuse: bool = True, fp8: bool = 
              layers: bool = True):  # fmt: skip
     """An `HFModel` of a random-weight transformers Llama of `config` (seed 0, norm weights 1 + 0.2 N(0, 1); bf16 on
     CUDA, fp32 on the CPU): projections in fp8 when `fp8`, `HFModel(fuse=)` (q/k/v, gate/up, norms and RoPE), the
-    norms and RoPE as transformers has them unless `kernels` (`hf_norms.FUSE`, `hf_rope.FUSE`), the decoder layers
-    as transformers has them (residual adds and FP8 quantisers apart from the norms) unless `layers`
-    (`hf_layers.FUSE`)."""
+    norms and RoPE as transformers has them unless `kernels` (`hf_norms.FUSE`, `hf_rope.FUSE`), the layers unless
+    `layers` (`hf_layers.FUSE`)."""
     import transformers
 
     from batchkv.models import hf_layers, hf_norms, hf_rope
@@ -153,15 +151,12 @@ def hf_llama(config: dict, device: torch.device, fuse: bool = True, fp8: bool = 
         hf_norms.FUSE = hf_rope.FUSE = hf_layers.FUSE = True
 
 
-# --fusion-ab's arms: HFModel(fuse=), hf_layers.FUSE (the residual adds and the FP8 quantisers inside the norms)
-FUSION_ARMS = {"unfused": (False, False), "fused": (True, False), "layers": (True, True)}
+FUSION_ARMS = {"unfused": (False, False), "fused": (True, False), "layers": (True, True)}  # fuse=, hf_layers.FUSE
 
 
-def fusion_ab(config: dict, device: torch.device, rows_list: list[int], iters: int,
-              arms: tuple[str, ...] = tuple(FUSION_ARMS)) -> list[dict]:  # fmt: skip
-    """Step ms of each arm (FUSION_ARMS), bf16 and fp8, at each row count (module docstring); one model at a time on
-    the device, each row count timed arm after arm. The fp8 "layers" arm is also timed with the layers quantising
-    for themselves (`hf_norms.QUANT` off: `fp8_layers_noquant`), the residual adds alone."""
+def fusion_ab(config: dict, device: torch.device, rows_list: list[int], iters: int, arms=tuple(FUSION_ARMS)) -> list:
+    """Step ms of each arm (FUSION_ARMS; fp8 "layers" also with `hf_norms.QUANT` off), bf16 and fp8, at each row
+    count (module docstring); one model at a time on the device, each row count timed arm after arm."""
     from batchkv.models import hf_norms
 
     out = {rows: {"rows": rows} for rows in rows_list}
@@ -170,12 +165,10 @@ def fusion_ab(config: dict, device: torch.device, rows_list: list[int], iters: i
             model = hf_llama(config, device, FUSION_ARMS[arm][0], fmt == "fp8", layers=FUSION_ARMS[arm][1])
             for rows in rows_list:
                 out[rows][f"{fmt}_{arm}_ms"], out[rows][f"{fmt}_{arm}_timed"] = timed_ms(step_call(model, rows), iters)
-                if fmt == "fp8" and arm == "layers":
+                if fmt == "fp8" and arm == "layers":  # the residual adds alone
                     hf_norms.QUANT = False
-                    try:
-                        out[rows]["fp8_layers_noquant_ms"] = timed_ms(step_call(model, rows), iters)[0]
-                    finally:
-                        hf_norms.QUANT = None
+                    out[rows]["fp8_layers_noquant_ms"] = timed_ms(step_call(model, rows), iters)[0]
+                    hf_norms.QUANT = None
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -317,10 +310,9 @@ def main() -> None:
         elif args.fusion_ab:
             config = TINY if args.fusion_small else LLAMA_8B
             print(f"Llama step on {device} ({'tiny' if args.fusion_small else '8B shape'}), unfused against fused (ms)")
-            arms = tuple(args.fusion_arms)
             report = {"model": "transformers LlamaConfig, random weights", "config": config, "device": str(device),
-                      "command": command, "arms": {arm: FUSION_ARMS[arm] for arm in arms},
-                      "fusion_ab": fusion_ab(config, device, args.rows, args.iters, arms)}  # fmt: skip
+                      "command": command, "fusion_ab": fusion_ab(config, device, args.rows, args.iters,
+                                                                  tuple(args.fusion_arms))}  # fmt: skip
         else:
             report = preset_steps(args, device)
     if args.json:

@@ -18,8 +18,9 @@ form reads. Any other class (Gemma3n's optional scale, grouped norms, unweighted
 it is. The `FusedRMSNorm` keeps the same `weight` Parameter (nothing copied; the state dict and a
 tensor-parallel rank's replicated norms are unchanged) and the epsilon under the same name; off
 CUDA, and wherever autograd records, it runs transformers' op sequence, so CPU results are the
-module's to the bit. On CUDA it is one Triton launch writing only its output (capturable). FP8
-models are unaffected: `Fp8Linear` quantises the normed rows it reads, whichever module made them.
+module's to the bit. On CUDA it is one Triton launch writing only its output (capturable). In FP8
+models `Fp8Linear` quantises the normed rows it reads, except where `batchkv.models.hf_layers` proves
+the norm's reader and the norm writes its codes too (`FusedRMSNorm.reader`, `QUANT`).
 """
 
 from __future__ import annotations
