@@ -206,3 +206,16 @@ def test_a_tensor_parallel_ranks_norm_gives_its_own_fp8_slices_the_codes_they_wo
         outs.append([attn.q_proj(normed), attn.k_proj(normed), attn.v_proj(normed)])  # this rank's heads
     assert claimed == [False, True]
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
+def test_a_norm_shared_between_layers_gets_no_reader_and_changes_nothing(monkeypatch):
+    hf = build(_arch("llama")).to(torch.bfloat16)
+    hf.model.layers[1].input_layernorm = hf.model.layers[0].input_layernorm  # one module in two places
+    quantize_decoder(hf)
+    want = step_logits(HFModel(copy.deepcopy(hf), fuse=False))
+    model = HFModel(hf)
+    assert hf.model.layers[1].input_layernorm is hf.model.layers[0].input_layernorm
+    assert [_reader(layer, name) for layer in hf.model.layers for name in ("input_layernorm",
+            "post_attention_layernorm")] == [False, True, False, True]  # fmt: skip
+    monkeypatch.setattr(hf_norms, "QUANT", True)
+    assert torch.equal(step_logits(model), want)

@@ -148,6 +148,23 @@ def _adapted_forward(cache_arg: str, original):
     return forward
 
 
+def _norms(layer: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    return getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
+
+
+def _set_readers(layer: nn.Module, shared: set[int], done: dict[str, int]) -> None:
+    """Make the layer's fused q|k|v (of a known attention) and gate|up (of a `SiluGatedMLP`) its norms' readers,
+    where the norm is this layer's alone (a norm module shared between places has no one reader)."""
+    before, after = _norms(layer)
+    qkv = getattr(layer.self_attn, "fused_qkv", None)
+    if isinstance(qkv, FusedProjection) and known_attention(layer.self_attn) and id(before) not in shared:
+        object.__setattr__(before, "reader", qkv)
+        done["qkv_reader"] += 1
+    if isinstance(layer.mlp, SiluGatedMLP) and id(after) not in shared:
+        object.__setattr__(after, "reader", layer.mlp.fused_gate_up)
+        done["gate_up_reader"] += 1
+
+
 def fuse_layers(hf_model: nn.Module) -> dict[str, int]:
     """Adapt each decoder layer of Llama's form whose norms are `FusedRMSNorm`s (module docstring): returns
     how many layers were adapted, chained to the next norm, and had a q|k|v and a gate|up reader set, e.g.
@@ -157,31 +174,26 @@ def fuse_layers(hf_model: nn.Module) -> dict[str, int]:
     layers = list(getattr(decoder, "layers", ()))
     if not FUSE or not layers:
         return done
+    seen = [id(norm) for layer in layers for norm in _norms(layer)] + [id(getattr(decoder, "norm", None))]
+    shared = {key for key in seen if seen.count(key) > 1}
     adapted = []
     for layer in layers:
         form = _layer_form(type(layer))
-        norms = (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))
-        ok = form is not None and "forward" not in layer.__dict__ and all(isinstance(n, FusedRMSNorm) for n in norms)
+        ok = form is not None and "forward" not in layer.__dict__
+        ok = ok and all(isinstance(norm, FusedRMSNorm) for norm in _norms(layer))
         if ok:
             layer.forward = types.MethodType(_adapted_forward(form, type(layer).forward), layer)
             done["layers"] += 1
-            qkv = getattr(layer.self_attn, "fused_qkv", None)
-            if isinstance(qkv, FusedProjection) and known_attention(layer.self_attn):
-                object.__setattr__(norms[0], "reader", qkv)
-                done["qkv_reader"] += 1
-            if isinstance(layer.mlp, SiluGatedMLP):
-                object.__setattr__(norms[1], "reader", layer.mlp.fused_gate_up)
-                done["gate_up_reader"] += 1
+            _set_readers(layer, shared, done)
         adapted.append(ok)
-    count = min(len(layers), getattr(decoder.config, "num_hidden_layers", len(layers)))
     if not _chains(decoder):
         return done
+    count = min(len(layers), getattr(getattr(decoder, "config", None), "num_hidden_layers", len(layers)))
     for i in range(count):
         last = i + 1 == count
-        following = decoder if last else layers[i + 1]
         norm = getattr(decoder, "norm", None) if last else (layers[i + 1].input_layernorm if adapted[i + 1] else None)
-        if adapted[i] and isinstance(norm, FusedRMSNorm):
-            object.__setattr__(layers[i], "_norm_ahead", (norm, None if last else following))
+        if adapted[i] and isinstance(norm, FusedRMSNorm):  # (the norm, the module whose call reads the sum next)
+            object.__setattr__(layers[i], "_norm_ahead", (norm, None if last else layers[i + 1]))
             done["ahead"] += 1
     return done
 
