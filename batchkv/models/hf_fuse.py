@@ -70,7 +70,7 @@ class FusedProjection(nn.Module):
         self._input: torch.Tensor | None = None  # the tensor whose product `_parts` holds
         self._parts: tuple[torch.Tensor, ...] = ()
         self._taken: set[int] = set()
-        self._given: tuple[torch.Tensor, Fp8Rows] | None = None  # `give`: a tensor and its codes
+        self._given: tuple[torch.Tensor, int, Fp8Rows] | None = None  # `give`: a tensor, its version, its codes
 
     @classmethod
     def of(cls, layers: list[nn.Module], names: tuple[str, ...]) -> FusedProjection:

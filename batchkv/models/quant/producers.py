@@ -74,7 +74,7 @@ if triton is not None:
     @triton.jit
     def _quantize_by_amax_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, n, INV_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
                                  BLOCK: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
-        # The quantiser on one chunk of a row whose amax (as float bits) is known: `_quantize_tail`'s arithmetic.
+        # The quantiser on one chunk of a row whose amax (as float bits) is known: `quantize_rows`' arithmetic.
         pdl_enter(GDC)
         row = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1)
