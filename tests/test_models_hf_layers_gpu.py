@@ -97,3 +97,16 @@ def test_a_llama_step_replays_from_a_graph_and_equals_the_layers_as_transformers
     if fp8:
         monkeypatch.setattr(hf_norms, "QUANT", False)  # the residual adds fused, the quantisers apart
         assert torch.equal(_capture_and_replay(model, width=64, rows=8)[1], eager)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_fp8_llama_served_with_graphs_decodes_the_tokens_of_its_layers_as_transformers_has_them(
+    overlap, monkeypatch
+):
+    from batchkv.models.hf import HFModel
+    from tests.test_quant_gpu import _decode
+
+    base = _llama(True)
+    fused_tokens = _decode(HFModel(copy.deepcopy(base)), use_graphs=True, overlap=overlap)
+    monkeypatch.setattr(hf_layers, "FUSE", False)
+    assert fused_tokens == _decode(HFModel(copy.deepcopy(base)), use_graphs=True, overlap=overlap)
