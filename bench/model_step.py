@@ -15,6 +15,8 @@ activation quantiser as a separate pass (`unfused_quant_ms`).
 `--fusion-ab` times the step of a random-weight transformers Llama of the Llama-3.1-8B shape through `HFModel`
 (attention stood in for as above, logits of every row) with q/k/v and gate/up as the model has them against fused
 (`batchkv.models.hf_fuse`), in bf16 and in fp8, at each of `--rows`; `--fusion-small`: a tiny Llama (CPU smoke).
+`--fusion-arms`: `unfused` (fuse=False), `fused` (all but `hf_layers`' residual adds and FP8 codes in the norms),
+`layers` (all; in fp8 also with the layers quantising for themselves, `noquant`). Each is timed by default.
     python bench/model_step.py --fusion-ab --rows 1 64 256 1024 --json out.json          # on the GPU
 
 `--hf-kernels` (CUDA): kernels launched and GPU time per decode step of a random-weight Llama of SmolLM2-135M's
@@ -120,13 +122,15 @@ SMOLLM2 = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "
            "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True}  # fmt: skip
 
 
-def hf_llama(config: dict, device: torch.device, fuse: bool = True, fp8: bool = False, kernels: bool = True):
+def hf_llama(config: dict, device: torch.device, fuse: bool = True, fp8: bool = False, kernels: bool = True,
+             layers: bool = True):  # fmt: skip
     """An `HFModel` of a random-weight transformers Llama of `config` (seed 0, norm weights 1 + 0.2 N(0, 1); bf16 on
     CUDA, fp32 on the CPU): projections in fp8 when `fp8`, `HFModel(fuse=)` (q/k/v, gate/up, norms and RoPE), the
-    norms and RoPE as transformers has them unless `kernels` (`hf_norms.FUSE`, `hf_rope.FUSE`)."""
+    norms and RoPE as transformers has them unless `kernels` (`hf_norms.FUSE`, `hf_rope.FUSE`), the layers unless
+    `layers` (`hf_layers.FUSE`)."""
     import transformers
 
-    from batchkv.models import hf_norms, hf_rope
+    from batchkv.models import hf_layers, hf_norms, hf_rope
     from batchkv.models.hf import HFModel, quantize_decoder
 
     cfg = transformers.LlamaConfig(**config, attn_implementation="sdpa")
@@ -140,28 +144,39 @@ def hf_llama(config: dict, device: torch.device, fuse: bool = True, fp8: bool = 
     if fp8:
         quantize_decoder(hf)
     hf_norms.FUSE = hf_rope.FUSE = kernels
+    hf_layers.FUSE = layers
     try:
         return HFModel(hf.eval(), fuse=fuse)
     finally:
-        hf_norms.FUSE = hf_rope.FUSE = True
+        hf_norms.FUSE = hf_rope.FUSE = hf_layers.FUSE = True
 
 
-def fusion_ab(config: dict, device: torch.device, rows_list: list[int], iters: int) -> list[dict]:
-    """Step ms of the unfused and the fused model, bf16 and fp8, at each row count (module docstring);
-    one model at a time on the device, each row count timed unfused then fused."""
+FUSION_ARMS = {"unfused": (False, False), "fused": (True, False), "layers": (True, True)}  # fuse=, hf_layers.FUSE
+
+
+def fusion_ab(config: dict, device: torch.device, rows_list: list[int], iters: int, arms=tuple(FUSION_ARMS)) -> list:
+    """Step ms of each arm (FUSION_ARMS; fp8 "layers" also with `hf_norms.QUANT` off), bf16 and fp8, at each row
+    count (module docstring); one model at a time on the device, each row count timed arm after arm."""
+    from batchkv.models import hf_norms
+
     out = {rows: {"rows": rows} for rows in rows_list}
     for fmt in ("bf16", "fp8"):
-        for fused in (False, True):
-            model = hf_llama(config, device, fused, fmt == "fp8")
-            key = f"{fmt}_{'fused' if fused else 'unfused'}"
+        for arm in arms:
+            model = hf_llama(config, device, FUSION_ARMS[arm][0], fmt == "fp8", layers=FUSION_ARMS[arm][1])
             for rows in rows_list:
-                out[rows][f"{key}_ms"], out[rows][f"{key}_timed"] = timed_ms(step_call(model, rows), iters)
+                out[rows][f"{fmt}_{arm}_ms"], out[rows][f"{fmt}_{arm}_timed"] = timed_ms(step_call(model, rows), iters)
+                if fmt == "fp8" and arm == "layers":  # the residual adds alone
+                    hf_norms.QUANT = False
+                    out[rows]["fp8_layers_noquant_ms"] = timed_ms(step_call(model, rows), iters)[0]
+                    hf_norms.QUANT = None
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         for row in out.values():
-            row[f"{fmt}_saved_ms"] = row[f"{fmt}_unfused_ms"] - row[f"{fmt}_fused_ms"]
-            row[f"{fmt}_speedup"] = row[f"{fmt}_unfused_ms"] / row[f"{fmt}_fused_ms"]
+            for base, new, name in (("unfused", "fused", ""), ("fused", "layers", "layers_")):
+                if base in arms and new in arms:
+                    row[f"{fmt}_{name}saved_ms"] = row[f"{fmt}_{base}_ms"] - row[f"{fmt}_{new}_ms"]
+                    row[f"{fmt}_{name}speedup"] = row[f"{fmt}_{base}_ms"] / row[f"{fmt}_{new}_ms"]
     for row in out.values():
         show(row)
     return list(out.values())
@@ -280,6 +295,8 @@ def main() -> None:
     parser.add_argument("--fusion-ab", action="store_true", help="a Llama-3.1-8B-shape HFModel step, q/k/v and "
                         "gate/up fused against unfused, bf16 and fp8")  # fmt: skip
     parser.add_argument("--fusion-small", action="store_true", help="--fusion-ab on a tiny Llama (CPU smoke run)")
+    parser.add_argument("--fusion-arms", nargs="+", choices=list(FUSION_ARMS), default=list(FUSION_ARMS),
+                        help="--fusion-ab's arms: fuse=False; fused without the layers' fusions; all")  # fmt: skip
     parser.add_argument("--hf-kernels", action="store_true", help="kernels and GPU time per served step of a "
                         "SmolLM2-shape Llama, transformers' norms and RoPE against one kernel each")  # fmt: skip
     args = parser.parse_args()
@@ -294,7 +311,8 @@ def main() -> None:
             config = TINY if args.fusion_small else LLAMA_8B
             print(f"Llama step on {device} ({'tiny' if args.fusion_small else '8B shape'}), unfused against fused (ms)")
             report = {"model": "transformers LlamaConfig, random weights", "config": config, "device": str(device),
-                      "command": command, "fusion_ab": fusion_ab(config, device, args.rows, args.iters)}  # fmt: skip
+                      "command": command, "fusion_ab": fusion_ab(config, device, args.rows, args.iters,
+                                                                  tuple(args.fusion_arms))}  # fmt: skip
         else:
             report = preset_steps(args, device)
     if args.json:

@@ -217,5 +217,6 @@ def test_model_step_fusion_ab_smoke_times_bf16_and_fp8_fused_and_unfused(tmp_pat
     rows = {row["rows"]: row for row in json.loads(out.read_text())["fusion_ab"]}
     assert set(rows) == {1, 4}
     for row in rows.values():
-        for key in ("bf16_unfused", "bf16_fused", "fp8_unfused", "fp8_fused"):
+        for key in ("bf16_unfused", "bf16_fused", "bf16_layers", "fp8_unfused", "fp8_fused", "fp8_layers"):
             assert row[f"{key}_ms"] > 0 and row[f"{key}_timed"] == "wall"
+        assert row["fp8_layers_noquant_ms"] > 0

@@ -6,7 +6,8 @@ Triton kernels cover everything between the matmuls (attention aside):
 
 - `add_rms_norm(h, delta, weight, eps) -> (h + delta, RMSNorm(h + delta) * weight)`  [W, H]; the same
   kernel without the add is `rms_norm(x, weight, eps)` over the last dim of any x, in each of
-  transformers' roundings (`batchkv.models.hf_norms` puts it in place of their RMSNorm modules)
+  transformers' roundings (`batchkv.models.hf_norms` puts it in place of their RMSNorm modules); it
+  also writes the e4m3 codes and scales of its output for an FP8 reader (`batchkv.models.quant.producers`)
 - `qk_norm_rope(qkv, q_norm, k_norm, cos, sin, q_heads, kv_heads) -> (q, k)`: the split QK-norm
   (one RMSNorm over each half of head_dim, its own [2, D/2] weight for q and for k) and the
   rotate-half RoPE with per-dim tables: one head per program at few rows, a block of heads at many.
@@ -80,12 +81,14 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(h_ptr, d_ptr, w_ptr, h_out, x_out, rows, n, eps, HAS_DELTA: tl.constexpr,
-                         OFFSET: tl.constexpr, ROUND_FIRST: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    def _rms_norm_kernel(h_ptr, d_ptr, w_ptr, h_out, x_out, q_ptr, s_ptr, rows, n, eps, HAS_DELTA: tl.constexpr,
+                         OFFSET: tl.constexpr, ROUND_FIRST: tl.constexpr, STORE_X: tl.constexpr, QUANT: tl.constexpr,
+                         INV_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                          GDC: tl.constexpr):  # fmt: skip
         # ROWS rows of n per program. HAS_DELTA: h + delta first (stored to h_out, rounded to h's dtype).
         # ROUND_FIRST (Llama): normed rounded to h's dtype, then * weight, rounded to x_out's dtype;
-        # else (Gemma, Olmo2): normed * (weight + OFFSET) in float32, rounded once.
+        # else (Gemma, Olmo2): normed * (weight + OFFSET) in float32, rounded once. STORE_X: that row to
+        # x_out. QUANT: its e4m3 codes (q_ptr) and per-row scales (s_ptr) as `quantize_rows` computes them.
         pdl_enter(GDC)
         row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None]
         cols = tl.arange(0, BLOCK)[None, :]
@@ -102,7 +105,18 @@ if triton is not None:
         normed = hf * rstd[:, None]
         if ROUND_FIRST:
             normed = normed.to(h.dtype).to(tl.float32)
-        tl.store(x_out + row * n + cols, (normed * weight).to(x_out.dtype.element_ty), mask=mask)
+        x = (normed * weight).to(x_out.dtype.element_ty)
+        if STORE_X:
+            tl.store(x_out + row * n + cols, x, mask=mask)
+        if QUANT:  # x as rounded; 0 past n (the weight loads 0 there)
+            xf = x.to(tl.float32)
+            nan = tl.sum((xf != xf).to(tl.int32), axis=1) > 0
+            scale = tl.maximum(tl.max(tl.abs(xf), axis=1) * INV_MAX, MIN_SCALE)
+            scale = tl.where(nan, float("nan"), scale)[:, None]  # tl.max and tl.maximum drop NaN
+            v = tl.math.div_rn(xf, scale)
+            v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -448.0), 448.0))
+            tl.store(q_ptr + row * n + cols, v.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(s_ptr + row, scale, mask=row < rows)
 
     @triton.jit
     def _rope_partner(offs, D: tl.constexpr):
@@ -240,11 +254,8 @@ def add_rms_norm(
     """(h + delta, RMSNorm(h + delta) * weight) for contiguous [W, H] h and delta. One launch on CUDA."""
     if not _use_triton(h, triton_kernel):
         return add_rms_norm_torch(h, delta, weight, eps)
-    w, n = h.shape
     h_out, x_out = torch.empty_like(h), torch.empty_like(h)
-    _rms_norm_kernel[(w,)](h, delta.contiguous(), weight, h_out, x_out, w, n, eps, HAS_DELTA=True, OFFSET=0.0,
-                           ROUND_FIRST=True, ROWS=1, BLOCK=triton.next_power_of_2(n), num_warps=8,
-                           **pdl_kwargs(h.device))  # fmt: skip
+    norm_launch(h, weight, eps, delta=delta.contiguous(), h_out=h_out, out=x_out)
     return h_out, x_out
 
 
@@ -252,15 +263,46 @@ RMS_NORM_MAX = 16384  # the widest row `rms_norm` runs in one program; wider one
 RMS_NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    *,
-    offset: float = 0.0,
-    round_first: bool = True,
-    triton_kernel: bool | None = None,
-) -> torch.Tensor:
+def norm_kernel_ok(x: torch.Tensor, weight: torch.Tensor, triton_kernel: bool | None = None) -> bool:
+    """Whether `rms_norm` of x with weight runs the kernel: CUDA (or `triton_kernel`), rows up to
+    RMS_NORM_MAX, float16/bfloat16/float32, nothing for autograd to record."""
+    use = _use_triton(x, triton_kernel) and x.shape[-1] <= RMS_NORM_MAX
+    use = use and {x.dtype, weight.dtype} <= set(RMS_NORM_DTYPES)
+    return use and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+
+
+def norm_out_dtype(x: torch.Tensor, weight: torch.Tensor, round_first: bool) -> torch.dtype:
+    """The dtype of `rms_norm(x, weight, ...)`: weight's and x's promoted (round_first), else x's."""
+    return torch.promote_types(weight.dtype, x.dtype) if round_first else x.dtype
+
+
+def norm_launch(
+    x2: torch.Tensor, weight: torch.Tensor, eps: float, *, delta: torch.Tensor | None = None,
+    h_out: torch.Tensor | None = None, out: torch.Tensor | None = None, quant: tuple | None = None,
+    offset: float = 0.0, round_first: bool = True,
+) -> None:  # fmt: skip
+    """One launch of the norm kernel over contiguous rows x2 [R, n]: with `delta` [R, n], h_out = x2 + delta
+    (rounded to x2's dtype) is what is normed; `out` (if given) gets the normed rows (`rms_norm`'s
+    roundings; without `out` they are rounded to x2's dtype); `quant` = (codes [R, n] e4m3, scales [R, 1]
+    float32, inv_max, min_scale) gets their e4m3 codes and per-row scales, as
+    `batchkv.models.quant.fp8.quantize_rows` computes them from the rounded rows. Capturable."""
+    rows, n = x2.shape
+    if not rows:
+        return
+    block = triton.next_power_of_2(n)
+    per = max(1, min(16, 1024 // block))  # several short rows per program (a Qwen3 head's q/k-norm)
+    codes, scales, inv_max, min_scale = quant if quant is not None else (x2, x2, 0.0, 0.0)
+    dummy = h_out if h_out is not None else x2  # rounds as x2's dtype where `out` is not stored
+    _rms_norm_kernel[(triton.cdiv(rows, per),)](
+        x2, x2 if delta is None else delta, weight.contiguous(), dummy, dummy if out is None else out, codes,
+        scales, rows, n, eps, HAS_DELTA=delta is not None, OFFSET=float(offset), ROUND_FIRST=round_first,
+        STORE_X=out is not None, QUANT=quant is not None, INV_MAX=inv_max, MIN_SCALE=min_scale, ROWS=per,
+        BLOCK=block, num_warps=max(1, min(8, per * block // 256)), **pdl_kwargs(x2.device),
+    )  # fmt: skip
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0, round_first: bool = True,
+             triton_kernel: bool | None = None) -> torch.Tensor:  # fmt: skip
     """RMSNorm of x [..., n] over its last dim, scaled by weight [n], in one launch on CUDA.
 
     round_first (transformers' Llama and its copies): `weight * normed.to(x.dtype)`, whose dtype is
@@ -268,23 +310,12 @@ def rms_norm(
     in float32, cast to x's dtype. normed = x / sqrt(mean(x^2) + eps) in float32. The torch path
     (CPU, autograd, other dtypes, rows over RMS_NORM_MAX) is transformers' own op sequence.
     """
-    n = x.shape[-1]
-    use = _use_triton(x, triton_kernel) and n <= RMS_NORM_MAX and {x.dtype, weight.dtype} <= set(RMS_NORM_DTYPES)
-    if not use or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+    if not norm_kernel_ok(x, weight, triton_kernel):
         return rms_norm_torch(x, weight, eps, offset, round_first)
-    out_dtype = torch.promote_types(weight.dtype, x.dtype) if round_first else x.dtype
-    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    x2 = x.reshape(-1, n)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
-    rows, block = x2.shape[0], triton.next_power_of_2(n)
-    if rows:
-        per = max(1, min(16, 1024 // block))  # several short rows per program (a Qwen3 head's q/k-norm)
-        _rms_norm_kernel[(triton.cdiv(rows, per),)](
-            x2, x2, weight.contiguous(), x2, out, rows, n, eps, HAS_DELTA=False, OFFSET=float(offset),
-            ROUND_FIRST=round_first, ROWS=per, BLOCK=block, num_warps=max(1, min(8, per * block // 256)),
-            **pdl_kwargs(x.device),
-        )  # fmt: skip
+    out = torch.empty(x.shape, dtype=norm_out_dtype(x, weight, round_first), device=x.device)
+    x2 = x.reshape(-1, x.shape[-1])
+    norm_launch(x2 if x2.is_contiguous() else x2.contiguous(), weight, eps, out=out.view(x2.shape), offset=offset,
+                round_first=round_first)  # fmt: skip
     return out
 
 

@@ -51,10 +51,9 @@ import torch
 
 from batchkv.cache.config import LayerSpec
 from batchkv.errors import ConfigError, ContractError, DependencyError
-from batchkv.models.hf_fuse import fuse_projections, fused_groups
-from batchkv.models.hf_norms import fuse_norms
+from batchkv.models.hf_fuse import fused_groups
+from batchkv.models.hf_layers import fuse_decoder
 from batchkv.models.hf_refusals import refuse_unrouted_attention, refuse_unsupported
-from batchkv.models.hf_rope import fuse_rope
 
 TRANSFORMERS_RANGE = ">=5.17,<6"  # as pyproject's `hf` extra; tested with 5.17 through 5.24
 _INSTALL = "pip install 'batchkv[hf]'"
@@ -189,13 +188,13 @@ class HFModel:
     """A transformers causal LM behind the batchkv model interface (see `batchkv.models`).
 
     The wrapped model stays usable on its own: the attention implementation is switched only
-    inside `__call__`. Parameters are not copied; with `fuse` (the default) q/k/v and gate/up become
-    one GEMM each, and on CUDA RMSNorm and Llama-form RoPE one kernel each, in place where the modules
-    allow it (hf_fuse, hf_norms, hf_rope; the state dict's names stay); `fuse=False` leaves the modules
-    untouched. `kv_dtype` (e.g. `torch.float8_e4m3fn`) goes into `cache_spec()`, so an engine or cache
-    built from it stores K/V that way. `shard`: the
-    tensor-parallel rank whose share `hf_model` holds (`batchkv.models.loading.load_hf_shard` builds one):
-    its cache then holds that rank's KV heads, and the vocabulary is the config's.
+    inside `__call__`. Parameters are not copied; with `fuse` (the default) q/k/v and gate/up become one GEMM
+    each, on CUDA RMSNorm (with the residual adds and FP8 quantisers) and Llama-form RoPE one kernel each,
+    where the modules allow it (hf_fuse, hf_norms, hf_rope, hf_layers; the state dict's names stay);
+    `fuse=False` leaves the modules untouched. `kv_dtype` (e.g. `torch.float8_e4m3fn`) goes into
+    `cache_spec()`, so an engine or cache built from it stores K/V that way. `shard`: the tensor-parallel
+    rank whose share `hf_model` holds (`batchkv.models.loading.load_hf_shard` builds one): its cache then
+    holds that rank's KV heads, and the vocabulary is the config's.
 
     >>> hf = Qwen3ForCausalLM(Qwen3Config(...)); model = HFModel(hf)
     >>> cache = BatchedSequenceCache(CacheConfig(**model.cache_spec(), max_seqs=4, capacity=512))
@@ -259,9 +258,7 @@ class HFModel:
         self.kv_dtype = kv_dtype
         self.config = hf_model.config
         if fuse:  # after the refusals: a refused model is left as it was
-            fuse_projections(hf_model)  # q/k/v and gate/up as one GEMM each (batchkv.models.hf_fuse)
-            fuse_norms(hf_model)  # RMSNorm modules as one kernel each on CUDA (batchkv.models.hf_norms)
-            fuse_rope(hf_model)  # Llama attention's RoPE as one kernel on CUDA (batchkv.models.hf_rope)
+            fuse_decoder(hf_model)  # projections, norms, RoPE and layers (batchkv.models.hf_layers.fuse_decoder)
         self._head = hf_model.get_output_embeddings()
         self.shard = shard  # a batchkv.models.parallel.Shard, or None: the whole model
         self.directory: Path | None = None  # set by from_pretrained

@@ -48,7 +48,7 @@ import re
 import torch
 from torch import nn
 
-from batchkv.models.quant.fp8 import Fp8Linear
+from batchkv.models.quant.fp8 import Fp8Linear, Fp8Rows
 
 # (parent module, the fused module's attribute on it, the projections it replaces)
 GROUPS = (
@@ -70,6 +70,7 @@ class FusedProjection(nn.Module):
         self._input: torch.Tensor | None = None  # the tensor whose product `_parts` holds
         self._parts: tuple[torch.Tensor, ...] = ()
         self._taken: set[int] = set()
+        self._given: tuple[torch.Tensor, int, Fp8Rows] | None = None  # `give`: a tensor, its version, its codes
 
     @classmethod
     def of(cls, layers: list[nn.Module], names: tuple[str, ...]) -> FusedProjection:
@@ -90,13 +91,31 @@ class FusedProjection(nn.Module):
                     fused.bias = nn.Parameter(bias, requires_grad=False)
         return cls(fused, names, sizes)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x)
+    def forward(self, x: torch.Tensor, *, given: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole product of x [..., K]; `given`: the tensor x was reshaped from, if it was."""
+        rows = self.claim(x if given is None else given)
+        if rows is None:
+            return self.layer(x)
+        return self.layer(rows).reshape(*x.shape[:-1], self.layer.out_features)
+
+    def give(self, x: torch.Tensor, rows: Fp8Rows) -> None:
+        """Hand over x's e4m3 codes and per-row scales, made by the kernel that wrote x (an FP8 layer's
+        quantisation of x, bit for bit: `batchkv.models.quant.producers.rms_norm_quant`): the next product
+        computed uses them if it is of x itself (the same tensor, not changed in place since), and
+        quantises as usual otherwise. Either way they are dropped then."""
+        self._given = (x, tensor_version(x), rows)
+
+    def claim(self, x: torch.Tensor) -> Fp8Rows | None:
+        """The codes given for x (`give`) if this layer is an FP8 layer, else None; drops what was given."""
+        given, self._given = self._given, None
+        if given is None or given[0] is not x or given[1] != tensor_version(x) or not isinstance(self.layer, Fp8Linear):
+            return None
+        return given[2]
 
     def take(self, index: int, x: torch.Tensor) -> torch.Tensor:
         """Projection `index` of x [..., K] -> [..., sizes[index]], a column view of the fused product."""
         if self._input is not x or index in self._taken:
-            self._parts = tuple(self.layer(x).split(self.sizes, dim=-1))
+            self._parts = tuple(self.forward(x).split(self.sizes, dim=-1))
             self._input, self._taken = x, set()
         self._taken.add(index)
         part = self._parts[index]
@@ -164,7 +183,7 @@ class SiluGatedMLP(nn.Module):
         from batchkv.models.quant.producers import silu_mul_linear
 
         lead = x.shape[:-1]
-        gate_up = self.fused_gate_up(x.reshape(-1, x.shape[-1]))  # [M, 2I], contiguous
+        gate_up = self.fused_gate_up(x.reshape(-1, x.shape[-1]), given=x)  # [M, 2I], contiguous
         if isinstance(self.down_proj, Fp8Linear):
             y = silu_mul_linear(gate_up, self.down_proj)
         else:  # nn.Linear, or a row-parallel one (its all-reduce included)
@@ -189,6 +208,12 @@ def _silu_gated(mlp: nn.Module) -> bool:
         return False
     head, _, body = source.partition("):")
     return re.sub(r"\s+", "", head) == "defforward(self,x" and re.sub(r"\s+", "", body) == _GATED_MLP_BODY
+
+
+def tensor_version(x: torch.Tensor) -> int:
+    """x's in-place version counter; -1 for an inference tensor (which keeps none: under inference mode
+    only the source rules of `batchkv.models.hf_layers` say that nothing changes x in place)."""
+    return -1 if x.is_inference() else x._version
 
 
 def _hooked(module: nn.Module) -> bool:

@@ -18,8 +18,9 @@ form reads. Any other class (Gemma3n's optional scale, grouped norms, unweighted
 it is. The `FusedRMSNorm` keeps the same `weight` Parameter (nothing copied; the state dict and a
 tensor-parallel rank's replicated norms are unchanged) and the epsilon under the same name; off
 CUDA, and wherever autograd records, it runs transformers' op sequence, so CPU results are the
-module's to the bit. On CUDA it is one Triton launch writing only its output (capturable). FP8
-models are unaffected: `Fp8Linear` quantises the normed rows it reads, whichever module made them.
+module's to the bit. On CUDA it is one Triton launch writing only its output (capturable). In FP8
+models `Fp8Linear` quantises the normed rows it reads, except where `batchkv.models.hf_layers` proves
+the norm's reader and the norm writes its codes too (`FusedRMSNorm.reader`, `QUANT`).
 """
 
 from __future__ import annotations
@@ -32,9 +33,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from batchkv.models.fused import rms_norm
+from batchkv.models.fused import norm_kernel_ok, norm_launch, norm_out_dtype, rms_norm
+from batchkv.models.hf_fuse import FusedProjection, tensor_version
+from batchkv.models.quant import producers
+from batchkv.models.quant.fp8 import Fp8Linear
 
 FUSE = True  # HFModel swaps the norms at construction while this is on (an A/B switch for benchmarks)
+# A norm whose only reader is an FP8 fused projection (`FusedRMSNorm.reader`) writes the codes and scales
+# it reads: None where `batchkv.models.quant.producers.fused` says (CUDA sm_89+, in the norm's kernel),
+# True everywhere (the CPU: the norm then the quantiser's torch pass; tests), False nowhere (an A/B).
+QUANT: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -168,7 +176,13 @@ def norm_form(module: nn.Module) -> NormForm | None:
 
 class FusedRMSNorm(nn.Module):
     """An RMSNorm of one of `hf_norms`' forms: `batchkv.models.fused.rms_norm` over the last dim with
-    the replaced module's `weight` and epsilon (kept under its attribute name)."""
+    the replaced module's `weight` and epsilon (kept under its attribute name).
+
+    Set by `batchkv.models.hf_layers` where a decoder layer's source proves them: `reader`, the fused
+    projection that alone reads this norm's output (an FP8 one is given the output's codes and scales,
+    made in the norm's launch: `FusedProjection.give`); `add(residual, delta)`, transformers' residual
+    add with this norm in one launch; `add_ahead`, the same for the norm's next call (the decoder layer
+    after the one that adds): the call with that very sum returns the norm already made."""
 
     def __init__(self, weight: nn.Parameter, eps: float, form: NormForm, replaces: str) -> None:
         super().__init__()
@@ -177,13 +191,65 @@ class FusedRMSNorm(nn.Module):
         self.form = form
         self.replaces = replaces
         setattr(self, form.eps_attr, eps)
+        object.__setattr__(self, "reader", None)  # a FusedProjection, not a submodule: its parent holds it
+        self._ahead: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (sum, its version, its norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The replaced module's output for x [..., n]: one kernel on CUDA, its own ops elsewhere."""
-        return rms_norm(x, self.weight, self.eps_value, offset=self.form.offset, round_first=self.form.round_first)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] is x and ahead[1] == tensor_version(x) and not self._forward_pre_hooks:
+            return ahead[2]
+        return self._normed(x, None)[1]
+
+    def add(self, residual: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + delta, this norm of it), as transformers' `h = residual + delta; norm(h)` computes them."""
+        return self._normed(residual, delta)
+
+    def add_ahead(self, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """residual + delta, with this norm of it made in the same launch and kept for the next call."""
+        h, out = self._normed(residual, delta)
+        self._ahead = (h, tensor_version(h), out)
+        return h
+
+    def _normed(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        form, reader = self.form, self.reader
+        if isinstance(reader, FusedProjection) and isinstance(reader.layer, Fp8Linear) and _quantising(x):
+            h, out, rows = producers.rms_norm_quant(x, self.weight, self.eps_value, delta=delta, offset=form.offset,
+                                                   round_first=form.round_first)  # fmt: skip
+            reader.give(out, rows)
+            return h, out
+        if delta is None:
+            return x, rms_norm(x, self.weight, self.eps_value, offset=form.offset, round_first=form.round_first)
+        return residual_rms_norm(
+            x, delta, self.weight, self.eps_value, offset=form.offset, round_first=form.round_first
+        )
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps_value}, replaces={self.replaces}"
+
+
+def _quantising(x: torch.Tensor) -> bool:
+    return producers.fused(x) if QUANT is None else QUANT
+
+
+def residual_rms_norm(
+    residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: float = 0.0,
+    round_first: bool = True, triton_kernel: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """transformers' `h = residual + delta` then `fused.rms_norm(h, weight, eps, ...)`: (h, normed), one
+    launch on CUDA for contiguous residual and delta of one shape and dtype (the sum rounded to that dtype,
+    as torch's add does); elsewhere those two steps, op for op."""
+    same = delta.shape == residual.shape and delta.dtype == residual.dtype and not delta.requires_grad
+    if not (same and norm_kernel_ok(residual, weight, triton_kernel) and residual.is_contiguous()
+            and delta.is_contiguous()):  # fmt: skip
+        h = residual + delta
+        return h, rms_norm(h, weight, eps, offset=offset, round_first=round_first, triton_kernel=triton_kernel)
+    h = torch.empty_like(residual)
+    out = torch.empty(h.shape, dtype=norm_out_dtype(h, weight, round_first), device=h.device)
+    rows = (-1, h.shape[-1])
+    norm_launch(residual.view(rows), weight, eps, delta=delta.view(rows), h_out=h.view(rows), out=out.view(rows),
+                offset=offset, round_first=round_first)  # fmt: skip
+    return h, out
 
 
 def fuse_norms(model: nn.Module) -> int:

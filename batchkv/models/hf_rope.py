@@ -109,6 +109,14 @@ def rope_form(module: nn.Module) -> _Form | None:
     return _class_form(type(module))
 
 
+def known_attention(module: nn.Module) -> bool:
+    """Whether `module` runs its class's forward or `fuse_rope`'s for it, and that forward is one of the
+    known forms: it reads its hidden states only through `q_proj`, `k_proj` and `v_proj`, and the shape."""
+    own = module.__dict__.get("forward")
+    adapted = own is None or getattr(getattr(own, "__func__", None), "__qualname__", "") == _ADAPTED
+    return adapted and _class_form(type(module)) is not None
+
+
 def _adapted_forward(form: _Form, original, scope: dict):
     interfaces, eager = scope["ALL_ATTENTION_FUNCTIONS"], scope["eager_attention_forward"]
     cache_arg, window, normed = form
@@ -140,6 +148,9 @@ def _adapted_forward(form: _Form, original, scope: dict):
         return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
     return forward
+
+
+_ADAPTED = _adapted_forward.__qualname__ + ".<locals>.forward"
 
 
 def fuse_rope(model: nn.Module) -> int:

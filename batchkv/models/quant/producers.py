@@ -5,7 +5,9 @@ also writes the e4m3 codes and per-row scales (`Fp8Rows`), instead of a bf16 row
 separate quantiser (`batchkv.models.quant.fp8.quantize_rows`, one program per row) reads again:
 
 - `add_rms_norm_quant`: `batchkv.models.fused.add_rms_norm` quantising its normed row in the same
-  launch (the norm before q/k/v and gate/up; `add_rms_norm_for` picks it by the reader);
+  launch (the norm before q/k/v and gate/up; `add_rms_norm_for` picks it by the reader), and
+  `rms_norm_quant` the same for transformers' norms (`batchkv.models.hf_norms`), with or without the
+  residual add, storing the normed rows as well: both are `fused.py`'s norm kernel with its quantiser on;
 - `silu_mul_quant`: SiLU-mul over row chunks (before down; `silu_mul_linear` picks it by the
   reader), so that every SM streams even at few rows, with each row's amax gathered by an int32
   atomic max of the float bits (|x| >= 0 orders as its bits, and a NaN's bits exceed every number's,
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from batchkv.models.fused import add_rms_norm
+from batchkv.models.fused import add_rms_norm, norm_kernel_ok, norm_launch, norm_out_dtype, rms_norm
 from batchkv.models.fused import silu_mul as silu_mul_rows
 from batchkv.models.gemv import linear
 from batchkv.models.quant import fp8 as fp8_module
@@ -53,37 +55,6 @@ SILU_QUANT_BLOCK = 1024  # columns per program of the SiLU-mul quantiser's two l
 if triton is not None:
 
     @triton.jit
-    def _quantize_tail(x, cols, mask, q_ptr, s_ptr, row, K, INV_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
-        """Store the e4m3 codes and the scale of one row x (float32 values, 0 where ~mask), as
-        `_quantize_rows_kernel` computes them."""
-        nan = tl.sum((x != x).to(tl.int32), axis=0) > 0
-        amax = tl.max(tl.abs(x), axis=0)
-        scale = tl.maximum(amax * INV_MAX, MIN_SCALE)
-        scale = tl.where(nan, float("nan"), scale)
-        v = tl.math.div_rn(x, scale)
-        v = tl.where(v != v, v, tl.minimum(tl.maximum(v, -448.0), 448.0))
-        tl.store(q_ptr + row * K + cols, v.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + row, scale)
-
-    @triton.jit
-    def _add_rms_norm_quant_kernel(h_ptr, d_ptr, w_ptr, h_out, q_ptr, s_ptr, n, eps, INV_MAX: tl.constexpr,
-                                   MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
-        # batchkv.models.fused's add-RMSNorm (the same roundings), then the quantiser on its output row.
-        pdl_enter(GDC)
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < n
-        h = tl.load(h_ptr + row * n + cols, mask=mask, other=0.0)
-        h = (h.to(tl.float32) + tl.load(d_ptr + row * n + cols, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
-        tl.store(h_out + row * n + cols, h, mask=mask)
-        hf = h.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / n + eps)
-        normed = (hf * rstd).to(h.dtype)
-        weight = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        x = (normed.to(tl.float32) * weight.to(tl.float32)).to(h.dtype).to(tl.float32)
-        _quantize_tail(x, cols, mask, q_ptr, s_ptr, row, n, INV_MAX, MIN_SCALE)
-
-    @triton.jit
     def _silu_mul_amax_kernel(gu_ptr, x_ptr, amax_ptr, n, stride_gu, BLOCK: tl.constexpr, GDC: tl.constexpr):
         # batchkv.models.fused's silu_mul (the same roundings) on one chunk of a row, and the chunk's
         # max |x| folded into the row's: an int32 atomic max of the float bits (|x| >= 0 orders as its
@@ -103,7 +74,7 @@ if triton is not None:
     @triton.jit
     def _quantize_by_amax_kernel(x_ptr, amax_ptr, q_ptr, s_ptr, n, INV_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
                                  BLOCK: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
-        # The quantiser on one chunk of a row whose amax (as float bits) is known: `_quantize_tail`'s arithmetic.
+        # The quantiser on one chunk of a row whose amax (as float bits) is known: `quantize_rows`' arithmetic.
         pdl_enter(GDC)
         row = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1)
@@ -127,21 +98,54 @@ def add_rms_norm_quant(
     h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *, triton_kernel: bool | None = None
 ) -> tuple[torch.Tensor, Fp8Rows]:
     """(h + delta, quantize_rows(RMSNorm(h + delta) * weight)) for contiguous [W, H] h and delta: the
-    codes and scales of `batchkv.models.fused.add_rms_norm`'s output, bit for bit, in one launch on
-    NVIDIA sm_89+ (`triton_kernel` None; True forces it, e.g. under the interpreter), the two steps elsewhere."""
+    codes and scales of `batchkv.models.fused.add_rms_norm`'s output, bit for bit, in one launch (its
+    kernel, quantising instead of storing the normed rows) on NVIDIA sm_89+ (`triton_kernel` None; True
+    forces it, e.g. under the interpreter), the two steps elsewhere."""
     use = fused(h) if triton_kernel is None else triton_kernel and triton is not None
     if not use:
         h, x = add_rms_norm(h, delta, weight, eps)
         return h, Fp8Rows(*quantize_rows(x))
-    w, n = h.shape
-    h_out = torch.empty_like(h)
-    q = torch.empty(w, n, dtype=E4M3, device=h.device)
-    s = torch.empty(w, 1, dtype=torch.float32, device=h.device)
-    if w:
-        _add_rms_norm_quant_kernel[(w,)](h, delta.contiguous(), weight, h_out, q, s, n, eps, INV_MAX=INV_E4M3_MAX,
-                                         MIN_SCALE=MIN_ACT_SCALE, BLOCK=triton.next_power_of_2(n), num_warps=8,
-                                         **pdl_kwargs(h.device))  # fmt: skip
-    return h_out, Fp8Rows(q, s)
+    h_out, rows = torch.empty_like(h), _rows_for(h)
+    norm_launch(h, weight, eps, delta=delta.contiguous(), h_out=h_out, quant=(*rows, INV_E4M3_MAX, MIN_ACT_SCALE))
+    return h_out, rows
+
+
+def _rows_for(x: torch.Tensor) -> Fp8Rows:
+    """Empty codes and scales for the rows of x [..., K]."""
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    return Fp8Rows(
+        torch.empty(m, k, dtype=E4M3, device=x.device), torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    )
+
+
+def rms_norm_quant(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, delta: torch.Tensor | None = None, offset: float = 0.0,
+    round_first: bool = True, triton_kernel: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, Fp8Rows]:  # fmt: skip
+    """transformers' RMSNorm of h = x (or of h = x + delta, transformers' residual add) over the last dim
+    (`batchkv.models.fused.rms_norm`'s forms and roundings) and the e4m3 codes and per-row scales of its
+    output: (h, normed, Fp8Rows), the codes and scales `quantize_rows(normed)`'s bit for bit. One launch of
+    the norm kernel on NVIDIA sm_89+ (`triton_kernel` None; True forces it) for contiguous x (and delta, of
+    x's shape and dtype); elsewhere the add, the norm and `quantize_rows` one after the other."""
+    use = fused(x) if triton_kernel is None else triton_kernel and triton is not None
+    use = use and norm_kernel_ok(x, weight, True) and x.is_contiguous()
+    if delta is not None:
+        use = use and delta.shape == x.shape and delta.dtype == x.dtype and delta.is_contiguous()
+    if not use:
+        if delta is None:
+            h, out = x, rms_norm(x, weight, eps, offset=offset, round_first=round_first)
+        else:
+            h = x + delta
+            out = rms_norm(h, weight, eps, offset=offset, round_first=round_first)
+        return h, out, Fp8Rows(*quantize_rows(out.reshape(-1, out.shape[-1])))
+    h = x if delta is None else torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=norm_out_dtype(x, weight, round_first), device=x.device)
+    rows, shape = _rows_for(x), (-1, x.shape[-1])
+    norm_launch(x.view(shape), weight, eps, delta=None if delta is None else delta.view(shape),
+                h_out=None if delta is None else h.view(shape), out=out.view(shape),
+                quant=(*rows, INV_E4M3_MAX, MIN_ACT_SCALE), offset=offset, round_first=round_first)  # fmt: skip
+    return h, out, rows
 
 
 def silu_mul_quant(gate_up: torch.Tensor, *, triton_kernel: bool | None = None) -> Fp8Rows:
