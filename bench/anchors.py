@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout: bench.lib and batchkv
 from batchkv.executor import Engine, Request, SamplingParams
 from bench.lib.ceilings import matmul_peak, read_ceiling
-from bench.lib.roofline import fp8_weights, shape_cost, workload_limit
+from bench.lib.roofline import LLAMA_8B, TINY_LLAMA, fp8_weights, shape_cost, workload_limit
 from bench.lib.serving import release, sync, workload
 from bench.lib.timing import Deadline
 
@@ -32,20 +32,10 @@ SOURCE = (
     "TensorRT-LLM docs/source/performance/perf-overview.md, Llama 3.1 8B FP8, one H200 (trtllm-bench throughput, "
     "output tokens/s)"
 )
-PUBLISHED = {
-    "128/128": (27911, 30000),
-    "1000/1000": (17744, 3000),
-    "2048/2048": (12194, 1500),
-    "5000/500": (3902, 1500),
-}  # workload: (output tokens/s, requests)
+# workload: (output tokens/s, requests)
+PUBLISHED = {"128/128": (27911, 30000), "1000/1000": (17744, 3000), "2048/2048": (12194, 1500),
+             "5000/500": (3902, 1500)}  # fmt: skip
 CONFIGS = ("bf16", "fp8", "fp8_e4m3")
-LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
-            "rope_theta": 500000.0}  # fmt: skip
-TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512}  # fmt: skip
-
-
 KINDS = {"matmul": ("gemm", "gemv", "nvjet", "cutlass", "xmma"), "attention_split": ("split_kernel",),
          "attention_long": ("long_kernel",), "attention_other": ("attn", "merge", "sdpa"), "silu_mul": ("silu",),
          "quantise": ("quant", "amax"), "norm_rope": ("norm", "rope"), "kv_write": ("write", "scatter")}  # fmt: skip
@@ -134,7 +124,7 @@ def main() -> None:
     max_seqs = args.max_seqs if args.max_seqs == "auto" else int(args.max_seqs)
     deadline = Deadline(args.budget_s)
     device = torch.device(args.device)
-    config = TINY if args.small else LLAMA_8B
+    config = TINY_LLAMA if args.small else LLAMA_8B
     names = ["16/8"] if args.small else [w for w in args.workloads.split(",") if w]
     parts = (part.partition("=") for part in args.requests.split(","))
     counts = {key: [int(v) for v in values.split(":")] for key, _, values in parts}

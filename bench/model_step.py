@@ -47,6 +47,7 @@ import batchkv.models.gemv as gemv_module
 import batchkv.models.quant.producers as producers
 from batchkv.models import build_model
 from bench.lib.ceilings import copy_ceiling
+from bench.lib.roofline import LLAMA_8B, TINY_LLAMA
 from bench.lib.timing import time_calls
 
 
@@ -98,25 +99,6 @@ def show(row: dict) -> None:
 
 
 # ---- transformers Llamas through HFModel (--fusion-ab, --hf-kernels) ----------------------------------------------
-LLAMA_8B = {
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "max_position_embeddings": 8192,
-    "rope_theta": 500000.0,
-}
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 512,
-}
 SMOLLM2 = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
            "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "max_position_embeddings": 8192,
            "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True}  # fmt: skip
@@ -308,7 +290,7 @@ def main() -> None:
         if args.hf_kernels:
             report = hf_kernels(args.rows[0], args.iters, args.quantization == "fp8")
         elif args.fusion_ab:
-            config = TINY if args.fusion_small else LLAMA_8B
+            config = TINY_LLAMA if args.fusion_small else LLAMA_8B
             print(f"Llama step on {device} ({'tiny' if args.fusion_small else '8B shape'}), unfused against fused (ms)")
             report = {"model": "transformers LlamaConfig, random weights", "config": config, "device": str(device),
                       "command": command, "fusion_ab": fusion_ab(config, device, args.rows, args.iters,

@@ -23,6 +23,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+# transformers LlamaConfig arguments: the Llama-3.1-8B shape (anchors, model_step) and a tiny one (smoke runs)
+LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
+            "rope_theta": 500000.0}  # fmt: skip
+TINY_LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512}  # fmt: skip
+
 
 @dataclass(frozen=True)
 class ModelCost:
