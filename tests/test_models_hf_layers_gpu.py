@@ -21,7 +21,10 @@ from batchkv.models.quant.fp8 import quantize_rows
 pytestmark = pytest.mark.gpu
 transformers = pytest.importorskip("transformers")
 
-FORMS = [(0.0, True), (1.0, False), (0.0, False)]  # Llama, Gemma, Olmo2
+# Llama's form, the one hf_layers hands codes and sums from (compiled for the H200, Gemma's (1.0, False)
+# and Olmo2's (0.0, False) gave norms and codes 1 ulp apart from the separate passes' at 256+ rows, so
+# hf_layers leaves those layers alone; the interpreter's bits are tested for all three on the CPU)
+FORMS = [(0.0, True)]
 
 
 def _poisoned(rows: int, n: int, seed: int, scale: float = 3.0) -> torch.Tensor:

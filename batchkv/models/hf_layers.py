@@ -2,7 +2,7 @@
 writing the e4m3 codes their FP8 readers take.
 
 transformers' Llama decoder layer (and Qwen2's, Qwen3's, Mistral's, Gemma's, SmolLM3's, ... the same
-text) runs `residual = h; h = input_layernorm(h); h = self_attn(h); h = residual + h; residual = h;
+text; Gemma's norms keep it out, see `fuse_layers`) runs `residual = h; h = input_layernorm(h); h = self_attn(h); h = residual + h; residual = h;
 h = post_attention_layernorm(h); h = mlp(h); return residual + h`: two adds of [W, H] rows a layer,
 each a kernel of its own before or after a norm kernel, and with FP8 projections a separate
 quantiser pass over each norm's output. `fuse_layers(hf_model)` (run by `HFModel` at construction
@@ -166,7 +166,10 @@ def _set_readers(layer: nn.Module, shared: set[int], done: dict[str, int]) -> No
 
 
 def fuse_layers(hf_model: nn.Module) -> dict[str, int]:
-    """Adapt each decoder layer of Llama's form whose norms are `FusedRMSNorm`s (module docstring): returns
+    """Adapt each decoder layer of Llama's form whose norms are `FusedRMSNorm`s that round the normed rows
+    first (Llama's norm and its copies; compiled for the H200, the forms that do not (Gemma's, Olmo2's) gave
+    the kernel's codes and norms 1-ulp apart from the separate passes' at 256+ rows, so they keep those
+    passes) (module docstring): returns
     how many layers were adapted, chained to the next norm, and had a q|k|v and a gate|up reader set, e.g.
     {"layers": 32, "ahead": 32, "qkv_reader": 32, "gate_up_reader": 32}. Does nothing when `FUSE` is off."""
     done = {"layers": 0, "ahead": 0, "qkv_reader": 0, "gate_up_reader": 0}
@@ -180,7 +183,7 @@ def fuse_layers(hf_model: nn.Module) -> dict[str, int]:
     for layer in layers:
         form = _layer_form(type(layer))
         ok = form is not None and "forward" not in layer.__dict__
-        ok = ok and all(isinstance(norm, FusedRMSNorm) for norm in _norms(layer))
+        ok = ok and all(isinstance(norm, FusedRMSNorm) and norm.form.round_first for norm in _norms(layer))
         if ok:
             layer.forward = types.MethodType(_adapted_forward(form, type(layer).forward), layer)
             done["layers"] += 1
@@ -192,7 +195,7 @@ def fuse_layers(hf_model: nn.Module) -> dict[str, int]:
     for i in range(count):
         last = i + 1 == count
         norm = getattr(decoder, "norm", None) if last else (layers[i + 1].input_layernorm if adapted[i + 1] else None)
-        if adapted[i] and isinstance(norm, FusedRMSNorm):  # (the norm, the module whose call reads the sum next)
+        if adapted[i] and isinstance(norm, FusedRMSNorm) and norm.form.round_first:  # (norm, its next caller)
             object.__setattr__(layers[i], "_norm_ahead", (norm, None if last else layers[i + 1]))
             done["ahead"] += 1
     return done
