@@ -114,6 +114,7 @@ class ModelRunner:
         # prefix [0, 2R + 5W) of the int64 buffer: one copy per dtype, its bytes following the width.
         self._staging = Staging(self.sizes(w, R), device)
         self._dev_i64 = self._staging.device_buffers[torch.int64]
+        self._input_views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # `_inputs`, by width
         self.logits_rows = self._dev_i64[:R]
         self.top_k = self._dev_i64[R : 2 * R]
         self.temperature, self.top_p, self.draws = self._staging.device_buffers[torch.float32].view(3, R).unbind(0)
@@ -159,19 +160,24 @@ class ModelRunner:
         self.adapters = AdapterGuard(fingerprint, lambda: [m for _, m in fingerprint.modules()])
         self._bound: tuple[int, int] | None = None  # (generation, fingerprint) the kept graphs bind
 
-    def _inputs(self, width: int) -> torch.Tensor:
-        """The device inputs of a step of `width`: int64 [5, width] (ids, indexes t/h/w, token_src)."""
-        return self._dev_i64[2 * self.rows : 2 * self.rows + 5 * width].view(5, width)
+    def _inputs(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The device inputs of a step of `width`, views of int64 [5, width]: ids [width], indexes
+        t/h/w [3, width], token_src [width]. Made once per width (the buffer never moves)."""
+        views = self._input_views.get(width)
+        if views is None:
+            block = self._dev_i64[2 * self.rows : 2 * self.rows + 5 * width].view(5, width)
+            views = self._input_views[width] = (block[0], block[1:4], block[4])
+        return views
 
     def input_ids(self, width: int) -> torch.Tensor:
         return self._inputs(width)[0]
 
     def indexes(self, width: int) -> torch.Tensor:
-        return self._inputs(width)[1:4]
+        return self._inputs(width)[1]
 
     def token_src(self, width: int) -> torch.Tensor:
         """Per packed row: -1 (the staged id), else the row of `sampled` (both slots, flat) it takes."""
-        return self._inputs(width)[4]
+        return self._inputs(width)[2]
 
     @property
     def captures(self) -> int:
