@@ -15,6 +15,8 @@
 - `begin_step` reuses the last declaration when a step declares the same ids (a steady decode
   step), and stages and refuses exactly as a cache that rebuilds it every step.
 - On the CPU, `Staging.upload` copies through NumPy views: the same elements as torch's copy_.
+- A plan's decode rows keep the arrays their lists were made from (`StepPlan.ints`), read only
+  while the list is the one made and unchanged in length; the staged inputs equal the lists'.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from batchkv.executor.pipeline import OneEach
 from batchkv.executor.request import Event, Logprobs, events
 from batchkv.executor.rows import stage_sampling
 from batchkv.executor.sampling import uniform, uniforms
+from batchkv.executor.state import StepPlan
 from tests.executor_helpers import package_calls
 from tests.toy_model import ToyModel
 
@@ -277,3 +280,44 @@ def test_the_cpu_upload_copies_the_elements_torchs_copy_does():
         assert numpy_path.upload(spans) == torch_path.upload(spans)
         for dtype in sizes:
             assert torch.equal(numpy_path.device_buffers[dtype], torch_path.device_buffers[dtype])
+
+
+def test_a_plan_reads_the_array_its_list_was_made_from_only_while_the_list_is_unchanged():
+    plan = StepPlan()
+    array = np.array([4, 5, 6], dtype=np.int64)
+    plan.seq_ids = array.tolist()
+    plan.arrays["seq_ids"] = (plan.seq_ids, array)
+    assert plan.ints("seq_ids") is array
+    plan.add(9, [1, 2], [0, 1])  # a prompt chunk after the decode rows: extended in place
+    assert plan.ints("seq_ids").tolist() == [4, 5, 6, 9, 9] and plan.ints("input_ids").tolist() == [1, 2]
+    plan.seq_ids = [7, 8, 9]  # replaced (as the speculator does) by a list of the same length
+    assert plan.ints("seq_ids").tolist() == [7, 8, 9] and plan.ints("seq_ids").dtype == np.int64
+
+
+def test_every_staged_input_of_an_engine_step_equals_its_plans_lists(monkeypatch):
+    seen = []
+    real = runner.ModelRunner._stage
+
+    def both(self, batch, width, previous):
+        out = real(self, batch, width, previous)
+        n, rows = len(batch.seq_ids), len(batch.rows)
+        staged = self._staging.peek()[torch.int64]
+        inputs = staged[2 * self.rows : 2 * self.rows + 5 * width].reshape(5, width)
+        assert inputs[0, :n].tolist() == batch.input_ids and inputs[1, :n].tolist() == batch.t_index
+        assert staged[:rows].tolist() == batch.rows
+        if batch.token_src:
+            shift = previous.slot * self.rows
+            assert inputs[4, :n].tolist() == [s + shift if s >= 0 else -1 for s in batch.token_src]
+        assert self.cache._declaration.seqs.tolist() == [k for i, k in enumerate(batch.seq_ids)
+                                                          if i == 0 or batch.seq_ids[i - 1] != k]  # fmt: skip
+        seen.append((n, bool(batch.arrays), bool(batch.token_src)))
+        return out
+
+    monkeypatch.setattr(runner.ModelRunner, "_stage", both)
+    for overlap in (False, True):
+        engine = Engine(ToyModel(), max_seqs=8, capacity=64, use_graphs=False, overlap=overlap, prefill_chunk=4)
+        for i in range(6):  # prompts of 3 to 8 tokens: prompt chunks beside decode rows, then decode alone
+            engine.submit(Request([(i + j) % 97 for j in range(3 + i)], SamplingParams(max_new_tokens=5 + i)))
+        engine.run_until_done()
+        engine.close()
+    assert any(kept and n > 1 for n, kept, _ in seen) and any(src for _, _, src in seen)

@@ -59,7 +59,6 @@ from batchkv.executor.rows import (
     any_adjusts,
     chunkable,
     head_chunks,
-    ints,
     stage_sampling,
 )
 from batchkv.executor.sampling import greedy_tokens, sample_tokens
@@ -194,8 +193,8 @@ class ModelRunner:
         host = staged[torch.int64]
         inputs = host[2 * R : 2 * R + 5 * width].reshape(5, width)
         inputs[:4] = 0  # padding feeds token 0 (its K/V go to the scratch column); text tokens: (t, 0, 0)
-        inputs[0, :n] = ints(batch.input_ids)
-        inputs[1, :n] = ints(batch.t_index)
+        inputs[0, :n] = batch.ints("input_ids")
+        inputs[1, :n] = batch.ints("t_index")
         src = inputs[4]
         src[:] = -1
         # Eager steps whose ids are all staged skip the gather; a graph holds it whatever the step.
@@ -203,11 +202,11 @@ class ModelRunner:
         if batch.token_src:
             if previous is None:
                 raise StepError("a planned row feeds a pending token, but no launched step holds it")
-            src[:n] = ints(batch.token_src)
+            src[:n] = batch.ints("token_src")
             src[:n][src[:n] >= 0] += previous.slot * R  # rows of the previous launch's slot
         selector, top_k = host[:R], host[R : 2 * R]
         selector[:] = 0
-        selector[:rows] = ints(batch.rows)
+        selector[:rows] = batch.ints("rows")
         if batch.score_rows:  # prompt_logprobs: after the sampling rows
             selector[rows : rows + len(batch.score_rows)] = batch.score_rows
         params = staged[torch.float32].reshape(3, R)
