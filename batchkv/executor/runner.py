@@ -198,12 +198,20 @@ class ModelRunner:
         src = inputs[4]
         src[:] = -1
         # Eager steps whose ids are all staged skip the gather; a graph holds it whatever the step.
-        self._gather = bool(batch.token_src) or self.graphs is not None
+        # On the CPU an eager step's pending tokens are in host memory already (the previous
+        # launch copied them there before returning): staged here, so no step gathers.
+        on_host = self.graphs is None and self.cache.device.type == "cpu"
+        self._gather = (bool(batch.token_src) and not on_host) or self.graphs is not None
         if batch.token_src:
             if previous is None:
                 raise StepError("a planned row feeds a pending token, but no launched step holds it")
-            src[:n] = batch.ints("token_src")
-            src[:n][src[:n] >= 0] += previous.slot * R  # rows of the previous launch's slot
+            token_src = batch.ints("token_src")
+            if on_host:
+                pending = token_src >= 0
+                inputs[0, :n][pending] = previous.host.numpy()[token_src[pending]]
+            else:
+                src[:n] = token_src
+                src[:n][src[:n] >= 0] += previous.slot * R  # rows of the previous launch's slot
         selector, top_k = host[:R], host[R : 2 * R]
         selector[:] = 0
         selector[:rows] = batch.ints("rows")
