@@ -114,6 +114,7 @@ class ModelRunner:
         self._staging = Staging(self.sizes(w, R), device)
         self._dev_i64 = self._staging.device_buffers[torch.int64]
         self._input_views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # `_inputs`, by width
+        self._on_cpu = device.type == "cpu"
         self.logits_rows = self._dev_i64[:R]
         self.top_k = self._dev_i64[R : 2 * R]
         self.temperature, self.top_p, self.draws = self._staging.device_buffers[torch.float32].view(3, R).unbind(0)
@@ -200,7 +201,7 @@ class ModelRunner:
         # Eager steps whose ids are all staged skip the gather; a graph holds it whatever the step.
         # On the CPU an eager step's pending tokens are in host memory already (the previous
         # launch copied them there before returning): staged here, so no step gathers.
-        on_host = self.graphs is None and self.cache.device.type == "cpu"
+        on_host = self.graphs is None and self._on_cpu
         self._gather = (bool(batch.token_src) and not on_host) or self.graphs is not None
         if batch.token_src:
             if previous is None:
