@@ -323,3 +323,23 @@ def test_every_staged_input_of_an_engine_step_equals_its_plans_lists(monkeypatch
         engine.run_until_done()
         engine.close()
     assert any(kept and n > 1 for n, kept, _ in seen) and any(src for _, _, src in seen)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_steady_engine_steps_make_no_declaration_until_the_running_samples_change(monkeypatch, overlap):
+    engine = Engine(NoOpModel(), max_seqs=8, capacity=64, prefill_chunk=4, use_graphs=False, overlap=overlap,
+                    device="cpu")  # fmt: skip
+    for i in range(4):
+        engine.submit(Request([1 + i, 2, 3], _params(i, 30)))
+    for _ in range(4):  # admission, the prompts, the first decode steps
+        engine.step()
+    made = []
+    real = Declaration.from_ids.__func__
+    monkeypatch.setattr(Declaration, "from_ids", classmethod(lambda cls, ids: made.append(1) or real(cls, ids)))
+    for _ in range(5):
+        assert len(engine.step()) == 4
+    assert made == []  # the same samples decode: each step reuses the last declaration
+    engine.submit(Request([5, 6], _params(4, 30)))
+    engine.step()  # its prompt joins the step: a new declaration
+    assert made == [1]
+    engine.close()
