@@ -323,7 +323,7 @@ class Scheduler(Admission):
         if flat is None:
             flat = np.fromiter(chain.from_iterable(tokens), dtype=np.int64)
         if len(flat) == len(tokens) and self.table.plain[slots].all():  # one token a row (a run has >= 1)
-            events, finished = record_plain(self.table, batch, flat, now, sampled, self.cache.capacity)
+            events, finished = record_plain(self.table, batch, flat, now, sampled)
         else:
             events, finished = record_runs(self.table, batch, tokens, now, sampled, self.cache.capacity)
         self.finishes = [sample.finish for sample in finished]  # one event each carries its reason
