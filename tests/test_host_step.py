@@ -343,3 +343,27 @@ def test_steady_engine_steps_make_no_declaration_until_the_running_samples_chang
     engine.step()  # its prompt joins the step: a new declaration
     assert made == [1]
     engine.close()
+
+
+@pytest.mark.parametrize("case", ["steady", "mixed"])
+def test_a_finished_steps_gaps_and_first_token_times_equal_those_computed_row_by_row(case):
+    from types import SimpleNamespace
+
+    from batchkv.executor.metrics import Metrics
+
+    now, slots = 10.0, np.array([3, 0, 2, 1], dtype=np.int64)
+    read = np.array([4, 2, 7, 1]) if case == "steady" else np.array([4, 0, 0, 1])
+    emit = np.array([9.5, 9.5, 9.5, 9.5]) if case == "steady" else np.array([9.5, 0.0, 0.0, 8.25])
+    got = np.array([1, 1, 1, 1]) if case == "steady" else np.array([1, 1, 2, 1])
+    table = SimpleNamespace(read=np.zeros(4, dtype=np.int64), index=np.array([0, 1, 0, 0]),
+                            submitted=np.array([1.0, 2.0, 3.0, 4.0]))  # fmt: skip
+    table.read[slots] = read + got
+    metrics = Metrics(max_seqs=4)
+    metrics.observe_finish(now, table, slots, read, emit, ["length"])
+    rows = range(len(slots))
+    assert metrics.inter_token == [now - emit[i] for i in rows if got[i] > 0 and read[i] > 0]
+    assert metrics.first_token == [
+        now - table.submitted[slots[i]] for i in rows if got[i] > 0 and read[i] == 0 and table.index[slots[i]] == 0
+    ]
+    assert metrics.generated_tokens == got.sum() and metrics.finished == {"length": 1}
+    assert (metrics.first_token != []) == (case == "mixed")

@@ -109,16 +109,19 @@ class Metrics:
         got = table.read[slots] - read
         arrived = got > 0
         self.generated_tokens += int(got.sum())
-        later = arrived & (read > 0)
+        fresh = read == 0
+        later = arrived
+        if fresh.any():  # some sample's first tokens (a steady step: none)
+            first = arrived & fresh & (table.index[slots] == 0)
+            if first.any():
+                self.first_token += (now - table.submitted[slots][first]).tolist()
+            later = arrived & ~fresh
         if later.any():
             before = emit[later]
             if before.min() == before.max():  # the common step: every row's last token came from one step
                 self.inter_token += [now - before[0].item()] * len(before)  # (no float made per row)
             else:
                 self.inter_token += (now - before).tolist()
-        first = arrived & (read == 0) & (table.index[slots] == 0)
-        if first.any():
-            self.first_token += (now - table.submitted[slots][first]).tolist()
         self.finished.update(finishes)
 
     def record_step(
