@@ -18,6 +18,7 @@
 - A plan's decode rows keep the arrays their lists were made from (`StepPlan.ints`), read only
   while the list is the one made and unchanged in length; the staged inputs equal the lists', a
   pending token (overlap) staged from the previous launch's tokens on the CPU (no device gather).
+- `greedy_tokens` on the CPU (NumPy's argmax) against torch's argmax: ties, NaN, infinities.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from batchkv.executor import Engine, Request, SamplingParams, runner
 from batchkv.executor.pipeline import OneEach
 from batchkv.executor.request import Event, Logprobs, events
 from batchkv.executor.rows import stage_sampling
-from batchkv.executor.sampling import uniform, uniforms
+from batchkv.executor.sampling import greedy_tokens, uniform, uniforms
 from batchkv.executor.state import StepPlan
 from tests.executor_helpers import package_calls
 from tests.toy_model import ToyModel
@@ -367,3 +368,14 @@ def test_a_finished_steps_gaps_and_first_token_times_equal_those_computed_row_by
     ]
     assert metrics.generated_tokens == got.sum() and metrics.finished == {"length": 1}
     assert (metrics.first_token != []) == (case == "mixed")
+
+
+def test_greedy_tokens_on_the_cpu_pick_what_torchs_argmax_picks_on_ties_nan_and_infinities():
+    logits = torch.randint(0, 3, (300, 17), generator=torch.Generator().manual_seed(0)).float()  # many ties
+    logits[3, 5] = logits[6, 1] = logits[6, 7] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, 2] = float("inf")
+    for chosen in (logits, logits[10:40], logits[:, :9], logits.t().contiguous().t()[:50]):
+        picked = greedy_tokens(chosen)
+        assert picked.dtype == torch.int64 and torch.equal(picked, chosen.argmax(-1))
+    assert greedy_tokens(logits)[3:7].tolist() == [5, 0, 2, 1]

@@ -208,8 +208,11 @@ class ModelRunner:
                 raise StepError("a planned row feeds a pending token, but no launched step holds it")
             token_src = batch.ints("token_src")
             if on_host:
-                pending = token_src >= 0
-                inputs[0, :n][pending] = previous.host.numpy()[token_src[pending]]
+                tokens, pending = previous.host.numpy(), token_src >= 0
+                if pending.all():  # a steady step under overlap: every row feeds its pending token
+                    inputs[0, :n] = tokens[token_src]
+                else:
+                    inputs[0, :n][pending] = tokens[token_src[pending]]
             else:
                 src[:n] = token_src
                 src[:n][src[:n] >= 0] += previous.slot * R  # rows of the previous launch's slot
