@@ -63,6 +63,8 @@ class Metrics:
 
     def note_prefix(self, counts: tuple[int, int, int, int]) -> None:
         """Add what the prefix cache counted since its `counts()` were last seen."""
+        if counts == self.prefix_seen:  # most steps: nothing admitted or evicted
+            return
         admitted, hits, reused, evictions = (a - b for a, b in zip(counts, self.prefix_seen, strict=True))
         self.prefix_admitted += admitted
         self.prefix_hits += hits

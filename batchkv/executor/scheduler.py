@@ -299,10 +299,11 @@ class Scheduler(Admission):
             self._running = np.concatenate((self._running, np.asarray(started, dtype=np.int64)))
         held = table.seq[slots] >= 0
         exhausted = held & (table.read[slots] + table.pending[slots] >= table.limit[slots])
-        if exhausted.any():
+        ends = bool(exhausted.any())
+        if ends:
             for slot in slots[exhausted].tolist():
                 self._release(table.samples[slot])
-        if batch.completed or exhausted.any():
+        if batch.completed or ends:
             self._running = self._running[table.seq[self._running] >= 0]
 
     def complete(
