@@ -124,6 +124,7 @@ class ModelRunner:
         pin = device.type == "cuda"
         self.sampled = torch.zeros(2, R, dtype=torch.int64, device=device)  # two launches' tokens
         self._host_tokens = torch.zeros(2, R, dtype=torch.int64, pin_memory=pin)
+        self._host_tokens_np = self._host_tokens.numpy()  # (a view: the CPU stages pending tokens from it)
         self._read = [torch.cuda.Event() for _ in range(2)] if pin else [None, None]
         self.logprob_slots = LogprobSlots(R, device)  # used only by steps whose rows ask (rank 0's)
         self.grammars: Grammars | None = None  # `Engine.use_tokenizer`: constrained decoding
@@ -208,7 +209,7 @@ class ModelRunner:
                 raise StepError("a planned row feeds a pending token, but no launched step holds it")
             token_src = batch.ints("token_src")
             if on_host:
-                tokens, pending = previous.host.numpy(), token_src >= 0
+                tokens, pending = self._host_tokens_np[previous.slot], token_src >= 0
                 if pending.all():  # a steady step under overlap: every row feeds its pending token
                     inputs[0, :n] = tokens[token_src]
                 else:
