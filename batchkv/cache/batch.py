@@ -103,6 +103,10 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
         rings = [config.ring_rows(layer) for layer in range(config.num_layers) if config.ring_rows(layer)]
         self._min_ring = min(rings, default=0)  # a sequence wrapped some ring once it wrote more
         self._declaration: Declaration | None = None
+        # The last declaration made and a copy of its ids: a steady decode step declares the same
+        # ids as the one before, and reuses its segments (one comparison instead of the run-length
+        # encoding). The checks against the cache's state still run every step.
+        self._last: tuple[np.ndarray, Declaration] | None = None
         self._width: int | None = None  # set by prepare_step, cleared by commit/invalidation
 
     static_bytes = staticmethod(footprint.static_bytes)
@@ -268,7 +272,7 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
 
     def _checked(self, seq_ids: Sequence[int]) -> tuple[Declaration, dict[int, int]]:
         """`seq_ids`' declaration and the heights its sequences grow to, after declare_step's checks."""
-        decl = Declaration.from_ids(seq_ids)
+        decl = self._decl(seq_ids)
         cfg = self.config
         if decl.num_tokens == 0:
             raise StepError("declare_step needs at least one token id")
@@ -294,6 +298,15 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
                     f"{self.free_rows}; finish or remove sequences, or give the store more rows (pool_rows)"
                 )
         return decl, growth
+
+    def _decl(self, seq_ids: Sequence[int]) -> Declaration:
+        """`Declaration.from_ids(seq_ids)`, or the last one made when its ids are the same."""
+        ids, last = np.asarray(seq_ids), self._last
+        if last is not None and ids.dtype.kind in "iu" and ids.shape == last[0].shape and np.array_equal(ids, last[0]):
+            return last[1]
+        decl = Declaration.from_ids(ids)
+        self._last = (ids.copy(), decl)  # a copy: the caller may write its array again
+        return decl
 
     def _declare(self, decl: Declaration) -> None:  # `decl` checked by `_checked`
         self._drop_declaration()

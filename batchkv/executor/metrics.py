@@ -63,6 +63,8 @@ class Metrics:
 
     def note_prefix(self, counts: tuple[int, int, int, int]) -> None:
         """Add what the prefix cache counted since its `counts()` were last seen."""
+        if counts == self.prefix_seen:  # most steps: nothing admitted or evicted
+            return
         admitted, hits, reused, evictions = (a - b for a, b in zip(counts, self.prefix_seen, strict=True))
         self.prefix_admitted += admitted
         self.prefix_hits += hits
@@ -109,12 +111,19 @@ class Metrics:
         got = table.read[slots] - read
         arrived = got > 0
         self.generated_tokens += int(got.sum())
-        later = arrived & (read > 0)
+        fresh = read == 0
+        later = arrived
+        if fresh.any():  # some sample's first tokens (a steady step: none)
+            first = arrived & fresh & (table.index[slots] == 0)
+            if first.any():
+                self.first_token += (now - table.submitted[slots][first]).tolist()
+            later = arrived & ~fresh
         if later.any():
-            self.inter_token += (now - emit[later]).tolist()
-        first = arrived & (read == 0) & (table.index[slots] == 0)
-        if first.any():
-            self.first_token += (now - table.submitted[slots][first]).tolist()
+            before = emit[later]
+            if before.min() == before.max():  # the common step: every row's last token came from one step
+                self.inter_token += [now - before[0].item()] * len(before)  # (no float made per row)
+            else:
+                self.inter_token += (now - before).tolist()
         self.finished.update(finishes)
 
     def record_step(

@@ -22,12 +22,12 @@ REASONS = np.array([None, "stop", "length", "capacity"], dtype=object)  # `recor
 
 
 def record_plain(
-    table: SlotTable, batch: StepPlan, token: np.ndarray, now: float, sampled: list, capacity: int
+    table: SlotTable, batch: StepPlan, token: np.ndarray, now: float, sampled: list
 ) -> tuple[list[Event], list[SampleState]]:
     """`Scheduler.complete` for a step whose every row read one token and is plain decode (no constraint,
     no prompt_logprobs: `SlotTable.plain`), as array work over the rows: tokens recorded, stop
-    ids, max_new_tokens and capacity checked together. `token`: each row's, int64. Returns the
-    events and the samples that finished."""
+    ids, max_new_tokens and capacity (the slots' `limit`, set with the cache's capacity) checked
+    together. `token`: each row's, int64. Returns the events and the samples that finished."""
     slots = batch.slots
     table.pending[slots] -= 1
     keep = ~table.done[slots]  # finished or cancelled since launch: the token is discarded
@@ -37,14 +37,14 @@ def record_plain(
     read = table.read[slots] + 1
     table.read[slots], table.last[slots], table.emit[slots] = read, token, now
     stop = (table.stops[slots] == token[:, None]).any(axis=1)
-    length = read >= table.max_new[slots]
-    full = table.prompt[slots] + read > capacity  # no position left to write it
+    # max_new_tokens or capacity reached: `limit` is min(max_new_tokens, capacity - prompt + 1)
+    ends = stop | (read >= table.limit[slots])
     values = token.tolist()
     deque(map(list.append, table.tokens[slots].tolist(), values), maxlen=0)  # each its token
-    ends = stop | length | full
     finished: list[SampleState] = []
     reasons: list[str | None] = [None] * len(values)
     if ends.any():  # some sample finished (most steps: none)
+        length = read >= table.max_new[slots]  # else capacity: prompt + read > capacity, no position left
         code = np.where(stop, 1, np.where(length, 2, 3))[ends]
         ended = np.flatnonzero(ends)
         finished = table.samples[slots[ended]].tolist()

@@ -59,7 +59,6 @@ from batchkv.executor.rows import (
     any_adjusts,
     chunkable,
     head_chunks,
-    ints,
     stage_sampling,
 )
 from batchkv.executor.sampling import greedy_tokens, sample_tokens
@@ -114,6 +113,8 @@ class ModelRunner:
         # prefix [0, 2R + 5W) of the int64 buffer: one copy per dtype, its bytes following the width.
         self._staging = Staging(self.sizes(w, R), device)
         self._dev_i64 = self._staging.device_buffers[torch.int64]
+        self._input_views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # `_inputs`, by width
+        self._on_cpu = device.type == "cpu"
         self.logits_rows = self._dev_i64[:R]
         self.top_k = self._dev_i64[R : 2 * R]
         self.temperature, self.top_p, self.draws = self._staging.device_buffers[torch.float32].view(3, R).unbind(0)
@@ -123,6 +124,7 @@ class ModelRunner:
         pin = device.type == "cuda"
         self.sampled = torch.zeros(2, R, dtype=torch.int64, device=device)  # two launches' tokens
         self._host_tokens = torch.zeros(2, R, dtype=torch.int64, pin_memory=pin)
+        self._host_tokens_np = self._host_tokens.numpy()  # (a view: the CPU stages pending tokens from it)
         self._read = [torch.cuda.Event() for _ in range(2)] if pin else [None, None]
         self.logprob_slots = LogprobSlots(R, device)  # used only by steps whose rows ask (rank 0's)
         self.grammars: Grammars | None = None  # `Engine.use_tokenizer`: constrained decoding
@@ -159,19 +161,24 @@ class ModelRunner:
         self.adapters = AdapterGuard(fingerprint, lambda: [m for _, m in fingerprint.modules()])
         self._bound: tuple[int, int] | None = None  # (generation, fingerprint) the kept graphs bind
 
-    def _inputs(self, width: int) -> torch.Tensor:
-        """The device inputs of a step of `width`: int64 [5, width] (ids, indexes t/h/w, token_src)."""
-        return self._dev_i64[2 * self.rows : 2 * self.rows + 5 * width].view(5, width)
+    def _inputs(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The device inputs of a step of `width`, views of int64 [5, width]: ids [width], indexes
+        t/h/w [3, width], token_src [width]. Made once per width (the buffer never moves)."""
+        views = self._input_views.get(width)
+        if views is None:
+            block = self._dev_i64[2 * self.rows : 2 * self.rows + 5 * width].view(5, width)
+            views = self._input_views[width] = (block[0], block[1:4], block[4])
+        return views
 
     def input_ids(self, width: int) -> torch.Tensor:
         return self._inputs(width)[0]
 
     def indexes(self, width: int) -> torch.Tensor:
-        return self._inputs(width)[1:4]
+        return self._inputs(width)[1]
 
     def token_src(self, width: int) -> torch.Tensor:
         """Per packed row: -1 (the staged id), else the row of `sampled` (both slots, flat) it takes."""
-        return self._inputs(width)[4]
+        return self._inputs(width)[2]
 
     @property
     def captures(self) -> int:
@@ -188,20 +195,31 @@ class ModelRunner:
         host = staged[torch.int64]
         inputs = host[2 * R : 2 * R + 5 * width].reshape(5, width)
         inputs[:4] = 0  # padding feeds token 0 (its K/V go to the scratch column); text tokens: (t, 0, 0)
-        inputs[0, :n] = ints(batch.input_ids)
-        inputs[1, :n] = ints(batch.t_index)
+        inputs[0, :n] = batch.ints("input_ids")
+        inputs[1, :n] = batch.ints("t_index")
         src = inputs[4]
         src[:] = -1
         # Eager steps whose ids are all staged skip the gather; a graph holds it whatever the step.
-        self._gather = bool(batch.token_src) or self.graphs is not None
+        # On the CPU an eager step's pending tokens are in host memory already (the previous
+        # launch copied them there before returning): staged here, so no step gathers.
+        on_host = self.graphs is None and self._on_cpu
+        self._gather = (bool(batch.token_src) and not on_host) or self.graphs is not None
         if batch.token_src:
             if previous is None:
                 raise StepError("a planned row feeds a pending token, but no launched step holds it")
-            src[:n] = ints(batch.token_src)
-            src[:n][src[:n] >= 0] += previous.slot * R  # rows of the previous launch's slot
+            token_src = batch.ints("token_src")
+            if on_host:
+                tokens, pending = self._host_tokens_np[previous.slot], token_src >= 0
+                if pending.all():  # a steady step under overlap: every row feeds its pending token
+                    inputs[0, :n] = tokens[token_src]
+                else:
+                    inputs[0, :n][pending] = tokens[token_src[pending]]
+            else:
+                src[:n] = token_src
+                src[:n][src[:n] >= 0] += previous.slot * R  # rows of the previous launch's slot
         selector, top_k = host[:R], host[R : 2 * R]
         selector[:] = 0
-        selector[:rows] = ints(batch.rows)
+        selector[:rows] = batch.ints("rows")
         if batch.score_rows:  # prompt_logprobs: after the sampling rows
             selector[rows : rows + len(batch.score_rows)] = batch.score_rows
         params = staged[torch.float32].reshape(3, R)

@@ -208,7 +208,7 @@ class Scheduler(Admission):
         batch.spans = [1] * len(batch.samples)
         if len(batch.samples) > take:
             batch.slots = np.concatenate((taken, [s.slot for s in batch.samples[take:]]))
-        if sources is not None:
+        if sources is not None and len(batch.seq_ids) > take:
             batch.token_src = sources + [-1] * (len(batch.seq_ids) - take)
         if self.scoring:
             batch.logprob_k = row_ks(batch)
@@ -222,14 +222,22 @@ class Scheduler(Admission):
         table, take = self.table, len(taken)
         pending = table.pending[taken]
         waits = pending > 0
-        batch.seq_ids = table.seq[taken].tolist()
-        batch.input_ids = np.where(waits, 0, table.last[taken]).tolist()
-        batch.t_index = (table.t0[taken] + table.read[taken] + pending).tolist()
-        batch.rows = list(range(take))
+        arrays = {
+            "seq_ids": table.seq[taken],
+            "input_ids": np.where(waits, 0, table.last[taken]),
+            "t_index": table.t0[taken] + table.read[taken] + pending,
+            "rows": np.arange(take),
+        }
+        if waits.any():
+            arrays["token_src"] = np.where(waits, table.src[taken], -1)
+        for name, array in arrays.items():  # the lists, and the arrays kept for staging (`StepPlan.ints`)
+            values = array.tolist()
+            setattr(batch, name, values)
+            batch.arrays[name] = (values, array)
         batch.samples = table.samples[taken].tolist()
         batch.slots, batch.table = taken, table
         batch.decode_tokens = take
-        return np.where(waits, table.src[taken], -1).tolist() if waits.any() else None
+        return batch.token_src if waits.any() else None
 
     def _prompt_rows(self, batch: StepPlan, chunks: list[tuple[RequestState, int]]) -> None:
         """The prompt chunks' rows after the decode rows; a prompt's last chunk samples its n rows."""
@@ -291,10 +299,11 @@ class Scheduler(Admission):
             self._running = np.concatenate((self._running, np.asarray(started, dtype=np.int64)))
         held = table.seq[slots] >= 0
         exhausted = held & (table.read[slots] + table.pending[slots] >= table.limit[slots])
-        if exhausted.any():
+        ends = bool(exhausted.any())
+        if ends:
             for slot in slots[exhausted].tolist():
                 self._release(table.samples[slot])
-        if batch.completed or exhausted.any():
+        if batch.completed or ends:
             self._running = self._running[table.seq[self._running] >= 0]
 
     def complete(
@@ -315,7 +324,7 @@ class Scheduler(Admission):
         if flat is None:
             flat = np.fromiter(chain.from_iterable(tokens), dtype=np.int64)
         if len(flat) == len(tokens) and self.table.plain[slots].all():  # one token a row (a run has >= 1)
-            events, finished = record_plain(self.table, batch, flat, now, sampled, self.cache.capacity)
+            events, finished = record_plain(self.table, batch, flat, now, sampled)
         else:
             events, finished = record_runs(self.table, batch, tokens, now, sampled, self.cache.capacity)
         self.finishes = [sample.finish for sample in finished]  # one event each carries its reason

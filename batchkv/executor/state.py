@@ -150,6 +150,19 @@ class StepPlan:
     # Per logits row (sampling rows, then score rows): how many alternatives its logprobs carry, -1
     # for none. Empty when no row asks: the step then computes no logprobs at all.
     logprob_k: list[int] = field(default_factory=list)
+    # Int lists above that the scheduler made from arrays (a plan's decode rows), kept as the arrays:
+    # name -> (that list, its int64 array). `ints` reads the array while the field still holds that
+    # list at that length (a field reassigned or extended is converted again).
+    arrays: dict[str, tuple[list[int], np.ndarray]] = field(default_factory=dict)
+
+    def ints(self, name: str) -> np.ndarray:
+        """The int list field `name` (seq_ids, input_ids, t_index, rows, token_src) as int64: the
+        array it was made from when it is unchanged, else converted (`np.fromiter`)."""
+        values = getattr(self, name)
+        kept = self.arrays.get(name)
+        if kept is not None and kept[0] is values and len(values) == len(kept[1]):
+            return kept[1]
+        return np.fromiter(values, dtype=np.int64, count=len(values))
 
     @property
     def prefill_tokens(self) -> int:
