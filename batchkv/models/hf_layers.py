@@ -2,8 +2,9 @@
 writing the e4m3 codes their FP8 readers take.
 
 transformers' Llama decoder layer (and Qwen2's, Qwen3's, Mistral's, Gemma's, SmolLM3's, ... the same
-text; Gemma's norms keep it out, see `fuse_layers`) runs `residual = h; h = input_layernorm(h); h = self_attn(h); h = residual + h; residual = h;
-h = post_attention_layernorm(h); h = mlp(h); return residual + h`: two adds of [W, H] rows a layer,
+text; Gemma's norms keep it out, see `fuse_layers`) runs `residual = h; h = input_layernorm(h);
+h = self_attn(h); h = residual + h; residual = h; h = post_attention_layernorm(h); h = mlp(h);
+return residual + h`: two adds of [W, H] rows a layer,
 each a kernel of its own before or after a norm kernel, and with FP8 projections a separate
 quantiser pass over each norm's output. `fuse_layers(hf_model)` (run by `HFModel` at construction
 while `FUSE` is on, after `hf_fuse`, `hf_norms` and `hf_rope`) gives every decoder layer whose class
