@@ -117,7 +117,10 @@ def build_app(
             job = jobs.make_job(body, prompts(body), info)
             constraint = job.requests[0].params.constraint if job.requests else None
             if constraint is not None:  # compiled here, off the loop and the engine thread (then cached)
-                structured.compile_constraint(worker.engine, constraint)
+                if hasattr(worker, "compile_constraint"):  # where the engine runs: this process or its own
+                    worker.compile_constraint(constraint)
+                else:
+                    structured.compile_constraint(worker.engine, constraint)
             return outputs.Tracker(job, info.tokenizer, lambda reason: metrics.finished.labels(reason).inc())
 
         tracker = await asyncio.to_thread(prepare)
