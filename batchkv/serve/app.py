@@ -222,7 +222,7 @@ def _info_routes(app: FastAPI, worker: EngineWorker, info: jobs.ModelInfo, metri
     @app.get("/health")
     async def health() -> Response:
         if not worker.alive:
-            return _json(APIError(503, "the engine thread has stopped", type="server_error").body(), 503)
+            return _json(APIError(503, "the engine has stopped", type="server_error").body(), 503)
         return _json({"status": "ok"})
 
     @app.get("/metrics")
