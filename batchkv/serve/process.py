@@ -83,13 +83,16 @@ class ProcessWorker(Front):
         self.process.start()
         self._child_conn.close()
         try:
-            while not self._conn.poll(0.5):  # bounded by the child: it answers or exits
-                if not self.process.is_alive() and not self._conn.poll(0.1):
-                    raise EngineProcessError(
-                        f"the engine process exited with status {self.process.exitcode} while it built the engine "
-                        "(the log above has the detail)"
-                    )
-            kind, value = self._conn.recv()
+            while not self._conn.poll(0.5) and self.process.is_alive():  # bounded by the child: it answers or exits
+                pass
+            try:
+                kind, value = self._conn.recv()
+            except (EOFError, OSError):  # it exited without a word
+                self.process.join(5.0)
+                kind, value = "exited", EngineProcessError(
+                    f"the engine process exited with status {self.process.exitcode} while it built the engine "
+                    "(the log above has the detail)"
+                )
         except BaseException:
             self._end_process()
             raise
