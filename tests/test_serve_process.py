@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -136,7 +138,7 @@ def test_a_steps_events_cross_the_pipe_as_the_engine_made_them():
     assert decode_events(*encode_events(made[:1])) == made[:1]  # no logprobs at all: a None column
 
 
-def test_the_engine_process_answers_as_the_engine_thread_then_drains_and_stops_leaving_no_process():
+def test_the_engine_process_answers_as_the_engine_thread_drains_stops_and_never_outlives_its_pipe():
     async def serve(worker) -> list:
         a = asyncio.ensure_future(events_of(await worker.submit(request(3), time.perf_counter())))
         b = asyncio.ensure_future(events_of(await worker.submit(request(2, n=2), time.perf_counter())))
@@ -164,6 +166,10 @@ def test_the_engine_process_answers_as_the_engine_thread_then_drains_and_stops_l
         finally:
             await asyncio.to_thread(worker.stop)
         assert not worker.alive and gone(pid)
+        orphan = await launched(counting)  # the API process dies: its end of the pipe closes, and the engine's ends
+        orphan._conn.close()
+        assert await asyncio.to_thread(wait_gone, orphan.process.pid)
+        await asyncio.to_thread(orphan.stop)
         return expected, got
 
     expected, got = asyncio.run(asyncio.wait_for(main(), 120))
@@ -204,3 +210,119 @@ def test_a_startup_error_in_the_engine_process_is_raised_with_its_type_and_the_p
     dying = ProcessWorker(exiting, max_waiting=8)
     with pytest.raises(EngineProcessError, match="status 3"):
         dying.launch()
+
+
+# ---- `batchkv serve --engine-process on` -----------------------------------------------------
+def engine_pid(server) -> int:
+    """The pid of the server's engine process (its spawned child)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+            spawned = b"spawn_main" in (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if ppid == server.proc.pid and spawned:
+            return int(entry.name)
+    raise AssertionError("the server has no engine process")
+
+
+def wait_gone(pid: int, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not gone(pid) and time.monotonic() < deadline:  # bounded
+        time.sleep(0.05)
+    return gone(pid)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tests.serve_helpers import make_model_dir
+
+    return make_model_dir(tmp_path_factory.mktemp("qwen3-tiny"))
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    """`batchkv serve --engine-process on`; stopped by SIGTERM, which must leave no engine process."""
+    from tests.serve_helpers import Server
+
+    srv = Server(str(model_dir), "--served-model-name", "tiny", "--engine-process", "on", "--max-seqs", "4",
+                 "--capacity", "512", "--max-step-tokens", "64", "--prefill-chunk", "32")  # fmt: skip
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    srv.wait()
+    pid = engine_pid(srv)
+    yield srv, hf, tokenizer
+    code, out = srv.stop(signal.SIGTERM)
+    assert code == 0 and "Traceback" not in out, out
+    assert "engine process" in out and wait_gone(pid, 5.0)
+
+
+def test_served_from_an_engine_process_completions_equal_transformers_and_constraints_compile_there(served):
+    import torch
+
+    openai = pytest.importorskip("openai")
+    jsonschema = pytest.importorskip("jsonschema")
+    srv, hf, tokenizer = served
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    prompt = tokenizer.encode("The quick brown fox")
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+                          max_new_tokens=20, do_sample=False, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    ids = out[0, len(prompt) :].tolist()
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
+                                      extra_body={"return_token_ids": True})  # fmt: skip
+    assert whole.choices[0].token_ids == ids and whole.choices[0].text == text
+    chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}  # fmt: skip
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello world"}],
+                                          max_tokens=40, temperature=0, response_format={"type": "json_schema",
+                                          "json_schema": {"name": "a", "schema": schema}})  # fmt: skip
+    jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+    with pytest.raises(openai.BadRequestError, match="guided_regex"):  # refused by the compile, in the engine process
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, extra_body={"guided_regex": "(("})
+    import httpx
+
+    metrics = httpx.get(srv.url + "/metrics").text
+    assert re.search(r"^batchkv_generation_tokens_total (\d+)", metrics, re.M).group(1) != "0"
+
+
+def test_a_killed_engine_process_ends_the_live_stream_with_an_error_and_the_server_answers_503():
+    import httpx
+
+    from tests.serve_helpers import Server
+
+    srv = Server("sensenova-u1-tiny", "--engine-process", "on", "--max-seqs", "4").wait()
+    try:
+        pid = engine_pid(srv)
+        body = {"prompt": [1, 2, 3], "max_tokens": 3000, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line).startswith("data: {")  # a first token: it is live
+            os.kill(pid, signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2]
+        health = httpx.get(srv.url + "/health")
+        assert health.status_code == 503
+        refused = httpx.post(srv.url + "/v1/completions", json={"prompt": [1], "max_tokens": 2})
+        assert refused.status_code == 503
+    finally:
+        code, out = srv.stop(signal.SIGTERM)
+    assert code == 0, out
+    assert "the engine process exited with status -9" in out
+
+
+def test_a_startup_error_in_the_engine_process_is_the_clis_one_line_and_exit_status_2(model_dir):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "batchkv.cli", "serve", str(model_dir), "--capacity", "100000",
+                           "--engine-process", "on", "--device", "cpu", "--port", "0"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr  # refused in the engine process
+    assert "ConfigError: --capacity 100000 is beyond the model's max_position_embeddings" in done.stderr

@@ -43,6 +43,7 @@ from batchkv.serve.protocol import APIError
 from batchkv.serve.stream import Route, Stream, route_events
 
 log = logging.getLogger("batchkv.serve")
+MERGE_STEPS = 8  # most step messages the reader feeds as one when it finds them waiting
 STOP_WAIT_S = 10.0  # stop(): seconds the engine process gets to end before it is terminated
 
 
@@ -89,9 +90,12 @@ class ProcessWorker(Front):
                 kind, value = self._conn.recv()
             except (EOFError, OSError):  # it exited without a word
                 self.process.join(5.0)
-                kind, value = "exited", EngineProcessError(
-                    f"the engine process exited with status {self.process.exitcode} while it built the engine "
-                    "(the log above has the detail)"
+                kind, value = (
+                    "exited",
+                    EngineProcessError(
+                        f"the engine process exited with status {self.process.exitcode} while it built the engine "
+                        "(the log above has the detail)"
+                    ),
                 )
         except BaseException:
             self._end_process()
@@ -212,18 +216,29 @@ class ProcessWorker(Front):
     def _read_loop(self) -> None:
         import msgspec
 
-        decode = msgspec.msgpack.Decoder().decode
+        decode, recv, poll = msgspec.msgpack.Decoder().decode, self._conn.recv_bytes, self._conn.poll
         failure: str | None = None
+        ahead: list | None = None  # a message read while gathering steps
         try:
             while True:
                 try:
-                    message = decode(self._conn.recv_bytes())
+                    message, ahead = ahead or decode(recv()), None
+                    steps = [message] if message[0] == "s" else []
+                    while steps and len(steps) < MERGE_STEPS and poll():  # steps waiting: fed as one
+                        message = decode(recv())
+                        if message[0] != "s":
+                            ahead = message
+                            break
+                        steps.append(message)
                 except (EOFError, OSError):
                     break
-                if message[0] == "e":
+                if steps:
+                    self._on_steps(steps)
+                elif message[0] == "e":
                     failure = message[1]
                     break
-                getattr(self, "_on_" + message[0])(*message[1:])
+                else:
+                    getattr(self, "_on_" + message[0])(*message[1:])
         except Exception:
             log.exception("the engine process's messages failed; failing %d live requests", len(self._routes))
             failure = "its messages could not be read"
@@ -263,15 +278,18 @@ class ProcessWorker(Front):
         observe(self.metrics, gauges or [])  # before the answer: a client that got its 200 sees itself counted
         self._call(self._resolve, done, None)
 
-    def _on_s(self, gauges: list, cached: list, *columns: Any) -> None:
+    def _on_steps(self, steps: list[list]) -> None:
+        """Steps' messages (`["s", gauges, cached, *event columns]`, in order) fed as one step."""
         metrics = self.metrics
-        observe(metrics, gauges)  # before the tokens go out: a client that saw them sees this step's state
-        for rid, tokens in cached:
-            route = self._routes.get(rid)
-            if route is not None:
-                route.stream.cached[route.prompt_index] = tokens
-                metrics.cached.inc(tokens)
-        events = decode_events(*columns)
+        observe(metrics, steps[-1][1])  # before the tokens go out: a client that saw them sees this state
+        events: list = []
+        for step in steps:
+            for rid, tokens in step[2]:
+                route = self._routes.get(rid)
+                if route is not None:
+                    route.stream.cached[route.prompt_index] = tokens
+                    metrics.cached.inc(tokens)
+            events += decode_events(*step[3:])
         deliveries = self._feed(route_events(self._routes, events, metrics, time.perf_counter()))
         if deliveries:
             self._call(self._dispatch, deliveries)
