@@ -166,10 +166,11 @@ def test_the_engine_process_answers_as_the_engine_thread_drains_stops_and_never_
         finally:
             await asyncio.to_thread(worker.stop)
         assert not worker.alive and gone(pid)
-        orphan = await launched(counting)  # the API process dies: its end of the pipe closes, and the engine's ends
+        orphan = ProcessWorker(counting, max_waiting=8)  # its API process dies: the pipe closes, the engine's ends
+        await asyncio.to_thread(orphan.launch)
         orphan._conn.close()
-        assert await asyncio.to_thread(wait_gone, orphan.process.pid)
-        await asyncio.to_thread(orphan.stop)
+        await asyncio.to_thread(orphan.process.join, 30.0)
+        assert orphan.process.exitcode == 0
         return expected, got
 
     expected, got = asyncio.run(asyncio.wait_for(main(), 120))

@@ -41,8 +41,6 @@ from batchkv.serve.front import Front
 from batchkv.serve.outputs import Tracker
 from batchkv.serve.protocol import APIError
 from batchkv.serve.stream import Route, Stream, route_events
-from batchkv.serve.switch import ShortSwitch
-from batchkv.serve.worker import SWITCH_INTERVAL_S
 
 log = logging.getLogger("batchkv.serve")
 MERGE_STEPS = 8  # most step messages the reader feeds as one when it finds them waiting
@@ -78,7 +76,6 @@ class ProcessWorker(Front):
         self._compiles: dict[int, list] = {}  # token -> [threading.Event, error fields or None]
         self._ended = False
         self._stopping = False
-        self._switch = ShortSwitch(SWITCH_INTERVAL_S)  # the reader's feeds yield to the loop as the engine thread's do
 
     # ---- the API side ----------------------------------------------------------------------------
     def launch(self) -> Any:
@@ -113,7 +110,6 @@ class ProcessWorker(Front):
         if self._reader.ident is not None:
             raise RuntimeError("a ProcessWorker starts once; build another worker to serve again")
         self._loop = loop
-        self._switch.hold()
         self._sender.start()
         self._reader.start()
 
@@ -128,7 +124,6 @@ class ProcessWorker(Front):
         self._end_process()
         if self._reader.ident is not None:
             self._reader.join(timeout)
-        self._switch.release()
 
     def _end_process(self) -> None:
         if self.process.is_alive():
