@@ -279,7 +279,7 @@ class ProcessWorker(Front):
         self._call(self._resolve, done, None)
 
     def _on_steps(self, steps: list[list]) -> None:
-        """Steps' messages (`["s", gauges, cached, *event columns]`, in order) fed as one step."""
+        """Steps' messages (`["s", gauges, cached, events]`, in order) fed as one step."""
         metrics = self.metrics
         observe(metrics, steps[-1][1])  # before the tokens go out: a client that saw them sees this state
         events: list = []
@@ -289,7 +289,7 @@ class ProcessWorker(Front):
                 if route is not None:
                     route.stream.cached[route.prompt_index] = tokens
                     metrics.cached.inc(tokens)
-            events += decode_events(*step[3:])
+            events += decode_events(step[3])
         deliveries = self._feed(route_events(self._routes, events, metrics, time.perf_counter()))
         if deliveries:
             self._call(self._dispatch, deliveries)
