@@ -81,3 +81,8 @@ class WorkloadError(BatchKVError, ValueError):
 class TensorParallelError(BatchKVError, RuntimeError):
     """A tensor-parallel rank raised, died or stopped answering (the message names it and its error);
     the engine's processes have been stopped and it cannot step again: build a new engine."""
+
+
+class EngineProcessError(BatchKVError, RuntimeError):
+    """The server's engine process exited or failed (the message says how; its log has the detail):
+    its requests end with this error and the server answers 503 until it is restarted."""

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("msgspec")
 
 from batchkv.executor import Event, Request, SamplingParams
-from batchkv.serve import worker as worker_module
+from batchkv.serve import front as front_module
 from batchkv.serve.detok import IncrementalDetokenizer, StopStrings, StreamDetokenizer, detokenizers, fast_decoder
 from batchkv.serve.jobs import Job
 from batchkv.serve.metrics import ServerMetrics, observe_many
@@ -185,7 +185,7 @@ def test_a_reader_that_runs_only_after_the_last_step_gets_the_whole_text_in_two_
 def test_with_more_streams_than_the_budget_each_step_wakes_at_most_the_budget_beside_firsts_and_finishes(
     monkeypatch,
 ):
-    monkeypatch.setattr(worker_module, "WAKES_PER_STEP", 1)
+    monkeypatch.setattr(front_module, "WAKES_PER_STEP", 1)
     woken: list[int] = []  # streams woken per step
 
     async def main() -> list[list[str]]:

@@ -255,10 +255,10 @@ class RemoteWorker:
         pass
 
     def refuse_batch(self, prompts: int) -> None:
-        from batchkv.serve.worker import _batch_error
+        from batchkv.serve.front import batch_error
 
         if prompts > self.max_waiting:
-            raise _batch_error(prompts, self.max_waiting)
+            raise batch_error(prompts, self.max_waiting)
 
     async def submit(self, requests: Sequence, arrival: float) -> RemoteStream:
         events = self.engines.options(stream=True).generate.remote(list(requests), time.perf_counter() - arrival)

@@ -214,6 +214,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="requests queued for columns before 429s; a batch of more prompts is a 400",
     )
+    e.add_argument(
+        "--engine-process",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="run the engine in a process of its own (on), or on a thread of the HTTP process (off); auto: on "
+        "with a CUDA device, off on the CPU (docs/design.md, 'HTTP server')",
+    )
     h = p.add_argument_group("http")
     h.add_argument("--host", default="127.0.0.1", help="address to listen on")
     h.add_argument("--port", type=bounded(int, 0, 65535), default=8000, help="0: any free port")
@@ -272,16 +279,66 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+        access = access_from(args, bound)
+        if in_process_of_its_own(args, device):
+            return _serve_from_process(args, device, access, sock)
         served = load_model(args, device)
         with build_engine(args, served, device) as engine:  # leaving stops the other tensor-parallel ranks
             info = _model_info(args, served, engine)
             constraints = use_tokenizer(engine, served.tokenizer)
-            _announce(args, served, engine, info, device, sock.getsockname()[1], access_from(args, bound), constraints)
-            return server.run(engine, info, access_from(args, bound), sock, max_waiting=args.max_waiting,
+            _announce(args, served, engine, info, device, sock.getsockname()[1], access, constraints)
+            return server.run(engine, info, access, sock, max_waiting=args.max_waiting,
                               drain_timeout=args.drain_timeout, log_level=args.log_level,
                               access_log=args.access_log)  # fmt: skip
     finally:
         sock.close()
+
+
+def in_process_of_its_own(args: argparse.Namespace, device: str) -> bool:
+    """--engine-process: whether the engine runs in a process of its own (auto: with CUDA)."""
+    return args.engine_process == "on" or (args.engine_process == "auto" and device == "cuda")
+
+
+def _serve_from_process(args: argparse.Namespace, device: str, access: Access, sock) -> int:
+    """`cmd_serve` with the engine in a process of its own (`serve.process`): that process loads the
+    model, builds the engine and announces it; this one serves HTTP over it."""
+    import functools
+
+    from batchkv.serve import server
+    from batchkv.serve.metrics import ServerMetrics
+    from batchkv.serve.process import ProcessWorker
+
+    port = sock.getsockname()[1]
+    factory = functools.partial(served_engine, args, device, access, port)
+    worker = ProcessWorker(factory, max_waiting=args.max_waiting, request_timeout=limits_from(args).request_timeout,
+                           log_level=args.log_level)  # fmt: skip
+    try:
+        info, max_seqs = worker.launch()
+        worker.metrics = metrics = ServerMetrics(max_seqs)
+        return server.serve(worker, info, metrics, access, sock, drain_timeout=args.drain_timeout,
+                            log_level=args.log_level, access_log=args.access_log)  # fmt: skip
+    finally:
+        worker.stop()
+
+
+def served_engine(args: argparse.Namespace, device: str, access: Access, port: int):
+    """(In the engine process) load the model, build the engine, announce it and capture its graphs:
+    (engine, (the served model's ModelInfo, max_seqs))."""
+    set_threads(args)
+    served = load_model(args, device)
+    engine = build_engine(args, served, device)
+    try:
+        info = _model_info(args, served, engine)
+        constraints = use_tokenizer(engine, served.tokenizer)
+        _announce(args, served, engine, info, device, port, access, constraints)
+        if engine.uses_graphs:  # before it serves: no request's step waits for a capture
+            seconds = engine.warm_up()
+            graphs = f"batchkv serve: captured {len(engine.buckets)} step graphs in {seconds:.1f} s"
+            print(graphs, file=sys.stderr, flush=True)
+    except BaseException:
+        engine.close()
+        raise
+    return engine, (info, engine.cache.max_seqs)
 
 
 def use_tokenizer(engine, tokenizer) -> str:
@@ -311,6 +368,7 @@ def _announce(
 ) -> None:
     """The startup line on stderr: what is served, how, and where."""
     mode = ("graphs" if engine.uses_graphs else "eager") + (", overlap" if engine.overlap else "")
+    mode += ", engine process" if in_process_of_its_own(args, device) else ""
     mode += f", tensor parallel {args.tensor_parallel}" if args.tensor_parallel > 1 else ""
     text = "text and token ids" if served.tokenizer is not None else "token ids only (no tokenizer)"
     extras = f", kv {args.kv_dtype}" if args.kv_dtype != "model" else ""

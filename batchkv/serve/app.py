@@ -117,7 +117,10 @@ def build_app(
             job = jobs.make_job(body, prompts(body), info)
             constraint = job.requests[0].params.constraint if job.requests else None
             if constraint is not None:  # compiled here, off the loop and the engine thread (then cached)
-                structured.compile_constraint(worker.engine, constraint)
+                if hasattr(worker, "compile_constraint"):  # where the engine runs: this process or its own
+                    worker.compile_constraint(constraint)
+                else:
+                    structured.compile_constraint(worker.engine, constraint)
             return outputs.Tracker(job, info.tokenizer, lambda reason: metrics.finished.labels(reason).inc())
 
         tracker = await asyncio.to_thread(prepare)
@@ -219,7 +222,7 @@ def _info_routes(app: FastAPI, worker: EngineWorker, info: jobs.ModelInfo, metri
     @app.get("/health")
     async def health() -> Response:
         if not worker.alive:
-            return _json(APIError(503, "the engine thread has stopped", type="server_error").body(), 503)
+            return _json(APIError(503, "the engine has stopped", type="server_error").body(), 503)
         return _json({"status": "ok"})
 
     @app.get("/metrics")

@@ -1,5 +1,6 @@
-"""The server around a built engine: start the engine thread, run uvicorn, shut down cleanly
-(`batchkv.cli.serve` parses the options, loads the model and builds the engine, then calls `run`).
+"""The server around an engine: start the engine thread (`run`, over an engine built here) or take a
+launched engine process (`serve`, over a `process.ProcessWorker`), run uvicorn, shut down cleanly
+(`batchkv.cli.serve` parses the options and builds the engine or has its process build it).
 
 Shutdown on SIGINT or SIGTERM: uvicorn stops accepting connections; requests in flight may finish
 for `--drain-timeout` seconds, then the engine thread cancels the rest (their streams end with
@@ -17,7 +18,7 @@ from batchkv.errors import ConfigError, DependencyError
 from batchkv.serve.access import Access
 from batchkv.serve.jobs import ModelInfo
 
-__all__ = ["listen", "require_extra", "run"]
+__all__ = ["listen", "require_extra", "run", "serve"]
 
 
 def _ignore(signum: int, frame: object) -> None:
@@ -76,21 +77,39 @@ def run(
     log_level: str = "info",
     access_log: bool = False,
 ) -> int:
-    """Serve `engine` on the bound `sock` until a signal stops the server; returns the exit status.
-    The engine thread stops here; the caller closes the engine."""
-    import uvicorn
-
-    from batchkv.serve.app import build_app
+    """Serve `engine` on the bound `sock` from a thread of this process until a signal stops the
+    server; returns the exit status. The engine thread stops here; the caller closes the engine."""
     from batchkv.serve.metrics import ServerMetrics
     from batchkv.serve.worker import EngineWorker
 
     metrics = ServerMetrics(engine.cache.max_seqs)
     worker = EngineWorker(engine, metrics, max_waiting=max_waiting, request_timeout=info.limits.request_timeout)
-    app = build_app(worker, info, metrics, access)
     if engine.uses_graphs:  # before it listens: no request's step waits for a capture
         seconds = engine.warm_up()
         graphs = f"batchkv serve: captured {len(engine.buckets)} step graphs in {seconds:.1f} s"
         print(graphs, file=sys.stderr, flush=True)
+    return serve(worker, info, metrics, access, sock, drain_timeout=drain_timeout, log_level=log_level,
+                 access_log=access_log)  # fmt: skip
+
+
+def serve(
+    worker,
+    info: ModelInfo,
+    metrics,
+    access: Access,
+    sock: socket.socket,
+    *,
+    drain_timeout: float,
+    log_level: str = "info",
+    access_log: bool = False,
+) -> int:
+    """Serve the app over `worker` (an `EngineWorker`, or a launched `ProcessWorker`) on `sock` until a
+    signal stops the server; returns the exit status. The worker stops here."""
+    import uvicorn
+
+    from batchkv.serve.app import build_app
+
+    app = build_app(worker, info, metrics, access)
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
         app,

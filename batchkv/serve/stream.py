@@ -33,6 +33,7 @@ class Stream:
         self.ids: list[int] = []  # engine request ids, by prompt index (engine thread only)
         self.cached: dict[int, int] = {}  # prompt index -> tokens it reused from the prefix cache
         self.tracker: Any = None  # an `outputs.Tracker` the engine thread feeds (then the items are wakes: [])
+        self.key = 0  # its name in the engine process (`process.ProcessWorker`)
 
     def __aiter__(self) -> AsyncIterator[list[tuple[int, Event]]]:
         return self._items()

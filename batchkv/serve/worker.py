@@ -36,7 +36,6 @@ queued: `refuse_batch` answers it 400, never a 429 a client would retry forever.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import threading
@@ -45,8 +44,10 @@ from collections.abc import Sequence
 
 from batchkv.errors import RequestError, TensorParallelError
 from batchkv.executor import Engine, Event, Request
+from batchkv.serve import structured
+from batchkv.serve.front import Front, refusal
 from batchkv.serve.metrics import ServerMetrics
-from batchkv.serve.outputs import PENDING, URGENT, Tracker
+from batchkv.serve.outputs import Tracker
 from batchkv.serve.protocol import APIError
 from batchkv.serve.stream import Deadlines, Route, Stream, route_events
 from batchkv.serve.switch import ShortSwitch
@@ -55,10 +56,9 @@ log = logging.getLogger("batchkv.serve")
 TRIM_STEPS = 4096  # the engine's own latency lists are cleared this often (they grow per step)
 SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval while the engine thread runs (CPython's default: 0.005)
 HANDOFF_S = 0.002  # most an overlapping engine waits, per step, for the loop to write that step's tokens
-WAKES_PER_STEP = 32  # streams woken per step for deltas that are neither a first token nor a finish
 
 
-class EngineWorker:
+class EngineWorker(Front):
     """Owns `engine` on a thread of its own. `max_waiting`: most requests queued for columns;
     `request_timeout`: seconds from arrival before a live request is ended (None: never)."""
 
@@ -68,7 +68,6 @@ class EngineWorker:
         self.engine, self.metrics, self.max_waiting = engine, metrics, max_waiting
         self.request_timeout = request_timeout
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._routes: dict[int, Route] = {}  # engine request id -> where its events go
         self._expiry = Deadlines()  # engine request ids by the end of their time (request_timeout)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="batchkv-engine", daemon=True)
@@ -77,7 +76,7 @@ class EngineWorker:
         self._handoff = bool(engine.overlap)  # wait for the loop's writes after each step (see above)
         self._switch = ShortSwitch(SWITCH_INTERVAL_S)  # held from start until the thread ends
         self._ended = False  # the thread is past its last command: `submit` answers for it
-        self._behind: dict[Stream, None] = {}  # streams whose deltas wait for a wake, longest first
+        self._front_init()
 
     # ---- loop side -----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -109,11 +108,10 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def refuse_batch(self, prompts: int) -> None:
-        """APIError(400) for a batch of more prompts than the queue could ever hold (any thread: the
-        HTTP layer asks before it tokenises them; `submit` asks again)."""
-        if prompts > self.max_waiting:
-            raise _batch_error(prompts, self.max_waiting)
+    def compile_constraint(self, constraint) -> None:
+        """Compile a request's constraint for the engine (cached there; any thread, never the loop):
+        APIError(400) naming its field when it cannot be (`structured.compile_constraint`)."""
+        structured.compile_constraint(self.engine, constraint)
 
     def post(self, command: tuple) -> None:
         """Queue a command for the engine thread (any thread; signal-handler safe)."""
@@ -139,32 +137,13 @@ class EngineWorker:
             raise
         return stream
 
-    def _call(self, fn, *args) -> None:
-        assert self._loop is not None
-        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
-            self._loop.call_soon_threadsafe(fn, *args)
-
-    @staticmethod
-    def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(None)
-
-    @staticmethod
-    def _dispatch(deliveries: dict[Stream, list | BaseException], written: threading.Event | None = None) -> None:
-        for stream, items in deliveries.items():
-            stream.queue.put_nowait(items)
-        if written is not None:  # callbacks run in order: the readers woken above write their chunks first
-            asyncio.get_running_loop().call_soon(written.set)
-
     # ---- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
             self._serve()
         except Exception as exc:  # outside a step (`_step` survives a failed one): the thread ends
             log.exception("the engine thread failed; failing %d live requests", len(self._routes))
-            streams = {route.stream for route in self._routes.values()}
-            self._routes.clear()
-            self._call(self._dispatch, dict.fromkeys(streams, exc))
+            self._fail_all(exc)
         finally:
             self._ended = True  # before the queue is emptied (see `submit`)
             while not self._commands.empty():  # this thread is its only reader
@@ -225,22 +204,9 @@ class EngineWorker:
             self._routes[rid].timed_out = True
             self.engine.cancel(rid)
 
-    def _refusal(self, prompts: int) -> APIError | None:
-        """Why a submit of `prompts` engine requests is refused now, or None."""
-        waiting, most = self.engine.num_waiting, self.max_waiting
-        if self._deadline is not None:
-            return APIError(503, "the server is shutting down; retry on another replica", type="server_error")
-        if prompts > most:
-            return _batch_error(prompts, most)
-        if waiting + prompts > most:
-            message = (f"the server is busy: {waiting} requests are waiting for columns and the queue holds {most} "
-                       "(retry later; the server's --max-waiting sets the queue)")  # fmt: skip
-            return APIError(429, message, type="rate_limit_error", code="queue_full")
-        return None
-
     def _submit(self, stream: Stream, requests: list[Request], arrival: float, done: asyncio.Future) -> None:
         engine = self.engine
-        error = self._refusal(len(requests))
+        error = refusal(self._deadline is not None, engine.num_waiting, len(requests), self.max_waiting)
         if error is not None:
             self._call(self._resolve, done, error)
             return
@@ -316,56 +282,6 @@ class EngineWorker:
         elif deliveries:
             self._call(self._dispatch, deliveries)
 
-    def _feed(self, deliveries: dict[Stream, list]) -> dict[Stream, list | BaseException]:
-        """Feed the step's events to the streams' trackers; what goes to the loop: raw events for
-        a stream without a tracker, a wake (an empty list) for the readers woken this step, or the
-        error a feed raised (that stream fails and its requests are cancelled; the others go on).
-
-        Woken this step: every tracker with a first delta or a finish, and of those with streamed
-        deltas waiting, the `WAKES_PER_STEP` that have waited longest (`_behind`, oldest first).
-        The rest keep merging their deltas until their turn: with many streams each chunk carries
-        several tokens, so the loop's work per step stays bounded (a chunk costs the loop about as
-        much whatever its length); with few, every stream gets a chunk every step."""
-        fed: dict[Stream, list | BaseException] = {}
-        behind = self._behind
-        for stream, items in deliveries.items():
-            tracker = stream.tracker
-            if tracker is None:
-                fed[stream] = items
-                continue
-            try:
-                need = tracker.feed(items, lambda prompt, stream=stream: self._cancel(stream, prompt))
-            except Exception as exc:
-                log.exception("a stream's output failed; cancelling its requests")
-                self._cancel(stream, None)
-                behind.pop(stream, None)
-                fed[stream] = exc
-                continue
-            if need == URGENT:
-                behind.pop(stream, None)
-                if tracker.wake():
-                    fed[stream] = []
-            elif need == PENDING and stream not in behind:
-                behind[stream] = None
-        self._wake_behind(fed, WAKES_PER_STEP)
-        return fed
-
-    def _wake_behind(self, fed: dict[Stream, list | BaseException], most: int) -> None:
-        """Wake up to `most` of the longest-waiting trackers (into `fed`)."""
-        behind = self._behind
-        while behind and most > 0:
-            stream = next(iter(behind))
-            del behind[stream]
-            if stream.tracker is not None and stream.tracker.wake():
-                fed[stream] = []
-                most -= 1
-
-    def _flush_behind(self) -> None:
-        fed: dict[Stream, list | BaseException] = {}
-        self._wake_behind(fed, len(self._behind))
-        if fed:
-            self._call(self._dispatch, fed)
-
     def _observe(self) -> None:
         engine = self.engine
         cached = engine.cached_columns
@@ -377,12 +293,6 @@ class EngineWorker:
             captures=engine.runner.captures,
             positions=engine.kv_usage,
         )
-
-
-def _batch_error(prompts: int, most: int) -> APIError:
-    message = (f"the request holds {prompts} prompts; this server queues at most {most} (the server's "
-               "--max-waiting), so it could never be admitted: send fewer prompts per request")  # fmt: skip
-    return APIError(400, message, param="prompt", code="batch_too_large")
 
 
 def _ended_error() -> APIError:

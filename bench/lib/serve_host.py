@@ -5,11 +5,11 @@ fixed token sequence (the prose fixture through the served tokenizer, its tokens
 carry ordinary words and the detokenizer does real work. `--model-ms` sleeps that long in each forward (the GIL
 released, as while a GPU computes). Per configuration (streams x tokens each x model ms): the engine alone
 (`Engine.run_until_done`) and the same requests streamed over HTTP to the server in this process (`build_app` over
-an `EngineWorker`, uvicorn; clients in a subprocess, bench/lib/serve_client.py): output tokens per second of each,
-their ratio, and the CPU time this process spent per token in each (getrusage, every thread), whose difference is
-the server's own cost per token. `feed_us_per_token`: the engine thread's share alone (`EngineWorker._feed`:
-routing a step's events, detokenising, deltas, wakes), without an engine or a loop. `--profile`: py-spy samples
-the server process during the HTTP run (top functions by own time).
+an `EngineWorker`, uvicorn; clients in a subprocess, bench/lib/serve_client.py), then with the engine in a process of
+its own (`ProcessWorker`): output tokens per second of each, their ratio to the engine alone, and the CPU time spent
+per token in each (getrusage, every thread; the engine process's from /proc), whose difference is the server's.
+`feed_us_per_token`: the front half alone (`Front._feed`: routing a step's events, detokenising, deltas, wakes),
+without an engine or a loop. `--profile`: py-spy samples the server process during the HTTP run (its top frames).
 """
 
 from __future__ import annotations
@@ -114,8 +114,16 @@ json.dump([{"sent": r["sent"], "times": r["times"], "incomplete": r["incomplete"
 """
 
 
-def over_http(model, tokenizer, text_ids, streams: int, tokens: int, profile: Path | None) -> dict:
-    """The same requests as streamed completions to a server in this process; clients in a subprocess."""
+def recite_engine(text_ids: list[int], sleep_s: float, streams: int, tokens: int):
+    """`ProcessWorker`'s factory: one torch thread (the other core serves HTTP; a pool of two spins against it)."""
+    torch.set_num_threads(1)
+    engine = _engine(ReciteModel(text_ids, VOCAB, sleep_s), streams, tokens)
+    return engine, engine.cache.capacity
+
+
+def over_http(model, tokenizer, text_ids, streams: int, tokens: int, profile: Path | None, apart=False) -> dict:
+    """The requests streamed to a server here (clients in a subprocess); `apart`: its engine in a process of its own."""
+    import functools
     import socket
 
     import uvicorn
@@ -123,12 +131,19 @@ def over_http(model, tokenizer, text_ids, streams: int, tokens: int, profile: Pa
     from batchkv.serve.app import build_app
     from batchkv.serve.jobs import ModelInfo
     from batchkv.serve.metrics import ServerMetrics
+    from batchkv.serve.process import ProcessWorker
     from batchkv.serve.worker import EngineWorker
 
-    engine = _engine(model, streams, tokens)
     metrics = ServerMetrics(streams)
-    worker = EngineWorker(engine, metrics, max_waiting=100_000)
-    info = ModelInfo("recite", tokenizer, capacity=engine.cache.capacity, vocab_size=len(tokenizer))
+    if apart:
+        factory = functools.partial(recite_engine, text_ids, model.sleep_s, streams, tokens)
+        engine, worker = None, ProcessWorker(factory, max_waiting=100_000, log_level="warning")
+        capacity, worker.metrics, stat = worker.launch(), metrics, Path(f"/proc/{worker.process.pid}/stat")
+        cpu_of = lambda: _cpu() + sum(map(int, stat.read_text().rpartition(")")[2].split()[11:13])) / 100  # noqa: E731
+    else:
+        engine = _engine(model, streams, tokens)
+        worker, capacity, cpu_of = EngineWorker(engine, metrics, max_waiting=100_000), engine.cache.capacity, _cpu
+    info = ModelInfo("recite", tokenizer, capacity=capacity, vocab_size=len(tokenizer))
     app = build_app(worker, info, metrics)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -148,11 +163,11 @@ def over_http(model, tokenizer, text_ids, streams: int, tokens: int, profile: Pa
             spy = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--format", "raw", "--rate", "200",
                                     "--output", str(profile), "--nonblocking", "--threads", "--gil"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        cpu = _cpu()
+        cpu = cpu_of()
         try:
             out = subprocess.run([sys.executable, "-c", CLIENT, str(port)], input=json.dumps(bodies), env=env,
                                  capture_output=True, text=True, check=True, timeout=900)  # fmt: skip
-            result["cpu_s"] = _cpu() - cpu  # from the first request to the last answer read
+            result["cpu_s"] = cpu_of() - cpu  # from the first request to the last answer read
             result["records"] = json.loads(out.stdout)
         finally:
             if spy is not None:
@@ -164,7 +179,7 @@ def over_http(model, tokenizer, text_ids, streams: int, tokens: int, profile: Pa
     thread.start()
     server.run()
     thread.join()
-    engine.close()
+    getattr(engine, "close", lambda: None)()  # the engine process ended with the server
     records = result["records"]
     t0 = min(r["sent"] for r in records)
     end = max(r["times"][-1] for r in records if r["times"])
@@ -232,8 +247,10 @@ def run(configs: list[tuple[int, int, float]], profile_dir: Path | None, gguf: P
         alone = in_process(model, text_ids, streams, tokens)
         raw = profile_dir / f"serve-{streams}x{tokens}-{model_ms:g}ms.txt" if profile_dir is not None else None
         http = over_http(model, tokenizer, text_ids, streams, tokens, raw)
+        apart = over_http(model, tokenizer, text_ids, streams, tokens, None, apart=True)
         cell = {"streams": streams, "tokens_each": tokens, "model_ms": model_ms, "in_process": alone, "http": http,
-                "http_over_in_process": http["tokens_per_s"] / alone["tokens_per_s"],
+                "http_over_in_process": http["tokens_per_s"] / alone["tokens_per_s"], "http_engine_process": apart,
+                "http_engine_process_over_in_process": apart["tokens_per_s"] / alone["tokens_per_s"],
                 "server_cpu_us_per_token": http["cpu_us_per_token"] - alone["cpu_us_per_token"],
                 "feed_us_per_token": feed_cost(tokenizer, text_ids, streams, tokens)}  # fmt: skip
         if raw is not None and raw.exists():
@@ -243,6 +260,7 @@ def run(configs: list[tuple[int, int, float]], profile_dir: Path | None, gguf: P
               f"{alone['tokens_per_s']:.0f} tok/s, HTTP {http['tokens_per_s']:.0f} tok/s "
               f"({cell['http_over_in_process']:.2f}x); CPU per token {alone['cpu_us_per_token']:.1f} us alone, "
               f"{http['cpu_us_per_token']:.1f} us served ({cell['feed_us_per_token']:.1f} of it feeding the trackers), "
-              f"{http['tokens_per_chunk']:.2f} tokens a chunk",
+              f"{http['tokens_per_chunk']:.2f} tokens a chunk; engine process: HTTP {apart['tokens_per_s']:.0f} tok/s "
+              f"({cell['http_engine_process_over_in_process']:.2f}x), {apart['cpu_us_per_token']:.1f} us CPU a token",
               flush=True)  # fmt: skip
     return cells
