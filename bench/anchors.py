@@ -1,5 +1,5 @@
-"""TensorRT-LLM's published Llama-3.1-8B H200 workloads (`PUBLISHED`, `SOURCE`: trtllm-bench, FP8, fixed
-lengths) served on the same shape (transformers `LlamaConfig`, random bf16 weights) through `HFModel`: all
+"""TensorRT-LLM's published Llama-3.1-8B H200 workloads (`PUBLISHED`: tok/s, requests; `SOURCE`: trtllm-bench,
+FP8, fixed lengths) served on the same shape (transformers `LlamaConfig`, random bf16 weights) through `HFModel`: all
 requests at once, EOS ignored, greedy, `max_seqs="auto"`, graphs, overlap; bf16, fp8 (e4m3 projections,
 per-token activations), fp8 + e4m3 K/V, one engine each, warmed once. Each run records output tokens/s, the
 steady rate while requests waited and the workload's own limit (`workload_limit` at this run's rates).
@@ -32,10 +32,8 @@ SOURCE = (
     "TensorRT-LLM docs/source/performance/perf-overview.md, Llama 3.1 8B FP8, one H200 (trtllm-bench throughput, "
     "output tokens/s)"
 )
-# workload: (output tokens/s, requests)
 PUBLISHED = {"128/128": (27911, 30000), "1000/1000": (17744, 3000), "2048/2048": (12194, 1500),
              "5000/500": (3902, 1500)}  # fmt: skip
-CONFIGS = ("bf16", "fp8", "fp8_e4m3")
 KINDS = {"matmul": ("gemm", "gemv", "nvjet", "cutlass", "xmma"), "attention_split": ("split_kernel",),
          "attention_long": ("long_kernel",), "attention_other": ("attn", "merge", "sdpa"), "silu_mul": ("silu",),
          "quantise": ("quant", "amax"), "norm_rope": ("norm", "rope"), "kv_write": ("write", "scatter")}  # fmt: skip
@@ -110,7 +108,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--small", action="store_true", help="a tiny Llama and workloads: a smoke run")
     ap.add_argument("--budget-s", type=float, default=500.0, help="wall-clock budget; parts past it are skipped")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma list of bf16, fp8, fp8_e4m3 (run in order)")
+    ap.add_argument("--configs", default="bf16,fp8,fp8_e4m3", help="comma list of bf16, fp8, fp8_e4m3 (in order)")
     ap.add_argument("--workloads", default=",".join(PUBLISHED), help="comma list of ISL/OSL")
     ap.add_argument("--requests", default="fp8_e4m3=30000:3000:1500:1500,fp8=10000:1000:500:500,bf16=10000:1000:500:"
                     "500", help="per configuration, each workload's requests in --workloads order (default: the "

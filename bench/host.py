@@ -1,37 +1,24 @@
 """The engine's host time per step with a model that costs nothing, phase by phase.
 
-The public `Engine` (eager, on the CPU unless --device says otherwise) drives a no-op `StepModel`:
-its forward returns zeros of the logits' shape and never touches the cache, so what a step costs is
-the engine's own Python and the small tensor work around the forward. N requests (short prompts,
-long outputs, no stop ids) are admitted and prefilled; then the steady decode steps, where every
-step decodes min(N, MAX_SAMPLE_ROWS) rows, are timed. Each phase is timed by wrapping the call the
-engine already makes (nothing inside the library is instrumented):
+The public `Engine` (eager, on the CPU unless --device says otherwise) drives a no-op `StepModel` (zeros of
+the logits' shape, the cache untouched), so a step costs the engine's Python and the small tensor work around
+the forward. N requests (short prompts, long outputs, no stop ids) are admitted and prefilled, then the steady
+decode steps (min(N, MAX_SAMPLE_ROWS) rows each) are timed, each phase by wrapping the call the engine
+already makes (nothing inside the library is instrumented): plan (Scheduler.admit + plan),
+declare / prepare / begin (BatchedSequenceCache.declare_step / prepare_step / begin_step: the two
+halves, or the one verb), stage (ModelRunner._stage: inputs staged and uploaded), sample
+(ModelRunner._device_step: the no-op forward and sampling), commit (commit_step), launched
+(Scheduler.launched), read (SampledTokens.read), complete (Scheduler.complete: tokens recorded,
+finishes, events built), events (Metrics.observe_finish + Scheduler.take_cancelled), other (the rest).
 
-    plan      Scheduler.admit + Scheduler.plan
-    declare   BatchedSequenceCache.declare_step  (an engine that begins steps in one verb: 0)
-    prepare   BatchedSequenceCache.prepare_step  (likewise)
-    begin     BatchedSequenceCache.begin_step (declare and prepare in one verb; 0 on older trees)
-    stage     ModelRunner._stage (the step's inputs into the staging buffers and their upload)
-    sample    ModelRunner._device_step (the no-op forward and sampling)
-    commit    BatchedSequenceCache.commit_step
-    launched  Scheduler.launched
-    read      SampledTokens.read (the tokens to Python lists)
-    complete  Scheduler.complete (tokens recorded, finishes, the events built)
-    events    Metrics.observe_finish + Scheduler.take_cancelled (the consumer's bookkeeping)
-    other     the rest of Engine.step()
-
-Reported per configuration (rows x prefix cache x overlap): the median over steady steps of each
-phase and of the whole step, then the median of those over --repeats independent runs (the machine
-may be shared: the load average is recorded before and after).
+Per configuration (rows x prefix cache x overlap): the median over steady steps of each phase and of the
+step, then the median over --repeats independent runs (the load average is recorded before and after).
 
     python3 bench/host.py --out bench/results/host-cpu.json     # 64, 256, 1,024 sequences
     python3 bench/host.py --smoke --out /tmp/host.json          # seconds; what CI runs
 
-`--serve` measures the server's share instead (bench/lib/serve_host.py): output tokens per second of
-the engine alone and of the same requests streamed over HTTP by `batchkv serve`'s app, with a no-op
-model that recites a text through SmolLM2's tokenizer, per (streams, tokens each, model ms):
-
-    python3 bench/host.py --serve --out bench/results/serve-host-cpu.json [--profile DIR]
+`--serve [--profile DIR]`: the server's share instead (bench/lib/serve_host.py): output tok/s of the engine
+alone and over HTTP, a no-op model reciting a text through SmolLM2's tokenizer, per (streams, tokens, model ms).
 """
 
 from __future__ import annotations

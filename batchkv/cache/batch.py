@@ -29,14 +29,7 @@ from batchkv.cache.step import Declaration, Placement, StepBuffers
 from batchkv.cache.store import SCRATCH, Allocator, ColumnStore
 from batchkv.cache.views import CacheViews
 from batchkv.checks import allocating, device_arg, int_arg, is_int
-from batchkv.errors import (
-    CapacityError,
-    ConfigError,
-    NoFreeColumnError,
-    PositionError,
-    RingFloorError,
-    StepError,
-)
+from batchkv.errors import CapacityError, ConfigError, NoFreeColumnError, PositionError, RingFloorError, StepError
 from batchkv.ops.support import refusal
 
 
@@ -361,17 +354,9 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
         self._drop_declaration()
 
     # ---- device work (capturable) -------------------------------------------------------------
-    def update_and_attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        scale: float | None = None,
-        causal: bool = True,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def update_and_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          scale: float | None = None, causal: bool = True, softcap: float | None = None,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Write this step's K/V for `layer`, then attend over each sequence's history.
 
         q: [W, Hq, D] (the output's dtype), Hq a multiple of Hkv; k, v: [W, Hkv, D] (cast to the

@@ -26,10 +26,10 @@ from batchkv.errors import ConfigError
 from batchkv.executor import sizing
 from batchkv.executor.graphs import GraphSet
 from batchkv.executor.metrics import Metrics
-from batchkv.executor.request import MAX_SAMPLE_ROWS
+from batchkv.executor.request import MAX_SAMPLE_ROWS, StepModel
 from batchkv.executor.roles import Role
 from batchkv.executor.rows import HEAD_CHUNK, chunkable
-from batchkv.executor.runner import ModelRunner, StepModel
+from batchkv.executor.runner import ModelRunner
 from batchkv.executor.scheduler import Scheduler
 from batchkv.executor.speculative import NoSpeculation, SpeculativeConfig, Speculator, build_speculator
 from batchkv.executor.speculative.config import MAX_SPECULATIVE_ROWS

@@ -27,9 +27,8 @@ from batchkv.executor.constraints import Grammars
 from batchkv.executor.launch import start, stops_ranks_on_failure
 from batchkv.executor.metrics import Metrics
 from batchkv.executor.pipeline import InFlight, Pipeline
-from batchkv.executor.request import Event, Request, SamplingParams, fit_problem
+from batchkv.executor.request import Event, Request, SamplingParams, StepModel, fit_problem
 from batchkv.executor.roles import Role
-from batchkv.executor.runner import StepModel
 from batchkv.executor.scheduler import RequestState
 from batchkv.executor.sizing import DEFAULT_STEP_TOKENS
 from batchkv.executor.speculative import NoSpeculation, SpeculativeConfig

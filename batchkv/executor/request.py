@@ -11,10 +11,16 @@ from collections import namedtuple
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from itertools import repeat
+from typing import TYPE_CHECKING, Protocol
 
 from batchkv.cache.config import MAX_POSITIONS
 from batchkv.checks import int_arg, int_args, real_arg
 from batchkv.errors import RequestError
+
+if TYPE_CHECKING:
+    import torch
+
+    from batchkv.cache import BatchedSequenceCache
 
 FINISH_REASONS = ("stop", "length", "capacity", "cancelled", "grammar")
 # Most sampling rows of one step (sequences that decode together; a request's n samples all sample
@@ -361,3 +367,17 @@ def fit_problem(request: Request, cache, vocab_size: int, max_step_tokens: int, 
             "no logits); drop them, or serve this request from an engine without speculative="
         )
     return None
+
+
+class StepModel(Protocol):
+    """What the engine drives (see `batchkv.models`): a forward over one packed step and the
+    geometry its cache needs. An `nn.Module` or a wrapper holding modules (e.g. `HFModel`)."""
+
+    vocab_size: int
+    device: torch.device
+
+    def cache_spec(self) -> dict: ...
+
+    def __call__(
+        self, input_ids: torch.Tensor, indexes: torch.Tensor, cache: BatchedSequenceCache, logits_rows: torch.Tensor
+    ) -> torch.Tensor: ...

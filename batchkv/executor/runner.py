@@ -39,7 +39,6 @@ alike). Up to 256 rows, or with another model, the unchunked path above runs unc
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import torch
 
@@ -50,33 +49,11 @@ from batchkv.executor.constraints import Grammars, MaskRows, constrained
 from batchkv.executor.graphs import AdapterGuard, GraphSet, ModelFingerprint
 from batchkv.executor.logprobs import LogprobPlan, LogprobSlots, StepLogprobs
 from batchkv.executor.pipeline import SampledTokens
-from batchkv.executor.request import MAX_SAMPLE_ROWS
+from batchkv.executor.request import MAX_SAMPLE_ROWS, StepModel
 from batchkv.executor.roles import LOCAL, Role
-from batchkv.executor.rows import (
-    HEAD_CHUNK,
-    Adjust,
-    adjuster,
-    any_adjusts,
-    chunkable,
-    head_chunks,
-    stage_sampling,
-)
+from batchkv.executor.rows import HEAD_CHUNK, Adjust, adjuster, any_adjusts, chunkable, head_chunks, stage_sampling
 from batchkv.executor.sampling import greedy_tokens, sample_tokens
 from batchkv.executor.scheduler import StepPlan
-
-
-class StepModel(Protocol):
-    """What the engine drives (see `batchkv.models`): a forward over one packed step and the
-    geometry its cache needs. An `nn.Module` or a wrapper holding modules (e.g. `HFModel`)."""
-
-    vocab_size: int
-    device: torch.device
-
-    def cache_spec(self) -> dict: ...
-
-    def __call__(
-        self, input_ids: torch.Tensor, indexes: torch.Tensor, cache: BatchedSequenceCache, logits_rows: torch.Tensor
-    ) -> torch.Tensor: ...
 
 
 class ModelRunner:

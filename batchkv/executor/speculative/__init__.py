@@ -26,8 +26,8 @@ from batchkv.executor.speculative.verify import VerifyRunner
 
 if TYPE_CHECKING:
     from batchkv.executor.metrics import Metrics
+    from batchkv.executor.request import StepModel
     from batchkv.executor.roles import Role
-    from batchkv.executor.runner import StepModel
 
 
 def build_speculator(

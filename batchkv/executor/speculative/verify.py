@@ -34,8 +34,9 @@ from batchkv.errors import StepError
 from batchkv.executor.constraints import MaskRows, allowed, constrained
 from batchkv.executor.graphs import GraphSet
 from batchkv.executor.penalties import Penalties, stage_verify_penalties
+from batchkv.executor.request import StepModel
 from batchkv.executor.roles import LOCAL, Role
-from batchkv.executor.runner import ModelRunner, StepModel
+from batchkv.executor.runner import ModelRunner
 from batchkv.executor.sampling import uniform
 from batchkv.executor.scheduler import StepPlan
 from batchkv.executor.speculative.acceptance import combine, greedy_rows, sampled_rows
