@@ -37,7 +37,9 @@ def test_the_engine_takes_the_measured_serving_defaults_within_its_capacity():
 @pytest.mark.parametrize("command", ["run", "serve"])
 def test_run_and_serve_default_to_the_engines_step_budget_and_chunk(command):
     args = _parser(command).parse_args(["--model", "sensenova-u1-tiny"])
-    assert args.max_step_tokens == DEFAULT_STEP_TOKENS
+    assert args.max_step_tokens == "auto"  # the Engine's default budget for an 8B model and on the CPU
+    engine = Engine(ToyModel(seed=0), max_step_tokens=args.max_step_tokens)
+    assert engine.scheduler.max_step_tokens == DEFAULT_STEP_TOKENS
     assert args.prefill_chunk is None  # the Engine's default, within capacity and step budget
 
 

@@ -103,7 +103,8 @@ READ_ONLY = {"pos", "can_admit", "fits", "reach", "ring_floor", "column", "plane
              "_restage", "_resize", "_read_prefix", "_load_prefix",
              "_hold", "_drop_declaration",  # called only by mirrored verbs (seq_new, seq_clone; seq_rm, declare,
              # commit)
-             "_checked", "_declare", "_stage",  # called only by mirrored verbs (begin_step, declare_step, prepare_step)
+             "_checked", "_decl", "_declare", "_stage",  # called only by mirrored verbs (begin_step, declare_step,
+             # prepare_step)
              "_holds", "static_bytes"}  # fmt: skip
 
 
