@@ -219,3 +219,26 @@ def test_a_norm_shared_between_layers_gets_no_reader_and_changes_nothing(monkeyp
             "post_attention_layernorm")] == [False, True, False, True]  # fmt: skip
     monkeypatch.setattr(hf_norms, "QUANT", True)
     assert torch.equal(step_logits(model), want)
+
+
+def _in_place(_module, args, out=None) -> None:
+    (args[0] if out is None else out).mul_(3.0)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("where", ["norm forward hook", "mlp pre-hook"])
+def test_a_hook_that_changes_a_norms_output_in_place_is_seen_by_its_fp8_reader(mode, where, monkeypatch):
+    """Inference tensors keep no version counter: there the norm's codes are never handed over."""
+    hf = build(_arch("llama")).to(torch.bfloat16)
+    quantize_decoder(hf)
+    reference, model = HFModel(copy.deepcopy(hf), fuse=False), HFModel(hf)
+    monkeypatch.setattr(hf_norms, "QUANT", True)
+    for m in (reference, model):
+        layer = m.hf.model.layers[0]
+        if where == "mlp pre-hook":
+            layer.mlp.register_forward_pre_hook(_in_place)
+        else:
+            layer.input_layernorm.register_forward_hook(_in_place)
+    with torch.inference_mode() if mode == "inference_mode" else torch.no_grad():
+        want, got = step_logits(reference), step_logits(model)
+    assert torch.equal(got, want)

@@ -108,7 +108,9 @@ class FusedProjection(nn.Module):
     def claim(self, x: torch.Tensor) -> Fp8Rows | None:
         """The codes given for x (`give`) if this layer is an FP8 layer, else None; drops what was given."""
         given, self._given = self._given, None
-        if given is None or given[0] is not x or given[1] != tensor_version(x) or not isinstance(self.layer, Fp8Linear):
+        if given is None or given[0] is not x or given[1] is None or given[1] != tensor_version(x):
+            return None
+        if not isinstance(self.layer, Fp8Linear):
             return None
         return given[2]
 
@@ -210,10 +212,11 @@ def _silu_gated(mlp: nn.Module) -> bool:
     return re.sub(r"\s+", "", head) == "defforward(self,x" and re.sub(r"\s+", "", body) == _GATED_MLP_BODY
 
 
-def tensor_version(x: torch.Tensor) -> int:
-    """x's in-place version counter; -1 for an inference tensor (which keeps none: under inference mode
-    only the source rules of `batchkv.models.hf_layers` say that nothing changes x in place)."""
-    return -1 if x.is_inference() else x._version
+def tensor_version(x: torch.Tensor) -> int | None:
+    """x's in-place version counter; None for an inference tensor, which keeps none: a hand-over of x
+    (`FusedProjection.give`, `FusedRMSNorm.add_ahead`) is then never taken, since a hook could have
+    changed x in place unseen (the engine runs under no_grad, where the counter exists)."""
+    return None if x.is_inference() else x._version
 
 
 def _hooked(module: nn.Module) -> bool:

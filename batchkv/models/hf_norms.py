@@ -192,12 +192,13 @@ class FusedRMSNorm(nn.Module):
         self.replaces = replaces
         setattr(self, form.eps_attr, eps)
         object.__setattr__(self, "reader", None)  # a FusedProjection, not a submodule: its parent holds it
-        self._ahead: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (sum, its version, its norm)
+        self._ahead: tuple[torch.Tensor, int | None, torch.Tensor] | None = None  # (sum, its version, its norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The replaced module's output for x [..., n]: one kernel on CUDA, its own ops elsewhere."""
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] is x and ahead[1] == tensor_version(x) and not self._forward_pre_hooks:
+        fresh = ahead is not None and ahead[0] is x and ahead[1] is not None and ahead[1] == tensor_version(x)
+        if fresh and not self._forward_pre_hooks:
             return ahead[2]
         return self._normed(x, None)[1]
 
