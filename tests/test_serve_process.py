@@ -10,8 +10,10 @@ import asyncio
 import functools
 import json
 import os
+import queue
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,7 +23,7 @@ import pytest
 from batchkv.errors import CapacityError, EngineProcessError
 from batchkv.executor import Event, Request, SamplingParams
 from batchkv.executor.request import Logprobs
-from batchkv.serve.core import decode_events, encode_events
+from batchkv.serve.core import EngineCore, decode_events, encode_events
 from batchkv.serve.metrics import ServerMetrics
 from batchkv.serve.process import ProcessWorker
 from batchkv.serve.protocol import APIError
@@ -97,6 +99,10 @@ def refusing() -> tuple:
 
 def exiting() -> tuple:
     os._exit(3)
+
+
+def unpicklable() -> tuple:
+    return CountingEngine(), (lambda: 0)  # a startup answer that cannot cross the pipe
 
 
 def request(tokens: int, n: int = 1) -> list[Request]:
@@ -211,6 +217,45 @@ def test_a_startup_error_in_the_engine_process_is_raised_with_its_type_and_the_p
     dying = ProcessWorker(exiting, max_waiting=8)
     with pytest.raises(EngineProcessError, match="status 3"):
         dying.launch()
+    odd = ProcessWorker(unpicklable, max_waiting=8)
+    with pytest.raises(EngineProcessError, match="does not pickle"):
+        odd.launch()
+    odd.process.join(10)
+    assert not odd.process.is_alive()
+
+
+def test_an_idle_engine_core_past_its_drain_deadline_waits_for_commands_instead_of_spinning():
+    commands: queue.SimpleQueue = queue.SimpleQueue()
+    sent: list = []
+
+    def receive(timeout: float | None):
+        try:
+            return commands.get(timeout=timeout) if timeout is None or timeout > 0 else commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    core = EngineCore(CountingEngine(), sent.append, max_waiting=8)
+    commands.put(("drain", 0.0))
+    thread = threading.Thread(target=core.serve, args=(receive, lambda: not commands.empty()), daemon=True)
+    thread.start()
+    time.sleep(0.3)
+    commands.put(("stop",))
+    thread.join(5)
+    assert not thread.is_alive()
+    assert sum(message[0] == "i" for message in sent) < 10  # it spun: tens of thousands in 0.3 s
+
+
+def test_a_request_past_its_time_in_the_engine_process_finishes_with_timeout():
+    async def main() -> list:
+        worker = await launched(functools.partial(counting, 0.01), request_timeout=0.2)
+        try:
+            stream = await asyncio.wait_for(worker.submit(request(10_000), time.perf_counter()), 30)
+            out = await asyncio.wait_for(events_of(stream), 30)
+            return [event.finish_reason for _, event in out if event.finish_reason]
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    assert asyncio.run(main()) == ["timeout"]
 
 
 # ---- `batchkv serve --engine-process on` -----------------------------------------------------

@@ -125,7 +125,10 @@ class EngineCore:
             self._compiler.shutdown(wait=False, cancel_futures=True)
 
     def _wait(self) -> float | None:
-        return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)
+        """How long an idle core waits for a command: until the drain deadline, then (its cancels made)
+        for good: an idle core past its deadline blocks instead of spinning on idle messages."""
+        left = None if self._deadline is None else self._deadline - time.monotonic()
+        return left if left is not None and left > 0 else None
 
     def _drain(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds

@@ -97,6 +97,13 @@ class ProcessWorker(Front):
                         "(the log above has the detail)"
                     ),
                 )
+            except Exception as exc:  # an answer this process cannot unpickle (a class only the child imports)
+                kind, value = (
+                    "unreadable",
+                    EngineProcessError(
+                        f"the engine process's startup answer could not be read here: {type(exc).__name__}: {exc}"
+                    ),
+                )
         except BaseException:
             self._end_process()
             raise
@@ -331,7 +338,13 @@ def _child(factory: Callable[[], tuple[Any, Any]], conn: Any, settings: dict) ->
         conn.send(("error", _portable(exc)))
         raise SystemExit(1) from None
     try:
-        conn.send(("ready", payload))
+        conn.send(("ready", payload))  # pickled whole before a byte is written
+    except Exception as exc:  # a payload that does not pickle: a startup error like any other
+        conn.send(("error", EngineProcessError(f"the engine's startup answer does not pickle: {type(exc).__name__}: "
+                                               f"{exc}")))  # fmt: skip
+        engine.close()
+        raise SystemExit(1) from None
+    try:
         core = EngineCore(engine, Sender(conn), max_waiting=settings["max_waiting"],
                           request_timeout=settings["request_timeout"])  # fmt: skip
 
