@@ -23,7 +23,7 @@ import pytest
 from batchkv.errors import CapacityError, EngineProcessError
 from batchkv.executor import Event, Request, SamplingParams
 from batchkv.executor.request import Logprobs
-from batchkv.serve.core import EngineCore, decode_events, encode_events
+from batchkv.serve.core import EngineCore, decode_events, encode_events, gauges
 from batchkv.serve.metrics import ServerMetrics
 from batchkv.serve.process import ProcessWorker
 from batchkv.serve.protocol import APIError
@@ -372,3 +372,26 @@ def test_a_startup_error_in_the_engine_process_is_the_clis_one_line_and_exit_sta
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr  # refused in the engine process
     assert "ConfigError: --capacity 100000 is beyond the model's max_position_embeddings" in done.stderr
+
+
+def test_tokens_of_step_messages_fed_together_each_count_their_inter_token_gap():
+    """A reader that fell behind feeds several steps at once; each step is routed at its own time."""
+    from batchkv.serve.stream import Route, Stream
+
+    def gaps(metrics: ServerMetrics) -> float:
+        return sum(s.value for m in metrics.itl.collect() for s in m.samples if s.name.endswith("_count"))
+
+    worker = ProcessWorker(counting, max_waiting=8)
+    loop = asyncio.new_event_loop()
+    try:
+        worker.metrics, worker._loop = ServerMetrics(4), loop
+        worker._routes[1] = Route(Stream(None), 0, 1, 0.0)
+        state = gauges(CountingEngine())
+        step = [["s", state, [], encode_events([Event(1, 7)]), 10.0 + 0.02 * i] for i in range(3)]
+        worker._on_steps(step[:1])
+        worker._on_steps(step[1:])  # two steps fed as one: two more gaps, 20 ms each
+        assert gaps(worker.metrics) == 2
+    finally:
+        loop.close()
+        worker._conn.close()
+        worker._child_conn.close()

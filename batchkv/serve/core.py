@@ -11,7 +11,8 @@ trackers, wakes, metrics) runs in the API process (`front.Front`).
 
 Messages, engine -> API (msgpack through msgspec, one `send_bytes` each; the first item names it):
 - `["a", key, ids | None, error | None, gauges]`: a submit's answer (the engine's ids, or why not);
-- `["s", gauges, cached, events]`: a step (`events` msgpack of the engine's `Event`s, `encode_events`);
+- `["s", gauges, cached, events, t]`: a step (`events` msgpack of the engine's `Event`s, `encode_events`;
+  `t` its end on this process's `perf_counter`, which spaces the steps an API reader feeds together);
 - `["d", ids]`: requests cancelled by a command (their events go nowhere);
 - `["x", ids]`: requests past their time, cancelled (their "cancelled" events mean "timeout");
 - `["f"]`: a step failed; every live request was cancelled;
@@ -227,7 +228,7 @@ class EngineCore:
                 self._left[event.request_id] -= 1
                 if self._left[event.request_id] == 0:
                     self._forget(event.request_id)
-        self.send(["s", gauges(engine), cached, encode_events(events)])
+        self.send(["s", gauges(engine), cached, encode_events(events), time.perf_counter()])
 
     def _cached(self, events: list[Event]) -> list[list[int]]:
         """[id, tokens] for the requests of `events` whose reused prompt tokens are now known."""

@@ -286,20 +286,26 @@ class ProcessWorker(Front):
         self._call(self._resolve, done, None)
 
     def _on_steps(self, steps: list[list]) -> None:
-        """Steps' messages (`["s", gauges, cached, events]`, in order) fed as one step."""
+        """Steps' messages (`["s", gauges, cached, events, t]`, in order) fed as one step: each step's
+        events routed at its own time (now, less how much earlier the engine ended it than the last),
+        so that a request's tokens of merged steps each count their inter-token gap."""
         metrics = self.metrics
         observe(metrics, steps[-1][1])  # before the tokens go out: a client that saw them sees this state
-        events: list = []
+        now, last = time.perf_counter(), steps[-1][4]
+        deliveries: dict[Stream, list] = {}
         for step in steps:
             for rid, tokens in step[2]:
                 route = self._routes.get(rid)
                 if route is not None:
                     route.stream.cached[route.prompt_index] = tokens
                     metrics.cached.inc(tokens)
-            events += decode_events(step[3])
-        deliveries = self._feed(route_events(self._routes, events, metrics, time.perf_counter()))
-        if deliveries:
-            self._call(self._dispatch, deliveries)
+            for stream, items in route_events(
+                self._routes, decode_events(step[3]), metrics, now - (last - step[4])
+            ).items():
+                deliveries.setdefault(stream, []).extend(items)
+        fed = self._feed(deliveries)
+        if fed:
+            self._call(self._dispatch, fed)
 
     def _on_d(self, ids: list[int]) -> None:
         for rid in ids:
