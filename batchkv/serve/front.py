@@ -31,6 +31,8 @@ class Front:
 
     max_waiting: int
     _loop: asyncio.AbstractEventLoop | None
+    _ended: bool  # the engine half is past its last command: submits get `_ended_error`
+    ENGINE = "the engine"  # what `_ended_error` says has stopped: the engine thread, or its process
 
     def _front_init(self) -> None:
         self._routes: dict[int, Route] = {}  # engine request id -> where its events go
@@ -44,6 +46,22 @@ class Front:
         HTTP layer asks before it tokenises them; the engine half asks again)."""
         if prompts > self.max_waiting:
             raise batch_error(prompts, self.max_waiting)
+
+    def _ended_error(self) -> APIError:
+        return APIError(503, f"{self.ENGINE} has stopped", type="server_error")
+
+    async def _answered(self, stream: Stream, done: asyncio.Future) -> Stream:
+        """`stream` once its posted submit is answered (`done`; 503 now if the engine half ended
+        before it could take it); a wait cancelled meanwhile cancels the stream, after the submit
+        (commands are FIFO)."""
+        if self._ended:  # set before the engine half answered what was waiting: this one may be missed
+            self._resolve(done, self._ended_error())
+        try:
+            await done
+        except asyncio.CancelledError:
+            stream.cancel()
+            raise
+        return stream
 
     def _call(self, fn, *args) -> None:
         assert self._loop is not None

@@ -39,7 +39,6 @@ from batchkv.executor import Request
 from batchkv.serve.core import EngineCore, Sender, api_error, decode_events, observe
 from batchkv.serve.front import Front
 from batchkv.serve.outputs import Tracker
-from batchkv.serve.protocol import APIError
 from batchkv.serve.stream import Route, Stream, route_events
 
 log = logging.getLogger("batchkv.serve")
@@ -47,14 +46,11 @@ MERGE_STEPS = 8  # most step messages the reader feeds as one when it finds them
 STOP_WAIT_S = 10.0  # stop(): seconds the engine process gets to end before it is terminated
 
 
-def _ended_error() -> APIError:
-    return APIError(503, "the engine process has stopped", type="server_error")
-
-
 class ProcessWorker(Front):
     """The engine of `factory()` in a spawned process. `launch()` starts it and returns the payload;
     set `metrics` (a `ServerMetrics`) before `start`."""
 
+    ENGINE = "the engine process"
     feeds_trackers = True  # the reader thread feeds the trackers (the app asks)
 
     def __init__(self, factory: Callable[[], tuple[Any, Any]], *, max_waiting: int,
@@ -165,14 +161,7 @@ class ProcessWorker(Front):
         with self._lock:
             self._pending[stream.key] = (stream, done, requests, arrival)
         self.post(("submit", stream.key, requests, arrival))
-        if self._ended:  # the reader may have answered the pending before this one was added
-            self._resolve(done, _ended_error())
-        try:
-            await done
-        except asyncio.CancelledError:
-            stream.cancel()  # runs after the submit: the pipe is FIFO
-            raise
-        return stream
+        return await self._answered(stream, done)
 
     def compile_constraint(self, constraint: Any) -> None:
         """Compile a constraint where the engine runs (a thread of the engine process; its steps go
@@ -184,7 +173,7 @@ class ProcessWorker(Front):
         self.post(("compile", token, constraint))
         while not slot[0].wait(0.5):  # bounded by the engine process: it answers or the reader ends
             if self._ended:
-                raise _ended_error()
+                raise self._ended_error()
         if slot[1] is not None:
             raise api_error(slot[1])
 
@@ -264,7 +253,7 @@ class ProcessWorker(Front):
             pending, self._pending = self._pending, {}
             compiles, self._compiles = self._compiles, {}
         for _, done, _, _ in pending.values():
-            self._call(self._resolve, done, _ended_error())
+            self._call(self._resolve, done, self._ended_error())
         for slot in compiles.values():
             slot[1] = [503, "the engine process has stopped", "server_error", None, None]
             slot[0].set()

@@ -62,6 +62,8 @@ class EngineWorker(Front):
     """Owns `engine` on a thread of its own. `max_waiting`: most requests queued for columns;
     `request_timeout`: seconds from arrival before a live request is ended (None: never)."""
 
+    ENGINE = "the engine thread"
+
     def __init__(
         self, engine: Engine, metrics: ServerMetrics, *, max_waiting: int, request_timeout: float | None = None
     ) -> None:
@@ -128,14 +130,7 @@ class EngineWorker(Front):
         stream, done = Stream(self), loop.create_future()
         stream.tracker = tracker
         self.post(("submit", stream, list(requests), arrival, done))
-        if self._ended:  # set before the thread empties its queue: this submit may have missed that
-            self._resolve(done, _ended_error())
-        try:
-            await done
-        except asyncio.CancelledError:
-            stream.cancel()  # runs after the submit: the queue is FIFO
-            raise
-        return stream
+        return await self._answered(stream, done)
 
     # ---- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -154,7 +149,7 @@ class EngineWorker(Front):
         """Answer the submits among commands the thread will not apply: 503."""
         for command in commands:
             if command[0] == "submit":
-                self._call(self._resolve, command[-1], _ended_error())
+                self._call(self._resolve, command[-1], self._ended_error())
 
     def _serve(self) -> None:
         engine = self.engine
@@ -293,7 +288,3 @@ class EngineWorker(Front):
             captures=engine.runner.captures,
             positions=engine.kv_usage,
         )
-
-
-def _ended_error() -> APIError:
-    return APIError(503, "the engine thread has stopped", type="server_error")
