@@ -115,6 +115,46 @@ def test_1024_sequences_sample_in_one_step_with_the_tokens_they_get_in_smaller_g
         ] * 4
 
 
+class CountingHead(WholeHead):
+    """The toy model with its trunk and head (chunkable), recording the rows of every head call."""
+
+    def __init__(self, model: ToyModel) -> None:
+        super().__init__(model)
+        self.head_rows: list[int] = []
+
+    def hidden_states(self, input_ids, indexes, cache, logits_rows):
+        return self.model.hidden_states(input_ids, indexes, cache, logits_rows)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        self.head_rows.append(h.shape[0])
+        return self.model.head(h)
+
+
+def test_a_padded_chunked_step_makes_logits_for_its_real_rows_only(toy):
+    # Graph steps pad their rows to min(width, max_seqs); past 256 the head runs eagerly in chunks, and
+    # a prefill step of few real rows at a wide width made every padded row's logits before (1,024
+    # rows of float32 logits for a handful of finishing prompts)
+    rng = random.Random(3)
+    requests = [Request([rng.randrange(97) for _ in range(40)], SamplingParams(max_new_tokens=2)) for _ in range(24)]
+    opts = {"max_seqs": 600, "capacity": 48, "max_step_tokens": 1024, "prefill_chunk": 40, "prefix_cache": False}
+    model = CountingHead(toy)
+    padded = Engine(model, **opts)
+    padded.runner.pad_rows = True  # as on CUDA, where the graphs need one row count per width
+    steps: list[tuple[int, int]] = []  # (the rows the width pads to, the real logits rows) per launch
+    launch = padded.runner.launch
+    padded.runner.launch = lambda batch, width, previous=None: (
+        steps.append((min(width, 600), batch.logits_rows)),
+        launch(batch, width, previous),
+    )[1]
+    got = run(padded, requests)
+    chunked = [real for rows, real in steps if rows > HEAD_CHUNK]
+    assert chunked and min(chunked) < HEAD_CHUNK  # wide steps of few real rows ran the chunked head
+    assert model.head_rows == chunked  # one chunk of the real rows each, no padding row
+    want = run(Engine(toy, **opts), requests)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert (a.tokens, a.finish_reasons) == (b.tokens, b.finish_reasons), f"request {i}"
+
+
 def test_a_chunked_head_samples_and_scores_what_the_whole_head_does_with_nan_in_unused_rows(toy):
     requests = mixed(300, seed=2, max_new=2, scores=True, n=2)
     opts = {"max_seqs": 600, "capacity": 8, "max_step_tokens": 1024, "prefill_chunk": 8, "prefix_cache": False}
