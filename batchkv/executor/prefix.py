@@ -95,6 +95,9 @@ class PrefixCache:
         self._index: dict[int, dict[History, None]] = {}  # chain hash -> histories through that block
         self._live: dict[RequestState, History] = {}
         self.cached: dict[History, None] = {}  # finished histories, least recently used first
+        # (rope offset, first token) -> the live and cached histories starting with it: the candidates
+        # of a prompt whose first block matches no indexed one (a match shorter than a block)
+        self._heads: dict[tuple[int, int], dict[History, None]] = {}
         self._tick = 0
         self.admitted = self.hits = self.lookups = self.reused = self.evictions = 0
 
@@ -105,7 +108,7 @@ class PrefixCache:
         seq = state.samples[0].seq
         history = History(seq, state.request.rope_offset, state.prompt, [], 0, live=state)
         self._live[state] = history
-        self._refresh(history)
+        self._track(history)
         self.admitted += 1
 
     def counts(self) -> tuple[int, int, int, int]:
@@ -129,7 +132,7 @@ class PrefixCache:
             return False
         history = History(seq, state.request.rope_offset, state.prompt, sample.tokens, written, used=self._use())
         self.cached[history] = None
-        self._refresh(history)
+        self._track(history)
         return True
 
     def evict(self, columns: int, rows: int, keep: History | None = None) -> int:
@@ -176,7 +179,7 @@ class PrefixCache:
                 self._refresh(history)
         limit = len(prompt) - 1
         chain, depth = 0, 0
-        found: list[History] = list(self._live.values()) + list(self.cached)
+        found: list[History] = list(self._heads.get((offset, prompt[0]), ())) if prompt else []
         for b in range(limit // BLOCK):
             chain = _chain(chain, offset, prompt[b * BLOCK : (b + 1) * BLOCK])
             through = self._index.get(chain)
@@ -237,6 +240,13 @@ class PrefixCache:
             history.used = self._use()
 
     # ---- index -----------------------------------------------------------------------------------
+    def _track(self, history: History) -> None:
+        """Index a new history: its full blocks, and its first token (a prompt sharing no block with it can
+        share only a prefix that starts with that token)."""
+        if history.prompt:
+            self._heads.setdefault((history.rope_offset, history.prompt[0]), {})[history] = None
+        self._refresh(history)
+
     def _refresh(self, history: History) -> None:
         """Index the full blocks of `history` that were not indexed yet."""
         full = history.indexable() // BLOCK
@@ -248,6 +258,12 @@ class PrefixCache:
             self._index.setdefault(chain, {})[history] = None
 
     def _unindex(self, history: History) -> None:
+        """Take `history` out of the index (blocks and first token): it is no longer live nor cached."""
+        head = (history.rope_offset, history.prompt[0]) if history.prompt else None
+        if head in self._heads:
+            self._heads[head].pop(history, None)
+            if not self._heads[head]:
+                del self._heads[head]
         for chain in history.blocks:
             through = self._index.get(chain)
             if through is not None:
