@@ -194,3 +194,40 @@ def test_admitting_many_prompts_visits_only_histories_that_share_a_first_token(m
         before = e.metrics.prefix_reused
         run(model, e, Request([*p[:5], 7], greedy(3)))
         assert e.metrics.prefix_reused - before == 5
+
+
+def test_a_lookup_does_not_walk_every_cached_history(model, monkeypatch):
+    # Only a history whose tokens are still being read (overlap reads a step behind) can grow after it
+    # is cached; a lookup re-indexes those, not every cached history (a server holding a thousand
+    # finished columns paid for each of them at every admission)
+    from batchkv.executor.prefix import History
+
+    rng = random.Random(6)
+    prompts = [[i % 97, *random_prompt(rng, 20, 30)] for i in range(150)]
+    e = Engine(model, max_seqs=256, capacity=CAPACITY, max_step_tokens=4096, prefill_chunk=8, prefix_cache=True)
+    for p in prompts:
+        e.submit(Request(p, greedy(2)))
+    gather(e.run_until_done())
+    assert len(e.scheduler.prefix.cached) == len(prompts)
+    run(model, e, Request([*prompts[0][:20], 3, 4], greedy(2)))  # reuses 20 positions of the first
+    calls = []
+    matchable = History.matchable
+    monkeypatch.setattr(History, "matchable", lambda h: (calls.append(h), matchable(h))[1])
+    before = e.metrics.prefix_reused
+    run(model, e, Request([*prompts[1][:18], 5], greedy(2)))
+    assert e.metrics.prefix_reused - before == 18
+    assert 0 < len(set(calls)) <= 4  # the prompt's own candidates, not the 150 cached histories
+
+
+def test_with_overlap_a_history_cached_before_its_last_tokens_are_read_is_matched_through_them(model):
+    # A length finish frees (keeps) the column at launch, before the step's tokens are read: the cached
+    # history grows afterwards, and a later prompt reuses the generated tokens read since
+    e = engine(model, overlap=True, max_seqs=4)
+    prompt = random_prompt(random.Random(7), 20, 20)
+    first = run(model, e, Request(prompt, greedy(20)))
+    (history,) = e.scheduler.prefix.cached
+    assert history in e.scheduler.prefix._growing  # kept before its last token was read
+    before = e.metrics.prefix_reused
+    run(model, e, Request([*prompt, *first[:15], 1], greedy(4)))
+    assert e.metrics.prefix_reused - before == 35
+    assert history in e.scheduler.prefix.cached and history not in e.scheduler.prefix._growing  # all read now

@@ -98,6 +98,9 @@ class PrefixCache:
         # (rope offset, first token) -> the live and cached histories starting with it: the candidates
         # of a prompt whose first block matches no indexed one (a match shorter than a block)
         self._heads: dict[tuple[int, int], dict[History, None]] = {}
+        # cached histories whose column holds K/V of tokens not read yet (overlap reads a step behind):
+        # their matchable part still grows, so a lookup indexes what it gained first
+        self._growing: dict[History, None] = {}
         self._tick = 0
         self.admitted = self.hits = self.lookups = self.reused = self.evictions = 0
 
@@ -133,6 +136,8 @@ class PrefixCache:
         history = History(seq, state.request.rope_offset, state.prompt, sample.tokens, written, used=self._use())
         self.cached[history] = None
         self._track(history)
+        if history.matchable() < written:
+            self._growing[history] = None
         return True
 
     def evict(self, columns: int, rows: int, keep: History | None = None) -> int:
@@ -174,9 +179,11 @@ class PrefixCache:
         if state.request.params.prompt_logprobs is not None:
             return NO_MATCH
         prompt, offset = state.prompt, state.request.rope_offset
-        for history in self.cached:  # tokens read since it was cached make more of it matchable
+        for history in list(self._growing):  # tokens read since it was cached make more of it matchable
             if history.matchable() // BLOCK > len(history.blocks):
                 self._refresh(history)
+            if history.matchable() == history.written:
+                del self._growing[history]
         limit = len(prompt) - 1
         chain, depth = 0, 0
         found: list[History] = list(self._heads.get((offset, prompt[0]), ())) if prompt else []
@@ -259,6 +266,7 @@ class PrefixCache:
 
     def _unindex(self, history: History) -> None:
         """Take `history` out of the index (blocks and first token): it is no longer live nor cached."""
+        self._growing.pop(history, None)
         head = (history.rope_offset, history.prompt[0]) if history.prompt else None
         if head in self._heads:
             self._heads[head].pop(history, None)
