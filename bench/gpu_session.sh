@@ -8,7 +8,7 @@
 # one-sequence decode and serving parts of bench/decode.py from a baseline tree (BASE, default
 # .base: `git archive <commit> | tar -x -C .base`, carried) and from this one, alternately
 # (AB_ROUNDS rounds), then each ratio this/base (the single-GPU path must stay within 3%).
-# kernels, fp8 (bench/kernels.py --e4m3) and decode carry wall-clock budgets (--budget-s) a little
+# kernels, fp8 (bench/kernel_bench.py --e4m3) and decode carry wall-clock budgets (--budget-s) a little
 # under their limits, write JSON after every part and finish with what fit; a run that stopped early
 # is completed later by passing its JSON back, e.g. DECODE_ARGS="--resume bench/results/decode-h200.json".
 # The machine has no msgspec: carry its wheel in .whl/ (bash ../shared/device/wheels.sh). A carried .fi/ (the
@@ -40,12 +40,12 @@ for p in "$@"; do
     oomtests) phase oomtests 120 python3 -m pytest -m gpu tests/test_refusals_gpu.py -v --tb=short -p no:cacheprovider ;;
     tests) phase tests "${TESTS_LIMIT:-300}" python3 -m pytest -m gpu ${TESTS_PATHS:-tests} -v --tb=short -p no:cacheprovider -ra \
       --timeout 150 ${TESTS_ARGS:-} ;;
-    kernels) phase kernels "${KERNELS_LIMIT:-240}" python3 bench/kernels.py --check --out "$OUT/kernels-h200.json" \
+    kernels) phase kernels "${KERNELS_LIMIT:-240}" python3 bench/kernel_bench.py --check --out "$OUT/kernels-h200.json" \
       --budget-s "${KERNELS_BUDGET:-215}" ${KERNELS_ARGS:-} ;;
     model) phase model 90 python3 bench/model_step.py --preset sensenova-u1-8b --rows 1 8 32 64 --json "$OUT/model_step.json" ;;
     decode) phase decode "${DECODE_LIMIT:-420}" python3 bench/decode.py --out "$OUT/decode-h200.json" \
       --budget-s "${DECODE_BUDGET:-390}" ${DECODE_ARGS:-} ;;
-    fp8) phase fp8 "${FP8_LIMIT:-240}" python3 bench/kernels.py --e4m3 --out "$OUT/kv-fp8-h200.json" \
+    fp8) phase fp8 "${FP8_LIMIT:-240}" python3 bench/kernel_bench.py --e4m3 --out "$OUT/kv-fp8-h200.json" \
       --budget-s "${FP8_BUDGET:-215}" ${FP8_ARGS:-} ;;
     spec) phase spec "${SPEC_LIMIT:-240}" python3 bench/spec.py --out "$OUT/spec-h200.json" \
       --budget-s "${SPEC_BUDGET:-150}" ${SPEC_ARGS:-} ;;

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.kernels import run_peer
+from bench.kernel_bench import run_peer
 from bench.lib import flashinfer_jit
 from bench.lib.flashinfer_peer import PAGE_SIZES, at_page, flashinfer, page_size, page_table, paged_kv
 from bench.lib.kernel_cases import SMALL, Case, build_cases
@@ -193,7 +193,7 @@ def test_the_jit_environment_finds_curand_headers_and_link_libraries_a_bare_tool
 
 def test_the_kernel_benchmark_without_flashinfer_records_it_unavailable_and_goes_on_to_the_other_peers(tmp_path):
     out = tmp_path / "k.json"
-    args = ["bench/kernels.py", "--small", "--cases", "b1-l200", "--budget-s", "20", "--flex-budget-s", "5"]
+    args = ["bench/kernel_bench.py", "--small", "--cases", "b1-l200", "--budget-s", "20", "--flex-budget-s", "5"]
     proc = subprocess.run([sys.executable, *args, "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]

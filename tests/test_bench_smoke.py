@@ -19,7 +19,7 @@ def _run(args: list[str], out: Path) -> dict:
 
 
 def test_kernels_e4m3_smoke_times_decode_verify_and_prompt_chunks_on_both_stores_against_the_reference(tmp_path):
-    args = ["bench/kernels.py", "--small", "--e4m3", "--cases", "b4-mixed,b4-verify4,prefill-2x32"]
+    args = ["bench/kernel_bench.py", "--small", "--e4m3", "--cases", "b4-mixed,b4-verify4,prefill-2x32"]
     report = _run(args, tmp_path / "kv.json")
     cases = {case["name"]: case for case in report["cases"]}
     assert set(cases) == {"b4-mixed", "b4-verify4", "prefill-2x32"}

@@ -30,8 +30,8 @@ runs `_device_step`, unchanged.
 
 A step of more than HEAD_CHUNK (256) logits rows of a `chunkable` model (HFModel, SenseNova) runs
 `_chunked_step`: the forward (eager or the graph) stops at the final-normed hidden states, then per
-chunk of `head_chunks` over the step's real logits rows (not the rows its width pads to) the float32
-logits are made in the one [256, vocab] buffer, sampled
+chunk of `head_chunks` of the step's logits rows (not the rows its width pads to) the float32 logits
+are made in the one [256, vocab] buffer, sampled
 (`batchkv.executor.rows.adjuster` for the adjustments) and scored before the next chunk overwrites
 them (at the 8B shape 131 MB instead of 525 MB at 1,024 rows, and the sampler's sort bounded
 alike). Up to 256 rows, or with another model, the unchunked path above runs unchanged.
@@ -260,7 +260,7 @@ class ModelRunner:
         self._adjusting = (batch, previous) if adjusts else None
         try:
             if self.chunked and rows > HEAD_CHUNK:
-                logprobs = self._chunked_launch(width, (rows, batch.logits_rows), real, sampling, slot, plan, adjusts)
+                logprobs = self._chunked_launch(width, batch.logits_rows, real, sampling, slot, plan, adjusts)
             else:
                 logits = self.role.run(
                     self._adjusted_step if adjusts else self._device_step, width, rows, real, sampling, slot
@@ -335,14 +335,7 @@ class ModelRunner:
         return sample_tokens(chosen, self.temperature[at], self.top_k[at], self.top_p[at], self.draws[at], min_p)
 
     def _chunked_launch(
-        self,
-        width: int,
-        rows: tuple[int, int],
-        real: int,
-        sampling: bool,
-        slot: int,
-        plan: LogprobPlan | None,
-        adjusts: bool,
+        self, width: int, rows: int, real: int, sampling: bool, slot: int, plan: LogprobPlan | None, adjusts: bool
     ) -> StepLogprobs | None:
         """A step of more than HEAD_CHUNK logits rows (see the module docstring): the trunk, then the
         head, sampling and logprobs chunk by chunk. Returns the step's logprobs handle, if asked."""
@@ -353,21 +346,18 @@ class ModelRunner:
         finally:
             self._scoring, self._parts = None, []
 
-    def _chunked_step(
-        self, width: int, rows: tuple[int, int], real: int, sampling: bool, slot: int, adjusts: bool = False
-    ) -> None:
+    def _chunked_step(self, width: int, rows: int, real: int, sampling: bool, slot: int, adjusts: bool = False) -> None:
         """The device work of a chunked step (the same on every tensor-parallel rank): the trunk (eager
-        or a graph, over the first of `rows`: those the width pads to), then per chunk of `head_chunks` of the
-        second (the step's logits rows: the head runs eagerly, so padding rows get no logits) its float32
-        logits in `self.logits`, its
-        sampling rows' tokens into `sampled[slot]` and, on rank 0, the logprobs of its rows that ask.
+        or a graph, over the rows the width pads to), then per chunk of `head_chunks(rows)` (the step's
+        logits rows; the head runs eagerly: no padding row's logits) its float32 logits in `self.logits`,
+        its sampling rows' tokens into `sampled[slot]` and, on rank 0, the logprobs of its rows that ask.
         A step that `adjusts` is adjusted and sampled by rank 0 alone (`_adjusting`, as
         `_adjusted_step`), whose tokens the other ranks then take (`role.share`). No host wait."""
-        padded, live = rows
+        padded = min(self.rows, width) if self.pad_rows else rows  # as `launch` pads
         h = self.execute(width, lambda: self._trunk(width, padded))
         adjust = self._rank_adjuster(real, sampling, slot, h.device)
         with torch.no_grad():
-            for lo, hi in head_chunks(live):
+            for lo, hi in head_chunks(rows):
                 logits = self.logits[: hi - lo]
                 logits.copy_(self.model.head(h[lo:hi]))  # type: ignore[attr-defined]
                 end = min(hi, real)  # sampling rows come first, then prompt rows that score

@@ -5,9 +5,9 @@ wgmma counts, and the hot loop's instruction mix (the backward branch enclosing 
 instructions): barriers, local-memory accesses (spills inside the loop), ldmatrix, smem traffic.
 Uses whatever Triton is importable, so the GPU machine's version can be checked here too:
 
-    python bench/kernels.py --compile-sm90 ""
-    PYTHONPATH=/path/to/triton-3.6 python bench/kernels.py --compile-sm90 ""    # pip install --target
-    SASS_DIR=/tmp/sass python bench/kernels.py --compile-sm90 e4m3  # only labels with "e4m3",
+    python bench/kernel_bench.py --compile-sm90 ""
+    PYTHONPATH=/path/to/triton-3.6 python bench/kernel_bench.py --compile-sm90 ""    # pip install --target
+    SASS_DIR=/tmp/sass python bench/kernel_bench.py --compile-sm90 e4m3  # only labels with "e4m3",
                                                                     # each hot loop's SASS kept
     TTGIR_DIR=/tmp/ir ...                                                 # each variant's TTGIR kept
 The loop's instruction count covers both sides of the in-loop mask branch (edge and interior key

@@ -1,4 +1,4 @@
-"""The cases of bench/kernels.py: geometry, lengths, rotated seq_info tables, and the reference.
+"""The cases of bench/kernel_bench.py: geometry, lengths, rotated seq_info tables, and the reference.
 
 Full geometry: SenseNova decode shapes (Hq 32, Hkv 8, D 128, bf16), a 65-column store of 16384
 rows (the b1-l16384 case fits), a 128-row seq_info (the cache's default max_segments for 64

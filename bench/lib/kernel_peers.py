@@ -1,4 +1,4 @@
-"""SDPA and torch-varlen peers of sdpa_varlen for bench/kernels.py, each tried every way it runs.
+"""SDPA and torch-varlen peers of sdpa_varlen for bench/kernel_bench.py, each tried every way it runs.
 
 A peer is a generator of `Candidate`s over data it gathers once (outside timing): the bench times
 every candidate, checks it against the reference, and keeps the fastest that matches. The SDPA

@@ -33,7 +33,7 @@ per program (stream-K) rather than equal splits per sequence, which would leave 
 programs running after the short ones finished. The grid is fixed by shapes (P from the SM count),
 so replays with new lengths need no recapture. Tiles use ~32 KiB of K+V per pipeline stage.
 Choices live in `SdpaConfig` (`config.py`); defaults come from a static heuristic (no
-triton.autotune, whose first-call benchmarking does not mix with graph capture); `bench/kernels.py
+triton.autotune, whose first-call benchmarking does not mix with graph capture); `bench/kernel_bench.py
 --sweep` and `bench/b1_sweep.py` tune them.
 
 Workspace: the merge counters live in one int32 buffer per device, allocated (zeroed) on the first

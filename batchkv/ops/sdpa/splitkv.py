@@ -175,7 +175,7 @@ def splitkv_merge(out, o_part, lse_part, info, S, P, stride_ot, stride_oh, GROUP
 
 
 # (queries x group) rows of one segment's tile: taller tiles spill registers on sm_90 (D 128,
-# bench/kernels.py --compile-sm90 splitkv), e4m3 tiles (converted in registers) from 64 rows
+# bench/kernel_bench.py --compile-sm90 splitkv), e4m3 tiles (converted in registers) from 64 rows
 MAX_TILE_ROWS = {False: 64, True: 32}  # by whether the store is e4m3
 
 

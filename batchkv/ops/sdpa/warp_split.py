@@ -3,7 +3,7 @@
 With one KV head per program, a [BLOCK_M, D] x [D, BLOCK_N] score tile on 4 warps gives each warp
 BLOCK_N / 4 of the keys, so every key block pays cross-warp max and sum reductions and a shared
 memory round trip of p before the PV dot, whose output is cut across warps by D (9 CTA barriers per
-block on sm_90 with Triton 3.6, `bench/kernels.py --compile-sm90`). For one or a few query rows that chain of
+block on sm_90 with Triton 3.6, `bench/kernel_bench.py --compile-sm90`). For one or a few query rows that chain of
 barriers, not the bytes, sets the time of a block. Here warp w owns keys [w * SUB, (w + 1) * SUB)
 of every tile (SUB = BLOCK_N / SPLIT) with its own (m_i, l_i, acc): 3-D tiles [SPLIT, BLOCK_M, ...]
 whose batch axis Triton puts on the warps, so scores, p and the PV dot stay in the warp's

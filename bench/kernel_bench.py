@@ -11,9 +11,9 @@ bench/results/README.md "Method"): FlashInfer first, compiled before the budget 
 flashinfer_jit.py); SDPA over exact prefixes and padded + mask, and torch's varlen attention (kernel_peers.py);
 flex_attention last, compiled per case (flex_peer.py: defaults first, then other knobs while the budget lasts).
 
-    python3 bench/kernels.py [--check] [--out bench/results/kernels-h200.json] [--budget-s 215]
-    python bench/kernels.py --small --check --out /tmp/k.json     # CPU smoke run (Triton interpreter)
-    python3 bench/kernels.py --e4m3 --out bench/results/kv-fp8-h200.json     # e4m3 K/V storage, no peers
+    python3 bench/kernel_bench.py [--check] [--out bench/results/kernels-h200.json] [--budget-s 215]
+    python bench/kernel_bench.py --small --check --out /tmp/k.json     # CPU smoke run (Triton interpreter)
+    python3 bench/kernel_bench.py --e4m3 --out bench/results/kv-fp8-h200.json     # e4m3 K/V storage, no peers
 
 --e4m3 times batchkv on the cases' store and on its e4m3 codes with fp32 scales (the cache's layout), instead of
 the peers: `batchkv_fp8_us`, `gbps_fp8` (scales counted), `fp8_ratio`, each store's max abs error. --check first
