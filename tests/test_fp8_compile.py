@@ -38,8 +38,8 @@ def test_the_e4m3_qk_long_variant_dots_k_codes_straight_from_shared_memory(tmp_p
     # SdpaConfig.e4m3_qk_long: in each of the three key loops the QK dot's B operand is the pipelined
     # e4m3 K buffer itself (a memdesc), and V is the only tile converted (one f8 -> f16 per loop)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TTGIR_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "bench/kernel_bench.py", "--compile-sm90", "'qk_e4m3': True}"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run([sys.executable, "bench/kernel_bench.py", "--compile-sm90", "'qk_e4m3': True}"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0 and "FAILED" not in proc.stdout, proc.stdout + proc.stderr[-2000:]
     (ir,) = [p.read_text() for p in tmp_path.glob("long_e4m3*qk_e4m3*.ttgir")]
     fp8_dots = re.findall(r"warp_group_dot .*xf8E4M3FN.* \* !ttg\.memdesc<[0-9x]+xf8E4M3FN", ir)

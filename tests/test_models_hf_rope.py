@@ -102,3 +102,23 @@ def test_with_fuse_off_hfmodel_leaves_the_attention_alone(monkeypatch):
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**GEOMETRY))
     HFModel(hf)
     assert not any("forward" in layer.self_attn.__dict__ for layer in hf.model.layers)
+
+
+def test_a_kernels_hub_wrapper_reads_as_the_function_it_stands_for():
+    # With the `kernels` package installed, transformers (5.25) makes `apply_rotary_pos_emb` an nn.Module
+    # ("Func") that calls the function unless the model was kernelized: the rule reads the function
+    hub = pytest.importorskip("transformers.integrations.hub_kernels")
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        cos = cos.unsqueeze(unsqueeze_dim)
+        sin = sin.unsqueeze(unsqueeze_dim)
+        q_embed = (q * cos) + (modeling_llama.rotate_half(q) * sin)
+        k_embed = (k * cos) + (modeling_llama.rotate_half(k) * sin)
+        return q_embed, k_embed
+
+    wrapped = hub.use_kernel_forward_from_hub("rotary_pos_emb")(apply_rotary_pos_emb)
+    if wrapped is apply_rotary_pos_emb:
+        pytest.skip("no `kernels` package: transformers leaves the function as it is")
+    assert isinstance(wrapped, torch.nn.Module) and hf_norms.hub_wrapped(wrapped) is apply_rotary_pos_emb
+    assert hf_norms.function_source(wrapped) == hf_norms.function_source(apply_rotary_pos_emb) != ""
+    assert hf_norms.hub_wrapped(torch.nn.Linear(2, 2)).__class__ is torch.nn.Linear  # other modules as they are

@@ -124,9 +124,22 @@ _FORMS = {
 _by_class: dict[type, NormForm | None] = {}
 
 
+def hub_wrapped(fn: object) -> object:
+    """The function a `kernels` hub wrapper stands for, else `fn`. With the `kernels` package installed,
+    transformers (5.25) turns module functions such as `apply_rotary_pos_emb` into an `nn.Module` whose
+    forward calls that function unless the model was kernelized (which HFModel never does)."""
+    forward = getattr(type(fn), "forward", None) if isinstance(fn, nn.Module) else None
+    if forward is None or not getattr(type(fn), "kernel_layer_name", None) or forward.__closure__ is None:
+        return fn
+    cells = dict(zip(forward.__code__.co_freevars, forward.__closure__, strict=True))
+    inner = cells["func"].cell_contents if "func" in cells else None
+    return inner if inspect.isfunction(inner) else fn
+
+
 def function_source(fn: object, rename_args: bool = True) -> str:
-    """`canonical_source` of the function `fn`; "" when `fn` is not a function or has no source (built at
-    run time): not a known form."""
+    """`canonical_source` of the function `fn` (or of the one a `kernels` hub wrapper stands for: `hub_wrapped`);
+    "" when `fn` is not a function or has no source (built at run time): not a known form."""
+    fn = hub_wrapped(fn)
     try:
         return canonical_source(inspect.getsource(fn), rename_args) if inspect.isfunction(fn) else ""
     except (OSError, TypeError, SyntaxError):
