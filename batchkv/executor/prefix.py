@@ -17,8 +17,10 @@ others may reuse what it writes. The request's column then:
 - or *waits* while a live request still prefilling a longer shared prefix will write at least one
   more chunk of it (prefix-aware admission: many requests sharing a system prompt prefill it once).
 Matches are indexed by 16-token blocks (a chain hash per block, verified against the tokens) and
-then extended token by token. A history is matched only under the same RoPE offset (its keys were
-rotated at those indexes), and only as far back as every ring layer still holds (the ring floor).
+then extended token by token; a prompt that matches no block is compared only with the histories that
+start with its first token (also indexed), so admitting N requests at once costs O(N), not O(N^2).
+A history is matched only under the same RoPE offset (its keys were rotated at those indexes), and
+only as far back as every ring layer still holds (the ring floor).
 """
 
 from __future__ import annotations
