@@ -55,9 +55,9 @@ def profiled(engine: Engine, steps: int) -> tuple[list, dict]:
     return events, {"running": running} | {k: round(v / steps / (1 if k == "wall" else 1e3), 3) for k, v in by.items()}
 
 
-def serve(engine: Engine, prompts, outputs, device: torch.device, profile_steps: int = 0) -> dict:
-    """Every request at once, EOS ignored, greedy; whole-run and steady-state output tokens/s. With
-    `profile_steps`, that many steps are profiled once half the output tokens are out (`profiled`)."""
+def serve(engine: Engine, prompts, outputs, device: torch.device, profile_steps: int = 0, deadline=None) -> dict:
+    """Every request at once, EOS ignored, greedy; whole-run and steady output tok/s; `profile_steps` steps profiled
+    at half the output (`profiled`); past `deadline` the run stops where it is (`finished` False: what ran)."""
     engine.clear_prefix_cache()
     engine.metrics = engine.metrics.fresh()
     params = [SamplingParams(max_new_tokens=o, ignore_eos=True) for o in outputs]
@@ -67,7 +67,7 @@ def serve(engine: Engine, prompts, outputs, device: torch.device, profile_steps:
     start = time.perf_counter()
     times, tokens = [], 0  # times[j]: (seconds, tokens so far) when the j-th request finished
     profile = None
-    while engine.has_work:
+    while engine.has_work and (deadline is None or deadline.left() > 0):
         if profile is None and profile_steps and 2 * tokens >= sum(outputs):
             events, profile = profiled(engine, profile_steps)
         else:
@@ -80,15 +80,15 @@ def serve(engine: Engine, prompts, outputs, device: torch.device, profile_steps:
     n, seqs = len(prompts), engine.cache.max_seqs
     waiting_until = n - seqs  # while fewer had finished, requests were still waiting for a column
     steady = None
-    if waiting_until > 1:
+    if 1 < waiting_until <= len(times):
         (t0, k0), (t1, k1) = times[0], times[waiting_until - 1]
         steady = (k1 - k0) / (t1 - t0) if t1 > t0 else None
     summary = engine.metrics.summary()
-    return {"requests": n, "tokens_per_s": tokens / wall, "steady_tokens_per_s": steady, "wall_s": wall,
-            "output_tokens": tokens, "steps": summary.get("steps"), "profile_ms_per_step": profile,
-            "ttft_p50_ms": summary.get("ttft_ms_p50"),
-            "p50_itl_ms": summary.get("itl_ms_p50"), "steady_window": [times[0][0], times[waiting_until - 1][0]]
-            if steady else None}  # fmt: skip
+    done = not engine.has_work
+    return {"requests": n, "finished": done, "tokens_per_s": tokens / wall, "steady_tokens_per_s": steady,
+            "wall_s": wall, "output_tokens": tokens, "steps": summary.get("steps"), "profile_ms_per_step": profile,
+            "ttft_p50_ms": summary.get("ttft_ms_p50"), "p50_itl_ms": summary.get("itl_ms_p50"),
+            "steady_window": [times[0][0], times[waiting_until - 1][0]] if steady else None}  # fmt: skip
 
 
 def build(config: dict, device: torch.device):
@@ -174,7 +174,7 @@ def main() -> None:
                 continue
             isl, osl = (int(x) for x in name.split("/"))
             prompts, outputs = workload(n, (isl, isl), (osl, osl), config["vocab_size"])
-            got = serve(engine, prompts, outputs, device, args.profile_steps)
+            got = serve(engine, prompts, outputs, device, args.profile_steps, deadline)  # what ran, if it ends
             cost = shape_cost(config, engine.cache.config.bytes_per_position())
             fp8 = cfg_name != "bf16"
             lim = workload_limit(prompts, outputs, fp8_weights(cost) if fp8 else cost, result["read_gbps"],

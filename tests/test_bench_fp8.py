@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,3 +40,29 @@ def test_decode_fp8_parts_record_tokens_per_s_and_their_limit(tmp_path):
         assert report[key]["tokens_per_s"] > 0 and report[key]["quantization"] == "fp8"
         assert report[key]["workload_limit_tokens_per_s"]["overlap"] > 0
     assert report["serve_fp8_e4m3"]["kv_dtype"] == "torch.float8_e4m3fn"
+
+
+def test_anchors_serve_stops_at_its_deadline_and_says_so():
+    # A run past the call's budget keeps what it measured (a device call once lost two arms that timed out)
+    from batchkv.executor import Engine
+    from bench.anchors import serve
+    from tests.toy_model import ToyModel
+
+    class Steps:  # a deadline with `n` steps left
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def left(self) -> float:
+            self.n -= 1
+            return float(self.n >= 0)
+
+    engine = Engine(ToyModel(seed=0), max_seqs=4, capacity=64, max_step_tokens=64)
+    try:
+        prompts, outputs = [[1, 2, 3], [4, 5], [6, 7, 8, 9]], [20, 20, 20]
+        got = serve(engine, prompts, outputs, torch.device("cpu"), deadline=Steps(4))
+        assert not got["finished"] and engine.has_work
+        assert 0 < got["output_tokens"] < sum(outputs) and got["tokens_per_s"] > 0 and got["steps"] == 4
+        done = serve(engine, prompts, outputs, torch.device("cpu"))  # no deadline: to the end
+        assert done["finished"] and done["output_tokens"] >= sum(outputs)
+    finally:
+        engine.close()
