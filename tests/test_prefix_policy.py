@@ -9,6 +9,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from batchkv import BatchedSequenceCache, CacheConfig
 from batchkv.executor import Engine, Request, SamplingParams, gather
@@ -231,3 +233,61 @@ def test_with_overlap_a_history_cached_before_its_last_tokens_are_read_is_matche
     run(model, e, Request([*prompt, *first[:15], 1], greedy(4)))
     assert e.metrics.prefix_reused - before == 35
     assert history in e.scheduler.prefix.cached and history not in e.scheduler.prefix._growing  # all read now
+
+
+class _EveryHistory(dict):
+    """In place of `PrefixCache._heads`: every live and cached history for any first token (the candidates
+    a lookup compared a prompt with before the first-token index)."""
+
+    def __init__(self, prefix: PrefixCache) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def get(self, key, default=None):
+        return {h: None for h in [*self.prefix._live.values(), *self.prefix.cached]}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16), overlap=st.booleans())
+def test_lookups_find_what_comparing_every_history_finds(model, seed, overlap):
+    # Prompts over 3 token ids share prefixes of every length, across blocks and within the first; each
+    # lookup is repeated with every history a candidate and every cached one re-indexed first (as before
+    # the first-token index and the growing set), and must find the same reuse and wait
+    rng = random.Random(seed)
+    e = engine(model, max_seqs=6, max_step_tokens=48, overlap=overlap)
+    prefix = e.scheduler.prefix
+    lookup, heads = prefix.lookup, prefix._heads
+    checked = []
+
+    def checking(state):
+        match = lookup(state)
+        for history in prefix.cached:
+            if history.matchable() // BLOCK > len(history.blocks):
+                prefix._refresh(history)
+        prefix._heads = _EveryHistory(prefix)
+        try:
+            before = lookup(state)
+        finally:
+            prefix._heads = heads
+        checked.append(((match.length, match.wait), (before.length, before.wait)))
+        return match
+
+    prefix.lookup = checking
+    base = [rng.randrange(3) for _ in range(30)]
+
+    def wave(requests: list[Request]) -> None:  # submitted together, run to the end, checked by the oracle
+        ids = [e.submit(r) for r in requests]
+        out = gather(e.run_until_done())
+        for rid, request in zip(ids, requests, strict=True):
+            assert (out[rid].tokens[0], out[rid].finish_reasons[0]) == oracle(model, request, CAPACITY)
+
+    def mixed(count: int) -> list[Request]:
+        return [Request([rng.randrange(3) for _ in range(rng.randint(1, 40))], greedy(rng.randint(1, 12)),
+                        rope_offset=rng.choice((0, 0, 0, 5))) for _ in range(count)]  # fmt: skip
+
+    wave([Request(base, greedy(3)), *mixed(rng.randint(0, 4))])  # a column stays free: nothing is evicted
+    wave([Request([*base[:20], 1], greedy(2))])  # reuses 20 positions of the base prompt's history
+    assert checked[-1][0][0] >= 20
+    for _ in range(2):
+        wave(mixed(rng.randint(4, 10)))  # more than max_seqs: admissions while others finish
+    assert all(new == old for new, old in checked), checked
