@@ -99,7 +99,7 @@ class PrefixCache:
         self.cached: dict[History, None] = {}  # finished histories, least recently used first
         # (rope offset, first token) -> the live and cached histories starting with it: the candidates
         # of a prompt whose first block matches no indexed one (a match shorter than a block)
-        self._heads: dict[tuple[int, int], dict[History, None]] = {}
+        self._heads: dict[tuple[int, int], dict[History, None]] = {}  # keys: `_head`
         # cached histories whose column holds K/V of tokens not read yet (overlap reads a step behind):
         # their matchable part still grows, so a lookup indexes what it gained first
         self._growing: dict[History, None] = {}
@@ -188,7 +188,7 @@ class PrefixCache:
                 del self._growing[history]
         limit = len(prompt) - 1
         chain, depth = 0, 0
-        found: list[History] = list(self._heads.get((offset, prompt[0]), ())) if prompt else []
+        found: list[History] = list(self._heads.get(_head(offset, prompt), ()))
         for b in range(limit // BLOCK):
             chain = _chain(chain, offset, prompt[b * BLOCK : (b + 1) * BLOCK])
             through = self._index.get(chain)
@@ -252,8 +252,7 @@ class PrefixCache:
     def _track(self, history: History) -> None:
         """Index a new history: its full blocks, and its first token (a prompt sharing no block with it can
         share only a prefix that starts with that token)."""
-        if history.prompt:
-            self._heads.setdefault((history.rope_offset, history.prompt[0]), {})[history] = None
+        self._heads.setdefault(_head(history.rope_offset, history.prompt), {})[history] = None
         self._refresh(history)
 
     def _refresh(self, history: History) -> None:
@@ -269,7 +268,7 @@ class PrefixCache:
     def _unindex(self, history: History) -> None:
         """Take `history` out of the index (blocks and first token): it is no longer live nor cached."""
         self._growing.pop(history, None)
-        head = (history.rope_offset, history.prompt[0]) if history.prompt else None
+        head = _head(history.rope_offset, history.prompt)
         if head in self._heads:
             self._heads[head].pop(history, None)
             if not self._heads[head]:
@@ -348,6 +347,11 @@ class NoPrefixCache:
     def room(self, match: Match, columns: int, rows: int) -> tuple[int, int]:
         """All of it: no column is adopted."""
         return columns, rows
+
+
+def _head(offset: int, prompt: tuple[int, ...]) -> tuple[int, int]:
+    """The first-token index's key of a prompt (never empty: an empty prompt is refused at submission)."""
+    return offset, prompt[0]
 
 
 def _chain(prev: int, offset: int, block: tuple[int, ...]) -> int:

@@ -222,6 +222,9 @@ class ModelRunner:
         self.logits[:rows].copy_(out)
         return self.logits
 
+    def _padded(self, width: int, rows: int) -> int:  # a step's `rows`, padded as `pad_rows` says (one count a width)
+        return min(self.rows, width) if self.pad_rows else rows
+
     def _trunk(self, width: int, rows: int) -> torch.Tensor:
         """The captured region of a chunked step: ids, the forward up to the final-normed hidden
         states of the logits rows [rows, H] (the graph's static output), no LM head."""
@@ -253,7 +256,7 @@ class ModelRunner:
         slot = 1 - previous.slot if previous is not None else 0
         sampling = self._stage(batch, width, previous)
         plan = self.logprob_slots.stage(batch) if batch.logprob_k else None
-        rows = min(self.rows, width) if self.pad_rows else batch.logits_rows
+        rows = self._padded(width, batch.logits_rows)
         real = len(batch.rows)
         adjusts = any_adjusts(batch)
         # the host side of an adjusted step is rank 0's (its scheduler holds the matchers and histories)
@@ -353,8 +356,7 @@ class ModelRunner:
         its sampling rows' tokens into `sampled[slot]` and, on rank 0, the logprobs of its rows that ask.
         A step that `adjusts` is adjusted and sampled by rank 0 alone (`_adjusting`, as
         `_adjusted_step`), whose tokens the other ranks then take (`role.share`). No host wait."""
-        padded = min(self.rows, width) if self.pad_rows else rows  # as `launch` pads
-        h = self.execute(width, lambda: self._trunk(width, padded))
+        h = self.execute(width, lambda: self._trunk(width, self._padded(width, rows)))
         adjust = self._rank_adjuster(real, sampling, slot, h.device)
         with torch.no_grad():
             for lo, hi in head_chunks(rows):
