@@ -121,4 +121,5 @@ def test_a_kernels_hub_wrapper_reads_as_the_function_it_stands_for():
         pytest.skip("no `kernels` package: transformers leaves the function as it is")
     assert isinstance(wrapped, torch.nn.Module) and hf_norms.hub_wrapped(wrapped) is apply_rotary_pos_emb
     assert hf_norms.function_source(wrapped) == hf_norms.function_source(apply_rotary_pos_emb) != ""
-    assert hf_norms.hub_wrapped(torch.nn.Linear(2, 2)).__class__ is torch.nn.Linear  # other modules as they are
+    linear = torch.nn.Linear(2, 2)
+    assert hf_norms.hub_wrapped(linear) is linear  # another module is itself
