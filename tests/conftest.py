@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -19,3 +20,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _heap_unfrozen():
+    """`Engine.warm_up()` freezes the heap (gc.freeze) for serving; a test process unfreezes it after each
+    test, so that cyclic garbage of one test is not kept for the rest of the session."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()
