@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchkv.cache import BatchedSequenceCache, CacheConfig
 from batchkv.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
@@ -72,6 +73,33 @@ def test_fusion_applies_where_the_modules_allow_it_and_changes_no_logit(model_ty
     after = hf.state_dict()  # the unfused names and values
     assert set(after) == set(state) and all(torch.equal(after[k], state[k]) for k in state)
     assert fuse_projections(hf) == {"fused_qkv": 0, "fused_gate_up": 0, "silu_mul": 0}  # idempotent
+
+
+@pytest.mark.parametrize("attention", ["reference", "triton"])
+def test_fused_value_columns_reach_the_cache_as_views_not_copies_and_no_logit_changes(attention):
+    hf = build(_arch("llama"))
+    want = step_logits(hf)  # unfused, reference attention
+    fuse_projections(hf)
+    model = HFModel(hf, fuse=False)
+    layouts = []
+
+    def logits(copy: bool) -> torch.Tensor:  # one prefill step; `copy`: the cache given contiguous copies
+        cfg = CacheConfig(**model.cache_spec(), max_seqs=1, capacity=128, max_write=len(PROMPT))
+        cache = BatchedSequenceCache(cfg, model.device, attention=attention)
+        attend = cache.update_and_attend
+
+        def spy(layer, q, k, v, **kwargs):
+            layouts.append(v.is_contiguous())
+            return attend(layer, q, k, v.contiguous() if copy else v, **kwargs)
+
+        cache.update_and_attend = spy
+        return run_step(model, cache, [(cache.seq_new(), PROMPT, text_idx(0, len(PROMPT)))], len(PROMPT))
+
+    got = logits(copy=False)
+    assert layouts == [False] * hf.config.num_hidden_layers  # the fused product's value columns, where they are
+    assert torch.equal(got, logits(copy=True))  # the same bits as from the copies
+    if attention == "reference":
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("model_type", SERVED)

@@ -102,8 +102,10 @@ def batchkv_attention(
         )
     if query.shape[0] != 1:
         raise ContractError(f"'{ATTN_NAME}' attention packs a step into one batch row; got batch {query.shape[0]}")
-    # [W, Hq, D], [W, Hkv, D], [W, Hkv, Dv] (Dv != D: multi-head latent attention, the cache's value_dim)
-    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
+    # [W, Hq, D], [W, Hkv, D], [W, Hkv, Dv] (Dv != D: MLA, the cache's value_dim): views if the last dim is
+    # contiguous, which the cache takes (a fused q|k|v's value columns were copied: a launch a layer)
+    rows = (x[0].transpose(0, 1) for x in (query, key, value))
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in rows)
     extras = {}  # only when a model has them: caches that predate them keep their signature
     if kwargs.get("softcap"):  # Gemma2: attn_logit_softcapping
         extras["softcap"] = float(kwargs["softcap"])
