@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 
@@ -42,6 +43,12 @@ def test_run_replays_a_synthetic_workload_and_prints_a_summary(tmp_path, capsys)
     assert metrics["requests_submitted"] == 6 and metrics["requests_refused"] == 0
     assert 6 * 2 <= metrics["generated_tokens"] <= 6 * 8
     assert metrics["device"] == "cpu" and metrics["graphs"] is False and metrics["tokens_per_s"] > 0
+
+
+def test_run_freezes_the_heap_before_its_workload_as_warm_up_does(capsys):
+    assert gc.get_freeze_count() == 0  # conftest unfreezes after every test
+    assert cli.main(["run", "--device", "cpu", "--requests", "2", "--prompt-len", "4:6", "--output-len", "2:3"]) == 0
+    assert gc.get_freeze_count() > 0 and "tokens/s" in capsys.readouterr().out
 
 
 def test_run_replays_a_jsonl_workload_and_reports_refusals(tmp_path, capsys):
