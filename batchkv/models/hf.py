@@ -34,7 +34,7 @@ store keeps each at its own width (docs/design.md, "Latent KV", has what a laten
 
 Graph safety: with the mask skipped and position ids given, the Qwen3/Llama forwards do no host
 reads, so the call is capturable when the cache's attention is.
-Uses only APIs present in transformers 5.17 through 5.24 (`TRANSFORMERS_RANGE`, the `batchkv[hf]`
+Uses only APIs present in transformers 5.17 through 5.25 (`TRANSFORMERS_RANGE`, the `batchkv[hf]`
 extra); importing this module without a transformers in that range is a DependencyError.
 """
 
@@ -55,7 +55,7 @@ from batchkv.models.hf_fuse import fused_groups
 from batchkv.models.hf_layers import fuse_decoder
 from batchkv.models.hf_refusals import refuse_unrouted_attention, refuse_unsupported
 
-TRANSFORMERS_RANGE = ">=5.17,<6"  # as pyproject's `hf` extra; tested with 5.17 through 5.24
+TRANSFORMERS_RANGE = ">=5.17,<6"  # as pyproject's `hf` extra; tested with 5.17 through 5.25
 _INSTALL = "pip install 'batchkv[hf]'"
 
 try:
