@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout: b
 from batchkv.executor import Engine, Request, SamplingParams
 from bench.lib.ceilings import matmul_peak, read_ceiling
 from bench.lib.roofline import LLAMA_8B, TINY_LLAMA, fp8_weights, shape_cost, workload_limit
-from bench.lib.serving import release, sync, workload
+from bench.lib.serving import freeze_heap, release, sync, workload
 from bench.lib.timing import Deadline
 
 SOURCE = (
@@ -166,6 +166,7 @@ def main() -> None:
         engine = Engine(model, max_seqs=max_seqs, kv_positions="auto", capacity=reach, use_graphs=device.type == "cuda",
                         device=device, max_step_tokens=args.max_step_tokens)  # fmt: skip
         warm_s = engine.warm_up()
+        freeze_heap()  # until release(): no full collection walks the model in a timed step
         print(f"{key}: engine {engine.sizing.describe() if engine.sizing else ''}; warm-up {warm_s:.0f} s", flush=True)
         for j, name in enumerate(names):
             n = 4 if args.small else counts[cfg_name][j]

@@ -1,19 +1,16 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: run the named phases in order, each under its own time limit, with
-# results under $OUT. Phases: oomtests tests kernels model decode fp8 spec tp tptests tp1ab (the
-# probes behind the other results in bench/results/README.md are in git history: that file says where).
-#   OUT=/tmp/out bash bench/gpu_session.sh tests kernels decode
-# tp and tptests need two GPUs (nvidia-h200-x2): bench/tp.py (resumed across calls with
-# TP_ARGS="--resume bench/results/tp-h200x2.json") and tests/test_tp_gpu.py. tp1ab, on one GPU: the
-# one-sequence decode and serving parts of bench/decode.py from a baseline tree (BASE, default
-# .base: `git archive <commit> | tar -x -C .base`, carried) and from this one, alternately
-# (AB_ROUNDS rounds), then each ratio this/base (the single-GPU path must stay within 3%).
-# kernels, fp8 (bench/kernel_bench.py --e4m3) and decode carry wall-clock budgets (--budget-s) a little
-# under their limits, write JSON after every part and finish with what fit; a run that stopped early
-# is completed later by passing its JSON back, e.g. DECODE_ARGS="--resume bench/results/decode-h200.json".
-# The machine has no msgspec: carry its wheel in .whl/ (bash ../shared/device/wheels.sh). A carried .fi/ (the
-# pruned FlashInfer) adds the kernels phase's flashinfer peer; its JIT compile (~95 s) comes before the
-# phase's --budget-s, so raise KERNELS_LIMIT with it (bench/results/README.md gives the call).
+# One call on the GPU machine: the named phases in order, each under its own time limit, results under $OUT. Phases:
+# oomtests tests kernels model decode fp8 spec tp tptests tp1ab (the other results' probes are in git history, as
+# bench/results/README.md says), e.g. `OUT=/tmp/out bash bench/gpu_session.sh tests decode`. tp and tptests need two
+# GPUs (nvidia-h200-x2): bench/tp.py (resumed across calls with TP_ARGS="--resume bench/results/tp-h200x2.json") and
+# tests/test_tp_gpu.py. tp1ab, on one GPU: bench/decode.py's one-sequence decode and serving parts from a baseline tree
+# (BASE, default .base: `git archive <commit> | tar -x -C .base`, carried) and from this one, alternately (AB_ROUNDS
+# rounds), then each ratio this/base (the single-GPU path must stay within 3%). kernels, fp8 (bench/kernel_bench.py
+# --e4m3) and decode carry wall-clock budgets (--budget-s) under their limits, write JSON after every part and finish
+# with what fit; a stopped run is completed later by passing its JSON back, e.g. DECODE_ARGS="--resume
+# bench/results/decode-h200.json". The machine has no msgspec: carry its wheel in .whl/ (bash
+# ../shared/device/wheels.sh). A carried .fi/ (the pruned FlashInfer) adds the kernels phase's flashinfer peer; its JIT
+# compile (~95 s) precedes the phase's --budget-s: raise KERNELS_LIMIT with it (bench/results/README.md).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"

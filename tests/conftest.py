@@ -24,8 +24,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _heap_unfrozen():
-    """`Engine.warm_up()` freezes the heap (gc.freeze) for serving; a test process unfreezes it after each
-    test, so that cyclic garbage of one test is not kept for the rest of the session."""
+    """Serving code run in process (`batchkv run`, the server, a replica) freezes the heap (`freeze_heap`); the
+    test process unfreezes it after each test, so that cyclic garbage of one test is not kept for the rest."""
     yield
     if gc.get_freeze_count():
         gc.unfreeze()

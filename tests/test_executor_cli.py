@@ -45,10 +45,19 @@ def test_run_replays_a_synthetic_workload_and_prints_a_summary(tmp_path, capsys)
     assert metrics["device"] == "cpu" and metrics["graphs"] is False and metrics["tokens_per_s"] > 0
 
 
-def test_run_freezes_the_heap_before_its_workload_as_warm_up_does(capsys):
+def test_run_freezes_the_heap_before_its_workload(monkeypatch, capsys):
+    from batchkv.cli import workload
+
+    frozen, replay = [], workload.replay
+
+    def counted(*args, **kwargs):
+        frozen.append(gc.get_freeze_count())
+        return replay(*args, **kwargs)
+
+    monkeypatch.setattr(workload, "replay", counted)
     assert gc.get_freeze_count() == 0  # conftest unfreezes after every test
     assert cli.main(["run", "--device", "cpu", "--requests", "2", "--prompt-len", "4:6", "--output-len", "2:3"]) == 0
-    assert gc.get_freeze_count() > 0 and "tokens/s" in capsys.readouterr().out
+    assert len(frozen) == 1 and frozen[0] > 0 and "tokens/s" in capsys.readouterr().out
 
 
 def test_run_replays_a_jsonl_workload_and_reports_refusals(tmp_path, capsys):

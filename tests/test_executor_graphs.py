@@ -18,6 +18,7 @@ import torch
 
 from batchkv.errors import StepError
 from batchkv.executor import Engine, Request
+from batchkv.executor.graphs import freeze_heap
 from tests.executor_helpers import drive, greedy, oracle, random_prompt
 from tests.toy_model import ToyModel
 
@@ -142,19 +143,20 @@ class _Cycle:
 
 
 @pytest.mark.parametrize("graphed", [True, False])
-def test_warm_up_collects_the_cycles_then_freezes_the_heap_and_serving_is_unchanged(graphed):
-    # The collector's full passes then skip what was alive at warm-up (one took 243 ms of the first
-    # step of the SmolLM2-shape run on the H200); garbage in cycles is collected first, not frozen.
+def test_freeze_heap_collects_the_cycles_first_then_freezes_and_a_warm_engine_serves_the_same(graphed):
+    # The collector's full passes then skip what was alive (one took 243 ms of the first step of the
+    # SmolLM2-shape run on the H200); garbage in cycles is collected first, not frozen.
     model = ToyModel(seed=6)
     engine = graph_engine(model, kv_positions=4 * 96)[0] if graphed else Engine(model, max_seqs=4, capacity=96)
+    engine.warm_up()
     garbage, alive = _Cycle(), {"kept": [1]}
     dead = weakref.ref(garbage)
     del garbage
     assert dead() is not None and any(o is alive for o in gc.get_objects())
     try:
-        engine.warm_up()
+        assert freeze_heap() == gc.get_freeze_count() > 0
         assert dead() is None  # collected before the freeze
-        assert gc.get_freeze_count() > 0 and not any(o is alive for o in gc.get_objects())  # frozen
+        assert not any(o is alive for o in gc.get_objects())  # frozen: out of the collector's passes
         request = Request([3, 1, 4, 1, 5], greedy(12))
         rid = engine.submit(request)
         tokens = [e.token for e in engine.run_until_done() if e.request_id == rid and e.token is not None]
@@ -162,6 +164,21 @@ def test_warm_up_collects_the_cycles_then_freezes_the_heap_and_serving_is_unchan
     finally:
         gc.unfreeze()
     assert gc.get_freeze_count() == 0 and any(o is alive for o in gc.get_objects())
+
+
+def test_warm_up_leaves_the_heap_unfrozen_so_a_dropped_model_in_a_reference_cycle_is_freed():
+    # transformers' adapted modules hold bound methods of themselves; a library engine must not keep
+    # such a model alive after its caller drops it (freezing is for processes that own their lifetime)
+    model = ToyModel(seed=7)
+    model.cycle = [model]  # a plain attribute: model -> list -> model
+    engine, _ = graph_engine(model, kv_positions=4 * 96)
+    engine.warm_up()
+    assert gc.get_freeze_count() == 0
+    dead = weakref.ref(model)
+    engine.close()
+    del engine, model
+    gc.collect()
+    assert dead() is None
 
 
 _FROZEN_CYCLE_AT_EXIT = """

@@ -161,6 +161,7 @@ class EngineReplica:
     async def __init__(self, options: dict[str, Any]) -> None:
         from batchkv.cli.options import build_engine, load_model, resolve_device, set_threads
         from batchkv.cli.serve import limits_from, use_tokenizer
+        from batchkv.executor.graphs import freeze_heap
         from batchkv.serve.metrics import ServerMetrics
         from batchkv.serve.worker import EngineWorker
 
@@ -171,6 +172,7 @@ class EngineReplica:
         self.engine = build_engine(args, served, device)
         use_tokenizer(self.engine, served.tokenizer)  # constrained decoding, when it can
         self.engine.warm_up()  # graphs captured before the first request (0 s without graphs)
+        freeze_heap()  # the replica serves until it exits: no full pass of the collector walks the model
         self.metrics = ServerMetrics(self.engine.cache.max_seqs)
         timeout = limits_from(args).request_timeout
         self.worker = EngineWorker(self.engine, self.metrics, max_waiting=args.max_waiting, request_timeout=timeout)

@@ -324,6 +324,8 @@ def _serve_from_process(args: argparse.Namespace, device: str, access: Access, s
 def served_engine(args: argparse.Namespace, device: str, access: Access, port: int):
     """(In the engine process) load the model, build the engine, announce it and capture its graphs:
     (engine, (the served model's ModelInfo, max_seqs))."""
+    from batchkv.executor.graphs import freeze_heap
+
     set_threads(args)
     served = load_model(args, device)
     engine = build_engine(args, served, device)
@@ -335,6 +337,7 @@ def served_engine(args: argparse.Namespace, device: str, access: Access, port: i
             seconds = engine.warm_up()
             graphs = f"batchkv serve: captured {len(engine.buckets)} step graphs in {seconds:.1f} s"
             print(graphs, file=sys.stderr, flush=True)
+        freeze_heap()  # the engine process serves until it exits: no full pass of the collector walks the model
     except BaseException:
         engine.close()
         raise

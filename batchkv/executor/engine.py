@@ -24,7 +24,6 @@ from batchkv.checks import int_arg
 from batchkv.errors import RequestError, StepError
 from batchkv.executor import build
 from batchkv.executor.constraints import Grammars
-from batchkv.executor.graphs import freeze_heap
 from batchkv.executor.launch import start, stops_ranks_on_failure
 from batchkv.executor.metrics import Metrics
 from batchkv.executor.pipeline import InFlight, Pipeline
@@ -369,19 +368,19 @@ class Engine:
 
     def warm_up(self) -> float:
         """Capture the graph of every step width now (compiling the kernels it launches), so that no
-        step of the serving that follows pays for a capture, as a server does before it listens; then
-        `freeze_heap()`. Needs an engine that holds nothing yet; returns the seconds it took (0 without
-        graphs). Storage that later grows or moves (`kv_positions` not allocated whole) captures again."""
-        if self.uses_graphs and (self.has_work or self.cache.sequences):
+        step of the serving that follows pays for a capture, as a server does before it listens.
+        Needs an engine that holds nothing yet; returns the seconds it took (0 without graphs).
+        Storage that later grows or moves (`kv_positions` not allocated whole) captures again."""
+        if not self.uses_graphs:
+            return 0.0
+        if self.has_work or self.cache.sequences:
             raise StepError(
                 f"warm_up needs an engine that holds no sequences; this one holds {len(self.cache.sequences)} "
                 "(call it before submitting requests, or after run_until_done() and clear_prefix_cache())"
             )
         start = time.perf_counter()
-        if self.uses_graphs:
-            self.runner.warm(self.buckets)
-        freeze_heap()
-        return time.perf_counter() - start if self.uses_graphs else 0.0
+        self.runner.warm(self.buckets)
+        return time.perf_counter() - start
 
     def clear_prefix_cache(self) -> None:
         """Free every cached prefix now (they are freed anyway when their memory is needed)."""

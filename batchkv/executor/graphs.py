@@ -43,8 +43,12 @@ def freeze_heap() -> int:
     generation (`gc.freeze`, as vLLM's engine does after startup), so that its full passes stop walking
     the model, the libraries and the graphs' Python state. Such a pass took 243 ms of the first step of
     the SmolLM2-shape run on the H200 (bench/results/smol-gc-h200.json). Objects still die by reference
-    count as before; `gc.unfreeze()` undoes it, and does at exit (bindings that count their live objects
-    at shutdown, nanobind's, would otherwise report the frozen ones as leaked). Returns the frozen count."""
+    count as before, but garbage in reference cycles (a model dropped later: transformers' adapted
+    modules hold bound methods of themselves) stays until `gc.unfreeze()`. So it is for processes that
+    own their lifetime, once their model is loaded and warm: `batchkv run` and `serve`, a Ray replica, a
+    tensor-parallel rank, a benchmark; `Engine` never calls it. `gc.unfreeze()` also runs at exit
+    (bindings that count their live objects at shutdown, nanobind's, would otherwise report the frozen
+    ones as leaked). Returns the frozen count."""
     global _unfreeze_at_exit
     if not _unfreeze_at_exit:
         atexit.register(gc.unfreeze)

@@ -79,6 +79,7 @@ def run(
 ) -> int:
     """Serve `engine` on the bound `sock` from a thread of this process until a signal stops the
     server; returns the exit status. The engine thread stops here; the caller closes the engine."""
+    from batchkv.executor.graphs import freeze_heap
     from batchkv.serve.metrics import ServerMetrics
     from batchkv.serve.worker import EngineWorker
 
@@ -88,6 +89,7 @@ def run(
         seconds = engine.warm_up()
         graphs = f"batchkv serve: captured {len(engine.buckets)} step graphs in {seconds:.1f} s"
         print(graphs, file=sys.stderr, flush=True)
+    freeze_heap()  # this process serves until it exits: no full pass of the collector walks the model
     return serve(worker, info, metrics, access, sock, drain_timeout=drain_timeout, log_level=log_level,
                  access_log=access_log)  # fmt: skip
 

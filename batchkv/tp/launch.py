@@ -28,6 +28,7 @@ from torch import nn
 
 from batchkv.errors import ConfigError
 from batchkv.executor.engine import Engine
+from batchkv.executor.graphs import freeze_heap
 from batchkv.models.loading import ModelSource
 from batchkv.tp.group import Group, step_timeout
 from batchkv.tp.roles import Follower, Leader
@@ -78,6 +79,7 @@ def follow(group: Group, source: ModelSource, options: dict) -> None:
     role = Follower(group)
     model = source.build(group.shard)
     engine = Engine(model, **{**options, "device": group.device}, _role=role)
+    freeze_heap()  # as rank 0's process does: a full pass of the collector here would stall every rank's step
     role.serve()
     engine.close()
 

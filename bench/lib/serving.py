@@ -1,7 +1,6 @@
-"""What the serving entry points share: the request list, the serving engine and its warm-up, an
-offline run, one sequence's ms/token, the idle engine's full-chunk step, and `Parts` (named parts
-under one deadline, the JSON saved after each, `--resume` skipping those done). bench/decode.py,
-prefix.py, real_model.py and tp.py build on these."""
+"""What the serving entry points (bench/decode.py, prefix.py, real_model.py, tp.py) share: the request list, the serving
+engine and its warm-up (the heap frozen after it), an offline run, one sequence's ms/token, the idle engine's full-chunk
+step, and `Parts` (named parts under one deadline, the JSON saved after each, `--resume` skipping those done)."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ import numpy as np
 import torch
 
 from batchkv.executor import Engine, Request, SamplingParams
+from batchkv.executor.graphs import freeze_heap
 
 from .timing import Deadline
 
@@ -25,7 +25,8 @@ def sync(device: torch.device) -> None:
 
 
 def release(device: torch.device) -> None:
-    """Give a closed engine's memory back to the device before the next one sizes itself."""
+    """Give a closed engine's memory (its model's reference cycles too: unfrozen) back before the next sizes itself."""
+    gc.unfreeze()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -61,7 +62,7 @@ def serving_engine(
 
 WARM_UP = (
     "the first 64 prompts with at most 16 new tokens each, untimed, then Engine.warm_up() (every width's graph "
-    "captured, kernels compiled) and an empty prefix cache"
+    "captured, kernels compiled), an empty prefix cache and the heap frozen (freeze_heap, as batchkv serve does)"
 )
 
 
@@ -71,6 +72,7 @@ def warm_up(engine: Engine, device, prompts, outputs) -> None:
     serve_offline(engine, device, prompts[:64], [min(o, 16) for o in outputs[:64]])
     engine.clear_prefix_cache()
     engine.warm_up()  # every width's graph, so that no timed step captures one
+    freeze_heap()  # as batchkv serve's engine process does: no timed step walks the model in a full collection
     engine.metrics = engine.metrics.fresh()
 
 
@@ -137,14 +139,14 @@ def serve_offline(engine: Engine, device, prompts, outputs) -> dict:
 class Parts:
     """Runs named parts once each, under a deadline, saving the result after every part."""
 
+    skip: tuple[str, ...] = ()  # parts not to run (--skip-parts)
+
     def __init__(self, result: dict, out: Path, deadline: Deadline) -> None:
         self.result, self.out, self.deadline = result, out, deadline
         self.status = result.setdefault("parts", {})
 
     def save(self) -> None:
         self.out.write_text(json.dumps(self.result, indent=2) + "\n")
-
-    skip: tuple[str, ...] = ()  # parts not to run (--skip-parts)
 
     def run(self, name: str, fn, need_s: float = 1.0) -> None:
         if self.status.get(name, {}).get("status") == "done":
