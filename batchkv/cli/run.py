@@ -179,7 +179,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             _bind_tokenizer(args, engine, served.tokenizer)
         items = items if items is not None else _synthetic(args, engine.vocab_size, served.tokenizer)
         progress = _Progress(args, sum(item.request.params.n for item in items))
-        freeze_heap()  # as Engine.warm_up does: no full pass of the collector walks the model in a step
+        freeze_heap()  # as batchkv serve does once warm: no full pass of the collector walks the model in a step
         result = replay(engine, items, progress.on_step, stop_on_interrupt=True)
         progress.close(len(result.refusals))
         return _report(args, engine, device, items, result, progress, served.tokenizer)

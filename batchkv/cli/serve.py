@@ -324,7 +324,7 @@ def _serve_from_process(args: argparse.Namespace, device: str, access: Access, s
 def served_engine(args: argparse.Namespace, device: str, access: Access, port: int):
     """(In the engine process) load the model, build the engine, announce it and capture its graphs:
     (engine, (the served model's ModelInfo, max_seqs))."""
-    from batchkv.executor.graphs import freeze_heap
+    from batchkv.serve import server
 
     set_threads(args)
     served = load_model(args, device)
@@ -333,11 +333,7 @@ def served_engine(args: argparse.Namespace, device: str, access: Access, port: i
         info = _model_info(args, served, engine)
         constraints = use_tokenizer(engine, served.tokenizer)
         _announce(args, served, engine, info, device, port, access, constraints)
-        if engine.uses_graphs:  # before it serves: no request's step waits for a capture
-            seconds = engine.warm_up()
-            graphs = f"batchkv serve: captured {len(engine.buckets)} step graphs in {seconds:.1f} s"
-            print(graphs, file=sys.stderr, flush=True)
-        freeze_heap()  # the engine process serves until it exits: no full pass of the collector walks the model
+        server.warm(engine)  # the engine process serves until it exits
     except BaseException:
         engine.close()
         raise

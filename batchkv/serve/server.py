@@ -66,6 +66,19 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def warm(engine) -> None:
+    """Before the engine serves: every width's graph captured (no request's step waits for a capture,
+    the count and seconds on stderr), then the heap frozen, since the process serves until it exits
+    (`freeze_heap`: no full pass of the cycle collector walks the model in a step)."""
+    from batchkv.executor.graphs import freeze_heap
+
+    if engine.uses_graphs:
+        seconds = engine.warm_up()
+        graphs = f"batchkv serve: captured {len(engine.buckets)} step graphs in {seconds:.1f} s"
+        print(graphs, file=sys.stderr, flush=True)
+    freeze_heap()
+
+
 def run(
     engine,
     info: ModelInfo,
@@ -79,17 +92,12 @@ def run(
 ) -> int:
     """Serve `engine` on the bound `sock` from a thread of this process until a signal stops the
     server; returns the exit status. The engine thread stops here; the caller closes the engine."""
-    from batchkv.executor.graphs import freeze_heap
     from batchkv.serve.metrics import ServerMetrics
     from batchkv.serve.worker import EngineWorker
 
     metrics = ServerMetrics(engine.cache.max_seqs)
     worker = EngineWorker(engine, metrics, max_waiting=max_waiting, request_timeout=info.limits.request_timeout)
-    if engine.uses_graphs:  # before it listens: no request's step waits for a capture
-        seconds = engine.warm_up()
-        graphs = f"batchkv serve: captured {len(engine.buckets)} step graphs in {seconds:.1f} s"
-        print(graphs, file=sys.stderr, flush=True)
-    freeze_heap()  # this process serves until it exits: no full pass of the collector walks the model
+    warm(engine)
     return serve(worker, info, metrics, access, sock, drain_timeout=drain_timeout, log_level=log_level,
                  access_log=access_log)  # fmt: skip
 
