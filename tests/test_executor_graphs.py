@@ -154,7 +154,8 @@ def test_freeze_heap_collects_the_cycles_first_then_freezes_and_a_warm_engine_se
     del garbage
     assert dead() is not None and any(o is alive for o in gc.get_objects())
     try:
-        assert freeze_heap() == gc.get_freeze_count() > 0
+        frozen = freeze_heap()
+        assert 0 < gc.get_freeze_count() <= frozen  # frozen objects may still die by refcount; none join
         assert dead() is None  # collected before the freeze
         assert not any(o is alive for o in gc.get_objects())  # frozen: out of the collector's passes
         request = Request([3, 1, 4, 1, 5], greedy(12))
