@@ -19,7 +19,7 @@ from batchkv.ops import sdpa_varlen_reference
 from batchkv.ops.reference import quantize_fp8
 from batchkv.ops.sdpa.common import prefetch_keys
 from batchkv.ops.sdpa.launch import SdpaConfig, resolve_config, sdpa_varlen
-from batchkv.ops.support import to_scale_layout
+from batchkv.ops.support import sm_count, to_scale_layout
 from tests.test_sdpa_varlen import check, make_case
 
 VARIANTS = {
@@ -99,6 +99,29 @@ def test_warp_split_widens_the_default_key_tile_to_16_keys_per_warp():
     resolved = resolve_config(SdpaConfig(warp_split=4), 256, torch.bfloat16, 8, torch.device("cpu"))
     assert (resolved.block_n, resolved.num_warps) == (64, 4)
     assert resolve_config(SdpaConfig(), 256, torch.bfloat16, 8, torch.device("cpu")).block_n == 32
+
+
+def test_small_heads_take_two_warps_occupancy_four_and_two_stages_unless_told_otherwise():
+    """One head a program at head tiles <= 64 (the H200 sweep of bench/results/smol-attn-h200.json); wider
+    heads, several heads a program, warp split and split_merge keep 4 warps (or one a head), occupancy 2
+    and 3 stages; explicit fields win. programs = occupancy * SMs over the head groups."""
+    cpu = torch.device("cpu")
+
+    def chosen(config, head_dim, kv_heads, dtype=torch.bfloat16):
+        r = resolve_config(config, head_dim, dtype, kv_heads, cpu, True)
+        return r.num_warps, r.occupancy, r.num_stages, r.programs
+
+    sms = sm_count(cpu)
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float32):
+        for head_dim in (16, 32, 64):
+            assert chosen(None, head_dim, 3, dtype) == (2, 4, 2, -(-4 * sms // 3))
+        assert chosen(None, 128, 8, dtype) == (4, 2, 3, -(-2 * sms // 8))
+        assert chosen(None, 256, 1, dtype) == (4, 2, 3, 2 * sms)
+    assert chosen(SdpaConfig(heads=2), 64, 4) == (2, 2, 3, sms)  # one warp a head
+    assert chosen(SdpaConfig(warp_split=4), 64, 3)[:3] == (4, 2, 3)
+    assert chosen(SdpaConfig(split_merge=True), 64, 3)[:3] == (4, 2, 3)
+    assert chosen(SdpaConfig(occupancy=3, num_warps=8, num_stages=4), 64, 3) == (8, 3, 4, 3 * sms // 3)
+    assert chosen(SdpaConfig(occupancy=1), 64, 1)[1:3] == (1, 2)  # one field given, the others still chosen
 
 
 BAD_FIELDS = [dict(warp_split=3), dict(warp_split=4, block_n=32), dict(warp_split=2, heads=2), dict(prefetch=-1),

@@ -27,11 +27,17 @@ class SdpaConfig:
     per program beat 2, 4 and 8 on every decode, verify and mixed case, see
     bench/results/kernels-sweep-h200.json). Several heads make 3-D tiles with one warp per head:
     num_warps 0 means 4 for one head, else `heads`, since Triton 3.6 puts every warp on the
-    head axis and replicates work when there are more warps than heads;
+    head axis and replicates work when there are more warps than heads. Small heads (one head per
+    program, head tiles of at most 64 columns, no warp_split, not split_merge) take 0 as 2 warps,
+    occupancy 4 and 2 stages: on the H200 at SmolLM2-135M's attention (Hq 9, Hkv 3, D 64; 16-256
+    decoding sequences of serving lengths) that ran 1.01-1.15x faster on bf16 stores and
+    1.11-1.20x on e4m3 than 4 warps, occupancy 2 and 3 stages on a 257-column store, and served the SmolLM2
+    shape from the engine's pool store no faster and no slower (bench/results/smol-attn-h200.json);
     block_n: key positions per tile (0: ~32 KiB of K+V per stage, so 128 keys of e4m3 at D 128
     where bf16 takes 64); block_m: tile rows per KV head,
     (query, group head) pairs (>= 16); q_short: segments with q_len <= q_short take this path;
-    programs: programs per head group (P; 0: occupancy programs per SM over all head groups);
+    programs: programs per head group (P; 0: occupancy programs per SM over all head groups;
+    occupancy 0: 2, or 4 for small heads); num_stages (0: 3, or 2 for small heads);
     min_blocks: fewest key blocks a program takes (fewer programs share a short total, fewer
     partials to merge); skip_masks: no mask on key blocks every row attends whole; merge_rows:
     tile rows per head merged at once (0: next power of two >= G); merge_tile: fp32 elements a
@@ -76,9 +82,9 @@ class SdpaConfig:
     block_m: int = 16
     q_short: int = 16
     programs: int = 0
-    occupancy: int = 2
+    occupancy: int = 0
     num_warps: int = 0
-    num_stages: int = 3
+    num_stages: int = 0
     min_blocks: int = 1
     skip_masks: bool = True
     merge_rows: int = 0
@@ -145,7 +151,9 @@ def resolve_config(
         raise ContractError(f"{cfg}: split_merge runs one KV head per program without warp_split or prefetch")
     esize = dtype.itemsize
     heads = math.gcd(cfg.heads or 1, num_kv_heads)
-    num_warps = cfg.num_warps or (cfg.warp_split if cfg.warp_split > 1 else 4 if heads == 1 else heads)
+    small = heads == 1 and head_dim <= 64 and cfg.warp_split == 1 and not cfg.split_merge  # small heads
+    num_warps = cfg.num_warps or (cfg.warp_split if cfg.warp_split > 1 else heads if heads > 1 else 2 if small else 4)
+    occupancy, num_stages = cfg.occupancy or (4 if small else 2), cfg.num_stages or (2 if small else 3)
     stage_keys = 32768 // (2 * head_dim * esize * heads)  # key positions whose K+V fill 32 KiB
     block_n = cfg.block_n or max(16 * cfg.warp_split, min(128, pow2_floor(stage_keys)))
     if cfg.warp_split > 1 and (heads > 1 or block_n < 16 * cfg.warp_split):
@@ -154,16 +162,18 @@ def resolve_config(
     e4m3_tiles = half_queries and esize == 1 and head_dim <= 128  # 128-key tiles of codes, one warpgroup
     block_n_long = cfg.block_n_long or (128 if e4m3_tiles else 32 if wide_rows else 64)
     block_m_long = cfg.block_m_long or (64 if wide_rows or e4m3_tiles else 128)
-    programs = cfg.programs or max(1, -(-cfg.occupancy * sm_count(device) // (num_kv_heads // heads)))
+    programs = cfg.programs or max(1, -(-occupancy * sm_count(device) // (num_kv_heads // heads)))
     if min(block_n, block_n_long, cfg.block_m, block_m_long) < 16 or any(n & (n - 1) for n in (block_n, block_n_long)):
         raise ContractError(f"{cfg}: tiles need at least 16 rows and a power of two, at least 16, of keys")
     max_regs = cfg.max_regs
-    if not max_regs and cfg.occupancy * num_warps * 32 * 256 > REGISTERS:  # else 255 registers fit
-        max_regs = max(64, REGISTERS // (cfg.occupancy * num_warps * 32) // 8 * 8)
+    if not max_regs and occupancy * num_warps * 32 * 256 > REGISTERS:  # else 255 registers fit
+        max_regs = max(64, REGISTERS // (occupancy * num_warps * 32) // 8 * 8)
     return replace(
         cfg,
         heads=heads,
         num_warps=num_warps,
+        occupancy=occupancy,
+        num_stages=num_stages,
         max_regs=max_regs,
         block_n=block_n,
         programs=programs,
