@@ -8,6 +8,8 @@ import gc
 import importlib
 import types
 
+import pytest
+
 from batchkv import cli
 from batchkv.cli import serve as cli_serve
 from batchkv.executor import Engine
@@ -60,6 +62,8 @@ def test_a_tensor_parallel_follower_freezes_the_heap_before_it_replays_rank_0s_s
 
 def test_a_ray_replica_freezes_the_heap_once_its_engine_is_warm(monkeypatch):
     import asyncio
+
+    pytest.importorskip("ray", reason="the replica's module imports Ray (the [ray] extra)")
 
     from batchkv.cli import options
     from batchkv.cli.ray import EngineReplica
