@@ -62,7 +62,7 @@ def test_graphs_decode_the_same_tokens_as_eager(model, seed):
         assert got[graph_ids[index]] == expected[eager_ids[index]], f"request {index}"
     m = graphed.metrics
     assert m.growths >= 2 and m.captures > 0 and m.replays == m.steps
-    assert m.captures <= m.summary()["width_buckets_used"] * (1 + m.growths)
+    assert m.captures <= 2 * m.summary()["width_buckets_used"] * (1 + m.growths)  # 2: short steps key apart
     graphed.assert_idle()
 
 
@@ -80,7 +80,7 @@ def test_200_requests_capture_per_bucket_and_growth_and_hold_memory_flat(model):
     after_200 = torch.cuda.memory_allocated()
     m = served.metrics.summary()
     assert m["requests_submitted"] == 200 and sum(m["finished"].values()) == 200
-    assert m["growths"] == 0 and m["captures"] <= m["width_buckets_used"], m
+    assert m["growths"] == 0 and m["captures"] <= 2 * m["width_buckets_used"], m  # with and without long runs
     memory = (after_20, after_200, reserved_20, torch.cuda.memory_reserved())
     assert abs(after_200 - after_20) <= 0.01 * after_20, memory
     served.assert_idle()
@@ -148,7 +148,8 @@ def test_after_warm_up_serving_captures_no_graph_and_decodes_what_eager_decodes(
     graphed = engine(model, True, **whole)
     assert graphed.warm_up() > 0
     runner = graphed.runner
-    assert runner.captures == len(graphed.buckets) and graphed.metrics.steps == 0
+    long = sum(min(graphed.cache.config.max_write, width) > 16 for width in graphed.buckets)  # also captured short
+    assert runner.captures == len(graphed.buckets) + long and long and graphed.metrics.steps == 0
     captured, replayed = runner.captures, runner.replays
     got, graph_ids = drive(graphed, schedule, cancels)
     for index in range(len(schedule)):

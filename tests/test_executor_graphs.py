@@ -68,7 +68,8 @@ def test_one_key_per_width_bucket_and_generation_whatever_the_length_mix(overlap
         assert (outputs[ids[index]].tokens[0], outputs[ids[index]].finish_reasons[0]) == oracle(model, request, 96)
     fingerprint = engine.runner.fingerprint()
     all_keys = set(graphs.keys) | set(graphs.retired)
-    assert all(width in engine.buckets and fp == fingerprint for width, _, fp in all_keys)
+    # 8-token prompt chunks: every run is short, so every step keys (width, True)
+    assert all(width in engine.buckets and short and fp == fingerprint for (width, short), _, fp in all_keys)
     assert graphs.captures == len(all_keys)  # each key captured once, however many length mixes replayed it
     assert graphs.replays == engine.metrics.steps > graphs.captures
     assert graphs.retired and engine.metrics.growths >= 1  # graphs of the old storage were dropped
@@ -88,6 +89,55 @@ def test_a_changed_module_tree_gets_a_new_graph():
     new = set(graphs.keys) - before
     assert new and all(key[2] != next(iter(before))[2] for key in new)
     assert before <= set(graphs.retired)  # graphs of the old tree are dropped, not kept alongside
+
+
+def test_short_steps_key_apart_and_their_attention_launches_no_prompt_chunk_kernel(monkeypatch):
+    """Triton attention (the interpreter): a step with a 32-token prompt chunk keys (width, False) and launches
+    the long kernel in each layer; a step whose runs have at most 16 tokens (a short chunk beside decodes, or
+    decodes alone) keys (width, True) and launches none. Tokens match the oracle, the reference's own check
+    of the promise included (the graph replays the function captured for its key)."""
+    from batchkv.ops.sdpa import launch
+
+    launches = []
+    real = launch._launch_long
+    monkeypatch.setattr(launch, "_launch_long", lambda *args, **kwargs: (launches.append(1), real(*args, **kwargs)))
+    model = ToyModel(seed=6, head_dim=16)
+    engine = Engine(model, max_seqs=2, capacity=64, max_step_tokens=48, prefill_chunk=32, attention="triton")
+    graphs = RecordingGraphs()
+    engine.runner.graphs, engine.runner.pad_rows = graphs, True
+    steps = []
+    real_run = graphs.run
+
+    def run(key, fn):
+        before = len(launches)
+        out = real_run(key, fn)
+        steps.append((key[0][1], len(launches) - before))
+        return out
+
+    graphs.run = run
+    requests = [Request(list(range(3, 43)), greedy(3)), Request([5, 6, 7], greedy(4))]
+    ids = [engine.submit(r) for r in requests]
+    events = engine.run_until_done()
+    for rid, request in zip(ids, requests, strict=True):
+        tokens = [e.token for e in events if e.request_id == rid and e.token is not None]
+        assert (tokens, "length") == oracle(model, request, 64)
+    layers = len(engine.cache.config.layers)
+    assert steps[0] == (False, layers)  # the 40-token prompt's first 32-token chunk
+    assert {n for short, n in steps if short} == {0} and sum(short for short, _ in steps) >= 3
+
+
+def test_warm_captures_a_short_graph_beside_each_width_whose_chunks_are_long():
+    model = ToyModel(seed=7)
+    engine = Engine(model, max_seqs=4, capacity=96, max_step_tokens=64, prefill_chunk=32)
+    graphs = RecordingGraphs()
+    engine.runner.graphs, engine.runner.pad_rows = graphs, True
+    engine.runner.warm(engine.buckets)
+    share = engine.cache.config.max_write
+    long = {width for width in engine.buckets if min(share, width) > 16}
+    assert long and {key[0] for key in graphs.keys} == {(w, w not in long) for w in engine.buckets} | {
+        (w, True) for w in long
+    }
+    engine.assert_idle()  # the warm steps' sequences are gone
 
 
 def test_adapter_wrappers_turn_graphs_off_and_drop_the_captures(monkeypatch):
@@ -123,7 +173,7 @@ def test_warm_up_captures_every_width_so_serving_captures_nothing_and_decodes_th
     model = ToyModel(seed=4)
     engine, graphs = graph_engine(model, kv_positions=4 * 96, overlap=overlap)  # the store whole: no growth
     assert engine.warm_up() >= 0
-    assert {width for width, _, _ in graphs.keys} == set(engine.buckets)
+    assert {width for (width, _), _, _ in graphs.keys} == set(engine.buckets)
     assert not engine.cache.sequences and not engine.has_work and engine.metrics.steps == 0
     captured = graphs.captures
     rng = random.Random(12)

@@ -166,6 +166,32 @@ def test_empty_table_rows_and_uncovered_rows_come_out_as_exact_zeros():
     assert torch.equal(out[1:], torch.zeros_like(out[1:]))
 
 
+def test_max_q_len_within_q_short_skips_the_long_launch_and_gives_the_same_rows(monkeypatch):
+    """A table of decode and verify runs, 22 packed rows (over q_short, so the long kernel would launch):
+    under max_q_len=16 it does not and the rows match the reference; a 20-token run under max_q_len=None
+    still takes it; the reference refuses a run past a promised bound, and a bound below 1 is refused."""
+    from batchkv.ops.sdpa import launch
+
+    calls = []
+    real = launch._launch_long
+    monkeypatch.setattr(launch, "_launch_long", lambda *args, **kwargs: (calls.append(1), real(*args, **kwargs)))
+    segments = [(1, 0, 40), (4, 1, 57), (1, 2, 24), (16, 3, 33)]
+    (q, k, v), info = make_case(segments, rows=64, pad=0)
+    hinted = sdpa_varlen(q, k, v, info, max_q_len=16)
+    assert calls == []
+    plain = sdpa_varlen(q, k, v, info)
+    assert len(calls) == 1  # the same call without the bound launches it (it finds no work)
+    torch.testing.assert_close(hinted, sdpa_varlen_reference(q, k, v, info, max_q_len=16), atol=2e-5, rtol=1e-4)
+    assert torch.equal(hinted, plain)
+    (q, k, v), info = make_case([(20, 0, 40), (1, 1, 9)], rows=64, pad=0)
+    sdpa_varlen(q, k, v, info)
+    assert len(calls) == 2
+    with pytest.raises(ContractError, match="max_q_len is 16"):
+        sdpa_varlen_reference(q, k, v, info, max_q_len=16)
+    with pytest.raises(ContractError, match="max_q_len"):
+        sdpa_varlen(q, k, v, info, max_q_len=0)
+
+
 def test_an_all_empty_table_zeroes_every_row():
     (q, k, v), info = make_case([(0, 0, 0), (0, 1, 0)], rows=16, pad=3)
     assert torch.equal(sdpa_varlen(q, k, v, info), torch.zeros_like(q))

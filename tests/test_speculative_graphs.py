@@ -36,11 +36,12 @@ def test_draft_and_verify_steps_replay_one_graph_per_bucket_key():
     for graphs, buckets in ((verify, engine.buckets), (draft, (0, *engine.speculator.proposer.buckets))):
         keys = set(graphs.keys) | set(graphs.retired)
         assert graphs.captures == len(keys) and graphs.replays > graphs.captures
-        for head, _generation, _fingerprint in keys:
-            assert all(size in buckets for size in head[:2])
-    drafter_rows = {head[1] for head, _, _ in set(draft.keys) | set(draft.retired)}
+        for (head, short), _generation, _fingerprint in keys:
+            assert all(size in buckets for size in head[:2]) and short in (True, False)
+    drafter_rows = {head[1] for (head, _), _, _ in set(draft.keys) | set(draft.retired)}
     assert 0 in drafter_rows and len(drafter_rows) > 1  # context-only steps (rows 0) and drafting ones
-    assert {sampling for (_, _, sampling), _, _ in verify.keys} <= {True, False}
+    assert {sampling for ((_, _, sampling), _), _, _ in verify.keys} <= {True, False}
+    assert {short for (_, short), _, _ in verify.keys} == {True}  # 8-token chunks and 4-token verify blocks
     assert {gen for _, gen, _ in draft.keys} == {engine.speculator.proposer.cache.generation}
     assert engine.metrics.spec_proposed > 0
 

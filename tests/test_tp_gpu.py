@@ -40,7 +40,8 @@ def test_two_gpus_replaying_graphs_emit_one_gpus_tokens(case):
     with Engine("sensenova-u1-tiny", tensor_parallel=2, **options) as engine:
         assert engine.uses_graphs and engine.overlap == ("speculative" not in extra)
         if warm:
-            assert engine.warm_up() > 0 and engine.runner.captures == len(engine.buckets)
+            long = sum(min(engine.cache.config.max_write, width) > 16 for width in engine.buckets)  # and short
+            assert engine.warm_up() > 0 and engine.runner.captures == len(engine.buckets) + long
         captured = engine.runner.captures
         assert outputs(engine, plan) == expected
         assert engine.runner.replays > engine.runner.captures > 0

@@ -27,7 +27,7 @@ from batchkv.cache.hooks import FacadeHooks
 from batchkv.cache.staging import Staging
 from batchkv.cache.step import Declaration, Placement, StepBuffers
 from batchkv.cache.store import SCRATCH, Allocator, ColumnStore
-from batchkv.cache.views import CacheViews
+from batchkv.cache.views import SHORT_RUN, CacheViews
 from batchkv.checks import allocating, device_arg, int_arg, is_int
 from batchkv.errors import CapacityError, ConfigError, NoFreeColumnError, PositionError, RingFloorError, StepError
 from batchkv.ops.support import refusal
@@ -47,14 +47,16 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
                                                  max_seqs=4, capacity=256, max_write=8), "cpu")
         a = cache.seq_new()
         cache.declare_step([a, a, a]); cache.prepare_step(width=4)
-        out = cache.update_and_attend(0, q, k, v)   # q [4, Hq, 16], k/v [4, 2, 16]
-        ...                                          # every layer
+        out = cache.update_and_attend(0, q, k, v)   # q [4, Hq, 16], k/v [4, 2, 16]; every layer
         cache.commit_step()                          # cache.pos(a) == 3
 
     `attention` picks the kernels: "auto" (Triton on CUDA when available, else the torch
     reference), "triton" or "reference". An unknown or unavailable `device` is a ConfigError; a
-    store the device cannot hold is a CapacityError with the bytes asked for.
+    store the device cannot hold is a CapacityError with the bytes asked for. `short_hints` (off):
+    a `short_step` attends with no prompt-chunk launch, for callers whose graphs key on it (the engine).
     """
+
+    short_hints = False
 
     def __init__(
         self,
@@ -96,9 +98,8 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
         rings = [config.ring_rows(layer) for layer in range(config.num_layers) if config.ring_rows(layer)]
         self._min_ring = min(rings, default=0)  # a sequence wrapped some ring once it wrote more
         self._declaration: Declaration | None = None
-        # The last declaration made and a copy of its ids: a steady decode step declares the same
-        # ids as the one before, and reuses its segments (one comparison instead of the run-length
-        # encoding). The checks against the cache's state still run every step.
+        # The last declaration made and a copy of its ids: a steady decode step declares the ids of the one before
+        # and reuses its segments (one comparison, no run-length encoding); the state checks still run every step.
         self._last: tuple[np.ndarray, Declaration] | None = None
         self._width: int | None = None  # set by prepare_step, cleared by commit/invalidation
 
@@ -395,4 +396,5 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
             q, store["k"], store["v"], seq_info, scale=scale, causal=causal,
             window=cfg.layers[layer].window, k_scale=store.get("k_scale"), v_scale=store.get("v_scale"),
             write=(k, v, slots), rows=self._store.modulus(layer), softcap=float(softcap or 0.0), sinks=sinks,
+            max_q_len=SHORT_RUN if self.short_hints and self.short_step else None,
         )  # fmt: skip

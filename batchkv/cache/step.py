@@ -12,6 +12,7 @@ so its cost follows the step, not `max_seqs` or `max_width`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -112,6 +113,11 @@ class Declaration:
     def split(self) -> bool:
         """True when some sequence appears in more than one run."""
         return self.seqs.size != self.members.size
+
+    @functools.cached_property
+    def longest(self) -> int:
+        """The most tokens of any run (computed once: a steady decode step reuses its declaration)."""
+        return int(self.q_len.max()) if self.q_len.size else 0
 
     def kv_end(self, lengths: np.ndarray) -> np.ndarray:
         """One past each segment's last position, given the lengths (by sequence id) before the step:

@@ -9,6 +9,8 @@ import torch
 from batchkv.checks import int_arg, is_int
 from batchkv.errors import ContractError, PositionError, UnknownSequenceError
 
+SHORT_RUN = 16  # the most tokens of a run that the attention's split path takes (SdpaConfig.q_short's default)
+
 
 class CacheViews:
     """The read-only side of `BatchedSequenceCache` (a base class of it: no state of its own)."""
@@ -20,6 +22,13 @@ class CacheViews:
     @property
     def capacity(self) -> int:
         return self.config.capacity
+
+    @property
+    def short_step(self) -> bool:
+        """Whether every run of the declared step has at most SHORT_RUN tokens (decode, verify blocks):
+        with `short_hints` on, such a step's attention launches no prompt-chunk kernel, so a graph
+        captured over the cache keys on this as it does on the width."""
+        return self._declaration is not None and self._declaration.longest <= SHORT_RUN
 
     @property
     def generation(self) -> int:

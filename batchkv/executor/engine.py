@@ -367,8 +367,8 @@ class Engine:
         return list(self.stream())
 
     def warm_up(self) -> float:
-        """Capture the graph of every step width now (compiling the kernels it launches), so that no
-        step of the serving that follows pays for a capture, as a server does before it listens.
+        """Capture the graphs of every step width now (with prompt chunks and, where those are long, short),
+        so that no step of the serving that follows pays for a capture, as a server does before it listens.
         Needs an engine that holds nothing yet; returns the seconds it took (0 without graphs).
         Storage that later grows or moves (`kv_positions` not allocated whole) captures again."""
         if not self.uses_graphs:

@@ -1,4 +1,4 @@
-"""CUDA graphs keyed by what they bind: (width bucket, storage generation, module fingerprint).
+"""CUDA graphs keyed by what they bind: ((width bucket, short), storage generation, module fingerprint).
 
 One `GraphSet` holds every graph of one runner in a single shared memory pool. A graph is captured
 after a warm-up on a side stream (cuBLAS workspaces and lazy allocations happen outside the

@@ -1,40 +1,36 @@
 """The model runner: static step inputs on the device, one forward (eager or a replayed CUDA graph),
 and sampling, queued without waiting for the device.
 
-Every per-step input lives in fixed-address device tensors sized at the largest width bucket:
-the logits selector int64 [R], the sampling parameters [R], token ids, RoPE indexes and token
-sources as one int64 [5, W] block per width (contiguous, so a step of width W reads a prefix of
-the buffer), and the logits out float32 [R, vocab] ([HEAD_CHUNK, vocab] when the head runs in
-chunks), R the engine's logits rows per step (min(max_seqs, MAX_SAMPLE_ROWS)). The host writes
-them through `Staging` (one pinned buffer per dtype, copied over asynchronously, the int64 one up
-to the step's width); nothing else crosses. With a `GraphSet` the forward is captured
-once per (width bucket, cache generation, module fingerprint) and replayed afterwards; a new mix of
-lengths only changes the contents of the cache's buffers.
+Every per-step input lives in fixed-address device tensors sized at the largest width bucket: the logits selector
+int64 [R], the sampling parameters [R], token ids, RoPE indexes and token sources as one int64 [5, W] block per width
+(contiguous, so a step of width W reads a prefix of the buffer), and the logits out float32 [R, vocab] ([HEAD_CHUNK,
+vocab] when the head runs in chunks), R the engine's logits rows per step (min(max_seqs, MAX_SAMPLE_ROWS)). The host
+writes them through `Staging` (one pinned buffer per dtype, copied over asynchronously, the int64 one up to the step's
+width); nothing else crosses. With a `GraphSet` the forward is captured once per (width bucket, cache generation,
+module fingerprint) and replayed afterwards; a new mix of lengths only changes the contents of the cache's buffers.
+The key's head also says whether every run of the step is short (`cache.short_step`: decode, verify blocks), whose
+attention skips the prompt-chunk launch.
 
-Sampled tokens stay on the device: `sampled` int64 [2, R] holds two launches' tokens (slots
-alternate between consecutive launches), and a row whose token source is r >= 0 takes its id from
-the previous launch's slot, row r, gathered inside the captured forward. Each launch also queues a
-copy of its tokens into a pinned host slot and records an event; `SampledTokens.read()` waits on
-that event: the step's one host synchronisation, which the engine defers until the next step is
-queued (see `batchkv.executor.pipeline`).
+Sampled tokens stay on the device: `sampled` int64 [2, R] holds two launches' tokens (slots alternate between
+consecutive launches), and a row whose token source is r >= 0 takes its id from the previous launch's slot, row r,
+gathered inside the captured forward. Each launch also queues a copy of its tokens into a pinned host slot and records
+an event; `SampledTokens.read()` waits on that event: the step's one host synchronisation, which the engine defers
+until the next step is queued (see `batchkv.executor.pipeline`).
 
-Log-probabilities (`batchkv.executor.logprobs`) follow the same path when a step's rows ask for
-them: prompt scoring rows join the selector after the sampling rows, and the logprobs are copied
-into pinned host slots before the event, read with the tokens. A step where no row asks stages,
-launches and copies exactly what it did before they existed.
+Log-probabilities (`batchkv.executor.logprobs`) follow the same path when a step's rows ask for them: prompt scoring
+rows join the selector after the sampling rows, and the logprobs are copied into pinned host slots before the event,
+read with the tokens. A step where no row asks stages, launches and copies exactly what it did before they existed.
 
-So do the per-row logit adjustments (penalties, logit_bias, min_tokens, min_p) and constrained
-decoding: a step where a row uses one runs `_adjusted_step` (the forward, then the host's staging
-and bitmask fill while the device runs it, then sampling from the adjusted logits); any other step
-runs `_device_step`, unchanged.
+So do the per-row logit adjustments (penalties, logit_bias, min_tokens, min_p) and constrained decoding: a step where
+a row uses one runs `_adjusted_step` (the forward, then the host's staging and bitmask fill while the device runs it,
+then sampling from the adjusted logits); any other step runs `_device_step`, unchanged.
 
-A step of more than HEAD_CHUNK (256) logits rows of a `chunkable` model (HFModel, SenseNova) runs
-`_chunked_step`: the forward (eager or the graph) stops at the final-normed hidden states, then per
-chunk of `head_chunks` of the step's logits rows (not the rows its width pads to) the float32 logits
-are made in the one [256, vocab] buffer, sampled
-(`batchkv.executor.rows.adjuster` for the adjustments) and scored before the next chunk overwrites
-them (at the 8B shape 131 MB instead of 525 MB at 1,024 rows, and the sampler's sort bounded
-alike). Up to 256 rows, or with another model, the unchunked path above runs unchanged.
+A step of more than HEAD_CHUNK (256) logits rows of a `chunkable` model (HFModel, SenseNova) runs `_chunked_step`: the
+forward (eager or the graph) stops at the final-normed hidden states, then per chunk of `head_chunks` of the step's
+logits rows (not the rows its width pads to) the float32 logits are made in the one [256, vocab] buffer, sampled
+(`batchkv.executor.rows.adjuster` for the adjustments) and scored before the next chunk overwrites them (at the 8B
+shape 131 MB instead of 525 MB at 1,024 rows, and the sampler's sort bounded alike). Up to 256 rows, or with another
+model, the unchunked path above runs unchanged.
 """
 
 from __future__ import annotations
@@ -45,6 +41,7 @@ import torch
 
 from batchkv.cache import BatchedSequenceCache
 from batchkv.cache.staging import Staging
+from batchkv.cache.views import SHORT_RUN
 from batchkv.errors import StepError
 from batchkv.executor.constraints import Grammars, MaskRows, constrained
 from batchkv.executor.graphs import AdapterGuard, GraphSet, ModelFingerprint
@@ -133,6 +130,7 @@ class ModelRunner:
 
     def _bind(self, model: StepModel, cache: BatchedSequenceCache, max_width: int, graphs: GraphSet | None) -> None:
         self.model, self.cache, self.max_width, self.graphs = model, cache, max_width, graphs
+        cache.short_hints = True  # `execute` keys graphs by `cache.short_step`
         self.fingerprint = fingerprint = ModelFingerprint(model)
         # Adapter wrappers (LoRA) switch branches without changing the tree: no graph while they exist.
         # (The lambda holds the fingerprint, not the runner: no reference cycle keeps a dropped engine alive.)
@@ -231,7 +229,7 @@ class ModelRunner:
         return self.model.hidden_states(self._ids(width), self.indexes(width), self.cache, self.logits_rows[:rows])  # type: ignore[attr-defined]
 
     def execute(self, head: object, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Run `fn` eagerly, or replay its graph keyed by (head, cache generation, fingerprint)."""
+        """Run `fn` eagerly, or replay its graph keyed by ((head, short step), cache generation, fingerprint)."""
         if self.graphs is None or self.adapters():
             if self.graphs is not None and len(self.graphs):
                 self.graphs.retain(lambda key: False)
@@ -241,7 +239,7 @@ class ModelRunner:
         if bound != self._bound:  # storage moved or the tree changed: older graphs never replay again
             self.graphs.retain(lambda key: key[1:] == bound)
             self._bound = bound
-        return self.graphs.run((head, *bound), fn)  # type: ignore[return-value]
+        return self.graphs.run(((head, self.cache.short_step), *bound), fn)  # type: ignore[return-value]
 
     def launch(self, batch: StepPlan, width: int, previous: SampledTokens | None = None) -> SampledTokens:
         """Queue the declared-and-prepared step at `width`: forward, sampling into a slot of
@@ -376,23 +374,24 @@ class ModelRunner:
             self.role.share(self.sampled[slot, :real])
 
     def warm(self, widths: Sequence[int]) -> None:
-        """One all-padding step at each width (graphs captured, kernels compiled), its positions in
-        sequences made for it and removed after: nothing the engine holds is read or written."""
+        """Padding steps at each width (graphs captured, kernels compiled): one of prompt chunks and, where
+        those are long, one of a single token (a short step), in sequences made for it and removed after:
+        nothing the engine holds is read or written."""
         share = self.cache.config.max_write
         for width in widths:
-            seqs: list[int] = []
-            try:
-                for start in range(0, width, share):
-                    seqs.append(self.cache.seq_new(reach=min(share, width - start)))
-                batch = StepPlan(rows=[width - 1])
-                for i, seq in enumerate(seqs):
-                    n = min(share, width - i * share)
-                    batch.add(seq, [0] * n, list(range(n)))
-                self.cache.begin_step(batch.seq_ids, width)
-                self.role.read(self.launch(batch, width))  # bounded under tensor parallelism
-            finally:
-                for seq in seqs:
-                    self.cache.seq_rm(seq)
+            for tokens in (width, 1) if min(share, width) > SHORT_RUN else (width,):
+                seqs: list[int] = []
+                try:
+                    batch = StepPlan(rows=[tokens - 1])
+                    for start in range(0, tokens, share):
+                        n = min(share, tokens - start)
+                        seqs.append(self.cache.seq_new(reach=n))
+                        batch.add(seqs[-1], [0] * n, list(range(n)))
+                    self.cache.begin_step(batch.seq_ids, width)
+                    self.role.read(self.launch(batch, width))  # bounded under tensor parallelism
+                finally:
+                    for seq in seqs:
+                        self.cache.seq_rm(seq)
 
     def run(self, batch: StepPlan, width: int) -> list[list[int]]:
         """`launch` and read at once: each row's token as a one-token list (the shape a verify

@@ -29,6 +29,7 @@ import math
 
 import torch
 
+from batchkv.errors import ContractError
 from batchkv.ops.support import FP8, FP8_MAX, SCALE_FLOOR
 
 
@@ -92,6 +93,7 @@ def sdpa_varlen_reference(
     rows: int | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over the column store, computed in float32.
 
@@ -101,6 +103,8 @@ def sdpa_varlen_reference(
     write: (k, v, slots) rows `kv_write_reference` stores first into the stores viewed
     [R * C, Hkv, D], or None. rows: the ring modulus (default R; see the module docstring).
     softcap: the logit soft-cap (0: none); sinks: one logit per query head [Hq], or None.
+    max_q_len: the bound the caller promises on every q_len (the Triton path skips its prompt-chunk
+    kernel under it); here a segment past it is a ContractError, so CPU tests catch a broken promise.
     Returns [T, Hq, Dv] in q's dtype; scale defaults to 1/sqrt(D). Not graph-capturable (reads
     seq_info on the host).
 
@@ -116,7 +120,11 @@ def sdpa_varlen_reference(
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     out = torch.zeros(num_tokens, num_q_heads, v_store.shape[-1], dtype=torch.float32, device=q.device)
     # Only the rows with queries: a table sized by max_seqs is mostly empty rows.
-    for q_start, q_len, col, kv_end in seq_info[seq_info[:, 1] > 0].tolist():
+    live = seq_info[seq_info[:, 1] > 0].tolist()
+    if max_q_len is not None and any(row[1] > max_q_len for row in live):
+        longest = max(row[1] for row in live)
+        raise ContractError(f"sdpa_varlen_reference: a segment of {longest} queries; max_q_len is {max_q_len}")
+    for q_start, q_len, col, kv_end in live:
         lo_resident = max(0, kv_end - rows)
         if lo_resident >= kv_end:
             continue

@@ -166,6 +166,7 @@ def sdpa_varlen(
     rows: int | None = None,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over the column store (Triton; contract in the module docstring).
 
@@ -199,6 +200,12 @@ def sdpa_varlen(
     one-column pool ([P, 1, Hkv, D]) pass the longest extent a flat layer may have (any bound on
     kv_end) or a ring layer's full ring; extents shorter than the ring never wrap.
 
+    max_q_len: a bound the caller promises on every segment's q_len, known on the host (the cache's
+    declaration) and fixed for a captured graph (part of its key); at most `q_short`, no segment can
+    take the long path and its kernel is not launched (in a decode step of the SmolLM2 shape on the
+    H200 that launch found no work and took 1.7 us a layer). A longer segment breaks the promise and
+    its rows come out as zeros. None: any length.
+
     >>> info = torch.tensor([[0, 1, 3, 700], [1, 4, 0, 52]], dtype=torch.int32, device="cuda")
     >>> out = sdpa_varlen(q, k_store, v_store, info)  # q [5, 32, 128], stores [1024, 65, 8, 128]
     """
@@ -206,6 +213,8 @@ def sdpa_varlen(
     check_extras(q, softcap, sinks)
     num_tokens, num_q_heads, head_dim = q.shape
     rows = k_store.shape[0] if rows is None else int_arg("sdpa_varlen: rows", rows, 1, 2**31 - 1, error=ContractError)
+    if max_q_len is not None:
+        int_arg("sdpa_varlen: max_q_len", max_q_len, 1, 2**31 - 1, error=ContractError)
     num_segments = seq_info.shape[0]
     out = q.new_empty(num_tokens, num_q_heads, v_store.shape[3]) if out is None else out
     group, quant = num_q_heads // k_store.shape[2], quantized(k_store.dtype)
@@ -220,8 +229,9 @@ def sdpa_varlen(
         return out
     if num_segments == 0:
         return out.zero_()
+    long = num_tokens > cfg.q_short and (max_q_len is None or max_q_len > cfg.q_short)  # a segment can be long
     _launch(q, k_store, v_store, k_scale, v_scale, seq_info, out, cfg, same_layout, quant, k_tile, v_tile, rows, scale,
-            causal, window, write, softcap, sinks)  # fmt: skip
+            causal, window, write, softcap, sinks, long)  # fmt: skip
     return out
 
 
@@ -244,10 +254,12 @@ def _choose_config(config: SdpaConfig, q: torch.Tensor, k_store: torch.Tensor, v
 
 
 def _launch(q, k_store, v_store, k_scale, v_scale, seq_info, out, cfg: SdpaConfig, same_layout: bool, quant: bool,
-            k_tile: int, v_tile: int, rows: int, scale, causal, window, write, softcap, sinks) -> None:  # fmt: skip
+            k_tile: int, v_tile: int, rows: int, scale, causal, window, write, softcap, sinks,
+            long: bool) -> None:  # fmt: skip
     """Launch a step with tokens and segments: the arguments every path shares (scalars, strides,
     constexprs, soft-cap and sinks, V's layout), then the path: `split_merge`'s two launches for a
-    narrow step, else the split kernel and, when a segment can be long (T > q_short), the long kernel."""
+    narrow step, else the split kernel and, when a segment can be long (`long`: T > q_short and no
+    max_q_len of at most q_short), the long kernel."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_segments, columns, num_kv_heads, value_dim = seq_info.shape[0], *k_store.shape[1:3], v_store.shape[3]
     group = num_q_heads // num_kv_heads
@@ -279,7 +291,6 @@ def _launch(q, k_store, v_store, k_scale, v_scale, seq_info, out, cfg: SdpaConfi
                   SINKS=sinks is not None)  # fmt: skip
     values = dict(stride_vr=v_strides[0], stride_vc=v_strides[1], stride_vh=v_strides[2], V_TILE=v_tile,
                   V_DIM=value_dim)  # fmt: skip
-    long = num_tokens > cfg.q_short  # else no segment can be long: no second launch
     if takes_split_merge(num_tokens, group, cfg, quant):  # the two-launch variant for narrow steps
         launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device))
         split_merge(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, strides, cfg, common,
