@@ -94,8 +94,8 @@ def test_a_changed_module_tree_gets_a_new_graph():
 def test_short_steps_key_apart_and_their_attention_launches_no_prompt_chunk_kernel(monkeypatch):
     """Triton attention (the interpreter): a step with a 32-token prompt chunk keys (width, False) and launches
     the long kernel in each layer; a step whose runs have at most 16 tokens (a short chunk beside decodes, or
-    decodes alone) keys (width, True) and launches none. Tokens match the oracle, the reference's own check
-    of the promise included (the graph replays the function captured for its key)."""
+    decodes alone) keys (width, True) and launches none. Tokens match the oracle, and every attention call of a
+    key gets the hint its key says (a CUDA graph fixes it at capture; RecordingGraphs re-runs the function)."""
     from batchkv.ops.sdpa import launch
 
     launches = []
@@ -105,13 +105,15 @@ def test_short_steps_key_apart_and_their_attention_launches_no_prompt_chunk_kern
     engine = Engine(model, max_seqs=2, capacity=64, max_step_tokens=48, prefill_chunk=32, attention="triton")
     graphs = RecordingGraphs()
     engine.runner.graphs, engine.runner.pad_rows = graphs, True
-    steps = []
-    real_run = graphs.run
+    steps, hints = [], []
+    real_run, real_attend = graphs.run, engine.cache._attend
+    engine.cache._attend = lambda *args, **kwargs: (hints.append(kwargs["max_q_len"]), real_attend(*args, **kwargs))[1]
 
     def run(key, fn):
-        before = len(launches)
+        before, seen = len(launches), len(hints)
         out = real_run(key, fn)
         steps.append((key[0][1], len(launches) - before))
+        assert set(hints[seen:]) == {16 if key[0][1] else None}, (key, hints[seen:])
         return out
 
     graphs.run = run

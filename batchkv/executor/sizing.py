@@ -248,9 +248,10 @@ def measure_activation_bytes(model, config: CacheConfig, width: int, rows: int) 
 def default_buckets(max_step_tokens: int) -> tuple[int, ...]:
     """Step widths below `max_step_tokens`, then `max_step_tokens` itself.
 
-    Powers of two to 32 and 48, 64 for decode (one graph each; a decode step pads at most to the
-    next), then every 64 to 512 and every 128 beyond: wide steps are compute bound, so their
-    padding costs real time, and the scheduler trims prompt chunks to land on a width exactly.
+    Powers of two to 32 and 48, 64 for decode (one graph each, two where prompt chunks are long; a
+    decode step pads at most to the next), then every 64 to 512 and every 128 beyond: wide steps are
+    compute bound, so their padding costs real time, and the scheduler trims prompt chunks to land on
+    a width exactly.
     """
     widths = [1, 2, 4, 8, 16, 32, 48, 64, *range(128, 513, 64), *range(640, max_step_tokens, 128)]
     return (*(w for w in widths if w < max_step_tokens), max_step_tokens)

@@ -74,7 +74,7 @@ def warm(engine) -> None:
 
     if engine.uses_graphs:
         seconds = engine.warm_up()
-        graphs = f"batchkv serve: captured {len(engine.buckets)} step graphs in {seconds:.1f} s"
+        graphs = f"batchkv serve: captured {engine.runner.captures} step graphs in {seconds:.1f} s"
         print(graphs, file=sys.stderr, flush=True)
     freeze_heap()
 
