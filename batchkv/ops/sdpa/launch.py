@@ -200,11 +200,8 @@ def sdpa_varlen(
     one-column pool ([P, 1, Hkv, D]) pass the longest extent a flat layer may have (any bound on
     kv_end) or a ring layer's full ring; extents shorter than the ring never wrap.
 
-    max_q_len: a bound the caller promises on every segment's q_len, known on the host (the cache's
-    declaration) and fixed for a captured graph (part of its key); at most `q_short`, no segment can
-    take the long path and its kernel is not launched (in a decode step of the SmolLM2 shape on the
-    H200 that launch found no work and took 1.7 us a layer). A longer segment breaks the promise and
-    its rows come out as zeros. None: any length.
+    max_q_len: a bound promised on every q_len (host-known, part of a captured graph's key; None: any); at
+    most `q_short`, the long kernel is not launched (a longer segment's rows come out as zeros).
 
     >>> info = torch.tensor([[0, 1, 3, 700], [1, 4, 0, 52]], dtype=torch.int32, device="cuda")
     >>> out = sdpa_varlen(q, k_store, v_store, info)  # q [5, 32, 128], stores [1024, 65, 8, 128]
@@ -213,8 +210,7 @@ def sdpa_varlen(
     check_extras(q, softcap, sinks)
     num_tokens, num_q_heads, head_dim = q.shape
     rows = k_store.shape[0] if rows is None else int_arg("sdpa_varlen: rows", rows, 1, 2**31 - 1, error=ContractError)
-    if max_q_len is not None:
-        int_arg("sdpa_varlen: max_q_len", max_q_len, 1, 2**31 - 1, error=ContractError)
+    max_q_len is None or int_arg("sdpa_varlen: max_q_len", max_q_len, 1, 2**31 - 1, error=ContractError)
     num_segments = seq_info.shape[0]
     out = q.new_empty(num_tokens, num_q_heads, v_store.shape[3]) if out is None else out
     group, quant = num_q_heads // k_store.shape[2], quantized(k_store.dtype)
