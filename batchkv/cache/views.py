@@ -8,8 +8,9 @@ import torch
 
 from batchkv.checks import int_arg, is_int
 from batchkv.errors import ContractError, PositionError, UnknownSequenceError
+from batchkv.ops.sdpa.config import DEFAULT_CONFIG
 
-SHORT_RUN = 16  # the most tokens of a run that the attention's split path takes (SdpaConfig.q_short's default)
+SHORT_RUN = DEFAULT_CONFIG.q_short  # the most tokens of a run that the attention's split path takes (16)
 
 
 class CacheViews:
