@@ -53,9 +53,10 @@ class SdpaConfig:
     split_merge: steps of at most q_short tokens with T * G <= 64 (32 on e4m3) take the two-launch
     split-KV variant (`splitkv.py`: `programs` equal runs of every live segment's
     keys, then a merge launch; one head per program, no warp_split or prefetch); meant as a
-    `narrow` config. pdl: split_merge's two launches are programmatic dependent launches (NVIDIA
-    sm_90+ only; elsewhere ignored): each may start while the grid before it runs and waits on the
-    device for its results, so launch latency overlaps work (the K/V write, the partials).
+    `narrow` config. pdl: the attention's launches (the split and long kernels, split_merge's two) are
+    programmatic dependent launches (NVIDIA sm_90+ only; elsewhere ignored): each may start while the
+    grid before it runs, plans from the table, and waits on the device for that grid's results before
+    it reads q or K/V or writes, so launch latency and the plan overlap work (the K/V write, the partials).
     fuse_write: a split_merge step given `write` rows stores them in its partials kernel (each
     program writes its head's rows, then reads) instead of a `kv_write` launch first.
     narrow: the config of steps of at most narrow_width packed tokens, or over a table of at most

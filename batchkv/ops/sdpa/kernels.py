@@ -50,6 +50,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from batchkv.ops.pdl import pdl_enter
 from batchkv.ops.sdpa.attend import attend
 from batchkv.ops.sdpa.common import (
     first_key,
@@ -113,7 +114,7 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
                  PREFETCH: tl.constexpr, SECTOR: tl.constexpr, PREFETCH_CHECK: tl.constexpr,
                  MERGE_STAGES: tl.constexpr, CVT_ASM: tl.constexpr, cap2, sinks, SOFTCAP: tl.constexpr,
                  SINKS: tl.constexpr, stride_vr, stride_vc, stride_vh, K_DIM: tl.constexpr, V_TILE: tl.constexpr,
-                 V_DIM: tl.constexpr, SAME_STRIDES: tl.constexpr):  # fmt: skip
+                 V_DIM: tl.constexpr, SAME_STRIDES: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
     if SAME_STRIDES:  # V laid out as K: K's offsets serve V (one set of 64-bit row offsets, as one width had)
         stride_vr = stride_r
         stride_vc = stride_c
@@ -134,6 +135,9 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
         w_end = w_end.to(tl.int32)
         item_end = item_end.to(tl.int32)
     P_eff = tl.maximum(tl.minimum(W // MIN_BLOCKS, P), 1)  # each program gets >= MIN_BLOCKS blocks
+    # launched early (GDC): the plan above reads only the table, which no grid of the step writes; from here
+    # on (q, the K/V the write before stored, `out`, the workspace) the grids before have finished
+    pdl_enter(GDC)
 
     writes = nq > 0  # segments whose rows some program writes
     if LONG:

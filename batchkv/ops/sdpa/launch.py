@@ -17,6 +17,9 @@ How (device code in `kernels.py` and `long.py`):
   same launch writes exact zeros into rows no segment covers: a decode step is one launch;
 - long segments (prefill chunks) get one program per query block, with no split (a second launch,
   only when T > q_short);
+- on sm_90 every launch is a programmatic dependent launch (`SdpaConfig.pdl`, `ops/pdl.py`): it starts
+  while the grid before it (the K/V write, the split kernel) runs, plans its work from the table, and
+  waits on the device before it reads q or K/V or writes anything;
 - `SdpaConfig.split_merge` (the default's narrow config: steps of at most 2 tokens, tables of at
   most 2 rows), steps of at most q_short tokens whose segments fit one tile: equal runs of every
   segment's keys per program, then a separate merge launch (`splitkv.py`).
@@ -52,6 +55,7 @@ import triton
 from batchkv.checks import int_arg
 from batchkv.errors import ContractError
 from batchkv.ops.kv_write_triton import check_kv_write, launch_kv_write
+from batchkv.ops.pdl import pdl_kwargs
 from batchkv.ops.sdpa.checks import check_call, check_extras
 from batchkv.ops.sdpa.common import SOFTCAP_APPROX, SOFTCAP_EXACT
 from batchkv.ops.sdpa.config import DEFAULT_CONFIG, SdpaConfig, pow2_floor, resolve_config
@@ -327,7 +331,7 @@ def _launch_split(q, k_store, v_store, k_scale, v_scale, seq_info, out, args: tu
         ZERO_ROWS=pow2_floor(2048 // (hg_pow2 * v_tile)), AXIS64=axis_bound * slots >= AXIS32_LIMIT,
         WARP_SPLIT=cfg.warp_split, PREFETCH=cfg.prefetch, SECTOR=32 // k_store.dtype.itemsize,
         PREFETCH_CHECK=cfg.prefetch > 0 and q.device.type != "cuda", MERGE_STAGES=cfg.merge_stages,
-        CVT_ASM=cvt_asm, **common, **extras, **values,
+        CVT_ASM=cvt_asm, **common, **extras, **values, **pdl_kwargs(q.device, cfg.pdl),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_regs(cfg.max_regs, q.device),
     )  # fmt: skip
 
@@ -351,6 +355,6 @@ def _launch_long(q, k_store, v_store, k_scale, v_scale, seq_info, out, args: tup
         QK_E4M3=qk_e4m3, TMA=descs is not None,
         HW_CAST=qk_e4m3 and cvt_asm, BLOCK_M=max(16, triton.next_power_of_2(block_q_long * group)),
         BLOCK_Q=block_q_long,
-        BLOCK_N=cfg.block_n_long, **common, **extras, **values, num_warps=cfg.num_warps_long,
-        num_stages=cfg.num_stages_long,
+        BLOCK_N=cfg.block_n_long, **common, **extras, **values, **pdl_kwargs(q.device, cfg.pdl),
+        num_warps=cfg.num_warps_long, num_stages=cfg.num_stages_long,
     )  # fmt: skip

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from batchkv.ops.kv_write_triton import E4M3_FLOOR
+from batchkv.ops.pdl import pdl_enter
 from batchkv.ops.sdpa.common import (
     NEG_INF,
     P_SHIFT,
@@ -166,7 +167,7 @@ def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, k_desc, v_desc
                 BLOCK_N: tl.constexpr, Q_SHORT: tl.constexpr, S_POW2: tl.constexpr,
                 DOT_PREC: tl.constexpr, TMA: tl.constexpr, cap2, sinks, SOFTCAP: tl.constexpr,
                 SINKS: tl.constexpr, stride_vr, stride_vc, stride_vh, K_DIM: tl.constexpr, V_TILE: tl.constexpr,
-                V_DIM: tl.constexpr, SAME_STRIDES: tl.constexpr):  # fmt: skip
+                V_DIM: tl.constexpr, SAME_STRIDES: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
     if SAME_STRIDES:  # V laid out as K: K's offsets serve V (one set of 64-bit row offsets, as one width had)
         stride_vr = stride_r
         stride_vc = stride_c
@@ -185,6 +186,7 @@ def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, k_desc, v_desc
     q_len = tl.load(info + s * 4 + 1)
     col = tl.load(info + s * 4 + 2).to(tl.int64)
     kv_end = tl.load(info + s * 4 + 3)
+    pdl_enter(GDC)  # launched early: only the table (no grid of the step writes it) is read before the wait
     qb = (q_len + BLOCK_Q - 1) // BLOCK_Q - 1 - (pid - first)  # last query block first
     r = tl.arange(0, BLOCK_M)
     d = tl.arange(0, HEAD_DIM)

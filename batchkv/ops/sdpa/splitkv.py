@@ -197,7 +197,7 @@ def split_merge(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, stri
     num_kv_heads, group = k_store.shape[2], common["GROUP"]
     v_tile = triton.next_power_of_2(v_store.shape[3])
     programs = cfg.programs
-    pdl = pdl_kwargs(q.device) if cfg.pdl else {"GDC": False}  # each launch overlaps the grid before it
+    pdl = pdl_kwargs(q.device, cfg.pdl)  # each launch overlaps the grid before it
     parts = num_tokens * num_kv_heads * programs * group  # (token, KV head, program, group row)
     lse_part = torch.empty(parts, dtype=torch.float32, device=q.device)
     o_part = torch.empty(parts * v_tile, dtype=torch.float32, device=q.device)
