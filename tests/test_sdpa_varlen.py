@@ -16,15 +16,16 @@ from batchkv.ops.sdpa.launch import SdpaConfig, _counters, sdpa_varlen
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def make_case(segments, *, rows, columns=6, kv_heads=2, group=4, head_dim=32, pad=2, gap=0, dtype=torch.float32,
-              seed=0):  # fmt: skip
+def make_case(segments, *, rows, columns=6, kv_heads=2, group=4, head_dim=32, pad=2, gap=0, lead=0,
+              dtype=torch.float32, seed=0, shuffle=False):  # fmt: skip
     """q [T, Hq, D] and NaN-poisoned stores [rows, columns, Hkv, D] for (q_len, col, kv_end) segments.
 
-    Segments are packed in order (zero-length ones included), `gap` uncovered rows before each;
-    `pad` uncovered rows follow. Returns q, k_store, v_store, seq_info (int32 [S, 4]).
+    Segments are packed in order (zero-length ones included) after `lead` uncovered rows, `gap` more
+    before each; `pad` uncovered rows follow; `shuffle`: the table's rows in a random order. Returns
+    q, k_store, v_store, seq_info (int32 [S, 4]).
     """
     gen = torch.Generator().manual_seed(seed)
-    table, q_start = [], 0
+    table, q_start = [], lead
     for q_len, col, kv_end in segments:
         q_start += gap
         table.append((q_start, q_len, col, kv_end))
@@ -38,6 +39,8 @@ def make_case(segments, *, rows, columns=6, kv_heads=2, group=4, head_dim=32, pa
             k[t % rows, col] = torch.randn(kv_heads, head_dim, generator=gen)
             v[t % rows, col] = torch.randn(kv_heads, head_dim, generator=gen)
     info = torch.tensor(table, dtype=torch.int32).reshape(-1, 4)
+    if shuffle:
+        info = info[torch.randperm(info.shape[0], generator=gen)]
     return (x.to(DEVICE, dtype) for x in (q, k, v)), info.to(DEVICE)
 
 
@@ -141,6 +144,24 @@ def test_programs_serving_several_kv_heads_match_reference(heads):
 def test_rows_between_and_after_segments_are_zeroed_by_the_split_programs():
     # Uncovered rows before every segment and 40 after: several zeroing rounds per program.
     check([(1, 0, 50), (3, 1, 20), (40, 2, 90), (1, 3, 5)], rows=100, gap=3, pad=40, head_dim=16, kv_heads=1)
+
+
+@pytest.mark.parametrize("programs", [1, 3, 7])
+def test_rows_before_and_after_one_run_of_written_rows_are_zeroed(programs):
+    # The written rows are one run (empty table rows inside it, the table out of order), 21 uncovered rows
+    # before it and 30 after: the programs zero around the run without testing each row against the table.
+    segments = [(1, 0, 50), (0, 4, 0), (3, 1, 20), (40, 2, 90), (0, 5, 0), (1, 3, 5)]
+    config = SdpaConfig(programs=programs, block_n=16)
+    check(segments, rows=100, lead=21, pad=30, shuffle=True, head_dim=16, kv_heads=1, config=config)
+
+
+@pytest.mark.parametrize("programs", [1, 2, 5])
+def test_programs_step_over_rows_without_items_between_their_items(programs):
+    # Empty rows, prompt chunks (the long kernel's) and a run without keys between decode and verify items
+    # (a 16-token block: 4 items); with few programs each walks many rows and its pieces cross segments.
+    segments = [(0, 0, 0), (1, 0, 70), (40, 1, 90), (0, 2, 0), (0, 3, 0), (3, 2, 33), (16, 3, 50), (40, 4, 60),
+                (1, 4, 61), (2, 5, 0), (1, 5, 9), (0, 1, 0)]  # fmt: skip
+    check(segments, rows=100, head_dim=16, kv_heads=1, config=SdpaConfig(programs=programs, block_n=16))
 
 
 @pytest.mark.parametrize("skip_masks", [True, False])

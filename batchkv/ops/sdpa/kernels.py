@@ -24,7 +24,9 @@ segment covers. Long segments (prefill) are `long_kernel`'s (`long.py`).
   shared by two launches running at once (the launcher keeps one per device; batchkv attends on
   one stream).
 - Rows: program P-1-p of a head group zeroes rows t = p, p + P, ... that no segment writes (its
-  heads only), so padding rows are exact zeros without another launch.
+  heads only), so padding rows are exact zeros without another launch. When the written rows are
+  one run (a packed step: their lengths sum to the span they cover) those are the rows before and
+  after it; otherwise each row is tested against the whole table.
 - Few-row variants (off by default): WARP_SPLIT cuts each key tile across warps, one softmax
   state per warp (`warp_split.py`); PREFETCH asks the L2 for the blocks ahead
   (`prefetch_keys`), a piece's first ones before q is loaded.
@@ -40,9 +42,10 @@ segment covers. Long segments (prefill) are `long_kernel`'s (`long.py`).
   scales and acc sums p * scale * code (both 2^P_SHIFT times larger: fp16 range). Accumulation is fp32.
 
 Only interior key blocks (every row of the tile attends every key) skip the mask. The plan is
-derived on the device from one [S, 4] table load, one int64 scan and one reduction per piece:
-no length reaches the host. The kernel trusts the table's contents but never writes outside
-`out` and its workspace, whatever they hold.
+derived on the device from one [S, 4] table load, one int64 scan and one reduction per program
+(its first block's segment); from there a program follows the table row by row, so no
+S-long vector stays in registers through the tile loop. No length reaches the host. The kernel
+trusts the table's contents but never writes outside `out` and its workspace, whatever they hold.
 """
 
 from __future__ import annotations
@@ -76,8 +79,22 @@ def _blocks(q_len, kv_end, rows, window, CAUSAL: tl.constexpr, BLOCK_N: tl.const
 
 
 @triton.jit
+def _items(q_len, kv_end, rows, window, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+           Q_SHORT: tl.constexpr):  # fmt: skip
+    """(first key, key blocks, items) of segments, vectors or scalars alike: a short segment with keys
+    has one item per query block; a long or empty one none."""
+    lo, nblk = _blocks(q_len, kv_end, rows, window, CAUSAL, BLOCK_N)
+    return lo, nblk, tl.where((q_len > 0) & (q_len <= Q_SHORT) & (nblk > 0), (q_len + BLOCK_Q - 1) // BLOCK_Q, 0)
+
+
+@triton.jit
 def _locate_combine(a0, a1, a2, b0, b1, b2):
     return a0 + b0, tl.maximum(a1, b1), tl.maximum(a2, b2)
+
+
+@triton.jit
+def _cover_combine(a0, a1, a2, b0, b1, b2):
+    return a0 + b0, tl.minimum(a1, b1), tl.maximum(a2, b2)
 
 
 @triton.jit
@@ -85,7 +102,10 @@ def _zero_uncovered(out, p, P, T, h0, q_start_v, q_len_v, writes_v, stride_ot, s
                     GROUP: tl.constexpr, HEADS: tl.constexpr, V_TILE: tl.constexpr, HG_POW2: tl.constexpr,
                     ZERO_ROWS: tl.constexpr, V_DIM: tl.constexpr):  # fmt: skip
     """Exact zeros in rows t = p, p + P, ... < T that no segment writes, query heads of this program
-    (V_DIM output columns each, in tiles of V_TILE)."""
+    (V_DIM output columns each, in tiles of V_TILE). When the written rows are one run [lo, hi) (the
+    engine's packed steps: segments never overlap, so their lengths summing to the span says so), the
+    zeros are the rows before and after it, with no per-row test; otherwise each row is tested
+    against every segment."""
     c = tl.arange(0, HG_POW2 * V_TILE)
     head = h0 * GROUP + c // V_TILE  # query head of each column
     head_ok = (c // V_TILE) < HEADS * GROUP
@@ -93,13 +113,27 @@ def _zero_uncovered(out, p, P, T, h0, q_start_v, q_len_v, writes_v, stride_ot, s
         head_ok = head_ok & (c % V_TILE < V_DIM)
     col_off = head.to(tl.int64) * stride_oh + c % V_TILE
     zeros = tl.zeros([ZERO_ROWS, HG_POW2 * V_TILE], out.dtype.element_ty)
-    for t0 in range(p, T, P * ZERO_ROWS):
-        t = t0 + P * tl.arange(0, ZERO_ROWS)
-        # [S_POW2, ZERO_ROWS], segments along the table's own layout (no conversion of the table)
-        hit = (q_start_v[:, None] <= t[None, :]) & (t[None, :] < (q_start_v + q_len_v)[:, None]) & writes_v[:, None]
-        blank = (tl.max(hit.to(tl.int32), 0) == 0) & (t < T)
-        ptrs = out + t.to(tl.int64)[:, None] * stride_ot + col_off[None, :]
-        tl.store(ptrs, zeros, mask=blank[:, None] & head_ok[None, :])
+    written, lo, hi = tl.reduce((tl.where(writes_v, q_len_v, 0), tl.where(writes_v, q_start_v, T),
+                                 tl.where(writes_v, q_start_v + q_len_v, 0)), 0, _cover_combine)  # fmt: skip
+    if (written == hi - lo) | (written == 0):  # one run (none: lo = T, every row is before it)
+        for t0 in range(p, tl.minimum(lo, T), P * ZERO_ROWS):  # the rows before the run
+            t = t0 + P * tl.arange(0, ZERO_ROWS)
+            ptrs = out + t.to(tl.int64)[:, None] * stride_ot + col_off[None, :]
+            tl.store(ptrs, zeros, mask=((t < lo) & (t < T))[:, None] & head_ok[None, :])
+        first = tl.maximum(hi, 0)
+        for t0 in range(first + (p - first % P + P) % P, T, P * ZERO_ROWS):  # and after it (rows t = p mod P)
+            t = t0 + P * tl.arange(0, ZERO_ROWS)
+            ptrs = out + t.to(tl.int64)[:, None] * stride_ot + col_off[None, :]
+            tl.store(ptrs, zeros, mask=(t < T)[:, None] & head_ok[None, :])
+    else:
+        for t0 in range(p, T, P * ZERO_ROWS):
+            t = t0 + P * tl.arange(0, ZERO_ROWS)
+            # [S_POW2, ZERO_ROWS], segments along the table's own layout (no conversion of the table)
+            hit = (q_start_v[:, None] <= t[None, :]) & (t[None, :] < (q_start_v + q_len_v)[:, None])
+            hit = hit & writes_v[:, None]
+            blank = (tl.max(hit.to(tl.int32), 0) == 0) & (t < T)
+            ptrs = out + t.to(tl.int64)[:, None] * stride_ot + col_off[None, :]
+            tl.store(ptrs, zeros, mask=blank[:, None] & head_ok[None, :])
 
 
 @triton.jit
@@ -124,9 +158,8 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
     h0 = hp * HEADS
     num_kv_heads = tl.num_programs(0) * HEADS
     _idx, q_start_v, q_len_v, _cols, kv_end_v = load_table(info, S, S_POW2)
-    _lo, nblk = _blocks(q_len_v, kv_end_v, rows, window, CAUSAL, BLOCK_N)
-    nq = tl.where((q_len_v > 0) & (q_len_v <= Q_SHORT) & (nblk > 0), (q_len_v + BLOCK_Q - 1) // BLOCK_Q, 0)
-    packed = tl.cumsum((nq.to(tl.int64) << ITEM_SHIFT) | (nq * nblk).to(tl.int64), 0)
+    _lo, nblk, nq_v = _items(q_len_v, kv_end_v, rows, window, CAUSAL, BLOCK_N, BLOCK_Q, Q_SHORT)
+    packed = tl.cumsum((nq_v.to(tl.int64) << ITEM_SHIFT) | (nq_v * nblk).to(tl.int64), 0)
     w_end = packed & LOW_MASK  # inclusive cumsum of key blocks
     item_end = packed >> ITEM_SHIFT  # inclusive cumsum of items
     W = tl.max(w_end, 0)
@@ -139,7 +172,7 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
     # on (q, the K/V the write before stored, `out`, the workspace) the grids before have finished
     pdl_enter(GDC)
 
-    writes = nq > 0  # segments whose rows some program writes
+    writes = nq_v > 0  # segments whose rows some program writes
     if LONG:
         writes = writes | (q_len_v > Q_SHORT)
     # the last programs zero: when the work is short (P_eff < P) they are the idle ones
@@ -153,74 +186,83 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
     g = tl.arange(0, BLOCK_M) % GROUP
     x = (p * W) // P_eff  # this program's key blocks [x, b1) of the work axis
     b1 = tl.where(p < P_eff, ((p + 1) * W) // P_eff, x)
+    # block x's segment s, its first block and first item, found once in the table; then followed row by row
+    # (the table's columns die here: the loop below keeps scalars, not S_POW2-long vectors, in registers)
+    before = w_end <= x  # segments wholly before block x
+    s, w_start, it_start = tl.reduce((before.to(tl.int32), tl.where(before, w_end, 0),
+                                      tl.where(before, item_end, 0)), 0, _locate_combine)  # fmt: skip
     while x < b1:
-        before = w_end <= x  # segments wholly before block x
-        s, w_start, it_start = tl.reduce((before.to(tl.int32), tl.where(before, w_end, 0),
-                                          tl.where(before, item_end, 0)), 0, _locate_combine)  # fmt: skip
         q_start = tl.load(info + s * 4)
         q_len = tl.load(info + s * 4 + 1)
         col = tl.load(info + s * 4 + 2).to(tl.int64)
         kv_end = tl.load(info + s * 4 + 3)
-        lo, nb = _blocks(q_len, kv_end, rows, window, CAUSAL, BLOCK_N)
-        qb = (x - w_start).to(tl.int32) // nb  # query block of the segment
-        it = it_start + qb  # item index
-        off = w_start + qb * nb  # the item's blocks: [off, off + nb)
-        piece_end = tl.minimum(off + nb, b1)
-        p_first = ((off + 1) * P_eff - 1) // W
-        p_last = ((off + nb) * P_eff - 1) // W
-        k0 = lo + ((x - off) * BLOCK_N).to(tl.int32)
-        k1 = tl.minimum(kv_end, lo + ((piece_end - off) * BLOCK_N).to(tl.int32))
+        lo, nb, nq = _items(q_len, kv_end, rows, window, CAUSAL, BLOCK_N, BLOCK_Q, Q_SHORT)
+        seg_end = w_start + nq * nb  # the segment's blocks: [w_start, seg_end)
+        if x < seg_end:
+            qb = (x - w_start).to(tl.int32) // nb  # query block of the segment
+            it = it_start + qb  # item index
+            off = w_start + qb * nb  # the item's blocks: [off, off + nb)
+            piece_end = tl.minimum(off + nb, b1)
+            p_first = ((off + 1) * P_eff - 1) // W
+            p_last = ((off + nb) * P_eff - 1) // W
+            k0 = lo + ((x - off) * BLOCK_N).to(tl.int32)
+            k1 = tl.minimum(kv_end, lo + ((piece_end - off) * BLOCK_N).to(tl.int32))
 
-        kv = col * stride_c + h0.to(tl.int64) * stride_h  # (column, first KV head)
-        kvv = col * stride_vc + h0.to(tl.int64) * stride_vh  # the same in the V store
-        trip = 0.0
-        if PREFETCH > 0:  # the piece's first blocks, before q is loaded: HBM starts streaming at once
-            for a in range(k0, tl.minimum(k1, k0 + PREFETCH * BLOCK_N), BLOCK_N):
-                trip += prefetch_keys(k_store + kv, v_store + kv, stride_r, stride_h, rows, k0, a, k1, BLOCK_N,
-                                      HEADS, HEAD_DIM, SECTOR, PREFETCH_CHECK)  # fmt: skip
+            kv = col * stride_c + h0.to(tl.int64) * stride_h  # (column, first KV head)
+            kvv = col * stride_vc + h0.to(tl.int64) * stride_vh  # the same in the V store
+            trip = 0.0
+            if PREFETCH > 0:  # the piece's first blocks, before q is loaded: HBM starts streaming at once
+                for a in range(k0, tl.minimum(k1, k0 + PREFETCH * BLOCK_N), BLOCK_N):
+                    trip += prefetch_keys(k_store + kv, v_store + kv, stride_r, stride_h, rows, k0, a, k1, BLOCK_N,
+                                          HEADS, HEAD_DIM, SECTOR, PREFETCH_CHECK)  # fmt: skip
 
-        i = qb * BLOCK_Q + tl.arange(0, BLOCK_M) // GROUP  # query of each tile row
-        token = q_start + i
-        row_ok = (tl.arange(0, BLOCK_M) < BLOCK_Q * GROUP) & (i < q_len) & (token >= 0) & (token < T)
-        head = (h0 + hh) * GROUP + g[None, :, None]  # [HEADS, BLOCK_M, 1] query heads
-        q_ptrs = q + token.to(tl.int64)[None, :, None] * stride_qt + head * stride_qh + d
-        if K_DIM < HEAD_DIM:
-            q_tile = tl.load(q_ptrs, mask=row_ok[None, :, None] & (d < K_DIM), other=0.0)
-        else:
-            q_tile = tl.load(q_ptrs, mask=row_ok[None, :, None], other=0.0)
-        q_tile = q_for_dots(q_tile, k_store.dtype.element_ty, QUANT)
-        if PREFETCH_CHECK:
-            q_tile += trip.to(q_tile.dtype)  # NaN when a prefetch named a row outside the resident keys
-        row_lo, row_hi = row_bounds(kv_end - q_len + i, row_ok, kv_end, rows, window, CAUSAL)
-        i_last = tl.minimum(q_len, qb * BLOCK_Q + BLOCK_Q) - 1
-        full_lo, full_hi = full_bounds(q_len, kv_end, rows, window, qb * BLOCK_Q, i_last, CAUSAL)
-        sc = col * stride_sc + h0.to(tl.int64) * stride_sh  # the first KV head's scales
-        if WARP_SPLIT > 1:  # (HEADS == 1)
-            o, lse = attend_warp_split(q_tile, k_store + kv, v_store + kv, k_scale + sc, v_scale + sc, stride_r,
-                                       stride_sr, rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, BLOCK_M,
-                                       BLOCK_N, HEAD_DIM, WARP_SPLIT, SKIP_MASKS, DOT_PREC, QUANT, CVT_ASM, PREFETCH,
-                                       SECTOR, PREFETCH_CHECK, cap2, SOFTCAP)  # fmt: skip
-        else:
-            o, lse = attend(q_tile, k_store + kv, v_store + kvv, k_scale + sc, v_scale + sc, stride_r, stride_h,
-                            stride_sr, stride_sh, rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, HEADS,
-                            BLOCK_M, BLOCK_N, HEAD_DIM, SKIP_MASKS, DOT_PREC, QUANT, CVT_ASM, PREFETCH, SECTOR,
-                            PREFETCH_CHECK, cap2, SOFTCAP, stride_vr, stride_vh, K_DIM, V_TILE, V_DIM)  # fmt: skip
-        out_ptrs = out + token.to(tl.int64)[None, :, None] * stride_ot + head * stride_oh + dv
-        out_ok = row_ok[None, :, None] & (dv < V_DIM) if V_DIM < V_TILE else row_ok[None, :, None]
-        if p_first == p_last:  # the item is this program's alone
-            if SINKS:  # its lse covers every key of the row: the sink's share comes off here
-                o = o * sink_weight(lse[:, :, None], sinks, head, row_ok[None, :, None])
-            tl.store(out_ptrs, o.to(out.dtype.element_ty), mask=out_ok)
-        elif it < MAX_ITEMS:  # (always, unless the table overlaps itself)
-            row = ((p + it).to(tl.int64) * num_kv_heads + h0 + hh) * BLOCK_M + r3  # partial slot p + item
-            tl.store(lse_part + row, lse[:, :, None], mask=row_ok[None, :, None])
-            tl.store(o_part + row * V_TILE + dv, o, mask=row_ok[None, :, None])
-            tl.debug_barrier()  # every thread's partial stores precede the release below
-            counter = counters + it * tl.num_programs(0) + hp
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if done == p_last - p_first:  # the last to finish: every other partial is visible
-                merge_partials(out, o_part, lse_part, it, p_first, p_last, h0, num_kv_heads, q_start, q_len, qb, T,
-                               stride_ot, stride_oh, GROUP, HEADS, V_TILE, BLOCK_M, BLOCK_Q, MERGE_ROWS, MERGE_SLOTS,
-                               MERGE_STAGES, sinks, SINKS, V_DIM)  # fmt: skip
-                tl.store(counter, 0)  # self-cleaning: the next launch finds zeros
-        x = piece_end
+            i = qb * BLOCK_Q + tl.arange(0, BLOCK_M) // GROUP  # query of each tile row
+            token = q_start + i
+            row_ok = (tl.arange(0, BLOCK_M) < BLOCK_Q * GROUP) & (i < q_len) & (token >= 0) & (token < T)
+            head = (h0 + hh) * GROUP + g[None, :, None]  # [HEADS, BLOCK_M, 1] query heads
+            q_ptrs = q + token.to(tl.int64)[None, :, None] * stride_qt + head * stride_qh + d
+            if K_DIM < HEAD_DIM:
+                q_tile = tl.load(q_ptrs, mask=row_ok[None, :, None] & (d < K_DIM), other=0.0)
+            else:
+                q_tile = tl.load(q_ptrs, mask=row_ok[None, :, None], other=0.0)
+            q_tile = q_for_dots(q_tile, k_store.dtype.element_ty, QUANT)
+            if PREFETCH_CHECK:
+                q_tile += trip.to(q_tile.dtype)  # NaN when a prefetch named a row outside the resident keys
+            row_lo, row_hi = row_bounds(kv_end - q_len + i, row_ok, kv_end, rows, window, CAUSAL)
+            i_last = tl.minimum(q_len, qb * BLOCK_Q + BLOCK_Q) - 1
+            full_lo, full_hi = full_bounds(q_len, kv_end, rows, window, qb * BLOCK_Q, i_last, CAUSAL)
+            sc = col * stride_sc + h0.to(tl.int64) * stride_sh  # the first KV head's scales
+            if WARP_SPLIT > 1:  # (HEADS == 1)
+                o, lse = attend_warp_split(q_tile, k_store + kv, v_store + kv, k_scale + sc, v_scale + sc,
+                                           stride_r, stride_sr, rows, k0, k1, row_lo, row_hi, full_lo, full_hi,
+                                           qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, WARP_SPLIT, SKIP_MASKS, DOT_PREC,
+                                           QUANT, CVT_ASM, PREFETCH, SECTOR, PREFETCH_CHECK, cap2,
+                                           SOFTCAP)  # fmt: skip
+            else:
+                o, lse = attend(q_tile, k_store + kv, v_store + kvv, k_scale + sc, v_scale + sc, stride_r, stride_h,
+                                stride_sr, stride_sh, rows, k0, k1, row_lo, row_hi, full_lo, full_hi, qk_scale, HEADS,
+                                BLOCK_M, BLOCK_N, HEAD_DIM, SKIP_MASKS, DOT_PREC, QUANT, CVT_ASM, PREFETCH, SECTOR,
+                                PREFETCH_CHECK, cap2, SOFTCAP, stride_vr, stride_vh, K_DIM, V_TILE, V_DIM)  # fmt: skip
+            out_ptrs = out + token.to(tl.int64)[None, :, None] * stride_ot + head * stride_oh + dv
+            out_ok = row_ok[None, :, None] & (dv < V_DIM) if V_DIM < V_TILE else row_ok[None, :, None]
+            if p_first == p_last:  # the item is this program's alone
+                if SINKS:  # its lse covers every key of the row: the sink's share comes off here
+                    o = o * sink_weight(lse[:, :, None], sinks, head, row_ok[None, :, None])
+                tl.store(out_ptrs, o.to(out.dtype.element_ty), mask=out_ok)
+            elif it < MAX_ITEMS:  # (always, unless the table overlaps itself)
+                row = ((p + it).to(tl.int64) * num_kv_heads + h0 + hh) * BLOCK_M + r3  # partial slot p + item
+                tl.store(lse_part + row, lse[:, :, None], mask=row_ok[None, :, None])
+                tl.store(o_part + row * V_TILE + dv, o, mask=row_ok[None, :, None])
+                tl.debug_barrier()  # every thread's partial stores precede the release below
+                counter = counters + it * tl.num_programs(0) + hp
+                done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                if done == p_last - p_first:  # the last to finish: every other partial is visible
+                    merge_partials(out, o_part, lse_part, it, p_first, p_last, h0, num_kv_heads, q_start, q_len, qb,
+                                   T, stride_ot, stride_oh, GROUP, HEADS, V_TILE, BLOCK_M, BLOCK_Q, MERGE_ROWS,
+                                   MERGE_SLOTS, MERGE_STAGES, sinks, SINKS, V_DIM)  # fmt: skip
+                    tl.store(counter, 0)  # self-cleaning: the next launch finds zeros
+            x = piece_end
+        next_row = x >= seg_end  # the segment's last item is done (or it has none): on to the next row
+        s = tl.where(next_row, s + 1, s)
+        w_start = tl.where(next_row, seg_end, w_start)
+        it_start = tl.where(next_row, it_start + nq, it_start)
