@@ -36,6 +36,9 @@ class RecordingGraphs:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def __contains__(self, key) -> bool:
+        return key in self.keys
+
     def run(self, key, fn):
         if key not in self.keys:
             self.keys[key] = fn
@@ -128,18 +131,52 @@ def test_short_steps_key_apart_and_their_attention_launches_no_prompt_chunk_kern
     assert {n for short, n in steps if short} == {0} and sum(short for short, _ in steps) >= 3
 
 
-def test_warm_captures_a_short_graph_beside_each_width_whose_chunks_are_long():
+def test_warm_captures_a_short_graph_beside_each_long_width_up_to_the_widest_decode_step():
+    # 32 logits rows: a decode step is at most 32 tokens wide, so the 64-token width gets no short graph
     model = ToyModel(seed=7)
-    engine = Engine(model, max_seqs=4, capacity=96, max_step_tokens=64, prefill_chunk=32)
+    engine = Engine(model, max_seqs=32, capacity=8 * 96, max_step_tokens=64, prefill_chunk=32)
     graphs = RecordingGraphs()
     engine.runner.graphs, engine.runner.pad_rows = graphs, True
     engine.runner.warm(engine.buckets)
-    share = engine.cache.config.max_write
+    share, decode = engine.cache.config.max_write, min(w for w in engine.buckets if w >= engine.runner.rows)
     long = {width for width in engine.buckets if min(share, width) > 16}
-    assert long and {key[0] for key in graphs.keys} == {(w, w not in long) for w in engine.buckets} | {
-        (w, True) for w in long
+    assert decode in long and max(engine.buckets) > decode  # both kinds of long width exist here
+    assert {key[0] for key in graphs.keys} == {(w, w not in long) for w in engine.buckets} | {
+        (w, True) for w in long if w <= decode
     }
     engine.assert_idle()  # the warm steps' sequences are gone
+
+
+def test_a_short_step_wider_than_the_short_graphs_replays_the_long_graph_without_the_hint():
+    """After warm-up (4 logits rows: no short graph above width 4), three 12-token prompts make a short step
+    32 tokens wide (chunks land on a width: 12 + 12 + 8): it replays the width's long graph, its attention
+    calls get no hint, nothing is captured, and the tokens are the oracle's."""
+    model = ToyModel(seed=8, head_dim=16)
+    engine = Engine(model, max_seqs=4, capacity=512, max_step_tokens=64, prefill_chunk=32, attention="triton")
+    graphs = RecordingGraphs()
+    engine.runner.graphs, engine.runner.pad_rows = graphs, True
+    engine.runner.warm(engine.buckets)
+    captured, keys, hints = graphs.captures, [], []
+    real_run, real_attend = graphs.run, engine.cache._attend
+    engine.cache._attend = lambda *args, **kwargs: (hints.append(kwargs["max_q_len"]), real_attend(*args, **kwargs))[1]
+
+    def run(key, fn):
+        seen = len(hints)
+        keys.append((key[0], engine.cache.short_step))
+        out = real_run(key, fn)
+        assert set(hints[seen:]) == {16 if key[0][1] else None}, (key, hints[seen:])
+        return out
+
+    graphs.run = run
+    requests = [Request(list(range(3 + 12 * i, 15 + 12 * i)), greedy(3)) for i in range(3)]
+    ids = [engine.submit(r) for r in requests]
+    events = engine.run_until_done()
+    for rid, request in zip(ids, requests, strict=True):
+        tokens = [e.token for e in events if e.request_id == rid and e.token is not None]
+        assert (tokens, "length") == oracle(model, request, 64)
+    wide = [(key, step_short) for key, step_short in keys if key[0] > 16]  # the two prompts' step
+    assert wide and all(step_short and not key[1] for key, step_short in wide)  # short, served by the long graph
+    assert graphs.captures == captured and any(key[1] for key, _ in keys)  # decode steps: short graphs
 
 
 def test_adapter_wrappers_turn_graphs_off_and_drop_the_captures(monkeypatch):

@@ -52,11 +52,12 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
 
     `attention` picks the kernels: "auto" (Triton on CUDA when available, else the torch
     reference), "triton" or "reference". An unknown or unavailable `device` is a ConfigError; a
-    store the device cannot hold is a CapacityError with the bytes asked for. `short_hints` (off):
-    a `short_step` attends with no prompt-chunk launch, for callers whose graphs key on it (the engine).
+    store the device cannot hold is a CapacityError with the bytes asked for. `short_hint` (off):
+    a `short_step` attends with no prompt-chunk launch; the engine's runner sets it per step, as the
+    graph it replays was captured (a graph keyed long serves short steps too).
     """
 
-    short_hints = False
+    short_hint = False
 
     def __init__(
         self,
@@ -396,5 +397,5 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
             q, store["k"], store["v"], seq_info, scale=scale, causal=causal,
             window=cfg.layers[layer].window, k_scale=store.get("k_scale"), v_scale=store.get("v_scale"),
             write=(k, v, slots), rows=self._store.modulus(layer), softcap=float(softcap or 0.0), sinks=sinks,
-            max_q_len=SHORT_RUN if self.short_hints and self.short_step else None,
+            max_q_len=SHORT_RUN if self.short_hint and self.short_step else None,
         )  # fmt: skip

@@ -27,7 +27,7 @@ class CacheViews:
     @property
     def short_step(self) -> bool:
         """Whether every run of the declared step has at most SHORT_RUN tokens (decode, verify blocks of up to 16):
-        with `short_hints` on, such a step's attention launches no prompt-chunk kernel, so a graph
+        with `short_hint` on, such a step's attention launches no prompt-chunk kernel, so a graph
         captured over the cache keys on this as it does on the width."""
         return self._declaration is not None and self._declaration.longest <= SHORT_RUN
 

@@ -9,7 +9,8 @@ writes them through `Staging` (one pinned buffer per dtype, copied over asynchro
 width); nothing else crosses. With a `GraphSet` the forward is captured once per (width bucket, cache generation,
 module fingerprint) and replayed afterwards; a new mix of lengths only changes the contents of the cache's buffers.
 The key's head also says whether every run of the step is short (`cache.short_step`: decode, verify blocks), whose
-attention skips the prompt-chunk launch.
+attention skips the prompt-chunk launch; warm-up captures short graphs up to the widest decode step, and a wider
+short step replays its width's long graph.
 
 Sampled tokens stay on the device: `sampled` int64 [2, R] holds two launches' tokens (slots alternate between
 consecutive launches), and a row whose token source is r >= 0 takes its id from the previous launch's slot, row r,
@@ -130,7 +131,6 @@ class ModelRunner:
 
     def _bind(self, model: StepModel, cache: BatchedSequenceCache, max_width: int, graphs: GraphSet | None) -> None:
         self.model, self.cache, self.max_width, self.graphs = model, cache, max_width, graphs
-        cache.short_hints = True  # `execute` keys graphs by `cache.short_step`
         self.fingerprint = fingerprint = ModelFingerprint(model)
         # Adapter wrappers (LoRA) switch branches without changing the tree: no graph while they exist.
         # (The lambda holds the fingerprint, not the runner: no reference cycle keeps a dropped engine alive.)
@@ -229,17 +229,24 @@ class ModelRunner:
         return self.model.hidden_states(self._ids(width), self.indexes(width), self.cache, self.logits_rows[:rows])  # type: ignore[attr-defined]
 
     def execute(self, head: object, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Run `fn` eagerly, or replay its graph keyed by ((head, short step), cache generation, fingerprint)."""
+        """Run `fn` eagerly, or replay its graph keyed by ((head, short), cache generation, fingerprint): short
+        for a short step (`cache.short_step`) unless the width has no short graph yet and has a long one, which
+        serves it as well (its prompt-chunk launch finds no work). The cache's `short_hint` follows the key."""
+        short = self.cache.short_step
         if self.graphs is None or self.adapters():
             if self.graphs is not None and len(self.graphs):
                 self.graphs.retain(lambda key: False)
                 self._bound = None
+            self.cache.short_hint = short
             return fn()
         bound = (self.cache.generation, self.fingerprint())
         if bound != self._bound:  # storage moved or the tree changed: older graphs never replay again
             self.graphs.retain(lambda key: key[1:] == bound)
             self._bound = bound
-        return self.graphs.run(((head, self.cache.short_step), *bound), fn)  # type: ignore[return-value]
+        if short and ((head, True), *bound) not in self.graphs and ((head, False), *bound) in self.graphs:
+            short = False  # a short step wider than warm-up's short graphs, or after the width's long one
+        self.cache.short_hint = short
+        return self.graphs.run(((head, short), *bound), fn)  # type: ignore[return-value]
 
     def launch(self, batch: StepPlan, width: int, previous: SampledTokens | None = None) -> SampledTokens:
         """Queue the declared-and-prepared step at `width`: forward, sampling into a slot of
@@ -374,12 +381,15 @@ class ModelRunner:
             self.role.share(self.sampled[slot, :real])
 
     def warm(self, widths: Sequence[int]) -> None:
-        """Padding steps at each width (graphs captured, kernels compiled): one of prompt chunks and, where
-        those are long, one of a single token (a short step), in sequences made for it and removed after:
-        nothing the engine holds is read or written."""
+        """Padding steps at each width (graphs captured, kernels compiled): where the width's prompt chunks
+        are long and a decode or verify step can take it (up to the first width of `rows` tokens), first one
+        of a single token (a short step: captured before the long graph that would otherwise serve it), then
+        one of prompt chunks, in sequences made for it and removed after: nothing the engine holds is read or
+        written. A wider short step (prompt tails only) replays the long graph."""
         share = self.cache.config.max_write
+        decode = min((w for w in widths if w >= self.rows), default=max(widths, default=0))
         for width in widths:
-            for tokens in (width, 1) if min(share, width) > SHORT_RUN else (width,):
+            for tokens in (1, width) if min(share, width) > SHORT_RUN and width <= decode else (width,):
                 seqs: list[int] = []
                 try:
                     batch = StepPlan(rows=[tokens - 1])
