@@ -52,9 +52,8 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
 
     `attention` picks the kernels: "auto" (Triton on CUDA when available, else the torch
     reference), "triton" or "reference". An unknown or unavailable `device` is a ConfigError; a
-    store the device cannot hold is a CapacityError with the bytes asked for. `short_hint` (off):
-    a `short_step` attends with no prompt-chunk launch; the engine's runner sets it per step, as the
-    graph it replays was captured (a graph keyed long serves short steps too).
+    store the device cannot hold is a CapacityError with the bytes asked for. `short_hint` (off, the
+    engine's runner sets it per step): a `short_step` attends with no prompt-chunk launch.
     """
 
     short_hint = False

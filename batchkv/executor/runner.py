@@ -9,8 +9,7 @@ writes them through `Staging` (one pinned buffer per dtype, copied over asynchro
 width); nothing else crosses. With a `GraphSet` the forward is captured once per (width bucket, cache generation,
 module fingerprint) and replayed afterwards; a new mix of lengths only changes the contents of the cache's buffers.
 The key's head also says whether every run of the step is short (`cache.short_step`: decode, verify blocks), whose
-attention skips the prompt-chunk launch; warm-up captures short graphs up to the widest decode step, and a wider
-short step replays its width's long graph.
+attention skips the prompt-chunk launch (`execute`, `warm`).
 
 Sampled tokens stay on the device: `sampled` int64 [2, R] holds two launches' tokens (slots alternate between
 consecutive launches), and a row whose token source is r >= 0 takes its id from the previous launch's slot, row r,
@@ -229,23 +228,19 @@ class ModelRunner:
         return self.model.hidden_states(self._ids(width), self.indexes(width), self.cache, self.logits_rows[:rows])  # type: ignore[attr-defined]
 
     def execute(self, head: object, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Run `fn` eagerly, or replay its graph keyed by ((head, short), cache generation, fingerprint): short
-        for a short step (`cache.short_step`) unless the width has no short graph yet and has a long one, which
-        serves it as well (its prompt-chunk launch finds no work). The cache's `short_hint` follows the key."""
-        short = self.cache.short_step
+        """Run `fn` eagerly, or replay its graph keyed by ((head, short step), generation, fingerprint)."""
+        self.cache.short_hint = short = self.cache.short_step
         if self.graphs is None or self.adapters():
             if self.graphs is not None and len(self.graphs):
                 self.graphs.retain(lambda key: False)
                 self._bound = None
-            self.cache.short_hint = short
             return fn()
         bound = (self.cache.generation, self.fingerprint())
         if bound != self._bound:  # storage moved or the tree changed: older graphs never replay again
             self.graphs.retain(lambda key: key[1:] == bound)
             self._bound = bound
         if short and ((head, True), *bound) not in self.graphs and ((head, False), *bound) in self.graphs:
-            short = False  # a short step wider than warm-up's short graphs, or after the width's long one
-        self.cache.short_hint = short
+            self.cache.short_hint = short = False  # the long graph serves it (`warm`); the hint follows the key
         return self.graphs.run(((head, short), *bound), fn)  # type: ignore[return-value]
 
     def launch(self, batch: StepPlan, width: int, previous: SampledTokens | None = None) -> SampledTokens:
@@ -381,13 +376,10 @@ class ModelRunner:
             self.role.share(self.sampled[slot, :real])
 
     def warm(self, widths: Sequence[int]) -> None:
-        """Padding steps at each width (graphs captured, kernels compiled): where the width's prompt chunks
-        are long and a decode or verify step can take it (up to the first width of `rows` tokens), first one
-        of a single token (a short step: captured before the long graph that would otherwise serve it), then
-        one of prompt chunks, in sequences made for it and removed after: nothing the engine holds is read or
-        written. A wider short step (prompt tails only) replays the long graph."""
-        share = self.cache.config.max_write
-        decode = min((w for w in widths if w >= self.rows), default=max(widths, default=0))
+        """Padding steps at each width (graphs captured, kernels compiled), in sequences made for them and
+        removed after: one of prompt chunks, and first, where those are long and a decode step can take the
+        width (up to the first width of `rows` tokens), a short one (wider short steps replay the long graph)."""
+        share, decode = self.cache.config.max_write, min((w for w in widths if w >= self.rows), default=self.max_width)
         for width in widths:
             for tokens in (1, width) if min(share, width) > SHORT_RUN and width <= decode else (width,):
                 seqs: list[int] = []
@@ -404,6 +396,5 @@ class ModelRunner:
                         self.cache.seq_rm(seq)
 
     def run(self, batch: StepPlan, width: int) -> list[list[int]]:
-        """`launch` and read at once: each row's token as a one-token list (the shape a verify
-        step's accepted runs take)."""
+        """`launch` and read at once: each row's token as a one-token list (as a verify step's accepted runs)."""
         return self.launch(batch, width).read()
