@@ -147,6 +147,20 @@ def test_warm_captures_a_short_graph_beside_each_long_width_up_to_the_widest_dec
     engine.assert_idle()  # the warm steps' sequences are gone
 
 
+def test_a_speculating_engine_warms_up_with_a_short_graph_at_every_long_width():
+    # Verify blocks are short steps whose every token is a logits row: any width can be one.
+    from batchkv.executor import SpeculativeConfig
+
+    engine = Engine(ToyModel(seed=7), max_seqs=4, capacity=96, max_step_tokens=64, prefill_chunk=32,
+                    speculative=SpeculativeConfig("ngram", block_size=4))  # fmt: skip
+    graphs = RecordingGraphs()
+    engine.runner.graphs = graphs
+    engine.warm_up()
+    long = {w for w in engine.buckets if min(engine.cache.config.max_write, w) > 16}
+    assert long and long <= {key[0][0][0] for key in graphs.keys if key[0][1]}
+    engine.assert_idle()
+
+
 def test_a_short_step_wider_than_the_short_graphs_replays_the_long_graph_without_the_hint():
     """After warm-up (4 logits rows: no short graph above width 4), three 12-token prompts make a short step
     32 tokens wide (chunks land on a width: 12 + 12 + 8): it replays the width's long graph, its attention

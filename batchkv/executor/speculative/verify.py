@@ -79,6 +79,7 @@ class VerifyRunner(ModelRunner):
         self._bind(model, cache, w, graphs)
         self.buckets, self.block_size, self.drafts, self.taps = buckets, block_size, drafts, taps
         self.pad_rows = True
+        self.rows = w  # logits rows a step may take: every token of a verify step (`warm`'s short widths)
         layout = {name: (torch.int64, n * w) for name, n in _I64} | {name: (torch.float32, w) for name in _F32}
         self._staging = NamedStaging(layout, cache.device)
         self.buf: dict[str, torch.Tensor] = self._staging.buf

@@ -105,7 +105,7 @@ def _zero_uncovered(out, p, P, T, h0, q_start_v, q_len_v, writes_v, stride_ot, s
     (V_DIM output columns each, in tiles of V_TILE). When the written rows are one run [lo, hi) (the
     engine's packed steps: segments never overlap, so their lengths summing to the span says so), the
     zeros are the rows before and after it, with no per-row test; otherwise each row is tested
-    against every segment."""
+    against every segment. (Overlapping segments, outside the contract, may leave a gap unwritten.)"""
     c = tl.arange(0, HG_POW2 * V_TILE)
     head = h0 * GROUP + c // V_TILE  # query head of each column
     head_ok = (c // V_TILE) < HEADS * GROUP
@@ -120,7 +120,7 @@ def _zero_uncovered(out, p, P, T, h0, q_start_v, q_len_v, writes_v, stride_ot, s
             t = t0 + P * tl.arange(0, ZERO_ROWS)
             ptrs = out + t.to(tl.int64)[:, None] * stride_ot + col_off[None, :]
             tl.store(ptrs, zeros, mask=((t < lo) & (t < T))[:, None] & head_ok[None, :])
-        first = tl.maximum(hi, 0)
+        first = tl.maximum(tl.maximum(hi, lo), 0)  # (none written: every row was before the run)
         for t0 in range(first + (p - first % P + P) % P, T, P * ZERO_ROWS):  # and after it (rows t = p mod P)
             t = t0 + P * tl.arange(0, ZERO_ROWS)
             ptrs = out + t.to(tl.int64)[:, None] * stride_ot + col_off[None, :]
