@@ -94,6 +94,34 @@ def test_a_changed_module_tree_gets_a_new_graph():
     assert before <= set(graphs.retired)  # graphs of the old tree are dropped, not kept alongside
 
 
+def watch_hints(engine, graphs: RecordingGraphs, launches: list) -> list:
+    """Check that every attention call of a replay gets the hint its key says (a CUDA graph fixes it at capture;
+    RecordingGraphs re-runs the function). Returns the replays as they happen: (key head, the cache's short_step,
+    entries `launches` gained during it)."""
+    replays, hints = [], []
+    real_run, real_attend = graphs.run, engine.cache._attend
+    engine.cache._attend = lambda *args, **kwargs: (hints.append(kwargs["max_q_len"]), real_attend(*args, **kwargs))[1]
+
+    def run(key, fn):
+        seen, before, short_step = len(hints), len(launches), engine.cache.short_step
+        out = real_run(key, fn)
+        assert set(hints[seen:]) == {16 if key[0][1] else None}, (key, hints[seen:])
+        replays.append((key[0], short_step, len(launches) - before))
+        return out
+
+    graphs.run = run
+    return replays
+
+
+def serve_as_the_oracle(engine, model, requests) -> None:
+    """Submit `requests` at once, run until done: each gets the oracle's tokens."""
+    ids = [engine.submit(r) for r in requests]
+    events = engine.run_until_done()
+    for rid, request in zip(ids, requests, strict=True):
+        tokens = [e.token for e in events if e.request_id == rid and e.token is not None]
+        assert (tokens, "length") == oracle(model, request, 64)
+
+
 def test_short_steps_key_apart_and_their_attention_launches_no_prompt_chunk_kernel(monkeypatch):
     """Triton attention (the interpreter): a step with a 32-token prompt chunk keys (width, False) and launches
     the long kernel in each layer; a step whose runs have at most 16 tokens (a short chunk beside decodes, or
@@ -108,24 +136,9 @@ def test_short_steps_key_apart_and_their_attention_launches_no_prompt_chunk_kern
     engine = Engine(model, max_seqs=2, capacity=64, max_step_tokens=48, prefill_chunk=32, attention="triton")
     graphs = RecordingGraphs()
     engine.runner.graphs, engine.runner.pad_rows = graphs, True
-    steps, hints = [], []
-    real_run, real_attend = graphs.run, engine.cache._attend
-    engine.cache._attend = lambda *args, **kwargs: (hints.append(kwargs["max_q_len"]), real_attend(*args, **kwargs))[1]
-
-    def run(key, fn):
-        before, seen = len(launches), len(hints)
-        out = real_run(key, fn)
-        steps.append((key[0][1], len(launches) - before))
-        assert set(hints[seen:]) == {16 if key[0][1] else None}, (key, hints[seen:])
-        return out
-
-    graphs.run = run
-    requests = [Request(list(range(3, 43)), greedy(3)), Request([5, 6, 7], greedy(4))]
-    ids = [engine.submit(r) for r in requests]
-    events = engine.run_until_done()
-    for rid, request in zip(ids, requests, strict=True):
-        tokens = [e.token for e in events if e.request_id == rid and e.token is not None]
-        assert (tokens, "length") == oracle(model, request, 64)
+    replays = watch_hints(engine, graphs, launches)
+    serve_as_the_oracle(engine, model, [Request(list(range(3, 43)), greedy(3)), Request([5, 6, 7], greedy(4))])
+    steps = [(head[1], n) for head, _, n in replays]
     layers = len(engine.cache.config.layers)
     assert steps[0] == (False, layers)  # the 40-token prompt's first 32-token chunk
     assert {n for short, n in steps if short} == {0} and sum(short for short, _ in steps) >= 3
@@ -170,27 +183,12 @@ def test_a_short_step_wider_than_the_short_graphs_replays_the_long_graph_without
     graphs = RecordingGraphs()
     engine.runner.graphs, engine.runner.pad_rows = graphs, True
     engine.runner.warm(engine.buckets)
-    captured, keys, hints = graphs.captures, [], []
-    real_run, real_attend = graphs.run, engine.cache._attend
-    engine.cache._attend = lambda *args, **kwargs: (hints.append(kwargs["max_q_len"]), real_attend(*args, **kwargs))[1]
-
-    def run(key, fn):
-        seen = len(hints)
-        keys.append((key[0], engine.cache.short_step))
-        out = real_run(key, fn)
-        assert set(hints[seen:]) == {16 if key[0][1] else None}, (key, hints[seen:])
-        return out
-
-    graphs.run = run
-    requests = [Request(list(range(3 + 12 * i, 15 + 12 * i)), greedy(3)) for i in range(3)]
-    ids = [engine.submit(r) for r in requests]
-    events = engine.run_until_done()
-    for rid, request in zip(ids, requests, strict=True):
-        tokens = [e.token for e in events if e.request_id == rid and e.token is not None]
-        assert (tokens, "length") == oracle(model, request, 64)
-    wide = [(key, step_short) for key, step_short in keys if key[0] > 16]  # the two prompts' step
-    assert wide and all(step_short and not key[1] for key, step_short in wide)  # short, served by the long graph
-    assert graphs.captures == captured and any(key[1] for key, _ in keys)  # decode steps: short graphs
+    captured = graphs.captures
+    replays = watch_hints(engine, graphs, [])
+    serve_as_the_oracle(engine, model, [Request(list(range(3 + 12 * i, 15 + 12 * i)), greedy(3)) for i in range(3)])
+    wide = [(head, step_short) for head, step_short, _ in replays if head[0] > 16]  # the three prompts' step
+    assert wide and all(step_short and not head[1] for head, step_short in wide)  # short, served by the long graph
+    assert graphs.captures == captured and any(head[1] for head, _, _ in replays)  # decode steps: short graphs
 
 
 def test_adapter_wrappers_turn_graphs_off_and_drop_the_captures(monkeypatch):

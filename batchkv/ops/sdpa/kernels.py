@@ -98,6 +98,13 @@ def _cover_combine(a0, a1, a2, b0, b1, b2):
 
 
 @triton.jit
+def _store_zeros(out, t, blank, zeros, col_off, head_ok, stride_ot):
+    """Zeros into rows t (those `blank`), the columns of `col_off` that `head_ok`."""
+    ptrs = out + t.to(tl.int64)[:, None] * stride_ot + col_off[None, :]
+    tl.store(ptrs, zeros, mask=blank[:, None] & head_ok[None, :])
+
+
+@triton.jit
 def _zero_uncovered(out, p, P, T, h0, q_start_v, q_len_v, writes_v, stride_ot, stride_oh,
                     GROUP: tl.constexpr, HEADS: tl.constexpr, V_TILE: tl.constexpr, HG_POW2: tl.constexpr,
                     ZERO_ROWS: tl.constexpr, V_DIM: tl.constexpr):  # fmt: skip
@@ -118,22 +125,18 @@ def _zero_uncovered(out, p, P, T, h0, q_start_v, q_len_v, writes_v, stride_ot, s
     if (written == hi - lo) | (written == 0):  # one run (none: lo = T, every row is before it)
         for t0 in range(p, tl.minimum(lo, T), P * ZERO_ROWS):  # the rows before the run
             t = t0 + P * tl.arange(0, ZERO_ROWS)
-            ptrs = out + t.to(tl.int64)[:, None] * stride_ot + col_off[None, :]
-            tl.store(ptrs, zeros, mask=((t < lo) & (t < T))[:, None] & head_ok[None, :])
+            _store_zeros(out, t, (t < lo) & (t < T), zeros, col_off, head_ok, stride_ot)
         first = tl.maximum(tl.maximum(hi, lo), 0)  # (none written: every row was before the run)
         for t0 in range(first + (p - first % P + P) % P, T, P * ZERO_ROWS):  # and after it (rows t = p mod P)
             t = t0 + P * tl.arange(0, ZERO_ROWS)
-            ptrs = out + t.to(tl.int64)[:, None] * stride_ot + col_off[None, :]
-            tl.store(ptrs, zeros, mask=(t < T)[:, None] & head_ok[None, :])
+            _store_zeros(out, t, t < T, zeros, col_off, head_ok, stride_ot)
     else:
         for t0 in range(p, T, P * ZERO_ROWS):
             t = t0 + P * tl.arange(0, ZERO_ROWS)
             # [S_POW2, ZERO_ROWS], segments along the table's own layout (no conversion of the table)
             hit = (q_start_v[:, None] <= t[None, :]) & (t[None, :] < (q_start_v + q_len_v)[:, None])
             hit = hit & writes_v[:, None]
-            blank = (tl.max(hit.to(tl.int32), 0) == 0) & (t < T)
-            ptrs = out + t.to(tl.int64)[:, None] * stride_ot + col_off[None, :]
-            tl.store(ptrs, zeros, mask=blank[:, None] & head_ok[None, :])
+            _store_zeros(out, t, (tl.max(hit.to(tl.int32), 0) == 0) & (t < T), zeros, col_off, head_ok, stride_ot)
 
 
 @triton.jit
