@@ -48,12 +48,12 @@ def test_the_e4m3_qk_long_variant_dots_k_codes_straight_from_shared_memory(tmp_p
 
 
 @pytest.mark.skipif(not (NVIDIA / "bin" / "ptxas").exists(), reason="this Triton has no NVIDIA backend")
-def test_the_kv_write_kernel_compiles_for_sm90_with_its_nonfinite_row_handling():
+def test_the_kv_write_kernel_compiles_for_sm90_with_its_nonfinite_row_handling_and_rope():
     # the NaN scale and 0x7F codes of a row holding a NaN or an infinity are plain Triton ops (a bitcast
     # of the e4m3 codes to uint8 and back): the interpreter takes ops the GPU compiler may refuse
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "bench/kernel_bench.py", "--compile-sm90", "kv_write"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     lines = [line for line in proc.stdout.splitlines() if line.startswith("kv_write")]
-    assert proc.returncode == 0 and len(lines) == 3, proc.stdout + proc.stderr[-2000:]
+    assert proc.returncode == 0 and len(lines) == 5, proc.stdout + proc.stderr[-2000:]  # two with RoPE
     assert not [line for line in lines if "FAILED" in line], proc.stdout

@@ -28,6 +28,7 @@ try:
     import triton
     import triton.language as tl
 
+    from batchkv.ops.kv_write_triton import rope_partner, rotate_half_rope
     from batchkv.ops.pdl import pdl_enter, pdl_kwargs
 except ImportError:  # pragma: no cover - triton is a Linux dependency
     triton = None
@@ -215,8 +216,7 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * HB + tl.arange(0, HB)[:, None]  # [HB, 1]
         offs = tl.arange(0, D)[None, :]
-        partner = (offs + D // 2) % D
-        sign = tl.where(offs < D // 2, -1.0, 1.0)
+        partner, sign = rope_partner(offs, D)
         is_q = heads < Q_HEADS
         live_q = is_q & (offs < D)
         live_k = (~is_q) & (heads < HEADS) & (offs < D)
@@ -226,12 +226,9 @@ if triton is not None:
         x = tl.where(is_q, tl.load(q_at + offs, mask=live_q, other=0.0), tl.load(k_at + offs, mask=live_k, other=0.0))
         xp = tl.where(is_q, tl.load(q_at + partner, mask=live_q, other=0.0),
                       tl.load(k_at + partner, mask=live_k, other=0.0))  # fmt: skip
-        dtype = q_out.dtype.element_ty
         cos = tl.load(cos_ptr + row * cos_sw + offs).to(tl.float32)
         sin = tl.load(sin_ptr + row * cos_sw + offs).to(tl.float32)
-        a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
-        b = (sign * xp.to(tl.float32) * sin).to(dtype).to(tl.float32)
-        out = (a + b).to(dtype)
+        out = rotate_half_rope(x, xp, cos, sin, sign, q_out.dtype.element_ty)
         tl.store(q_out + row * qo_sw + heads * qo_sh + offs, out, mask=live_q)
         tl.store(k_out + row * ko_sw + kh * ko_sh + offs, out, mask=live_k)
 

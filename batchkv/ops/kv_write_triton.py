@@ -16,6 +16,10 @@ stores. A row holding a NaN or an infinity stores a NaN scale and every code 0x7
 interpreter's cast turns NaN into a finite code and decodes 0x7F as 480 (the NaN scale still poisons
 it there). Scale planes are [rows, C, Hkv] with any strides (the store's are rows last): slot s's
 scales sit at (s // C, s % C), one int64 division per program.
+
+With `rope` (`launch_kv_write`, which `sdpa_varlen(rope=)` launches) the same program first rotates its
+token's K rows and its [Hq, D] query rows by the step's cos and sin (`batchkv.ops.rope`), storing K so
+and q into a new tensor: a transformers model's RoPE and the write, one launch.
 """
 
 from __future__ import annotations
@@ -69,10 +73,27 @@ def _store_rows(flat, scale, x, dst, ok, s_dst, s_ok, QUANT: tl.constexpr):
 
 
 @triton.jit
+def rope_partner(d, DIM: tl.constexpr):
+    """(partner column, sign) of columns d < DIM in rotate_half: x[d + DIM/2] negated in the first half."""
+    return (d + DIM // 2) % DIM, tl.where(d < DIM // 2, -1.0, 1.0)
+
+
+@triton.jit
+def rotate_half_rope(x, xp, cos, sin, sign, dtype: tl.constexpr):
+    """x * cos + sign * xp * sin with fp32 cos, sin: each product and the sum rounded to `dtype`, as
+    torch's three ops round them (`batchkv.ops.rope.rope_rows`)."""
+    a = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
+    b = (sign * xp.to(tl.float32) * sin).to(dtype).to(tl.float32)
+    return (a + b).to(dtype)
+
+
+@triton.jit
 def _kv_write_kernel(k_flat, v_flat, k, v, slots, k_scale, v_scale, columns, stride_fs, stride_fh, stride_ks,
                      stride_kh, stride_vs, stride_vh, stride_sr, stride_sc, stride_sh, stride_vfs, stride_vfh,
+                     q, q_out, cos, sin, stride_qt, stride_qh, stride_cos,
                      HKV: tl.constexpr, H_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, K_DIM: tl.constexpr,
-                     V_TILE: tl.constexpr, V_DIM: tl.constexpr, QUANT: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
+                     V_TILE: tl.constexpr, V_DIM: tl.constexpr, QUANT: tl.constexpr, ROPE: tl.constexpr,
+                     HQ: tl.constexpr, HQ_POW2: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
     pdl_enter(GDC)  # launched early on sm_90: wait for the grids before (k, v), then let the next launch start
     i = tl.program_id(0)
     slot = tl.load(slots + i).to(tl.int64)
@@ -88,6 +109,19 @@ def _kv_write_kernel(k_flat, v_flat, k, v, slots, k_scale, v_scale, columns, str
         s_dst = r * stride_sr + (slot - r * columns) * stride_sc + heads * stride_sh
     row = i.to(tl.int64)
     k_row = tl.load(k + row * stride_ks + h * stride_kh + d, mask=k_ok, other=0.0)  # padding: zeros (no amax)
+    if ROPE:  # k rotated on its way in, q into q_out [W, HQ, K_DIM] (`batchkv.ops.rope`)
+        partner, sign = rope_partner(d, K_DIM)
+        c = tl.load(cos + row * stride_cos + d, mask=d < K_DIM, other=0.0).to(tl.float32)
+        s = tl.load(sin + row * stride_cos + d, mask=d < K_DIM, other=0.0).to(tl.float32)
+        k_pair = tl.load(k + row * stride_ks + h * stride_kh + partner, mask=k_ok, other=0.0)
+        k_row = rotate_half_rope(k_row, k_pair, c, s, sign, k_row.dtype)
+        hq = tl.arange(0, HQ_POW2)[:, None]
+        q_ok = (hq < HQ) & (d < K_DIM)
+        q_at = q + row * stride_qt + hq * stride_qh
+        x = tl.load(q_at + d, mask=q_ok, other=0.0)
+        x_pair = tl.load(q_at + partner, mask=q_ok, other=0.0)
+        q_rot = rotate_half_rope(x, x_pair, c, s, sign, q_out.dtype.element_ty)
+        tl.store(q_out + (row * HQ + hq) * K_DIM + d, q_rot, mask=q_ok)
     v_row = tl.load(v + row * stride_vs + h * stride_vh + dv, mask=v_ok, other=0.0)
     _store_rows(k_flat, k_scale, k_row, slot * stride_fs + h * stride_fh + d, k_ok, s_dst, heads < HKV, QUANT)
     _store_rows(v_flat, v_scale, v_row, slot * stride_vfs + h * stride_vfh + dv, v_ok, s_dst, heads < HKV, QUANT)
@@ -178,19 +212,26 @@ def launch_kv_write(
     slots: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-) -> None:
-    """`kv_write` on arguments `check_kv_write` has passed (the launch alone)."""
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | None:
+    """`kv_write` on arguments `check_kv_write` has passed (the launch alone). rope: (q [W, Hq, D], cos,
+    sin [W, D]) that `rope_problem` passed, k unrotated: k and q are rotated in the launch (k stored so,
+    q into the returned new [W, Hq, D]); None: k as it is, and None returned."""
     width, num_kv_heads, head_dim = k.shape
     quant = quantized(k_flat.dtype)
+    q, cos, sin = rope if rope is not None else (k, k, k)  # unread without ROPE
+    q_out = torch.empty(width, q.shape[1], head_dim, dtype=q.dtype, device=q.device) if rope is not None else k
     if width == 0:
-        return
+        return q_out if rope is not None else None
     k_scale, v_scale = (k_scale, v_scale) if quant else (k_flat, v_flat)  # unread without QUANT
     scale_strides = k_scale.stride() if quant else (0, 0, 0)
     value_dim = v.shape[2]
     _kv_write_kernel[(width,)](
         k_flat, v_flat, k, v, slots, k_scale, v_scale, k_scale.shape[1] if quant else 1, k_flat.stride(0),
         k_flat.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *scale_strides, v_flat.stride(0),
-        v_flat.stride(1), HKV=num_kv_heads, H_POW2=triton.next_power_of_2(num_kv_heads),
-        HEAD_DIM=triton.next_power_of_2(head_dim), K_DIM=head_dim, V_TILE=triton.next_power_of_2(value_dim),
-        V_DIM=value_dim, QUANT=quant, num_warps=4, **pdl_kwargs(k.device),
+        v_flat.stride(1), q, q_out, cos, sin, q.stride(0), q.stride(1), cos.stride(0), HKV=num_kv_heads,
+        H_POW2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=triton.next_power_of_2(head_dim), K_DIM=head_dim,
+        V_TILE=triton.next_power_of_2(value_dim), V_DIM=value_dim, QUANT=quant, ROPE=rope is not None,
+        HQ=q.shape[1], HQ_POW2=triton.next_power_of_2(q.shape[1]), num_warps=4, **pdl_kwargs(k.device),
     )  # fmt: skip
+    return q_out if rope is not None else None

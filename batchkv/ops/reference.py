@@ -30,6 +30,7 @@ import math
 import torch
 
 from batchkv.errors import ContractError
+from batchkv.ops.rope import rotate_step
 from batchkv.ops.support import FP8, FP8_MAX, SCALE_FLOOR
 
 
@@ -94,6 +95,7 @@ def sdpa_varlen_reference(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     max_q_len: int | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over the column store, computed in float32.
 
@@ -105,11 +107,12 @@ def sdpa_varlen_reference(
     softcap: the logit soft-cap (0: none); sinks: one logit per query head [Hq], or None.
     max_q_len: the bound the caller promises on every q_len (the Triton path skips its prompt-chunk
     kernel under it); here a segment past it is a ContractError, so CPU tests catch a broken promise.
-    Returns [T, Hq, Dv] in q's dtype; scale defaults to 1/sqrt(D). Not graph-capturable (reads
-    seq_info on the host).
+    rope: (cos, sin) [T, D]: q and write's k come unrotated and are rotated first (`batchkv.ops.rope`).
+    Returns [T, Hq, Dv] in q's dtype; scale defaults to 1/sqrt(D). Not graph-capturable (host reads).
 
     >>> out = sdpa_varlen_reference(q, k, v, torch.tensor([[0, 3, 1, 3]], dtype=torch.int32))
     """
+    q, write = (q, write) if rope is None else rotate_step(q, write, rope)
     if write is not None:
         kv_write_reference(k_store.view(-1, *k_store.shape[2:]), v_store.view(-1, *v_store.shape[2:]), *write,
                            k_scale, v_scale)  # fmt: skip

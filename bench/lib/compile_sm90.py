@@ -7,8 +7,7 @@ Uses whatever Triton is importable, so the GPU machine's version can be checked 
 
     python bench/kernel_bench.py --compile-sm90 ""
     PYTHONPATH=/path/to/triton-3.6 python bench/kernel_bench.py --compile-sm90 ""    # pip install --target
-    SASS_DIR=/tmp/sass python bench/kernel_bench.py --compile-sm90 e4m3  # only labels with "e4m3",
-                                                                    # each hot loop's SASS kept
+    SASS_DIR=/tmp/sass python bench/kernel_bench.py --compile-sm90 e4m3  # labels with "e4m3", hot loops' SASS kept
     TTGIR_DIR=/tmp/ir ...                                                 # each variant's TTGIR kept
 The loop's instruction count covers both sides of the in-loop mask branch (edge and interior key
 blocks), so it is an upper bound on what one iteration issues; compare variants by it.
@@ -130,8 +129,7 @@ def split(dtype="bf16", D=128, G=4, heads=1, block_n=64, warps=4, stages=3, skip
 
 
 def long(dtype="bf16", D=128, G=4, block_m=128, block_n=64, warps=8, stages=3, store=None, qk_e4m3=False, tma=False):
-    """One long-path variant; `qk_e4m3`: `SdpaConfig.e4m3_qk_long` (QK^T as an e4m3 dot) on an e4m3 store;
-    `tma`: `SdpaConfig.tma_long` (interior K/V tiles by TMA)."""
+    """A long-path variant; `qk_e4m3`: QK^T as an e4m3 dot (an e4m3 store); `tma`: interior K/V tiles by TMA."""
     block_q = max(1, block_m // G)
     store = store or dtype
     desc = f"*{store}"
@@ -145,14 +143,12 @@ def long(dtype="bf16", D=128, G=4, block_m=128, block_n=64, warps=8, stages=3, s
     consts = dict(QUANT=store == "fp8e4nv", QK_E4M3=qk_e4m3, HW_CAST=True, CAUSAL=True, GROUP=G, HEAD_DIM=D, GDC=True,
                   BLOCK_M=tile_m, BLOCK_Q=block_q, BLOCK_N=block_n, Q_SHORT=16, S_POW2=128,
                   DOT_PREC="ieee" if dtype == "fp32" else "tf32", TMA=tma)  # fmt: skip
-    label = f"long {'e4m3/' if store != dtype else ''}{dtype}{' qk-e4m3' if qk_e4m3 else ''} D{D}"
-    label += " tma" if tma else ""
+    label = f"long {'e4m3/' if store != dtype else ''}{dtype}{' qk-e4m3' * qk_e4m3} D{D}{' tma' * tma}"
     build(long_kernel, types, consts, warps, stages, f"{label} G{G} m{block_m} n{block_n} w{warps} s{stages}")
 
 
 def splitkv(dtype="bf16", D=128, G=4, block_n=64, warps=4, stages=3, store=None, T=1, S=16, write=False):
-    """The split_merge variant's two kernels (`sdpa_varlen_splitkv.py`) for steps of T tokens over an
-    S-row table (the engine's tables have 2 x max_seqs rows); `write`: the K/V write fused (T rows)."""
+    """split_merge's two kernels (`splitkv.py`): T tokens over an S-row table; `write`: the K/V write fused."""
     store = store or dtype
     block_m = max(16, triton.next_power_of_2(T * G))
     types = dict(q=f"*{dtype}", k_store=f"*{store}", v_store=f"*{store}", k_scale="*fp32", v_scale="*fp32",
@@ -178,12 +174,14 @@ def gemv(block_n=32, block_k=256, stages=5):
     build(_gemv_kernel, types, consts, 4, stages, label, aligned=("N", "K"))  # as Triton specialises 8B's shapes
 
 
-def kv_write(dtype="bf16", D=128, store="fp8e4nv", heads=8):
-    """The step's K/V write (`kv_write_triton.py`); `store` "fp8e4nv" compiles the quantising path."""
-    types = dict(k_flat=f"*{store}", v_flat=f"*{store}", k=f"*{dtype}", v=f"*{dtype}", slots="*i64",
-                 k_scale="*fp32", v_scale="*fp32")  # fmt: skip
-    consts = dict(HKV=heads, H_POW2=triton.next_power_of_2(heads), HEAD_DIM=D, QUANT=store == "fp8e4nv", GDC=True)
-    build(_kv_write_kernel, types, consts, 4, 3, f"kv_write {'e4m3/' if store != dtype else ''}{dtype} D{D} H{heads}")
+def kv_write(dtype="bf16", D=128, store="fp8e4nv", heads=8, rope=0):
+    """The step's K/V write (`kv_write_triton.py`); `store` "fp8e4nv": quantising; `rope`: q heads rotated."""
+    types = dict(k_flat=f"*{store}", v_flat=f"*{store}", slots="*i64", k_scale="*fp32", v_scale="*fp32",
+                 **{name: f"*{dtype}" for name in ("k", "v", "q", "q_out", "cos", "sin")})  # fmt: skip
+    consts = dict(HKV=heads, H_POW2=triton.next_power_of_2(heads), HEAD_DIM=D, QUANT=store == "fp8e4nv", GDC=True,
+                  ROPE=rope > 0, HQ=rope or 1, HQ_POW2=triton.next_power_of_2(rope or 1))  # fmt: skip
+    label = f"kv_write {'e4m3/' if store != dtype else ''}{dtype} D{D} H{heads}" + (f" rope Hq{rope}" if rope else "")
+    build(_kv_write_kernel, types, consts, 4, 3, label)
 
 
 VARIANTS = [  # (function, keyword arguments)
@@ -236,6 +234,8 @@ VARIANTS = [  # (function, keyword arguments)
     (kv_write, {}),  # the e4m3 write (a row holding a NaN or an infinity: NaN scale, codes 0x7F)
     (kv_write, dict(dtype="fp32", D=16, heads=3)),
     (kv_write, dict(store="bf16")),
+    (kv_write, dict(rope=32)),  # RoPE in the write: the 8B shape's 32 query heads, an e4m3 store
+    (kv_write, dict(store="bf16", D=64, heads=3, rope=9)),  # SmolLM2's, a bf16 store
     (gemv, {}),  # o and down
     (gemv, dict(block_n=64)),  # q/k/v, the LM head
 ]

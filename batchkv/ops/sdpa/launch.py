@@ -56,6 +56,7 @@ from batchkv.checks import int_arg
 from batchkv.errors import ContractError
 from batchkv.ops.kv_write_triton import check_kv_write, launch_kv_write
 from batchkv.ops.pdl import pdl_kwargs
+from batchkv.ops.rope import check_rope
 from batchkv.ops.sdpa.checks import check_call, check_extras
 from batchkv.ops.sdpa.common import SOFTCAP_APPROX, SOFTCAP_EXACT
 from batchkv.ops.sdpa.config import DEFAULT_CONFIG, SdpaConfig, pow2_floor, resolve_config
@@ -122,18 +123,19 @@ def _layout(store: torch.Tensor) -> tuple[int, int, int]:
     return row, row if store.shape[1] == 1 else column, head
 
 
-def _write_here(k_store, v_store, write, k_scale, v_scale, fused: bool):
+def _write_here(k_store, v_store, write, k_scale, v_scale, fused: bool, q, rope):
     """Check `write` = (k, v, slots) as `kv_write` does; launch `kv_write` unless the partials kernel
-    will store the rows (`fused`). Returns what split_merge still has to write: `write`, or None."""
+    will store the rows (`fused`: never with `rope`, which the launch applies to k and q). Returns the q
+    to attend with (rotated under `rope`) and what split_merge still has to write: `write`, or None."""
     try:
         flat = [s.view(-1, *s.shape[2:]) for s in (k_store, v_store)]
     except RuntimeError as exc:
         raise ContractError(f"sdpa_varlen: write needs stores contiguous over rows and columns ({exc})") from exc
     check_kv_write(*flat, *write, k_scale, v_scale)
     if fused:
-        return write
-    launch_kv_write(*flat, *write, k_scale, v_scale)
-    return None
+        return q, write
+    rotated = launch_kv_write(*flat, *write, k_scale, v_scale, None if rope is None else (q, *rope))
+    return (q if rotated is None else rotated), None
 
 
 def tma_views(k_store: torch.Tensor, v_store: torch.Tensor, block_n: int) -> tuple | None:
@@ -171,6 +173,7 @@ def sdpa_varlen(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
     max_q_len: int | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over the column store (Triton; contract in the module docstring).
 
@@ -188,47 +191,45 @@ def sdpa_varlen(
     round q to e4m3 per (query, head) row and take QK^T as an e4m3 dot on the codes; shorter
     segments keep exact queries.
 
-    Graph-safe: nothing is read back to the host and grids depend on shapes only, so a captured
-    call replays correctly after new contents are copied into `seq_info`. The fp32 partials come
-    from torch.empty (the graph's pool under capture); the merge counters are allocated by the
-    first call on a device, which must not be under capture (warm up first), and are left zero by
-    every call. One stream at a time: concurrent calls on two streams would share the counters.
+    Graph-safe: nothing is read back to the host and grids depend on shapes only, so a captured call
+    replays correctly after new contents are copied into `seq_info`. The fp32 partials come from
+    torch.empty (the graph's pool under capture); the merge counters are allocated by the first call on
+    a device, not under capture (warm up first), and left zero by every call. One stream at a time.
 
     write: (k, v, slots), this step's K/V rows [W, Hkv, D] and their flat store slots [W] (slot s
     is store row s // C, column s % C), written first exactly as `kv_write` writes them into the
     stores viewed [rows * C, Hkv, D] (which must be contiguous over rows and columns), so the
     attention sees them; checked like `kv_write`'s arguments. None: the stores are only read.
 
-    rows: the ring modulus and residency bound (default the stores' row count): key t of a segment
-    is read at row `t % rows` of its column, and keys below kv_end - rows are not resident. With a
-    one-column pool ([P, 1, Hkv, D]) pass the longest extent a flat layer may have (any bound on
-    kv_end) or a ring layer's full ring; extents shorter than the ring never wrap.
+    rows: the ring modulus and residency bound (default the stores' row count): key t of a segment is
+    read at row `t % rows` of its column, and keys below kv_end - rows are not resident. With a one-column
+    pool ([P, 1, Hkv, D]) pass any bound on kv_end or a ring layer's full ring (shorter never wraps).
 
     max_q_len: a bound promised on every q_len (host-known, part of a captured graph's key; None: any); at
-    most `q_short`, the long kernel is not launched (a longer segment's rows come out as zeros).
+    most `q_short`, the long kernel is not launched (a longer segment's rows come out as zeros). rope:
+    (cos, sin) [T, D] of q's dtype: q and write's k come unrotated, and the write's launch rotates both
+    (transformers' rotate-half RoPE, its roundings; `batchkv.ops.rope`); needs `write`.
 
     >>> info = torch.tensor([[0, 1, 3, 700], [1, 4, 0, 52]], dtype=torch.int32, device="cuda")
     >>> out = sdpa_varlen(q, k_store, v_store, info)  # q [5, 32, 128], stores [1024, 65, 8, 128]
     """
     check_call(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale)
     check_extras(q, softcap, sinks)
-    num_tokens, num_q_heads, head_dim = q.shape
+    rope is None or check_rope(q, write, rope)
     rows = k_store.shape[0] if rows is None else int_arg("sdpa_varlen: rows", rows, 1, 2**31 - 1, error=ContractError)
     max_q_len is None or int_arg("sdpa_varlen: max_q_len", max_q_len, 1, 2**31 - 1, error=ContractError)
-    num_segments = seq_info.shape[0]
+    (num_tokens, num_q_heads, head_dim), num_segments = q.shape, seq_info.shape[0]
     out = q.new_empty(num_tokens, num_q_heads, v_store.shape[3]) if out is None else out
     group, quant = num_q_heads // k_store.shape[2], quantized(k_store.dtype)
     # tiles of a power of two of columns: keys' (and queries') k_tile, values' (and the output's) v_tile
     k_tile, v_tile = triton.next_power_of_2(head_dim), triton.next_power_of_2(v_store.shape[3])
     cfg, same_layout = _choose_config(config or DEFAULT_CONFIG, q, k_store, v_store, num_segments, k_tile, v_tile)
     fused = num_tokens > 0 and num_segments > 0 and cfg.fuse_write and takes_split_merge(num_tokens, group, cfg, quant)
-    fused = fused and write is not None and write[0].shape[0] <= num_tokens  # each program stores all W rows
+    fused = fused and write is not None and write[0].shape[0] <= num_tokens and rope is None  # W rows a program
     if write is not None:
-        write = _write_here(k_store, v_store, write, k_scale, v_scale, fused)  # None once written
-    if num_tokens == 0:
-        return out
-    if num_segments == 0:
-        return out.zero_()
+        q, write = _write_here(k_store, v_store, write, k_scale, v_scale, fused, q, rope)  # write: None once written
+    if num_tokens == 0 or num_segments == 0:
+        return out if num_tokens == 0 else out.zero_()
     long = num_tokens > cfg.q_short and (max_q_len is None or max_q_len > cfg.q_short)  # a segment can be long
     _launch(q, k_store, v_store, k_scale, v_scale, seq_info, out, cfg, same_layout, quant, k_tile, v_tile, rows, scale,
             causal, window, write, softcap, sinks, long)  # fmt: skip
