@@ -14,9 +14,11 @@ import torch
 from batchkv.cache import BatchedSequenceCache, CacheConfig
 
 
-def make_cache(model, *, max_seqs: int, capacity: int = 128, max_write: int = 8) -> BatchedSequenceCache:
+def make_cache(
+    model, *, max_seqs: int, capacity: int = 128, max_write: int = 8, attention: str = "reference"
+) -> BatchedSequenceCache:
     cfg = CacheConfig(**model.cache_spec(), max_seqs=max_seqs, capacity=capacity, max_write=max_write)
-    return BatchedSequenceCache(cfg, model.device, attention="reference")
+    return BatchedSequenceCache(cfg, model.device, attention=attention)
 
 
 def run_step(
@@ -64,9 +66,10 @@ def greedy_through_cache(
     bucket: int = 8,
     stop_ids: Sequence[int] = (),
     capacity: int = 128,
+    attention: str = "reference",
 ) -> list[list[int]]:
-    """Greedy continuations of every prompt, all served together through one cache."""
-    cache = make_cache(model, max_seqs=len(prompts), capacity=capacity, max_write=max_write)
+    """Greedy continuations of every prompt, all served together through one cache (`attention`'s kernels)."""
+    cache = make_cache(model, max_seqs=len(prompts), capacity=capacity, max_write=max_write, attention=attention)
     seqs = [cache.seq_new() for _ in prompts]
     fed = [0] * len(prompts)  # prompt tokens already in the cache
     outs: list[list[int]] = [[] for _ in prompts]

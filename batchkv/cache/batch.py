@@ -357,7 +357,7 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
     # ---- device work (capturable) -------------------------------------------------------------
     def update_and_attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           scale: float | None = None, causal: bool = True, softcap: float | None = None,
-                          sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                          sinks: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:  # fmt: skip
         """Write this step's K/V for `layer`, then attend over each sequence's history.
 
         q: [W, Hq, D] (the output's dtype), Hq a multiple of Hkv; k, v: [W, Hkv, D] (cast to the
@@ -372,7 +372,8 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
 
         softcap (None or 0: none): each scaled score s becomes softcap * tanh(s / softcap) (Gemma2's
         attention logit soft-capping). sinks: one logit per query head, float [Hq] on the cache's
-        device, in every row's softmax denominator (gpt-oss's attention sinks), or None.
+        device, in every row's softmax denominator (gpt-oss's attention sinks), or None. rope: (cos, sin)
+        [W, D] when q and k come unrotated: the write's launch rotates both (`sdpa_varlen(rope=)`).
         """
         if self._width is None:
             raise StepError("update_and_attend: no prepared step; call declare_step and prepare_step first")
@@ -381,10 +382,7 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
         width, cfg = self._width, self.config
         if not causal and self._declaration is not None and self._declaration.split:
             raise StepError("a non-causal step needs each sequence's tokens in one run (a draft block is one segment)")
-        if self._rotation is not None:  # e4m3 keys: rotate q and k alike (q . k unchanged), V as is
-            q, k = self._rotation.rotate(q, k)
-        if self._rounding is not None:  # fp32 keys on the store's e4m3 grid: the write keeps their codes
-            k = self._rounding.round(layer, k)
+        q, k, rope = rotation.keys_for_write(self._rotation, self._rounding, layer, q, k, v, rope)
         store, group = self._store.layer(layer), self._store.group_of[layer]
         slots = self._buffers.slots[group, :width]
         seq_info = self._buffers.seq_info[group]
@@ -396,5 +394,5 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
             q, store["k"], store["v"], seq_info, scale=scale, causal=causal,
             window=cfg.layers[layer].window, k_scale=store.get("k_scale"), v_scale=store.get("v_scale"),
             write=(k, v, slots), rows=self._store.modulus(layer), softcap=float(softcap or 0.0), sinks=sinks,
-            max_q_len=SHORT_RUN if self.short_hint and self.short_step else None,
+            max_q_len=SHORT_RUN if self.short_hint and self.short_step else None, rope=rope,
         )  # fmt: skip

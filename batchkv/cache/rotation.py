@@ -25,6 +25,8 @@ import math
 
 import torch
 
+from batchkv.ops.rope import rotate_step
+
 
 def hadamard(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Normalised Sylvester Hadamard matrix, fp32 [d, d], d a power of two: H = H^T = H^-1."""
@@ -72,3 +74,18 @@ class KeyRotation:
 def build_rotation(config, device: torch.device) -> KeyRotation | None:
     """The cache's key rotation: a Hadamard `KeyRotation` when `config.key_rotation`, else None."""
     return KeyRotation.for_head_dim(config.head_dim, device) if config.key_rotation else None
+
+
+def keys_for_write(rotation: KeyRotation | None, rounding, layer: int, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, rope: tuple | None) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:  # fmt: skip
+    """(q, k, rope) as the write and the attention take them: a step's unrotated q and k and its `rope` =
+    (cos, sin) pass through while neither a key rotation nor a key rounding (`rounding`, a device
+    `KeyRounding`) comes after RoPE; with one, RoPE is applied here first (torch ops, `ops.rope`),
+    then the rotation (q and k) and the rounding (k), and rope is None."""
+    if rope is not None and (rotation is not None or rounding is not None):
+        q, (k, v, _), rope = *rotate_step(q, (k, v, None), rope), None
+    if rotation is not None:  # e4m3 keys: rotate q and k alike (q . k unchanged), V as is
+        q, k = rotation.rotate(q, k)
+    if rounding is not None:  # fp32 keys on the store's e4m3 grid: the write keeps their codes
+        k = rounding.round(layer, k)
+    return q, k, rope

@@ -97,6 +97,15 @@ class CacheViews:
         """Layer's K pool [P, 1, Hkv, D]. Its address changes when `generation` does."""
         return self._store.k[self._layer(layer)]
 
+    @property
+    def fuses_rope(self) -> bool:
+        """Whether `update_and_attend(rope=)` rotates q and k in the K/V write's launch: no key rotation or
+        rounding follows RoPE, and `update_and_attend` is the cache's own (a subclass overriding it may
+        read q and k, as `batchkv.score`'s calibration does, and gets them rotated). Either way
+        `update_and_attend` takes them unrotated with rope and attends the same."""
+        own = type(self).update_and_attend.__qualname__ == "BatchedSequenceCache.update_and_attend"
+        return own and self._rotation is None and self._rounding is None
+
     def v_store(self, layer: int) -> torch.Tensor:
         """Layer's V pool [P, 1, Hkv, D]. Its address changes when `generation` does."""
         return self._store.v[self._layer(layer)]

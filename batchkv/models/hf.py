@@ -54,6 +54,7 @@ from batchkv.errors import ConfigError, ContractError, DependencyError
 from batchkv.models.hf_fuse import fused_groups
 from batchkv.models.hf_layers import fuse_decoder
 from batchkv.models.hf_refusals import refuse_unrouted_attention, refuse_unsupported
+from batchkv.models.hf_rope import ATTENTION, deferred_rope
 
 TRANSFORMERS_RANGE = ">=5.17,<6"  # as pyproject's `hf` extra; tested with 5.17 through 5.25
 _INSTALL = "pip install 'batchkv[hf]'"
@@ -69,7 +70,7 @@ if not (5, 17) <= _VERSION < (6, 0):
         f"HFModel needs transformers{TRANSFORMERS_RANGE}; this is transformers {transformers.__version__}: {_INSTALL}"
     )
 
-ATTN_NAME = "batchkv"
+ATTN_NAME = ATTENTION
 CACHE_KWARG = "batchkv_cache"
 # The cache of the HFModel call running now: the attention finds it here when a decoder layer does not
 # pass the forward's kwargs on to its attention module (StableLM), as well as in the kwargs.
@@ -86,15 +87,14 @@ def batchkv_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: query [1, Hq, W, D], key/value [1, Hkv, W, D] after RoPE.
+    """transformers attention function: query [1, Hq, W, D], key/value [1, Hkv, W, D] after RoPE (or
+    before it, with the step's cos and sin in the kwargs for the cache's write: `hf_rope.deferred_rope`).
 
     Writes K/V and attends through the batchkv cache found in `kwargs["batchkv_cache"]`; the mask
     is ignored (the cache knows each token's sequence and position). Returns ([1, W, Hq, D], None).
     Capturable when the cache is.
     """
-    cache = kwargs.get(CACHE_KWARG)
-    if cache is None:
-        cache = _ACTIVE_CACHE.get()
+    cache = kwargs[CACHE_KWARG] if kwargs.get(CACHE_KWARG) is not None else _ACTIVE_CACHE.get()
     if cache is None:
         raise ContractError(
             f"the '{ATTN_NAME}' attention runs inside an HFModel call only (its cache is none here); "
@@ -102,11 +102,12 @@ def batchkv_attention(
         )
     if query.shape[0] != 1:
         raise ContractError(f"'{ATTN_NAME}' attention packs a step into one batch row; got batch {query.shape[0]}")
+    query, key, extras = deferred_rope(cache, query, key, kwargs)  # (cos, sin) for the write, or q, k rotated
     # [W, Hq, D], [W, Hkv, D], [W, Hkv, Dv] (Dv != D: MLA, the cache's value_dim): views if the last dim is
     # contiguous, which the cache takes (a fused q|k|v's value columns were copied: a launch a layer)
     rows = (x[0].transpose(0, 1) for x in (query, key, value))
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in rows)
-    extras = {}  # only when a model has them: caches that predate them keep their signature
+    # softcap and sinks only when a model has them: caches that predate them keep their signature
     if kwargs.get("softcap"):  # Gemma2: attn_logit_softcapping
         extras["softcap"] = float(kwargs["softcap"])
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # gpt-oss: one logit per query head

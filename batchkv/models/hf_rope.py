@@ -7,7 +7,8 @@ Llama's, Qwen2's or Mistral's (Llama's passing the sliding window on from the mo
 or Qwen3's (Qwen2's with q and k RMS-normed per head first, by `hf_norms`' kernel) a forward of its
 own: the same steps, with the rotation of q and k one launch. The rule is `hf_norms`': transformers
 5.17's or 5.24's text, local names aside, with the module's `apply_rotary_pos_emb` and `rotate_half`
-Llama's too. Only the module's `forward` attribute is set: transformers' functions and classes are
+Llama's too. Under batchkv's own attention the rotation moves into the cache's K/V write (`deferred_rope`).
+Only the module's `forward` attribute is set: transformers' functions and classes are
 untouched, and a module that already has a forward of its own (another adapter) is left alone. With
 a transformers cache passed (`generate`), the class's forward runs, unchanged. Off CUDA (and for
 batches of more than one row, or heads that are not a power of two) `rope_qk` runs transformers'
@@ -26,6 +27,12 @@ from batchkv.models.fused import rope_qk
 from batchkv.models.hf_norms import canonical_source, function_source
 
 FUSE = True  # HFModel adapts the attention modules at construction while this is on
+# Under batchkv's attention ("batchkv", `batchkv.models.hf`) the adapted forward hands q and k on unrotated,
+# with the step's (cos, sin) in the kwargs (ROPE_KWARG), and the cache's K/V write rotates both in its own
+# launch (`deferred_rope`; one launch a layer fewer). WRITE_ROPE False: `rope_qk` here, as elsewhere (A/B).
+WRITE_ROPE = True
+ATTENTION = "batchkv"
+ROPE_KWARG = "batchkv_rope"
 
 _FORWARD = """
 def forward(self, hidden_states, {signature}, **kwargs):
@@ -137,7 +144,10 @@ def _adapted_forward(form: _Form, original, scope: dict):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
-        q, k = rope_qk(q, k, cos, sin)
+        if WRITE_ROPE and self.config._attn_implementation == ATTENTION:
+            kwargs[ROPE_KWARG] = (cos, sin)  # rotated by the cache's write (`deferred_rope`)
+        else:
+            q, k = rope_qk(q, k, cos, sin)
         attend = interfaces.get_interface(self.config._attn_implementation, eager)
         dropout = 0.0 if not self.training else self.attention_dropout
         if window == "module":
@@ -167,3 +177,17 @@ def fuse_rope(model: nn.Module) -> int:
             module.forward = types.MethodType(forward, module)
             done += 1
     return done
+
+
+def deferred_rope(cache: object, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> tuple:
+    """(query, key, extras) for the "batchkv" attention of an adapted module: with no ROPE_KWARG in
+    `kwargs`, q and k as they came (rotated) and no extras; else, for a cache whose write rotates them
+    (`fuses_rope`), q and k unrotated and {"rope": (cos, sin) [W, D]} for `update_and_attend`; for any
+    other cache, q and k rotated here (`rope_qk`) and no extras."""
+    rope = kwargs.get(ROPE_KWARG)
+    if rope is None:
+        return query, key, {}
+    cos, sin = rope
+    if getattr(cache, "fuses_rope", False) and cos.dim() == 3 and cos.shape[0] == 1:
+        return query, key, {"rope": (cos[0], sin[0])}
+    return (*rope_qk(query, key, cos, sin), {})
