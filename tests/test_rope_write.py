@@ -24,19 +24,20 @@ from tests.model_loop import greedy_through_cache  # noqa: E402
 from tests.test_models_hf_norms import GEOMETRY, MAX_NEW, PROMPTS, _hf_greedy, _peaky  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU
 
 
 def _cos_sin(width: int, d: int, dtype: torch.dtype, positions=(0, 3, 17, 100, 1000, 7, 2)):
     config = transformers.LlamaConfig(head_dim=d, hidden_size=4 * d, num_attention_heads=4)
     x = torch.zeros(1, dtype=dtype)
     cos, sin = modeling_llama.LlamaRotaryEmbedding(config)(x, torch.tensor([list(positions)[:width]]))
-    return cos[0], sin[0]  # [W, D]
+    return cos[0].to(DEVICE), sin[0].to(DEVICE)  # [W, D]
 
 
 def _qkv(width: int, q_heads: int, kv_heads: int, d: int, dtype: torch.dtype, seed: int = 0):
     """q, k, v as strided views of one fused projection [W, (Hq + 2 Hkv) * D], as a model hands them on."""
     gen = torch.Generator().manual_seed(seed)
-    qkv = (torch.randn(width, (q_heads + 2 * kv_heads) * d, generator=gen) * 3).to(dtype)
+    qkv = (torch.randn(width, (q_heads + 2 * kv_heads) * d, generator=gen) * 3).to(dtype).to(DEVICE)
     q = qkv[:, : q_heads * d].view(width, q_heads, d)
     k = qkv[:, q_heads * d : (q_heads + kv_heads) * d].view(width, kv_heads, d)
     return q, k, qkv[:, (q_heads + kv_heads) * d :].view(width, kv_heads, d)
@@ -44,8 +45,8 @@ def _qkv(width: int, q_heads: int, kv_heads: int, d: int, dtype: torch.dtype, se
 
 def _flat_stores(dtype: torch.dtype, slots: int, kv_heads: int, d: int):
     """K, V [slots, Hkv, D] poisoned with NaN (e4m3: its NaN code) and, for e4m3, their scale planes [slots, 1, Hkv]."""
-    k = torch.full((slots, kv_heads, d), float("nan")).to(dtype)
-    scales = (torch.full((slots, 1, kv_heads), float("nan")), torch.full((slots, 1, kv_heads), float("nan")))
+    k = torch.full((slots, kv_heads, d), float("nan")).to(dtype).to(DEVICE)
+    scales = tuple(torch.full((slots, 1, kv_heads), float("nan"), device=DEVICE) for _ in range(2))
     return k, k.clone(), *(scales if dtype == E4M3 else (None, None))
 
 
@@ -58,7 +59,7 @@ def test_the_write_rotates_q_and_k_as_transformers_and_stores_what_the_unfused_w
     width = 5
     q, k, v = _qkv(width, q_heads, kv_heads, d, dtype)
     cos, sin = _cos_sin(width, d, dtype)
-    slots = torch.tensor([9, 2, 14, 0, 6])
+    slots = torch.tensor([9, 2, 14, 0, 6], device=DEVICE)
     fused, plain = _flat_stores(store, 16, kv_heads, d), _flat_stores(store, 16, kv_heads, d)
     q_out = launch_kv_write(*fused[:2], k, v, slots, *fused[2:], rope=(q, cos, sin))
     want_q, want_k = modeling_llama.apply_rotary_pos_emb(q[None].transpose(1, 2), k[None].transpose(1, 2),
@@ -88,13 +89,14 @@ def test_attention_with_rope_in_the_write_gives_attention_over_rotated_rows(stor
     q_heads, kv_heads, d, columns, rows = 4, 2, 16, 3, 12
     q, k, v = _qkv(5, q_heads, kv_heads, d, torch.float32, seed=4)
     cos, sin = _cos_sin(5, d, torch.float32)
-    info = torch.tensor([[0, 2, 1, 9], [2, 3, 0, 3]], dtype=torch.int32)
-    slots = torch.tensor([7 * columns + 1, 8 * columns + 1, 0, columns, 2 * columns])
+    info = torch.tensor([[0, 2, 1, 9], [2, 3, 0, 3]], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([7 * columns + 1, 8 * columns + 1, 0, columns, 2 * columns], device=DEVICE)
     outs = {}
     for name in ("rope", "rotated", "reference"):
         k_store = torch.randn(rows, columns, kv_heads, d, generator=torch.Generator().manual_seed(2)).to(store)
+        k_store = k_store.to(DEVICE)
         v_store = k_store.clone()
-        scales = {"k_scale": torch.ones(rows, columns, kv_heads), "v_scale": torch.ones(rows, columns, kv_heads)}
+        scales = {name: torch.ones(rows, columns, kv_heads, device=DEVICE) for name in ("k_scale", "v_scale")}
         scales = scales if store == E4M3 else {}
         if name == "rope":
             out = sdpa_varlen(q, k_store, v_store, info, write=(k, v, slots), rope=(cos, sin), **scales)
@@ -123,11 +125,12 @@ BAD = {
 @pytest.mark.parametrize("breach", list(BAD))
 def test_a_bad_rope_is_refused_before_anything_is_written(attend, breach):
     q, k, v = _qkv(5, 4, 2, 16, torch.float32)
-    k_store = torch.zeros(12, 3, 2, 16)
-    args = {"write": (k, v, torch.arange(5)), "rope": _cos_sin(5, 16, torch.float32)}
+    k_store = torch.zeros(12, 3, 2, 16, device=DEVICE)
+    args = {"write": (k, v, torch.arange(5, device=DEVICE)), "rope": _cos_sin(5, 16, torch.float32)}
     BAD[breach](args)
+    info = torch.tensor([[0, 5, 0, 5]], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ContractError, match="rope"):
-        attend(q, k_store, k_store.clone(), torch.tensor([[0, 5, 0, 5]], dtype=torch.int32), **args)
+        attend(q, k_store, k_store.clone(), info, **args)
     assert not k_store.any()
 
 
@@ -140,7 +143,7 @@ def test_the_cache_takes_unrotated_q_and_k_with_rope_whether_or_not_its_keys_rot
     cos, sin = _cos_sin(6, 16, torch.float32, positions=(0, 1, 2, 0, 1, 2))
     outs = []
     for rope in (True, False):
-        cache = BatchedSequenceCache(CacheConfig(**kw), "cpu", attention="triton")
+        cache = BatchedSequenceCache(CacheConfig(**kw), DEVICE, attention="triton")
         assert cache.fuses_rope is not rotation
         a, b = cache.seq_new(), cache.seq_new()
         cache.begin_step([a, a, a, b, b, b], 6)
@@ -158,7 +161,7 @@ def _llama():
 def test_under_batchkvs_attention_the_write_rotates_and_greedy_tokens_equal_transformers(monkeypatch):
     hf = _llama()
     want = [_hf_greedy(hf, prompt, n) for prompt, n in zip(PROMPTS, MAX_NEW, strict=True)]
-    model = HFModel(hf)
+    model = HFModel(hf.to(DEVICE))  # on a GPU its kernels; here the interpreter
     calls = []
     real = hf_rope.rope_qk
     monkeypatch.setattr(hf_rope, "rope_qk", lambda *a, **kw: calls.append(1) or real(*a, **kw))
