@@ -68,12 +68,12 @@ def test_the_package_exports_the_kernel_functions_not_their_modules():
     from batchkv.ops import sdpa_varlen as attend
 
     assert callable(write) and callable(attend)
-    k_flat, v_flat = torch.zeros(8, 1, 16), torch.zeros(8, 1, 16)
-    k, v = torch.randn(2, 1, 16), torch.randn(2, 1, 16)
-    write(k_flat, v_flat, k, v, torch.tensor([3, 5]))
+    k_flat, v_flat = torch.zeros(8, 1, 16, device=DEVICE), torch.zeros(8, 1, 16, device=DEVICE)
+    k, v = torch.randn(2, 1, 16, device=DEVICE), torch.randn(2, 1, 16, device=DEVICE)
+    write(k_flat, v_flat, k, v, torch.tensor([3, 5], device=DEVICE))
     assert torch.equal(k_flat[[3, 5]], k) and torch.equal(v_flat[[3, 5]], v)
     store_k, store_v = k_flat.view(8, 1, 1, 16), v_flat.view(8, 1, 1, 16)
-    info = torch.tensor([[0, 1, 0, 6]], dtype=torch.int32)
-    q = torch.randn(1, 2, 16)
+    info = torch.tensor([[0, 1, 0, 6]], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(1, 2, 16, device=DEVICE)
     out = attend(q, store_k, store_v, info)
     assert torch.allclose(out, sdpa_varlen_reference(q, store_k, store_v, info), atol=1e-5)
