@@ -5,7 +5,8 @@ unrotated with the step's cos and sin (`rope=`) and rotate both in its own launc
 the store, q into a new tensor the attention reads), one launch a layer fewer than a RoPE kernel
 followed by the write. The arithmetic is torch's three ops: x * cos and rotate_half(x) * sin each
 rounded to x's dtype, then their sum rounded (rotate_half's negation is exact), so either path stores
-the same bits.
+the same bits in 16 bits (in fp32 the casts are no-ops and the GPU compiler may contract a product into
+the sum: within an ulp).
 
 - `rope_rows(x, cos, sin)`: x [W, H, D], cos and sin [W, D] -> [W, H, D] in torch ops (the reference
   attention's path and the oracle);
