@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from batchkv.ops.rope import rope_rows
+
 try:
     import triton
     import triton.language as tl
@@ -58,12 +60,7 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: fl
 
 
 def rope_qk_torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # transformers' apply_rotary_pos_emb, op for op
-
-    def rotate_half(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
-
-    return (q * cos) + (rotate_half(q) * sin), (k * cos) + (rotate_half(k) * sin)
+    return rope_rows(q, cos, sin), rope_rows(k, cos, sin)  # transformers' apply_rotary_pos_emb, op for op
 
 
 def qk_norm_rope_torch(qkv, q_norm, k_norm, cos, sin, partner, q_heads: int, kv_heads: int, eps: float):

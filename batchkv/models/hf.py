@@ -54,7 +54,8 @@ from batchkv.errors import ConfigError, ContractError, DependencyError
 from batchkv.models.hf_fuse import fused_groups
 from batchkv.models.hf_layers import fuse_decoder
 from batchkv.models.hf_refusals import refuse_unrouted_attention, refuse_unsupported
-from batchkv.models.hf_rope import ATTENTION, deferred_rope
+from batchkv.models.hf_rope import ATTENTION as ATTN_NAME
+from batchkv.models.hf_rope import deferred_rope
 
 TRANSFORMERS_RANGE = ">=5.17,<6"  # as pyproject's `hf` extra; tested with 5.17 through 5.25
 _INSTALL = "pip install 'batchkv[hf]'"
@@ -70,7 +71,6 @@ if not (5, 17) <= _VERSION < (6, 0):
         f"HFModel needs transformers{TRANSFORMERS_RANGE}; this is transformers {transformers.__version__}: {_INSTALL}"
     )
 
-ATTN_NAME = ATTENTION
 CACHE_KWARG = "batchkv_cache"
 # The cache of the HFModel call running now: the attention finds it here when a decoder layer does not
 # pass the forward's kwargs on to its attention module (StableLM), as well as in the kwargs.

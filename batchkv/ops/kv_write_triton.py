@@ -220,18 +220,18 @@ def launch_kv_write(
     width, num_kv_heads, head_dim = k.shape
     quant = quantized(k_flat.dtype)
     q, cos, sin = rope if rope is not None else (k, k, k)  # unread without ROPE
-    q_out = torch.empty(width, q.shape[1], head_dim, dtype=q.dtype, device=q.device) if rope is not None else k
+    q_out = None if rope is None else torch.empty(width, q.shape[1], head_dim, dtype=q.dtype, device=q.device)
     if width == 0:
-        return q_out if rope is not None else None
+        return q_out
     k_scale, v_scale = (k_scale, v_scale) if quant else (k_flat, v_flat)  # unread without QUANT
     scale_strides = k_scale.stride() if quant else (0, 0, 0)
     value_dim = v.shape[2]
     _kv_write_kernel[(width,)](
         k_flat, v_flat, k, v, slots, k_scale, v_scale, k_scale.shape[1] if quant else 1, k_flat.stride(0),
         k_flat.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), *scale_strides, v_flat.stride(0),
-        v_flat.stride(1), q, q_out, cos, sin, q.stride(0), q.stride(1), cos.stride(0), HKV=num_kv_heads,
-        H_POW2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=triton.next_power_of_2(head_dim), K_DIM=head_dim,
-        V_TILE=triton.next_power_of_2(value_dim), V_DIM=value_dim, QUANT=quant, ROPE=rope is not None,
+        v_flat.stride(1), q, k if q_out is None else q_out, cos, sin, q.stride(0), q.stride(1), cos.stride(0),
+        HKV=num_kv_heads, H_POW2=triton.next_power_of_2(num_kv_heads), HEAD_DIM=triton.next_power_of_2(head_dim),
+        K_DIM=head_dim, V_TILE=triton.next_power_of_2(value_dim), V_DIM=value_dim, QUANT=quant, ROPE=rope is not None,
         HQ=q.shape[1], HQ_POW2=triton.next_power_of_2(q.shape[1]), num_warps=4, **pdl_kwargs(k.device),
     )  # fmt: skip
-    return q_out if rope is not None else None
+    return q_out

@@ -9,7 +9,7 @@ the same bits in 16 bits (in fp32 the casts are no-ops and the GPU compiler may 
 the sum: within an ulp).
 
 - `rope_rows(x, cos, sin)`: x [W, H, D], cos and sin [W, D] -> [W, H, D] in torch ops (the reference
-  attention's path and the oracle);
+  attention's path, the oracle, and `batchkv.models.fused.rope_qk_torch` on transformers' [B, H, W, D]);
 - `kv_write_triton.rotate_half_rope`: the same on a Triton tile (`kv_write`'s and `batchkv.models.fused`'s
   RoPE kernel), apart so this module needs no Triton;
 - `rope_problem(q, k, cos, sin)`: why these cannot be rotated together (None when they can);
@@ -24,8 +24,9 @@ from batchkv.errors import ContractError
 
 
 def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [W, H, D] rotated by cos, sin [W, D] as transformers' `apply_rotary_pos_emb` rotates it, op for op."""
-    cos, sin = cos[:, None], sin[:, None]
+    """x rotated by cos, sin as transformers' `apply_rotary_pos_emb` rotates it, op for op: heads on x's dim 1
+    (packed rows [W, H, D], or transformers' [B, H, W, D]), cos and sin x's shape without it ([W, D], [B, W, D])."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = x.shape[-1] // 2
     return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
