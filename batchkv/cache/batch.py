@@ -389,10 +389,11 @@ class BatchedSequenceCache(CacheViews, FacadeHooks):
         if self.attention == "reference":  # not captured: it reads the step's segments, not every row
             seq_info = seq_info[: self._buffers.segments]
         else:  # every segment holds one of the step's tokens at least: a step of width W has <= W
-            seq_info = seq_info[: min(len(seq_info), width)]  # fixed per width, so graph-safe
+            seq_info = seq_info[: min(len(seq_info), width)]  # fixed per width, so graph-safe; the kernels'
+            # plans read only the step's segments (`live`, staged with the table), not every row of the slice
         return self._attend(  # the step's K/V written first (a kv_write launch, or inside the attention)
             q, store["k"], store["v"], seq_info, scale=scale, causal=causal,
             window=cfg.layers[layer].window, k_scale=store.get("k_scale"), v_scale=store.get("v_scale"),
             write=(k, v, slots), rows=self._store.modulus(layer), softcap=float(softcap or 0.0), sinks=sinks,
-            max_q_len=SHORT_RUN if self.short_hint and self.short_step else None, rope=rope,
+            max_q_len=SHORT_RUN if self.short_hint and self.short_step else None, rope=rope, live=self._buffers.live,
         )  # fmt: skip

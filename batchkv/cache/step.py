@@ -22,6 +22,8 @@ import torch
 from batchkv.cache.staging import Staging
 from batchkv.errors import CapacityError, StepError, UnknownSequenceError
 
+HEADER = 4  # int32 elements before the tables: the live count, then padding (table rows load as 16-byte vectors)
+
 
 @dataclass(frozen=True, eq=False)
 class Declaration:
@@ -141,9 +143,11 @@ class StepBuffers:
 
     positions: int64 [max_width]; slots: int64 [groups, max_width] (one row per layer group: its
     pool's rows); seq_info: int32 [groups, max_segments, 4] (a segment's `col` is its extent's
-    first row in that group's pool). Only `copy_` ever writes them, so their addresses never
-    change and a captured graph stays valid. `segments`: the rows of `seq_info` the last fill
-    staged (every row past them is zero); `uploaded`: elements the last fill copied.
+    first row in that group's pool); live: int32 [1], the step's segments (the attention reads no
+    table row past them: `sdpa_varlen(live=)`), staged in the same copy as the first group's table (a
+    16-byte header before it). Only `copy_` ever writes them, so their addresses never change and a
+    captured graph stays valid. `segments`: the rows of `seq_info` the last fill staged (every row
+    past them is zero); `uploaded`: elements the last fill copied.
     """
 
     def __init__(self, max_width: int, groups: int, max_segments: int, device: torch.device) -> None:
@@ -151,7 +155,8 @@ class StepBuffers:
         self.max_segments = max_segments
         self._staging = Staging(self.sizes(max_width, groups, max_segments), device)
         i64 = self._staging.device_buffers[torch.int64]  # [positions w | slots groups * w]
-        self.seq_info = self._staging.device_buffers[torch.int32].view(groups, max_segments, 4)
+        i32 = self._staging.device_buffers[torch.int32]  # [live, 3 unused | seq_info groups * max_segments * 4]
+        self.live, self.seq_info = i32[:1], i32[HEADER:].view(groups, max_segments, 4)
         self.positions = i64[:max_width]
         self.slots = i64[max_width:].view(groups, max_width)
         self.segments = 0
@@ -160,7 +165,7 @@ class StepBuffers:
     @staticmethod
     def sizes(max_width: int, groups: int, max_segments: int) -> dict[torch.dtype, int]:
         """Elements per dtype of the staged buffers."""
-        return {torch.int64: (1 + groups) * max_width, torch.int32: 4 * groups * max_segments}
+        return {torch.int64: (1 + groups) * max_width, torch.int32: HEADER + 4 * groups * max_segments}
 
     def fill(self, decl: Declaration, kv_end: np.ndarray, placements: Sequence[Placement], width: int) -> None:
         """Fill positions, slots (unplanned tokens -> the scratch rows) and seq_info for one step.
@@ -173,8 +178,9 @@ class StepBuffers:
         """
         staged = self._staging.begin()
         w, host, groups = self.max_width, staged[torch.int64], len(placements)
-        info = staged[torch.int32].reshape(groups, -1, 4)
+        info = staged[torch.int32][HEADER:].reshape(groups, -1, 4)
         count, tokens, stale = decl.num_segments, decl.num_tokens, self.segments
+        staged[torch.int32][0] = count
         if stale > count:
             info[:, count:stale] = 0
         q_start, q_len, seqs = decl.q_start, decl.q_len, decl.seqs
@@ -198,7 +204,7 @@ class StepBuffers:
         table, used = 4 * self.max_segments, 4 * max(count, stale)  # int32 elements: a group's table, its live rows
         spans = {
             torch.int64: [(0, width)] + [(w * (1 + g), w * (1 + g) + width) for g in range(groups)],
-            torch.int32: [(table * g, table * g + used) for g in range(groups)],
+            torch.int32: [(0, HEADER)] + [(HEADER + table * g, HEADER + table * g + used) for g in range(groups)],
         }
         self.uploaded = self._staging.upload(spans)
         self.segments = count

@@ -96,6 +96,7 @@ def sdpa_varlen_reference(
     sinks: torch.Tensor | None = None,
     max_q_len: int | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over the column store, computed in float32.
 
@@ -108,6 +109,7 @@ def sdpa_varlen_reference(
     max_q_len: the bound the caller promises on every q_len (the Triton path skips its prompt-chunk
     kernel under it); here a segment past it is a ContractError, so CPU tests catch a broken promise.
     rope: (cos, sin) [T, D]: q and write's k come unrotated and are rotated first (`batchkv.ops.rope`).
+    live: int [1]: rows from live[0] on the Triton path never reads; here a segment there is a ContractError.
     Returns [T, Hq, Dv] in q's dtype; scale defaults to 1/sqrt(D). Not graph-capturable (host reads).
 
     >>> out = sdpa_varlen_reference(q, k, v, torch.tensor([[0, 3, 1, 3]], dtype=torch.int32))
@@ -122,12 +124,7 @@ def sdpa_varlen_reference(
     group = num_q_heads // num_kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     out = torch.zeros(num_tokens, num_q_heads, v_store.shape[-1], dtype=torch.float32, device=q.device)
-    # Only the rows with queries: a table sized by max_seqs is mostly empty rows.
-    live = seq_info[seq_info[:, 1] > 0].tolist()
-    if max_q_len is not None and any(row[1] > max_q_len for row in live):
-        longest = max(row[1] for row in live)
-        raise ContractError(f"sdpa_varlen_reference: a segment of {longest} queries; max_q_len is {max_q_len}")
-    for q_start, q_len, col, kv_end in live:
+    for q_start, q_len, col, kv_end in _live_rows(seq_info, live, max_q_len):
         lo_resident = max(0, kv_end - rows)
         if lo_resident >= kv_end:
             continue
@@ -159,6 +156,18 @@ def sdpa_varlen_reference(
         values = values.masked_fill(~allowed.any(0)[:, None, None], 0.0)
         out[q_start : q_start + q_len] = torch.einsum("hqk,khd->qhd", probs, values)
     return out.to(q.dtype)
+
+
+def _live_rows(seq_info: torch.Tensor, live: torch.Tensor | None, max_q_len: int | None) -> list[list[int]]:
+    """The table's rows with queries (a table sized by max_seqs is mostly empty rows); a ContractError when
+    one sits at or past `live` (the rows the Triton path reads) or is longer than `max_q_len`."""
+    if live is not None and bool((seq_info[int(live.reshape(-1)[0]) :, 1] > 0).any()):
+        raise ContractError(f"sdpa_varlen_reference: a segment at or past row live={int(live.reshape(-1)[0])}")
+    rows = seq_info[seq_info[:, 1] > 0].tolist()
+    if max_q_len is not None and any(row[1] > max_q_len for row in rows):
+        longest = max(row[1] for row in rows)
+        raise ContractError(f"sdpa_varlen_reference: a segment of {longest} queries; max_q_len is {max_q_len}")
+    return rows
 
 
 def kv_write_reference(

@@ -112,12 +112,12 @@ def split(dtype="bf16", D=128, G=4, heads=1, block_n=64, warps=4, stages=3, skip
     hg = triton.next_power_of_2(heads * G)
     store = store or dtype
     types = dict(q=f"*{dtype}", k_store=f"*{store}", v_store=f"*{store}", k_scale="*fp32", v_scale="*fp32",
-                 info="*i32", out=f"*{dtype}", o_part="*fp32", lse_part="*fp32", counters="*i32",
+                 info="*i32", live="*i32", out=f"*{dtype}", o_part="*fp32", lse_part="*fp32", counters="*i32",
                  qk_scale="fp32")  # fmt: skip
     consts = dict(QUANT=store == "fp8e4nv", CAUSAL=True, GROUP=G, HEADS=heads, HEAD_DIM=D, BLOCK_M=block_m, GDC=True,
                   BLOCK_Q=block_q, BLOCK_N=block_n, Q_SHORT=16, S_POW2=128, MIN_BLOCKS=1, LONG=True, SKIP_MASKS=skip,
                   MERGE_ROWS=merge_rows, MERGE_SLOTS=min(64, pow2_floor(merge_tile // (heads * merge_rows * D))),
-                  HG_POW2=hg, ZERO_ROWS=pow2_floor(2048 // (hg * D)), AXIS64=False,
+                  HG_POW2=hg, ZERO_ROWS=pow2_floor(2048 // (hg * D)), AXIS64=False, TABLE_CHUNK=128,
                   DOT_PREC="ieee" if dtype == "fp32" else "tf32", WARP_SPLIT=warp_split, PREFETCH=prefetch,
                   SECTOR={"fp32": 8, "fp8e4nv": 32}.get(store, 16), PREFETCH_CHECK=False,
                   MERGE_STAGES=1, CVT_ASM=store == "fp8e4nv")  # fmt: skip
@@ -138,10 +138,10 @@ def long(dtype="bf16", D=128, G=4, block_m=128, block_n=64, warps=8, stages=3, s
                        "fp8e4nv": torch.float8_e4m3fn}[store]  # fmt: skip
         desc = mangle_type(TensorDescriptor(torch.empty(8, D, dtype=torch_dtype), [8, D], [D, 1], [block_n, D]))
     types = dict(q=f"*{dtype}", k_store=f"*{store}", v_store=f"*{store}", k_scale="*fp32", v_scale="*fp32",
-                 info="*i32", out=f"*{dtype}", k_desc=desc, v_desc=desc, qk_scale="fp32")  # fmt: skip
+                 info="*i32", live="*i32", out=f"*{dtype}", k_desc=desc, v_desc=desc, qk_scale="fp32")  # fmt: skip
     tile_m = max(16, triton.next_power_of_2(block_q * G))
     consts = dict(QUANT=store == "fp8e4nv", QK_E4M3=qk_e4m3, HW_CAST=True, CAUSAL=True, GROUP=G, HEAD_DIM=D, GDC=True,
-                  BLOCK_M=tile_m, BLOCK_Q=block_q, BLOCK_N=block_n, Q_SHORT=16, S_POW2=128,
+                  BLOCK_M=tile_m, BLOCK_Q=block_q, BLOCK_N=block_n, Q_SHORT=16, S_POW2=128, TABLE_CHUNK=128,
                   DOT_PREC="ieee" if dtype == "fp32" else "tf32", TMA=tma)  # fmt: skip
     label = f"long {'e4m3/' if store != dtype else ''}{dtype}{' qk-e4m3' * qk_e4m3} D{D}{' tma' * tma}"
     build(long_kernel, types, consts, warps, stages, f"{label} G{G} m{block_m} n{block_n} w{warps} s{stages}")

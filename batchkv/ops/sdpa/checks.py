@@ -12,11 +12,12 @@ from batchkv.errors import ContractError
 from batchkv.ops.support import COMPUTE_DTYPES, quantized, refusal, scales_refusal
 
 
-def check_extras(q: torch.Tensor, softcap: float, sinks: torch.Tensor | None) -> None:
-    """Refuse a soft-cap that is not a finite number >= 0, and sinks that are not one float logit per
-    query head ([Hq], contiguous, on q's device)."""
+def check_extras(q: torch.Tensor, softcap: float, sinks: torch.Tensor | None, live: torch.Tensor | None = None) -> None:
+    """Refuse a soft-cap that is not a finite number >= 0, sinks that are not one float logit per
+    query head ([Hq], contiguous, on q's device), and a live-row count that is not one int32 on q's device."""
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not 0 <= softcap < math.inf:
         raise ContractError(f"sdpa_varlen: softcap is {softcap!r}; use 0 (none) or a positive finite number")
+    live is None or _check_live(live, q)
     if sinks is None:
         return
     if not isinstance(sinks, torch.Tensor):
@@ -101,3 +102,12 @@ def check_call(
             f"out must be {want} {q.dtype} on {q.device} with a contiguous last dim; "
             f"got {tuple(out.shape)} {out.dtype} on {out.device}"
         )
+
+
+def _check_live(live: torch.Tensor, q: torch.Tensor) -> None:
+    """Refuse a live-row count that is not an int32 tensor of one element on q's device."""
+    if not isinstance(live, torch.Tensor) or live.dtype != torch.int32 or live.numel() != 1:
+        got = f"{live.dtype} {list(live.shape)}" if isinstance(live, torch.Tensor) else type(live).__name__
+        raise ContractError(f"sdpa_varlen: live must be an int32 tensor of one element (the live rows); got {got}")
+    if live.device != q.device:
+        raise ContractError(f"sdpa_varlen: live is on {live.device}, q on {q.device}; stage it on q's device")

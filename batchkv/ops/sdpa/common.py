@@ -33,9 +33,10 @@ PREFETCH_ASM = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.g
 
 
 @triton.jit
-def load_table(info, S, S_POW2: tl.constexpr):
-    """`seq_info` as four [S_POW2] columns (zeros past S), from one [S_POW2, 4] load of 16-byte rows."""
-    idx = tl.arange(0, S_POW2)
+def load_table(info, S, S_POW2: tl.constexpr, start=0):
+    """`seq_info` rows [start, start + S_POW2) as four [S_POW2] columns (zeros from row S on), from one
+    [S_POW2, 4] load of 16-byte rows."""
+    idx = start + tl.arange(0, S_POW2)
     c = tl.arange(0, 4)[None, :]
     tab = tl.load(info + idx[:, None] * 4 + c, mask=(idx < S)[:, None], other=0)
     q_start = tl.sum(tl.where(c == 0, tab, 0), 1)  # the 4 columns sit in one thread: no shuffles

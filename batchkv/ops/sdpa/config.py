@@ -59,6 +59,10 @@ class SdpaConfig:
     it reads q or K/V or writes, so launch latency and the plan overlap work (the K/V write, the partials).
     fuse_write: a split_merge step given `write` rows stores them in its partials kernel (each
     program writes its head's rows, then reads) instead of a `kv_write` launch first.
+    table_chunk: table rows a split or long program plans over at once when the call names its live rows
+    (`sdpa_varlen(live=)`) and the table is longer: the plan reads only the rows before `live`, in
+    chunks, instead of the whole table in registers (a power of two >= 16; 0, the default until a GPU
+    has timed both: the whole table).
     narrow: the config of steps of at most narrow_width packed tokens, or over a table of at most
     narrow_segments rows (T and S are static shapes, so a captured graph keeps one config), e.g. a
     few-row variant for one decoding sequence beside the batch config; None: this one.
@@ -97,6 +101,7 @@ class SdpaConfig:
     split_merge: bool = False
     pdl: bool = True
     fuse_write: bool = False
+    table_chunk: int = 0
     narrow: SdpaConfig | None = None
     narrow_width: int = 0
     narrow_segments: int = 0
@@ -148,6 +153,8 @@ def resolve_config(
         raise ContractError(f"{cfg}: heads must be 0 or a power of two, q_short and min_blocks >= 1")
     if cfg.warp_split < 1 or cfg.warp_split & (cfg.warp_split - 1) or cfg.prefetch < 0 or cfg.merge_stages < 1:
         raise ContractError(f"{cfg}: warp_split must be a power of two, prefetch >= 0 and merge_stages >= 1")
+    if cfg.table_chunk < 0 or cfg.table_chunk & (cfg.table_chunk - 1) or 0 < cfg.table_chunk < 16:
+        raise ContractError(f"{cfg}: table_chunk must be 0 or a power of two >= 16")
     if cfg.split_merge and (cfg.heads > 1 or cfg.warp_split > 1 or cfg.prefetch):
         raise ContractError(f"{cfg}: split_merge runs one KV head per program without warp_split or prefetch")
     esize = dtype.itemsize

@@ -44,7 +44,10 @@ segment covers. Long segments (prefill) are `long_kernel`'s (`long.py`).
 Only interior key blocks (every row of the tile attends every key) skip the mask. The plan is
 derived on the device from one [S, 4] table load, one int64 scan and one reduction per program
 (its first block's segment); from there a program follows the table row by row, so no
-S-long vector stays in registers through the tile loop. No length reaches the host. The kernel
+S-long vector stays in registers through the tile loop. Given the count of live rows (TABLE_CHUNK <
+S_POW2: `sdpa_varlen(live=)`, a table longer than the chunk) the plan reads only those, TABLE_CHUNK rows at a
+time, in two passes (the totals, then the first block's segment): a mixed step's table is as long as
+its width allows, its live rows as many as its sequences. No length reaches the host. The kernel
 trusts the table's contents but never writes outside `out` and its workspace, whatever they hold.
 """
 
@@ -105,14 +108,68 @@ def _store_zeros(out, t, blank, zeros, col_off, head_ok, stride_ot):
 
 
 @triton.jit
-def _zero_uncovered(out, p, P, T, h0, q_start_v, q_len_v, writes_v, stride_ot, stride_oh,
-                    GROUP: tl.constexpr, HEADS: tl.constexpr, V_TILE: tl.constexpr, HG_POW2: tl.constexpr,
-                    ZERO_ROWS: tl.constexpr, V_DIM: tl.constexpr):  # fmt: skip
+def _writes(q_len_v, nq_v, LONG: tl.constexpr, Q_SHORT: tl.constexpr):
+    """Segments whose rows some program writes: a short one's items, a long one's kernel when it runs."""
+    if LONG:
+        return (nq_v > 0) | (q_len_v > Q_SHORT)
+    return nq_v > 0
+
+
+@triton.jit
+def _cover(q_start_v, q_len_v, writes_v, T):
+    """(rows written, first written row, past the last) of the written segments."""
+    return tl.reduce((tl.where(writes_v, q_len_v, 0), tl.where(writes_v, q_start_v, T),
+                      tl.where(writes_v, q_start_v + q_len_v, 0)), 0, _cover_combine)  # fmt: skip
+
+
+@triton.jit
+def _plan_totals(info, n, T, rows, window, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 Q_SHORT: tl.constexpr, LONG: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """(key blocks on the work axis, rows written, first written row, past the last) of the table's rows
+    [0, n), CHUNK rows at a time: what the whole-table plan reduces from its columns."""
+    zero = n * 0
+    W, written, lo, hi = zero.to(tl.int64), zero, zero + T, zero
+    for c0 in range(0, n, CHUNK):
+        _idx, q_start_v, q_len_v, _cols, kv_end_v = load_table(info, n, CHUNK, c0)
+        _lo, nblk, nq_v = _items(q_len_v, kv_end_v, rows, window, CAUSAL, BLOCK_N, BLOCK_Q, Q_SHORT)
+        W += tl.sum((nq_v * nblk).to(tl.int64), 0)
+        c_written, c_lo, c_hi = _cover(q_start_v, q_len_v, _writes(q_len_v, nq_v, LONG, Q_SHORT), T)
+        written, lo, hi = written + c_written, tl.minimum(lo, c_lo), tl.maximum(hi, c_hi)
+    return W, written, lo, hi
+
+
+@triton.jit
+def _plan_locate(info, n, x, rows, window, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 Q_SHORT: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
+    """(segment, its first key block, its first item) of work-axis block x over the table's rows [0, n), CHUNK
+    rows at a time: the whole-table plan's scan and reduction, each chunk's sums carried into the next."""
+    s = n * 0
+    w_start, it_start, w_base, it_base = s.to(tl.int64), s.to(tl.int64), s.to(tl.int64), s.to(tl.int64)
+    for c0 in range(0, n, CHUNK):
+        _idx, _q_start_v, q_len_v, _cols, kv_end_v = load_table(info, n, CHUNK, c0)
+        _lo, nblk, nq_v = _items(q_len_v, kv_end_v, rows, window, CAUSAL, BLOCK_N, BLOCK_Q, Q_SHORT)
+        packed = tl.cumsum((nq_v.to(tl.int64) << ITEM_SHIFT) | (nq_v * nblk).to(tl.int64), 0)
+        w_end, item_end = w_base + (packed & LOW_MASK), it_base + (packed >> ITEM_SHIFT)
+        before = w_end <= x
+        c_s, c_w, c_it = tl.reduce((before.to(tl.int32), tl.where(before, w_end, 0),
+                                    tl.where(before, item_end, 0)), 0, _locate_combine)  # fmt: skip
+        s, w_start, it_start = s + c_s, tl.maximum(w_start, c_w), tl.maximum(it_start, c_it)
+        w_base, it_base = w_base + tl.sum((nq_v * nblk).to(tl.int64), 0), it_base + tl.sum(nq_v.to(tl.int64), 0)
+    return s, w_start, it_start
+
+
+@triton.jit
+def _zero_uncovered(out, p, P, T, h0, written, lo, hi, info, n, rows, window, stride_ot, stride_oh,
+                    CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr, Q_SHORT: tl.constexpr,
+                    LONG: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr,
+                    V_TILE: tl.constexpr, HG_POW2: tl.constexpr, ZERO_ROWS: tl.constexpr,
+                    V_DIM: tl.constexpr):  # fmt: skip
     """Exact zeros in rows t = p, p + P, ... < T that no segment writes, query heads of this program
     (V_DIM output columns each, in tiles of V_TILE). When the written rows are one run [lo, hi) (the
     engine's packed steps: segments never overlap, so their lengths summing to the span says so), the
     zeros are the rows before and after it, with no per-row test; otherwise each row is tested
-    against every segment. (Overlapping segments, outside the contract, may leave a gap unwritten.)"""
+    against every segment of the table's rows [0, n), read CHUNK at a time. (Overlapping segments,
+    outside the contract, may leave a gap unwritten.)"""
     c = tl.arange(0, HG_POW2 * V_TILE)
     head = h0 * GROUP + c // V_TILE  # query head of each column
     head_ok = (c // V_TILE) < HEADS * GROUP
@@ -120,8 +177,6 @@ def _zero_uncovered(out, p, P, T, h0, q_start_v, q_len_v, writes_v, stride_ot, s
         head_ok = head_ok & (c % V_TILE < V_DIM)
     col_off = head.to(tl.int64) * stride_oh + c % V_TILE
     zeros = tl.zeros([ZERO_ROWS, HG_POW2 * V_TILE], out.dtype.element_ty)
-    written, lo, hi = tl.reduce((tl.where(writes_v, q_len_v, 0), tl.where(writes_v, q_start_v, T),
-                                 tl.where(writes_v, q_start_v + q_len_v, 0)), 0, _cover_combine)  # fmt: skip
     if (written == hi - lo) | (written == 0):  # one run (none: lo = T, every row is before it)
         for t0 in range(p, tl.minimum(lo, T), P * ZERO_ROWS):  # the rows before the run
             t = t0 + P * tl.arange(0, ZERO_ROWS)
@@ -133,14 +188,18 @@ def _zero_uncovered(out, p, P, T, h0, q_start_v, q_len_v, writes_v, stride_ot, s
     else:
         for t0 in range(p, T, P * ZERO_ROWS):
             t = t0 + P * tl.arange(0, ZERO_ROWS)
-            # [S_POW2, ZERO_ROWS], segments along the table's own layout (no conversion of the table)
-            hit = (q_start_v[:, None] <= t[None, :]) & (t[None, :] < (q_start_v + q_len_v)[:, None])
-            hit = hit & writes_v[:, None]
-            _store_zeros(out, t, (tl.max(hit.to(tl.int32), 0) == 0) & (t < T), zeros, col_off, head_ok, stride_ot)
+            hits = t * 0
+            for c0 in range(0, n, CHUNK):
+                _idx, q_start_v, q_len_v, _cols, kv_end_v = load_table(info, n, CHUNK, c0)
+                _lo, _nblk, nq_v = _items(q_len_v, kv_end_v, rows, window, CAUSAL, BLOCK_N, BLOCK_Q, Q_SHORT)
+                # [CHUNK, ZERO_ROWS], segments along the table's own layout (no conversion of the table)
+                hit = (q_start_v[:, None] <= t[None, :]) & (t[None, :] < (q_start_v + q_len_v)[:, None])
+                hits += tl.max((hit & _writes(q_len_v, nq_v, LONG, Q_SHORT)[:, None]).to(tl.int32), 0)
+            _store_zeros(out, t, (hits == 0) & (t < T), zeros, col_off, head_ok, stride_ot)
 
 
 @triton.jit
-def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_part, counters, S, T, rows, window,
+def split_kernel(q, k_store, v_store, k_scale, v_scale, info, live, out, o_part, lse_part, counters, S, T, rows, window,
                  qk_scale, P, MAX_ITEMS, stride_qt, stride_qh, stride_r, stride_c, stride_h, stride_sr, stride_sc,
                  stride_sh, stride_ot, stride_oh, QUANT: tl.constexpr, CAUSAL: tl.constexpr, GROUP: tl.constexpr,
                  HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -151,7 +210,8 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
                  PREFETCH: tl.constexpr, SECTOR: tl.constexpr, PREFETCH_CHECK: tl.constexpr,
                  MERGE_STAGES: tl.constexpr, CVT_ASM: tl.constexpr, cap2, sinks, SOFTCAP: tl.constexpr,
                  SINKS: tl.constexpr, stride_vr, stride_vc, stride_vh, K_DIM: tl.constexpr, V_TILE: tl.constexpr,
-                 V_DIM: tl.constexpr, SAME_STRIDES: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
+                 V_DIM: tl.constexpr, SAME_STRIDES: tl.constexpr, GDC: tl.constexpr,
+                 TABLE_CHUNK: tl.constexpr):  # fmt: skip
     if SAME_STRIDES:  # V laid out as K: K's offsets serve V (one set of 64-bit row offsets, as one width had)
         stride_vr = stride_r
         stride_vc = stride_c
@@ -160,40 +220,53 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, out, o_part, lse_p
     p = tl.program_id(1)
     h0 = hp * HEADS
     num_kv_heads = tl.num_programs(0) * HEADS
-    _idx, q_start_v, q_len_v, _cols, kv_end_v = load_table(info, S, S_POW2)
-    _lo, nblk, nq_v = _items(q_len_v, kv_end_v, rows, window, CAUSAL, BLOCK_N, BLOCK_Q, Q_SHORT)
-    packed = tl.cumsum((nq_v.to(tl.int64) << ITEM_SHIFT) | (nq_v * nblk).to(tl.int64), 0)
-    w_end = packed & LOW_MASK  # inclusive cumsum of key blocks
-    item_end = packed >> ITEM_SHIFT  # inclusive cumsum of items
-    W = tl.max(w_end, 0)
+    if TABLE_CHUNK == S_POW2:  # the whole table in registers: one load, one scan
+        n = S
+        _idx, q_start_v, q_len_v, _cols, kv_end_v = load_table(info, S, S_POW2)
+        _lo, nblk, nq_v = _items(q_len_v, kv_end_v, rows, window, CAUSAL, BLOCK_N, BLOCK_Q, Q_SHORT)
+        packed = tl.cumsum((nq_v.to(tl.int64) << ITEM_SHIFT) | (nq_v * nblk).to(tl.int64), 0)
+        w_end = packed & LOW_MASK  # inclusive cumsum of key blocks
+        item_end = packed >> ITEM_SHIFT  # inclusive cumsum of items
+        W = tl.max(w_end, 0)
+        written, lo, hi = _cover(q_start_v, q_len_v, _writes(q_len_v, nq_v, LONG, Q_SHORT), T)
+    else:  # the live rows only, a chunk at a time
+        n = tl.minimum(tl.load(live), S)
+        W, written, lo, hi = _plan_totals(info, n, T, rows, window, CAUSAL, BLOCK_N, BLOCK_Q, Q_SHORT, LONG,
+                                          TABLE_CHUNK)  # fmt: skip
     if not AXIS64:  # the launcher's bound says W * P < 2^31: 32-bit divisions (64-bit ones are calls)
         W = W.to(tl.int32)
-        w_end = w_end.to(tl.int32)
-        item_end = item_end.to(tl.int32)
     P_eff = tl.maximum(tl.minimum(W // MIN_BLOCKS, P), 1)  # each program gets >= MIN_BLOCKS blocks
+    x = (p * W) // P_eff  # this program's key blocks [x, b1) of the work axis
+    b1 = tl.where(p < P_eff, ((p + 1) * W) // P_eff, x)
+    # block x's segment s, its first block and first item, found once in the table; then followed row by row
+    # (the table's columns die here: the loop below keeps scalars, not S_POW2-long vectors, in registers)
+    if TABLE_CHUNK == S_POW2:
+        if not AXIS64:
+            w_end = w_end.to(tl.int32)
+            item_end = item_end.to(tl.int32)
+        before = w_end <= x  # segments wholly before block x
+        s, w_start, it_start = tl.reduce((before.to(tl.int32), tl.where(before, w_end, 0),
+                                          tl.where(before, item_end, 0)), 0, _locate_combine)  # fmt: skip
+    else:
+        s, w_start, it_start = _plan_locate(info, n, x, rows, window, CAUSAL, BLOCK_N, BLOCK_Q, Q_SHORT,
+                                            TABLE_CHUNK)  # fmt: skip
+        if not AXIS64:
+            w_start = w_start.to(tl.int32)
+            it_start = it_start.to(tl.int32)
     # launched early (GDC): the plan above reads only the table, which no grid of the step writes; from here
     # on (q, the K/V the write before stored, `out`, the workspace) the grids before have finished
     pdl_enter(GDC)
 
-    writes = nq_v > 0  # segments whose rows some program writes
-    if LONG:
-        writes = writes | (q_len_v > Q_SHORT)
     # the last programs zero: when the work is short (P_eff < P) they are the idle ones
-    _zero_uncovered(out, P - 1 - p, P, T, h0, q_start_v, q_len_v, writes, stride_ot, stride_oh, GROUP, HEADS,
-                    V_TILE, HG_POW2, ZERO_ROWS, V_DIM)  # fmt: skip
+    _zero_uncovered(out, P - 1 - p, P, T, h0, written, lo, hi, info, n, rows, window, stride_ot, stride_oh, CAUSAL,
+                    BLOCK_N, BLOCK_Q, Q_SHORT, LONG, TABLE_CHUNK, GROUP, HEADS, V_TILE, HG_POW2, ZERO_ROWS,
+                    V_DIM)  # fmt: skip
 
     hh = tl.arange(0, HEADS)[:, None, None]
     d = tl.arange(0, HEAD_DIM)[None, None, :]  # query and key columns (those from K_DIM on: padding)
     dv = tl.arange(0, V_TILE)[None, None, :]  # value and output columns (from V_DIM on: padding)
     r3 = tl.arange(0, BLOCK_M)[None, :, None]
     g = tl.arange(0, BLOCK_M) % GROUP
-    x = (p * W) // P_eff  # this program's key blocks [x, b1) of the work axis
-    b1 = tl.where(p < P_eff, ((p + 1) * W) // P_eff, x)
-    # block x's segment s, its first block and first item, found once in the table; then followed row by row
-    # (the table's columns die here: the loop below keeps scalars, not S_POW2-long vectors, in registers)
-    before = w_end <= x  # segments wholly before block x
-    s, w_start, it_start = tl.reduce((before.to(tl.int32), tl.where(before, w_end, 0),
-                                      tl.where(before, item_end, 0)), 0, _locate_combine)  # fmt: skip
     while x < b1:
         q_start = tl.load(info + s * 4)
         q_len = tl.load(info + s * 4 + 1)

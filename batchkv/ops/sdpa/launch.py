@@ -26,6 +26,10 @@ How (device code in `kernels.py` and `long.py`):
 `softcap` (Gemma2) caps every score in the tile loops; `sinks` (gpt-oss) rescale each row once where
 its output is final (an item's sole program, the merge, the long path). Both are constexpr switches:
 a call with neither compiles and runs the kernels it did before.
+`live` (int32 [1] on q's device, or None: every row read): the rows of `seq_info` from live[0] on are
+empty and not read. A captured graph's table is as long as its width allows (2,048 rows at an 8,192-token
+step under max_seqs 1,024) while its step has a few hundred segments; with `live` the split and long
+kernels plan over the live rows, `SdpaConfig.table_chunk` at a time, not the whole table in registers.
 `write` = (k, v, slots) first stores the step's K/V rows as `kv_write` does (its own launch, or,
 with `SdpaConfig.fuse_write` on a split_merge step, inside the partials kernel).
 One program serves `heads` KV heads and their whole query groups, so K/V are read once per group
@@ -174,6 +178,7 @@ def sdpa_varlen(
     sinks: torch.Tensor | None = None,
     max_q_len: int | None = None,
     rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries over the column store (Triton; contract in the module docstring).
 
@@ -208,13 +213,13 @@ def sdpa_varlen(
     max_q_len: a bound promised on every q_len (host-known, part of a captured graph's key; None: any); at
     most `q_short`, the long kernel is not launched (a longer segment's rows come out as zeros). rope:
     (cos, sin) [T, D] of q's dtype: q and write's k come unrotated, and the write's launch rotates both
-    (transformers' rotate-half RoPE, its roundings; `batchkv.ops.rope`); needs `write`.
+    (transformers' rotate-half RoPE, its roundings; `batchkv.ops.rope`); needs `write`. live: below.
 
     >>> info = torch.tensor([[0, 1, 3, 700], [1, 4, 0, 52]], dtype=torch.int32, device="cuda")
     >>> out = sdpa_varlen(q, k_store, v_store, info)  # q [5, 32, 128], stores [1024, 65, 8, 128]
     """
     check_call(q, k_store, v_store, seq_info, scale, window, out, k_scale, v_scale)
-    check_extras(q, softcap, sinks)
+    check_extras(q, softcap, sinks, live)
     rope is None or check_rope(q, write, rope)
     rows = k_store.shape[0] if rows is None else int_arg("sdpa_varlen: rows", rows, 1, 2**31 - 1, error=ContractError)
     max_q_len is None or int_arg("sdpa_varlen: max_q_len", max_q_len, 1, 2**31 - 1, error=ContractError)
@@ -232,7 +237,7 @@ def sdpa_varlen(
         return out if num_tokens == 0 else out.zero_()
     long = num_tokens > cfg.q_short and (max_q_len is None or max_q_len > cfg.q_short)  # a segment can be long
     _launch(q, k_store, v_store, k_scale, v_scale, seq_info, out, cfg, same_layout, quant, k_tile, v_tile, rows, scale,
-            causal, window, write, softcap, sinks, long)  # fmt: skip
+            causal, window, write, softcap, sinks, long, live)  # fmt: skip
     return out
 
 
@@ -256,7 +261,7 @@ def _choose_config(config: SdpaConfig, q: torch.Tensor, k_store: torch.Tensor, v
 
 def _launch(q, k_store, v_store, k_scale, v_scale, seq_info, out, cfg: SdpaConfig, same_layout: bool, quant: bool,
             k_tile: int, v_tile: int, rows: int, scale, causal, window, write, softcap, sinks,
-            long: bool) -> None:  # fmt: skip
+            long: bool, live: torch.Tensor | None) -> None:  # fmt: skip
     """Launch a step with tokens and segments: the arguments every path shares (scalars, strides,
     constexprs, soft-cap and sinks, V's layout), then the path: `split_merge`'s two launches for a
     narrow step, else the split kernel and, when a segment can be long (`long`: T > q_short and no
@@ -264,6 +269,8 @@ def _launch(q, k_store, v_store, k_scale, v_scale, seq_info, out, cfg: SdpaConfi
     num_tokens, num_q_heads, head_dim = q.shape
     num_segments, columns, num_kv_heads, value_dim = seq_info.shape[0], *k_store.shape[1:3], v_store.shape[3]
     group = num_q_heads // num_kv_heads
+    s_pow2 = max(16, triton.next_power_of_2(num_segments))
+    chunked = live is not None and 0 < cfg.table_chunk < s_pow2  # the plans read the live rows, chunk by chunk
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
     dots = q.dtype if quant else k_store.dtype  # the dtype tl.dot runs in
     cvt_asm = quant and e4m3_cvt_asm(q.device)  # e4m3 codes converted by inline PTX (NVIDIA sm_89+)
@@ -280,13 +287,15 @@ def _launch(q, k_store, v_store, k_scale, v_scale, seq_info, out, cfg: SdpaConfi
         HEAD_DIM=k_tile,
         K_DIM=head_dim,
         Q_SHORT=cfg.q_short,
-        S_POW2=max(16, triton.next_power_of_2(num_segments)),
+        S_POW2=s_pow2,
+        TABLE_CHUNK=cfg.table_chunk if chunked else s_pow2,
         DOT_PREC="ieee" if dots == torch.float32 else "tf32",
         # V in K's layout: the kernels take K's strides for V, so K and V tiles share their row offsets
         # (with V's own strides the loops computed both; the H200 had them 6% slower on prompt chunks)
         SAME_STRIDES=same_layout,
     )
     args = (num_segments, num_tokens, rows, window, qk_scale)
+    table = (seq_info, live if chunked else seq_info)  # (the table, its live count: unread unless chunked)
     # soft-cap in log2 units (the scores' own); sinks unread (any pointer) without SINKS
     extras = dict(cap2=float(softcap) * LOG2E, SOFTCAP=_softcap_mode(softcap, q), sinks=q if sinks is None else sinks,
                   SINKS=sinks is not None)  # fmt: skip
@@ -297,15 +306,16 @@ def _launch(q, k_store, v_store, k_scale, v_scale, seq_info, out, cfg: SdpaConfi
         split_merge(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, strides, cfg, common,
                     cvt_asm, launch, write, extras)  # fmt: skip
         return
-    _launch_split(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, strides, cfg, common, extras, values,
+    _launch_split(q, k_store, v_store, k_scale, v_scale, table, out, args, strides, cfg, common, extras, values,
                   cvt_asm, long)  # fmt: skip
     if long:
-        _launch_long(q, k_store, v_store, k_scale, v_scale, seq_info, out, args, strides, cfg, common, extras, values,
+        _launch_long(q, k_store, v_store, k_scale, v_scale, table, out, args, strides, cfg, common, extras, values,
                      cvt_asm, softcap)  # fmt: skip
 
 
-def _launch_split(q, k_store, v_store, k_scale, v_scale, seq_info, out, args: tuple, strides: tuple, cfg: SdpaConfig,
-                  common: dict, extras: dict, values: dict, cvt_asm: bool, long: bool) -> None:  # fmt: skip
+def _launch_split(q, k_store, v_store, k_scale, v_scale, table: tuple, out, args: tuple, strides: tuple,
+                  cfg: SdpaConfig, common: dict, extras: dict, values: dict, cvt_asm: bool,
+                  long: bool) -> None:  # fmt: skip
     """The stream-K split kernel over the short segments (and the zeros of uncovered rows): block_q
     queries per item, at most max_items items over all short segments, on `cfg.programs` programs
     per head group, with its fp32 partials (torch.empty) and the device's merge counters."""
@@ -324,7 +334,7 @@ def _launch_split(q, k_store, v_store, k_scale, v_scale, seq_info, out, args: tu
     hg_pow2 = triton.next_power_of_2(heads * group)
     axis_bound = max_items * -(-rows // cfg.block_n)  # most key blocks on the work axis (an item spans <= rows keys)
     split_kernel[(groups, cfg.programs)](
-        q, k_store, v_store, k_scale, v_scale, seq_info, out, o_part, lse_part, counters, *args, cfg.programs,
+        q, k_store, v_store, k_scale, v_scale, *table, out, o_part, lse_part, counters, *args, cfg.programs,
         max_items, *strides,
         HEADS=heads, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, MIN_BLOCKS=cfg.min_blocks, LONG=long,
         SKIP_MASKS=cfg.skip_masks, MERGE_ROWS=merge_rows,
@@ -337,7 +347,7 @@ def _launch_split(q, k_store, v_store, k_scale, v_scale, seq_info, out, args: tu
     )  # fmt: skip
 
 
-def _launch_long(q, k_store, v_store, k_scale, v_scale, seq_info, out, args: tuple, strides: tuple, cfg: SdpaConfig,
+def _launch_long(q, k_store, v_store, k_scale, v_scale, table: tuple, out, args: tuple, strides: tuple, cfg: SdpaConfig,
                  common: dict, extras: dict, values: dict, cvt_asm: bool, softcap: float) -> None:  # fmt: skip
     """The long kernel over the segments longer than q_short (prompt chunks): one program per query
     block, no split; e4m3 QK dots under `cfg.e4m3_qk_long` where they apply, TMA loads where
@@ -351,7 +361,7 @@ def _launch_long(q, k_store, v_store, k_scale, v_scale, seq_info, out, args: tup
     qk_e4m3 = qk_e4m3 and e4m3_dots and not softcap  # a cap works on true scores: exact queries
     descs = tma_views(k_store, v_store, cfg.block_n_long) if cfg.tma_long else None
     long_kernel[((-(-num_tokens // block_q_long) + most_long) * num_kv_heads,)](
-        q, k_store, v_store, k_scale, v_scale, seq_info, out, *(descs or (k_store, v_store)), *args, num_kv_heads,
+        q, k_store, v_store, k_scale, v_scale, *table, out, *(descs or (k_store, v_store)), *args, num_kv_heads,
         *strides,
         QK_E4M3=qk_e4m3, TMA=descs is not None,
         HW_CAST=qk_e4m3 and cvt_asm, BLOCK_M=max(16, triton.next_power_of_2(block_q_long * group)),

@@ -159,7 +159,7 @@ def _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr,
 
 
 @triton.jit
-def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, k_desc, v_desc, S, T, rows, window, qk_scale,
+def long_kernel(q, k_store, v_store, k_scale, v_scale, info, live, out, k_desc, v_desc, S, T, rows, window, qk_scale,
                 num_kv_heads,
                 stride_qt, stride_qh, stride_r, stride_c, stride_h, stride_sr, stride_sc, stride_sh, stride_ot,
                 stride_oh, QUANT: tl.constexpr, QK_E4M3: tl.constexpr, HW_CAST: tl.constexpr, CAUSAL: tl.constexpr,
@@ -167,20 +167,25 @@ def long_kernel(q, k_store, v_store, k_scale, v_scale, info, out, k_desc, v_desc
                 BLOCK_N: tl.constexpr, Q_SHORT: tl.constexpr, S_POW2: tl.constexpr,
                 DOT_PREC: tl.constexpr, TMA: tl.constexpr, cap2, sinks, SOFTCAP: tl.constexpr,
                 SINKS: tl.constexpr, stride_vr, stride_vc, stride_vh, K_DIM: tl.constexpr, V_TILE: tl.constexpr,
-                V_DIM: tl.constexpr, SAME_STRIDES: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
+                V_DIM: tl.constexpr, SAME_STRIDES: tl.constexpr, GDC: tl.constexpr,
+                TABLE_CHUNK: tl.constexpr):  # fmt: skip
     if SAME_STRIDES:  # V laid out as K: K's offsets serve V (one set of 64-bit row offsets, as one width had)
         stride_vr = stride_r
         stride_vc = stride_c
         stride_vh = stride_h
     pid = tl.program_id(0) // num_kv_heads
     h = tl.program_id(0) % num_kv_heads
-    idx = tl.arange(0, S_POW2)
-    q_len_v = tl.load(info + idx * 4 + 1, mask=idx < S, other=0)
-    nlb = tl.where(q_len_v > Q_SHORT, (q_len_v + BLOCK_Q - 1) // BLOCK_Q, 0)  # query blocks of long segments
-    ends = tl.cumsum(nlb, 0)
-    before = ends <= pid
-    s, first = tl.reduce((before.to(tl.int32), tl.where(before, ends, 0)), 0, _locate_combine)
-    if s >= S:
+    n = S if TABLE_CHUNK == S_POW2 else tl.minimum(tl.load(live), S)  # rows read: the table's, or its live ones
+    s, first, base = n * 0, n * 0, n * 0
+    for c0 in range(0, n, TABLE_CHUNK):  # the whole table at once, or its live rows a chunk at a time
+        idx = c0 + tl.arange(0, TABLE_CHUNK)
+        q_len_v = tl.load(info + idx * 4 + 1, mask=idx < n, other=0)
+        nlb = tl.where(q_len_v > Q_SHORT, (q_len_v + BLOCK_Q - 1) // BLOCK_Q, 0)  # query blocks of long segments
+        ends = base + tl.cumsum(nlb, 0)
+        before = ends <= pid
+        c_s, c_first = tl.reduce((before.to(tl.int32), tl.where(before, ends, 0)), 0, _locate_combine)
+        s, first, base = s + c_s, tl.maximum(first, c_first), base + tl.sum(nlb, 0)
+    if s >= n:
         return  # past the last long query block
     q_start = tl.load(info + s * 4)
     q_len = tl.load(info + s * 4 + 1)
