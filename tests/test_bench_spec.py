@@ -15,13 +15,15 @@ ARGS = ["--preset", "sensenova-u1-tiny", "--device", "cpu", "--dtype", "bfloat16
 
 
 @pytest.fixture
-def few_rows_round_apart(monkeypatch):
+def few_rows_round_apart(monkeypatch, request):
     """`linear` at up to GEMV_MAX_ROWS rows as the CUDA dispatch sends it to the few-row kernel,
     emulated: float32 accumulation rounded to bf16 (the kernel's), each output then moved by one
-    bf16 rounding step (x (1 +- 2^-8)), so the two paths surely differ. (The Triton interpreter's
-    bf16 dots are wrong, so the kernel itself cannot run here in bf16.)"""
+    bf16 rounding step (x (1 +- 2^-8); an indirect parameter sets another step), so the two paths
+    surely differ. (The Triton interpreter's bf16 dots are wrong, so the kernel itself cannot run
+    here in bf16.)"""
     import batchkv.models.sensenova as sensenova
 
+    step = getattr(request, "param", 2.0**-8)
     gen = torch.Generator().manual_seed(0)
 
     def few_rows(x, w, *, silu_mul=False, out_dtype=None):
@@ -30,7 +32,7 @@ def few_rows_round_apart(monkeypatch):
         if x.shape[0] > GEMV_MAX_ROWS:
             return linear(x, w, out_dtype=out_dtype)
         y = x.float() @ w.float().T
-        y = (y * (1 + 2.0**-8 * (2 * torch.randint(0, 2, y.shape, generator=gen) - 1))).to(x.dtype)
+        y = (y * (1 + step * (2 * torch.randint(0, 2, y.shape, generator=gen) - 1))).to(x.dtype)
         return y if out_dtype is None else y.to(out_dtype)
 
     monkeypatch.setattr(sensenova, "linear", few_rows)
@@ -50,9 +52,12 @@ def test_the_measured_acceptance_length_is_tau_in_bf16_when_decode_and_verify_ro
     assert adaptive["b1"] < 0.25 * fixed["b1"]  # nothing is accepted at tau 1: drafting mostly stops
 
 
+@pytest.mark.parametrize("few_rows_round_apart", [2.0**-6], indirect=True)
 def test_without_predictable_weights_the_control_does_not_hold(few_rows_round_apart):
     """The failure of the 2026-11-30 run, reproduced: the random target's near-ties flip between
-    the two paths, so verify leaves the recorded continuation."""
+    the two paths, so verify leaves the recorded continuation. The outputs move by four rounding
+    steps here: the random target's top two logits are rarely within one step of each other (the
+    CPU build of torch 2.13 on 2026-12-06 drew no flip in 57 tokens, and accepted every draft)."""
     args = bench_spec.parser().parse_args([*ARGS, "--batches", "1", "--taus", "7", "--fixed-taus", "", "--raw-target"])
     result = bench_spec.measure(args)
     assert result["spec"][0]["accept_len_mean"] < 6
