@@ -123,39 +123,30 @@ def _cover(q_start_v, q_len_v, writes_v, T):
 
 
 @triton.jit
-def _plan_totals(info, n, T, rows, window, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
-                 Q_SHORT: tl.constexpr, LONG: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
-    """(key blocks on the work axis, rows written, first written row, past the last) of the table's rows
-    [0, n), CHUNK rows at a time: what the whole-table plan reduces from its columns."""
-    zero = n * 0
-    W, written, lo, hi = zero.to(tl.int64), zero, zero + T, zero
-    for c0 in range(0, n, CHUNK):
-        _idx, q_start_v, q_len_v, _cols, kv_end_v = load_table(info, n, CHUNK, c0)
-        _lo, nblk, nq_v = _items(q_len_v, kv_end_v, rows, window, CAUSAL, BLOCK_N, BLOCK_Q, Q_SHORT)
-        W += tl.sum((nq_v * nblk).to(tl.int64), 0)
-        c_written, c_lo, c_hi = _cover(q_start_v, q_len_v, _writes(q_len_v, nq_v, LONG, Q_SHORT), T)
-        written, lo, hi = written + c_written, tl.minimum(lo, c_lo), tl.maximum(hi, c_hi)
-    return W, written, lo, hi
-
-
-@triton.jit
-def _plan_locate(info, n, x, rows, window, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
-                 Q_SHORT: tl.constexpr, CHUNK: tl.constexpr):  # fmt: skip
-    """(segment, its first key block, its first item) of work-axis block x over the table's rows [0, n), CHUNK
-    rows at a time: the whole-table plan's scan and reduction, each chunk's sums carried into the next."""
-    s = n * 0
-    w_start, it_start, w_base, it_base = s.to(tl.int64), s.to(tl.int64), s.to(tl.int64), s.to(tl.int64)
-    for c0 in range(0, n, CHUNK):
-        _idx, _q_start_v, q_len_v, _cols, kv_end_v = load_table(info, n, CHUNK, c0)
-        _lo, nblk, nq_v = _items(q_len_v, kv_end_v, rows, window, CAUSAL, BLOCK_N, BLOCK_Q, Q_SHORT)
-        packed = tl.cumsum((nq_v.to(tl.int64) << ITEM_SHIFT) | (nq_v * nblk).to(tl.int64), 0)
-        w_end, item_end = w_base + (packed & LOW_MASK), it_base + (packed >> ITEM_SHIFT)
-        before = w_end <= x
-        c_s, c_w, c_it = tl.reduce((before.to(tl.int32), tl.where(before, w_end, 0),
-                                    tl.where(before, item_end, 0)), 0, _locate_combine)  # fmt: skip
-        s, w_start, it_start = s + c_s, tl.maximum(w_start, c_w), tl.maximum(it_start, c_it)
-        w_base, it_base = w_base + tl.sum((nq_v * nblk).to(tl.int64), 0), it_base + tl.sum(nq_v.to(tl.int64), 0)
-    return s, w_start, it_start
+def _plan(info, n, p, P, T, rows, window, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Q: tl.constexpr,
+          Q_SHORT: tl.constexpr, LONG: tl.constexpr, MIN_BLOCKS: tl.constexpr, AXIS64: tl.constexpr,
+          ROWS: tl.constexpr):  # fmt: skip
+    """Program p's plan from the table's rows [0, n) (n <= ROWS, a power of two), read by one [ROWS, 4]
+    load: the work axis's W key blocks, the P_eff programs that share them, p's blocks [x, b1), block x's
+    segment s with that segment's first block and first item, and the written rows (count, first, end)."""
+    _idx, q_start_v, q_len_v, _cols, kv_end_v = load_table(info, n, ROWS)
+    _lo, nblk, nq_v = _items(q_len_v, kv_end_v, rows, window, CAUSAL, BLOCK_N, BLOCK_Q, Q_SHORT)
+    packed = tl.cumsum((nq_v.to(tl.int64) << ITEM_SHIFT) | (nq_v * nblk).to(tl.int64), 0)
+    w_end = packed & LOW_MASK  # inclusive cumsum of key blocks
+    item_end = packed >> ITEM_SHIFT  # inclusive cumsum of items
+    W = tl.max(w_end, 0)
+    if not AXIS64:  # the launcher's bound says W * P < 2^31: 32-bit divisions (64-bit ones are calls)
+        W = W.to(tl.int32)
+        w_end = w_end.to(tl.int32)
+        item_end = item_end.to(tl.int32)
+    P_eff = tl.maximum(tl.minimum(W // MIN_BLOCKS, P), 1)  # each program gets >= MIN_BLOCKS blocks
+    x = (p * W) // P_eff
+    b1 = tl.where(p < P_eff, ((p + 1) * W) // P_eff, x)
+    before = w_end <= x  # segments wholly before block x
+    s, w_start, it_start = tl.reduce((before.to(tl.int32), tl.where(before, w_end, 0),
+                                      tl.where(before, item_end, 0)), 0, _locate_combine)  # fmt: skip
+    written, lo, hi = _cover(q_start_v, q_len_v, _writes(q_len_v, nq_v, LONG, Q_SHORT), T)
+    return W, P_eff, x, b1, s, w_start, it_start, written, lo, hi
 
 
 @triton.jit
@@ -220,39 +211,23 @@ def split_kernel(q, k_store, v_store, k_scale, v_scale, info, live, out, o_part,
     p = tl.program_id(1)
     h0 = hp * HEADS
     num_kv_heads = tl.num_programs(0) * HEADS
-    if TABLE_CHUNK == S_POW2:  # the whole table in registers: one load, one scan
-        n = S
-        _idx, q_start_v, q_len_v, _cols, kv_end_v = load_table(info, S, S_POW2)
-        _lo, nblk, nq_v = _items(q_len_v, kv_end_v, rows, window, CAUSAL, BLOCK_N, BLOCK_Q, Q_SHORT)
-        packed = tl.cumsum((nq_v.to(tl.int64) << ITEM_SHIFT) | (nq_v * nblk).to(tl.int64), 0)
-        w_end = packed & LOW_MASK  # inclusive cumsum of key blocks
-        item_end = packed >> ITEM_SHIFT  # inclusive cumsum of items
-        W = tl.max(w_end, 0)
-        written, lo, hi = _cover(q_start_v, q_len_v, _writes(q_len_v, nq_v, LONG, Q_SHORT), T)
-    else:  # the live rows only, a chunk at a time
-        n = tl.minimum(tl.load(live), S)
-        W, written, lo, hi = _plan_totals(info, n, T, rows, window, CAUSAL, BLOCK_N, BLOCK_Q, Q_SHORT, LONG,
-                                          TABLE_CHUNK)  # fmt: skip
-    if not AXIS64:  # the launcher's bound says W * P < 2^31: 32-bit divisions (64-bit ones are calls)
-        W = W.to(tl.int32)
-    P_eff = tl.maximum(tl.minimum(W // MIN_BLOCKS, P), 1)  # each program gets >= MIN_BLOCKS blocks
-    x = (p * W) // P_eff  # this program's key blocks [x, b1) of the work axis
-    b1 = tl.where(p < P_eff, ((p + 1) * W) // P_eff, x)
     # block x's segment s, its first block and first item, found once in the table; then followed row by row
-    # (the table's columns die here: the loop below keeps scalars, not S_POW2-long vectors, in registers)
-    if TABLE_CHUNK == S_POW2:
-        if not AXIS64:
-            w_end = w_end.to(tl.int32)
-            item_end = item_end.to(tl.int32)
-        before = w_end <= x  # segments wholly before block x
-        s, w_start, it_start = tl.reduce((before.to(tl.int32), tl.where(before, w_end, 0),
-                                          tl.where(before, item_end, 0)), 0, _locate_combine)  # fmt: skip
-    else:
-        s, w_start, it_start = _plan_locate(info, n, x, rows, window, CAUSAL, BLOCK_N, BLOCK_Q, Q_SHORT,
-                                            TABLE_CHUNK)  # fmt: skip
-        if not AXIS64:
-            w_start = w_start.to(tl.int32)
-            it_start = it_start.to(tl.int32)
+    # (the table's columns die in `_plan`: the loop below keeps scalars, not long vectors, in registers)
+    n = S  # rows read: the table's, or its live ones
+    if TABLE_CHUNK == S_POW2:  # the whole table
+        W, P_eff, x, b1, s, w_start, it_start, written, lo, hi = _plan(
+            info, S, p, P, T, rows, window, CAUSAL, BLOCK_N, BLOCK_Q, Q_SHORT, LONG, MIN_BLOCKS, AXIS64, S_POW2
+        )
+    else:  # its live rows: as a TABLE_CHUNK-row table when they fit, else as the whole table's
+        n = tl.minimum(tl.load(live), S)
+        if n <= TABLE_CHUNK:
+            W, P_eff, x, b1, s, w_start, it_start, written, lo, hi = _plan(
+                info, n, p, P, T, rows, window, CAUSAL, BLOCK_N, BLOCK_Q, Q_SHORT, LONG, MIN_BLOCKS, AXIS64,
+                TABLE_CHUNK)  # fmt: skip
+        else:
+            W, P_eff, x, b1, s, w_start, it_start, written, lo, hi = _plan(
+                info, n, p, P, T, rows, window, CAUSAL, BLOCK_N, BLOCK_Q, Q_SHORT, LONG, MIN_BLOCKS, AXIS64, S_POW2
+            )
     # launched early (GDC): the plan above reads only the table, which no grid of the step writes; from here
     # on (q, the K/V the write before stored, `out`, the workspace) the grids before have finished
     pdl_enter(GDC)

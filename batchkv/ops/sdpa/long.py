@@ -159,6 +159,18 @@ def _attend_range(q_tile, k_base, v_base, ks_base, vs_base, stride_r, stride_sr,
 
 
 @triton.jit
+def _locate_block(info, n, pid, BLOCK_Q: tl.constexpr, Q_SHORT: tl.constexpr, ROWS: tl.constexpr):
+    """(segment, its first long query block) of long query block `pid`, over the table's rows [0, n) read as
+    one [ROWS] vector (n <= ROWS); a segment index >= n when pid is past the last one."""
+    idx = tl.arange(0, ROWS)
+    q_len_v = tl.load(info + idx * 4 + 1, mask=idx < n, other=0)
+    nlb = tl.where(q_len_v > Q_SHORT, (q_len_v + BLOCK_Q - 1) // BLOCK_Q, 0)  # query blocks of long segments
+    ends = tl.cumsum(nlb, 0)
+    before = ends <= pid
+    return tl.reduce((before.to(tl.int32), tl.where(before, ends, 0)), 0, _locate_combine)
+
+
+@triton.jit
 def long_kernel(q, k_store, v_store, k_scale, v_scale, info, live, out, k_desc, v_desc, S, T, rows, window, qk_scale,
                 num_kv_heads,
                 stride_qt, stride_qh, stride_r, stride_c, stride_h, stride_sr, stride_sc, stride_sh, stride_ot,
@@ -175,16 +187,15 @@ def long_kernel(q, k_store, v_store, k_scale, v_scale, info, live, out, k_desc, 
         stride_vh = stride_h
     pid = tl.program_id(0) // num_kv_heads
     h = tl.program_id(0) % num_kv_heads
-    n = S if TABLE_CHUNK == S_POW2 else tl.minimum(tl.load(live), S)  # rows read: the table's, or its live ones
-    s, first, base = n * 0, n * 0, n * 0
-    for c0 in range(0, n, TABLE_CHUNK):  # the whole table at once, or its live rows a chunk at a time
-        idx = c0 + tl.arange(0, TABLE_CHUNK)
-        q_len_v = tl.load(info + idx * 4 + 1, mask=idx < n, other=0)
-        nlb = tl.where(q_len_v > Q_SHORT, (q_len_v + BLOCK_Q - 1) // BLOCK_Q, 0)  # query blocks of long segments
-        ends = base + tl.cumsum(nlb, 0)
-        before = ends <= pid
-        c_s, c_first = tl.reduce((before.to(tl.int32), tl.where(before, ends, 0)), 0, _locate_combine)
-        s, first, base = s + c_s, tl.maximum(first, c_first), base + tl.sum(nlb, 0)
+    n = S  # rows read: the table's, or its live ones (as a TABLE_CHUNK-row table when they fit)
+    if TABLE_CHUNK == S_POW2:
+        s, first = _locate_block(info, S, pid, BLOCK_Q, Q_SHORT, S_POW2)
+    else:
+        n = tl.minimum(tl.load(live), S)
+        if n <= TABLE_CHUNK:
+            s, first = _locate_block(info, n, pid, BLOCK_Q, Q_SHORT, TABLE_CHUNK)
+        else:
+            s, first = _locate_block(info, n, pid, BLOCK_Q, Q_SHORT, S_POW2)
     if s >= n:
         return  # past the last long query block
     q_start = tl.load(info + s * 4)
