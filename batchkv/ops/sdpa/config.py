@@ -59,10 +59,10 @@ class SdpaConfig:
     it reads q or K/V or writes, so launch latency and the plan overlap work (the K/V write, the partials).
     fuse_write: a split_merge step given `write` rows stores them in its partials kernel (each
     program writes its head's rows, then reads) instead of a `kv_write` launch first.
-    table_chunk: table rows a split or long program plans over at once when the call names its live rows
-    (`sdpa_varlen(live=)`) and the table is longer: the plan reads only the rows before `live`, in
-    chunks, instead of the whole table in registers (a power of two >= 16; 0, the default until a GPU
-    has timed both: the whole table).
+    table_chunk: when the call names its live rows (`sdpa_varlen(live=)`) and the table is longer than
+    this, the split and long kernels plan over the live rows alone: as a table_chunk-row table when they
+    fit, else in the whole table's shape masked at their count (a power of two >= 16; 0, the default
+    until a GPU has timed it: the whole table, bench/results/live-table-h100.json).
     narrow: the config of steps of at most narrow_width packed tokens, or over a table of at most
     narrow_segments rows (T and S are static shapes, so a captured graph keeps one config), e.g. a
     few-row variant for one decoding sequence beside the batch config; None: this one.

@@ -45,10 +45,11 @@ Only interior key blocks (every row of the tile attends every key) skip the mask
 derived on the device from one [S, 4] table load, one int64 scan and one reduction per program
 (its first block's segment); from there a program follows the table row by row, so no
 S-long vector stays in registers through the tile loop. Given the count of live rows (TABLE_CHUNK <
-S_POW2: `sdpa_varlen(live=)`, a table longer than the chunk) the plan reads only those, TABLE_CHUNK rows at a
-time, in two passes (the totals, then the first block's segment): a mixed step's table is as long as
-its width allows, its live rows as many as its sequences. No length reaches the host. The kernel
-trusts the table's contents but never writes outside `out` and its workspace, whatever they hold.
+S_POW2: `sdpa_varlen(live=)`, a table longer than the chunk) the plan reads only those: as a
+TABLE_CHUNK-row table when they fit, else in the whole table's shape masked at the count, still one
+load (a mixed step's table is as long as its width allows, its live rows as many as its sequences). No
+length reaches the host. The kernel trusts the table's contents but never writes outside `out` and its
+workspace, whatever they hold.
 """
 
 from __future__ import annotations
