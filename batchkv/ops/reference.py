@@ -161,8 +161,9 @@ def sdpa_varlen_reference(
 def _live_rows(seq_info: torch.Tensor, live: torch.Tensor | None, max_q_len: int | None) -> list[list[int]]:
     """The table's rows with queries (a table sized by max_seqs is mostly empty rows); a ContractError when
     one sits at or past `live` (the rows the Triton path reads) or is longer than `max_q_len`."""
-    if live is not None and bool((seq_info[int(live.reshape(-1)[0]) :, 1] > 0).any()):
-        raise ContractError(f"sdpa_varlen_reference: a segment at or past row live={int(live.reshape(-1)[0])}")
+    first_dead = seq_info.shape[0] if live is None else int(live.reshape(-1)[0])
+    if bool((seq_info[first_dead:, 1] > 0).any()):
+        raise ContractError(f"sdpa_varlen_reference: a segment at or past row live={first_dead}")
     rows = seq_info[seq_info[:, 1] > 0].tolist()
     if max_q_len is not None and any(row[1] > max_q_len for row in rows):
         longest = max(row[1] for row in rows)

@@ -46,8 +46,8 @@ derived on the device from one [S, 4] table load, one int64 scan and one reducti
 (its first block's segment); from there a program follows the table row by row, so no
 S-long vector stays in registers through the tile loop. Given the count of live rows (TABLE_CHUNK <
 S_POW2: `sdpa_varlen(live=)`, a table longer than the chunk) the plan reads only those: as a
-TABLE_CHUNK-row table when they fit, else in the whole table's shape masked at the count, still one
-load (a mixed step's table is as long as its width allows, its live rows as many as its sequences). No
+TABLE_CHUNK-row table when they fit, else in the whole table's shape masked at the count, one table
+load after the count's (a mixed step's table is as long as its width allows, its live rows as many as its sequences). No
 length reaches the host. The kernel trusts the table's contents but never writes outside `out` and its
 workspace, whatever they hold.
 """

@@ -29,7 +29,7 @@ a call with neither compiles and runs the kernels it did before.
 `live` (int32 [1] on q's device, or None: every row read): the rows of `seq_info` from live[0] on are
 empty and not read. A captured graph's table is as long as its width allows (2,048 rows at an 8,192-token
 step under max_seqs 1,024) while its step has a few hundred segments; with `live` the split and long
-kernels plan over the live rows, as a `SdpaConfig.table_chunk`-row table when they fit, in one load.
+kernels plan over the live rows, as a `SdpaConfig.table_chunk`-row table when they fit (one table load).
 `write` = (k, v, slots) first stores the step's K/V rows as `kv_write` does (its own launch, or,
 with `SdpaConfig.fuse_write` on a split_merge step, inside the partials kernel).
 One program serves `heads` KV heads and their whole query groups, so K/V are read once per group
