@@ -61,8 +61,9 @@ class SdpaConfig:
     program writes its head's rows, then reads) instead of a `kv_write` launch first.
     table_chunk: when the call names its live rows (`sdpa_varlen(live=)`) and the table is longer than
     this, the split and long kernels plan over the live rows alone: as a table_chunk-row table when they
-    fit, else in the whole table's shape masked at their count (a power of two >= 16; 0, the default
-    until a GPU has timed it: the whole table, bench/results/live-table-h100.json).
+    fit, else in the whole table's shape masked at their count (a power of two >= 16; 0, the default:
+    the whole table. On an H100 the plan served 1.008x but its kernels ran 10-15% slower on mixed
+    tables, bench/results/live-oneload-h100.json).
     narrow: the config of steps of at most narrow_width packed tokens, or over a table of at most
     narrow_segments rows (T and S are static shapes, so a captured graph keeps one config), e.g. a
     few-row variant for one decoding sequence beside the batch config; None: this one.
