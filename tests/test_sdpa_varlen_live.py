@@ -1,5 +1,6 @@
-"""sdpa_varlen(live=): the kernels plan over the table's live rows only, a chunk at a time, and attend
-exactly as over the whole table; under the interpreter on CPU, stores poisoned with NaN.
+"""sdpa_varlen(live=): the kernels plan over the table's live rows only (as a table_chunk-row table when
+they fit, else in the whole table's shape masked at the count) and attend exactly as over the whole
+table; under the interpreter on CPU, stores poisoned with NaN.
 
 A captured graph's table is as long as its width allows (a mixed step of 4,352 tokens: 2,048 rows under
 max_seqs 1,024) while its step has a few hundred segments; `live` names how many rows lead the table.
@@ -20,7 +21,7 @@ from batchkv.ops.sdpa import launch
 from batchkv.ops.sdpa.launch import SdpaConfig, _counters, sdpa_varlen
 from tests.test_sdpa_varlen import DEVICE, make_case
 
-CHUNKED = SdpaConfig(table_chunk=16, block_m_long=32)  # tables of more than 16 rows plan in chunks of 16
+CHUNKED = SdpaConfig(table_chunk=16, block_m_long=32)  # tables of more than 16 rows plan over their live rows
 WHOLE = dataclasses.replace(CHUNKED, table_chunk=0)  # the whole table in registers, live or not
 
 
@@ -55,9 +56,9 @@ def attend(q, k, v, info, **kwargs) -> torch.Tensor:
 @pytest.mark.parametrize(("segments", "gap", "shuffle"), [(15, 0, False), (16, 0, False), (17, 0, False),
                                                           (35, 2, False), (30, 0, True)])  # fmt: skip
 def test_a_chunked_plan_attends_exactly_as_the_whole_table(segments, gap, shuffle):
-    # 15-17 segments: one chunk, one full chunk, a chunk and one row; gap 2: rows between segments stay
-    # uncovered, so the zeroing tests each row against every live segment, chunk by chunk; shuffle: the
-    # table's rows out of token order (the written run's ends come from any chunk)
+    # 15-17 segments: a 16-row table part full, full, and one row past it (the whole table's shape, masked
+    # at the count); gap 2: rows between segments stay uncovered, so the zeroing tests each row against
+    # every live segment, chunk by chunk; shuffle: the table's rows out of token order
     (q, k, v), info = make_case(mixed(segments), rows=100, group=3, kv_heads=2, head_dim=16, gap=gap, pad=3,
                                 shuffle=shuffle)  # fmt: skip
     table = padded(info, 80)  # S_POW2 128: past the chunk, so `live` takes the chunked plan
@@ -127,7 +128,7 @@ def test_the_cache_stages_its_segments_as_the_live_count_and_attends_as_the_refe
     ids = [[c.seq_new() for _ in range(20)] for c in caches]
     steps = [  # (packed sequence indexes, width): prompts, then a mixed step (a chunk beside 19 decodes), decode
         ([i for i in range(20) for _ in range(2)], 48),
-        ([0] * 20 + list(range(1, 20)), 48),  # 20 segments: the table's 48 rows plan in chunks of 16
+        ([0] * 20 + list(range(1, 20)), 48),  # 20 segments: past 16 live rows, the masked whole-table plan
         (list(range(20)), 24),
     ]
     for packed, width in steps:

@@ -47,9 +47,9 @@ derived on the device from one [S, 4] table load, one int64 scan and one reducti
 S-long vector stays in registers through the tile loop. Given the count of live rows (TABLE_CHUNK <
 S_POW2: `sdpa_varlen(live=)`, a table longer than the chunk) the plan reads only those: as a
 TABLE_CHUNK-row table when they fit, else in the whole table's shape masked at the count, one table
-load after the count's (a mixed step's table is as long as its width allows, its live rows as many as its sequences). No
-length reaches the host. The kernel trusts the table's contents but never writes outside `out` and its
-workspace, whatever they hold.
+load after the count's (a mixed step's table is as long as its width allows, its live rows as many
+as its sequences). No length reaches the host. The kernel trusts the table's contents but never
+writes outside `out` and its workspace, whatever they hold.
 """
 
 from __future__ import annotations

@@ -270,7 +270,7 @@ def _launch(q, k_store, v_store, k_scale, v_scale, seq_info, out, cfg: SdpaConfi
     num_segments, columns, num_kv_heads, value_dim = seq_info.shape[0], *k_store.shape[1:3], v_store.shape[3]
     group = num_q_heads // num_kv_heads
     s_pow2 = max(16, triton.next_power_of_2(num_segments))
-    chunked = live is not None and 0 < cfg.table_chunk < s_pow2  # the plans read the live rows, chunk by chunk
+    chunked = live is not None and 0 < cfg.table_chunk < s_pow2  # the plans read the live rows only
     qk_scale = (1.0 / math.sqrt(head_dim) if scale is None else float(scale)) * LOG2E
     dots = q.dtype if quant else k_store.dtype  # the dtype tl.dot runs in
     cvt_asm = quant and e4m3_cvt_asm(q.device)  # e4m3 codes converted by inline PTX (NVIDIA sm_89+)
